@@ -1,0 +1,37 @@
+"""Held-out loss: token-weighted over the whole split (or the first `max_batches`), all ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.data import collate, count_targets, token_loss_sum
+from engine.distributed import Dist, all_reduce_sum
+
+
+@torch.no_grad()
+def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | None = None,
+                  max_batches: int | None = None, autocast_dtype: torch.dtype | None = None) -> dict:
+    """Mean next-token loss and perplexity; rank r takes batches r, r+world, ..."""
+    rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
+    device = dist.device if dist else torch.device("cpu")
+    was_training = model.training
+    model.eval()
+    starts = list(range(0, len(dataset), batch_size))
+    if max_batches:
+        starts = starts[:max_batches]
+    loss_sum, tokens = 0.0, 0
+    for start in starts[rank::world]:
+        rows = dataset[start : start + batch_size]
+        batch = collate([dict(zip(rows, v)) for v in zip(*rows.values())], pad_id)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss_sum += float(token_loss_sum(logits, batch["labels"]))
+        tokens += count_targets(batch)
+    if dist:
+        loss_sum, tokens = all_reduce_sum(loss_sum, dist), int(all_reduce_sum(tokens, dist))
+    model.train(was_training)
+    loss = loss_sum / max(tokens, 1)
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}

@@ -1,0 +1,167 @@
+"""Model, tokenizer and adapter loading: the only place `from_pretrained` is called.
+
+A model reference is a local folder when it exists under the project root (or is written as a
+path), otherwise a hub id. Hub failures are turned into one line that explains HF_HUB_OFFLINE
+and what to do, instead of a 40-line traceback from huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config.schema import ModelConfig, PeftSection
+from finetune.errors import PipelineError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_ref(name: str, root: Path) -> str:
+    local = Path(name).expanduser()
+    local = local if local.is_absolute() else root / local
+    if local.exists():
+        return str(local)
+    if name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name:
+        raise PipelineError(f"model.name_or_path: local folder {local} not found")
+    return name
+
+
+def _hub_error(ref: str, exc: Exception) -> PipelineError:
+    offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    why = (
+        "HF_HUB_OFFLINE is set and it is not in the local cache"
+        if offline
+        else f"the Hugging Face Hub could not be reached or has no such repo ({type(exc).__name__})"
+    )
+    return PipelineError(
+        f"model.name_or_path '{ref}': cannot load: {why}; with network access unset "
+        "HF_HUB_OFFLINE, or point model.name_or_path at a local folder"
+    )
+
+
+def _from_pretrained(factory: Any, ref: str, cfg: ModelConfig, **kwargs: Any) -> Any:
+    try:
+        return factory.from_pretrained(
+            ref, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **kwargs
+        )
+    except OSError as exc:
+        if Path(ref).exists():
+            raise PipelineError(f"model.name_or_path {ref}: cannot load ({exc})") from exc
+        raise _hub_error(ref, exc) from exc
+
+
+def load_tokenizer(cfg: ModelConfig, root: Path):
+    from transformers import AutoTokenizer
+
+    tok = _from_pretrained(AutoTokenizer, resolve_model_ref(cfg.name_or_path, root), cfg)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model_config(cfg: ModelConfig, root: Path):
+    from transformers import AutoConfig
+
+    return _from_pretrained(AutoConfig, resolve_model_ref(cfg.name_or_path, root), cfg)
+
+
+def max_positions(cfg: ModelConfig, root: Path) -> int | None:
+    mc = load_model_config(cfg, root)
+    return getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
+
+
+def _quantization(cfg: ModelConfig) -> dict[str, Any]:
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        return {}
+    key = "model.load_in_4bit" if cfg.load_in_4bit else "model.load_in_8bit"
+    if not torch.cuda.is_available():
+        raise PipelineError(
+            f"{key}: bitsandbytes quantised loading needs a CUDA GPU and none is visible; "
+            f"set {key}: false to train in {cfg.dtype} on this machine"
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise PipelineError(f"{key}: needs bitsandbytes; pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    compute = DTYPES.get(cfg.dtype, torch.bfloat16)
+    return {
+        "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=cfg.load_in_4bit,
+            load_in_8bit=cfg.load_in_8bit,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=compute,
+            bnb_4bit_use_double_quant=True,
+        )
+    }
+
+
+def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None):
+    """The base model as configured (dtype, attention kernel, quantisation)."""
+    import transformers
+
+    factory = getattr(transformers, cfg.auto_class_name)
+    kwargs: dict[str, Any] = {"attn_implementation": cfg.attn_implementation}
+    if cfg.dtype != "auto":
+        kwargs["dtype"] = DTYPES[cfg.dtype]
+    if cfg.device_map:
+        kwargs["device_map"] = cfg.device_map
+    kwargs.update(_quantization(cfg))
+    model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg, **kwargs)
+    model.config.use_cache = cfg.use_cache
+    if kwargs.get("quantization_config") is not None:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model)
+    return model
+
+
+def peft_config(cfg: PeftSection):
+    from peft import IA3Config, LoraConfig
+
+    if cfg.peft_type == "IA3":
+        return IA3Config(
+            target_modules=cfg.target_modules,
+            feedforward_modules=cfg.feedforward_modules or [],
+            task_type=cfg.task_type,
+        )
+    return LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        bias=cfg.bias,
+        task_type=cfg.task_type,
+    )
+
+
+def apply_peft(model, cfg: PeftSection):
+    """Wrap with an adapter (or leave for full fine-tuning)."""
+    if not cfg.use_peft:
+        return model
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, peft_config(cfg))
+    except ValueError as exc:
+        raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
+
+
+def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_dir: Path):
+    """The fine-tuned model from the train stage's output (adapter on base, or full weights)."""
+    if peft_cfg.use_peft:
+        from peft import PeftModel
+
+        base = load_base_model(cfg, root)
+        return PeftModel.from_pretrained(base, str(trained_dir))
+    return load_base_model(cfg, root, ref=str(trained_dir))
+
+
+def count_parameters(model) -> tuple[int, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total

@@ -1,0 +1,160 @@
+"""`finetune` console script: run a stage, the whole pipeline, validate or print a config.
+
+    finetune stage train [-p params/default.yaml] [-s training.max_steps=10]
+    finetune run                  # dvc repro + summary
+    finetune validate -p params/x.yaml
+    finetune config -s optimizer.learning_rate=3e-4
+    finetune summary
+
+Errors print as one line (`error: ...`) with exit code 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from finetune.errors import PipelineError
+from finetune.workspace import DEFAULT_PARAMS, Workspace
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-p", "--params", default=DEFAULT_PARAMS, help="params file (YAML)")
+    p.add_argument("-s", "--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tasks import STAGES
+
+    parser = argparse.ArgumentParser(prog="finetune", description=__doc__.split("\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)")
+    st.add_argument("name", choices=STAGES)
+    _common(st)
+    run = sub.add_parser("run", help="run the whole pipeline with dvc repro, then summarise")
+    _common(run)
+    run.add_argument("--force", action="store_true", help="rerun every stage")
+    for name, text in (("validate", "check a params file"), ("config", "print the resolved config")):
+        _common(sub.add_parser(name, help=text))
+    _common(sub.add_parser("summary", help="print the last run's results"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_env()
+    try:
+        return COMMANDS[args.command](args)
+    except PipelineError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug, not bad input: say so, and how to see more
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"error: internal error {type(exc).__name__}: {exc} (rerun with --debug)",
+                  file=sys.stderr)
+        return 1
+
+
+def _quiet_env() -> None:
+    for key, value in (("DO_NOT_TRACK", "true"), ("MLFLOW_DISABLE_TELEMETRY", "true"),
+                       ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
+
+
+def cmd_stage(args) -> int:
+    from tasks import stage_function
+
+    ws = Workspace.load(args.params, args.overrides)
+    started = time.perf_counter()
+    outputs = stage_function(args.name)(ws)
+    shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())
+    print(f"[{args.name}] done in {time.perf_counter() - started:.1f}s: {shown}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    ws = Workspace.load(args.params, args.overrides)
+    print(f"ok: {ws.params_path} is valid")
+    return 0
+
+
+def cmd_config(args) -> int:
+    import yaml
+
+    ws = Workspace.load(args.params, args.overrides)
+    print(yaml.safe_dump(ws.config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def dvc_command() -> list[str]:
+    exe = Path(sys.executable).with_name("dvc")
+    return [str(exe)] if exe.exists() else [shutil.which("dvc") or "dvc"]
+
+
+def cmd_run(args) -> int:
+    ws = Workspace.load(args.params, args.overrides)
+    if args.overrides or ws.params_path.resolve() != (ws.root / DEFAULT_PARAMS).resolve():
+        raise PipelineError(
+            f"finetune run reproduces {DEFAULT_PARAMS} (what dvc.yaml tracks); edit it, or run "
+            "single stages with 'finetune stage NAME -p FILE -s KEY=VALUE'"
+        )
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    started = time.perf_counter()
+    cmd = dvc_command() + ["repro"] + (["--force"] if args.force else [])
+    proc = subprocess.run(cmd, cwd=ws.root, env=env)
+    if proc.returncode != 0:
+        raise PipelineError(f"dvc repro failed (exit {proc.returncode}); the failing stage's "
+                            "error is printed above")
+    print(f"\npipeline finished in {time.perf_counter() - started:.1f}s\n")
+    return cmd_summary(args)
+
+
+def cmd_summary(args) -> int:
+    ws = Workspace.load(args.params, [])
+    from tasks.tracking import run_id_of
+
+    ev_file = ws.layout.metrics / "eval.json"
+    if not ev_file.exists():
+        raise PipelineError(f"{ev_file} missing: run the pipeline first (finetune run)")
+    ev = json.loads(ev_file.read_text())
+    base, tuned = ev["base"], ev["finetuned"]
+    print("| model | eval loss | perplexity |\n|---|---|---|")
+    print(f"| base | {base['loss']:.4f} | {base['perplexity']:.2f} |")
+    print(f"| fine-tuned | {tuned['loss']:.4f} | {tuned['perplexity']:.2f} |")
+    verdict = "improved" if tuned["loss"] < base["loss"] else "did NOT improve"
+    print(f"\nfine-tuning {verdict} eval loss by {base['loss'] - tuned['loss']:+.4f}")
+    print(f"exported model: {_rel(ws.layout.export, ws.root)} "
+          "(AutoModelForCausalLM.from_pretrained)")
+    print(f"MLflow run: {run_id_of(ws)} in {ws.mlflow_uri()}")
+    print(f"curves: dvc plots show  |  mlflow ui --backend-store-uri {ws.mlflow_uri()}")
+    return 0
+
+
+def _rel(path, root: Path) -> str:
+    try:
+        return str(Path(path).relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+COMMANDS = {"stage": cmd_stage, "run": cmd_run, "validate": cmd_validate, "config": cmd_config,
+            "summary": cmd_summary}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Read a params file, apply `-s section.key=value` overrides, validate, explain errors.
+
+Every failure becomes a `PipelineError` with one line: the file, the dotted key, what is wrong and
+(for unknown keys) the closest valid name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from finetune.config.schema import FinetuneConfig
+from finetune.errors import PipelineError
+
+
+def project_root_for(params_path: Path) -> Path:
+    """The folder relative paths in a params file resolve against.
+
+    It is the nearest ancestor of the params file holding `dvc.yaml` or `pyproject.toml`, so a
+    stage launched from any cwd (a Prefect worker, a test) reads and writes the same files.
+    """
+    params_path = params_path.resolve()
+    for folder in params_path.parents:
+        if (folder / "dvc.yaml").exists() or (folder / "pyproject.toml").exists():
+            return folder
+    return params_path.parent
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`section.key=value` -> (dotted key, YAML-parsed value)."""
+    if "=" not in text:
+        raise PipelineError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or "." not in key:
+        raise PipelineError(f"override '{text}': key must be dotted, e.g. training.max_steps=10")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of `raw` with each dotted key set (sections created as needed)."""
+    merged = json.loads(json.dumps(raw))
+    for dotted, value in overrides.items():
+        node = merged
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise PipelineError(f"override '{dotted}': '{part}' is not a section")
+            node = child
+        node[leaf] = value
+    return merged
+
+
+def read_params_file(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise PipelineError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise PipelineError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})")
+    if not isinstance(raw, dict):
+        raise PipelineError(f"{path}: top level must be a mapping of sections")
+    return raw
+
+
+def load_config(
+    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
+) -> FinetuneConfig:
+    """Load and validate a params file; the only way the code gets a config."""
+    path = Path(path)
+    raw = read_params_file(path)
+    if isinstance(overrides, list):
+        overrides = dict(parse_override(o) for o in overrides)
+    raw = apply_overrides(raw, overrides or {})
+    return validate_raw(raw, source=str(path))
+
+
+def validate_raw(raw: dict[str, Any], source: str = "<params>") -> FinetuneConfig:
+    try:
+        return FinetuneConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise PipelineError(f"{source}: {explain(exc.errors()[0])}") from None
+
+
+def explain(error: dict[str, Any]) -> str:
+    """One pydantic error -> 'key: what is wrong (hint)'."""
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-after", "literal"))]
+    key = ".".join(loc) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        parent, name = loc[:-1], loc[-1]
+        valid = _field_names(parent)
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        hint = f" (did you mean '{'.'.join(parent + close)}'?)" if close else ""
+        where = f"in section '{'.'.join(parent)}'" if parent else "at the top level"
+        return f"unknown key '{key}' {where}{hint}"
+    msg = error["msg"].removeprefix("Value error, ")
+    if kind in ("missing",):
+        return f"{key}: required key is missing"
+    got = error.get("input")
+    shown = f" (got {got!r})" if not isinstance(got, dict) and got is not None else ""
+    return f"{key}: {msg}{shown}"
+
+
+def _field_names(loc: list[str]) -> list[str]:
+    model: type[BaseModel] | None = FinetuneConfig
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        ann = field.annotation if field else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return list(model.model_fields) if model else []
+
+
+def config_fingerprint(cfg: FinetuneConfig, sections: tuple[str, ...] | None = None) -> str:
+    """Stable short hash of (some sections of) a config, for lineage and resume checks."""
+    data = cfg.model_dump(mode="json")
+    if sections:
+        data = {k: data[k] for k in sections}
+    blob = json.dumps(data, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

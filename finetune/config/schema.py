@@ -1,0 +1,322 @@
+"""The typed config: the single source of truth for every params file.
+
+Each section mirrors the code that consumes it (litgpt style): `model` feeds model loading,
+`peft` the adapter, `data` the download/format/tokenize stages, `training`/`optimizer`/`scheduler`
+the loop, and so on. Field names follow HF TrainingArguments where the concept overlaps, so a
+user of Trainer/TRL/Axolotl recognises them. Unknown keys are errors (never silently ignored);
+a value that names a feature not built yet is rejected with "not supported yet".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "warmup_stable_decay",
+)
+
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are rejected, assignments re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """What to load and how (`from_pretrained` arguments)."""
+
+    name_or_path: str = Field(
+        "data/models/stories260K",
+        description="Hub model id or local folder (relative paths resolve against the project root).",
+    )
+    auto_class_name: Literal["AutoModelForCausalLM"] = Field(
+        "AutoModelForCausalLM", description="transformers Auto class used to load the model."
+    )
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype the weights are loaded in."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="Attention kernel passed to from_pretrained."
+    )
+    use_cache: bool = Field(False, description="KV cache during training (off: saves memory).")
+    device_map: str | None = Field(None, description="device_map for from_pretrained (e.g. 'cpu').")
+    load_in_4bit: bool = Field(False, description="QLoRA 4-bit loading via bitsandbytes (CUDA only).")
+    load_in_8bit: bool = Field(False, description="8-bit loading via bitsandbytes (CUDA only).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub repo to run.")
+
+    @model_validator(mode="after")
+    def _one_quantisation(self) -> "ModelConfig":
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("load_in_4bit and load_in_8bit are exclusive; set one to false")
+        return self
+
+
+class PeftSection(Section):
+    """Parameter-efficient fine-tuning (peft.LoraConfig / peft.IA3Config names)."""
+
+    use_peft: bool = Field(True, description="Train an adapter; false = full fine-tuning.")
+    peft_type: Literal["LORA", "IA3"] = Field("LORA", description="Adapter kind.")
+    r: int = Field(8, gt=0, description="LoRA rank.")
+    lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator (alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt, or 'all-linear'."
+    )
+    feedforward_modules: list[str] | None = Field(
+        None, description="IA3 only: which target modules are feed-forward layers."
+    )
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases train.")
+    task_type: Literal["CAUSAL_LM"] = Field("CAUSAL_LM", description="peft task type.")
+
+
+class DataConfig(Section):
+    """Where the examples come from and how they become prompt/completion pairs."""
+
+    dataset_name: str | None = Field(None, description="Hub dataset id (datasets.load_dataset).")
+    subset: str | None = Field(None, description="Hub dataset configuration name.")
+    json_file_path: str | None = Field(
+        "data/source/gsm8k/train.jsonl",
+        description="Local json/jsonl/csv/parquet file used as the train split.",
+    )
+    data_files: dict[str, str] | None = Field(
+        None, description="Local files per split, e.g. {train: a.jsonl, test: b.jsonl}."
+    )
+    train_split: str = Field("train", description="Name of the training split.")
+    test_split: str | None = Field("test", description="Name of the evaluation split.")
+    split_ratio: float = Field(
+        0.1, gt=0, lt=1, description="Test fraction carved from train when no test split exists."
+    )
+    prompt_template: str | None = Field(
+        "Question: {question}\nAnswer:", description="Prompt with {column} placeholders."
+    )
+    prompt_func: str | None = Field(None, description="'module:function' row -> prompt string.")
+    completion_template: str | None = Field(
+        " {answer}", description="Completion with {column} placeholders."
+    )
+    completion_func: str | None = Field(None, description="'module:function' row -> completion.")
+    text_field: str | None = Field(
+        None,
+        description="Plain-text training column when no templates are set "
+        "(auto-detected: 'text' or the only string column).",
+    )
+    max_seq_length: int = Field(512, gt=0, description="Tokens per example after truncation.")
+    max_train_samples: int | None = Field(None, gt=0, description="Keep the first N train rows.")
+    max_eval_samples: int | None = Field(None, gt=0, description="Keep the first N test rows.")
+    max_dropped_fraction: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Fail tokenize when more than this fraction of rows has no trainable token.",
+    )
+    num_proc: int = Field(1, gt=0, description="Worker processes for tokenization.")
+    seed: int = Field(42, description="Seed for the train/test split.")
+
+    @model_validator(mode="after")
+    def _sources_and_templates(self) -> "DataConfig":
+        sources = [k for k in ("dataset_name", "json_file_path", "data_files") if getattr(self, k)]
+        if len(sources) != 1:
+            raise ValueError(
+                "set exactly one of dataset_name, json_file_path, data_files "
+                f"(got {', '.join(sources) or 'none'})"
+            )
+        for part in ("prompt", "completion"):
+            if getattr(self, f"{part}_template") is not None and getattr(self, f"{part}_func"):
+                raise ValueError(
+                    f"{part}_template and {part}_func are exclusive; set one of them to null"
+                )
+        has_prompt = self.prompt_template is not None or self.prompt_func
+        has_completion = self.completion_template is not None or self.completion_func
+        if has_prompt and not has_completion:
+            raise ValueError("a prompt is set but no completion_template/completion_func")
+        if has_completion and not has_prompt and self.text_field is None:
+            raise ValueError("a completion is set but no prompt_template/prompt_func")
+        return self
+
+    @property
+    def text_mode(self) -> bool:
+        """No templates at all: train on every token of one text column."""
+        return not any(
+            (self.prompt_template, self.prompt_func, self.completion_template, self.completion_func)
+        )
+
+
+class TrainingConfig(Section):
+    """The loop's size and cadence (HF TrainingArguments names)."""
+
+    per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch per process.")
+    per_device_eval_batch_size: int = Field(16, gt=0, description="Eval batch per process.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per step.")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="Optional check: must equal micro x accumulation x world size."
+    )
+    num_train_epochs: float = Field(1.0, description="Epochs (ignored when max_steps > 0).")
+    max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
+        "fp32", description="Autocast dtype; fp32/no = full precision."
+    )
+    seed: int = Field(42, description="Seed for init, dropout and data order.")
+
+    @model_validator(mode="after")
+    def _budget(self) -> "TrainingConfig":
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ValueError("set max_steps > 0 or num_train_epochs > 0; both give no steps")
+        return self
+
+
+class OptimizerConfig(Section):
+    """Any torch.optim class by name plus its keyword arguments."""
+
+    name: str = Field("AdamW", description="torch.optim class name (AdamW, Adam, SGD, ...).")
+    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra optimizer kwargs.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_optimizer(cls, name: str) -> str:
+        import torch.optim
+
+        klass = getattr(torch.optim, name, None)
+        if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
+            raise ValueError(f"'{name}' is not a torch.optim optimizer class (e.g. AdamW, SGD)")
+        return name
+
+
+class SchedulerConfig(Section):
+    """Learning-rate schedule built with transformers.get_scheduler."""
+
+    name: Literal[SCHEDULERS] = Field("cosine", description="Schedule (HF lr_scheduler_type).")
+    warmup_steps: int = Field(0, ge=0, description="Warmup steps (exclusive with warmup_ratio).")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Warmup as a fraction of steps.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="scheduler_specific_kwargs (e.g. num_cycles, power)."
+    )
+
+    @model_validator(mode="after")
+    def _one_warmup(self) -> "SchedulerConfig":
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("warmup_steps and warmup_ratio are exclusive; set one to 0")
+        return self
+
+
+class DistributedConfig(Section):
+    """How torchrun launches the worker and how the model is parallelised."""
+
+    strategy: Literal["single", "ddp", "fsdp2", "diloco"] = Field(
+        "single", description="Parallelism strategy."
+    )
+    nproc_per_node: int = Field(1, gt=0, description="Processes per node (torchrun).")
+    nnodes: int = Field(1, gt=0, description="Number of nodes (torchrun).")
+    node_rank: int = Field(0, ge=0, description="This node's rank when nnodes > 1.")
+    rdzv_backend: Literal["c10d", "static"] = Field("c10d", description="torchrun rendezvous.")
+    rdzv_endpoint: str = Field("127.0.0.1:29400", description="host:port of the rendezvous.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend; auto = nccl on CUDA, gloo on CPU."
+    )
+    threads_per_process: int | None = Field(
+        None, gt=0, description="torch threads per rank (default: cores / nproc_per_node)."
+    )
+    bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size.")
+    find_unused_parameters: bool = Field(False, description="DDP: tolerate unused params.")
+    gradient_as_bucket_view: bool = Field(True, description="DDP: grads alias the buckets.")
+    static_graph: bool = Field(False, description="DDP: graph does not change across steps.")
+    broadcast_buffers: bool = Field(True, description="DDP: sync buffers every forward.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DistributedConfig":
+        if self.strategy in ("fsdp2", "diloco"):
+            raise ValueError(f"strategy '{self.strategy}' is not supported yet; use single or ddp")
+        world = self.nproc_per_node * self.nnodes
+        if self.strategy == "single" and world > 1:
+            raise ValueError(
+                f"strategy 'single' runs one process but nproc_per_node x nnodes = {world}; "
+                "use strategy ddp or set nproc_per_node: 1"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class CheckpointConfig(Section):
+    """Periodic training state for resume (model/adapter, optimizer, scheduler, RNG, data)."""
+
+    save_strategy: Literal["no", "steps"] = Field("steps", description="When to checkpoint.")
+    save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
+    save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints.")
+    resume_from_checkpoint: bool = Field(False, description="Continue from the latest checkpoint.")
+
+
+class EvalConfig(Section):
+    """Held-out loss during training and in the evaluate stage."""
+
+    eval_strategy: Literal["no", "steps"] = Field("no", description="Eval during training.")
+    eval_steps: int = Field(50, gt=0, description="Eval every N steps when eval_strategy=steps.")
+    eval_batches: int | None = Field(
+        None, gt=0, description="Cap eval batches (None: the whole test split)."
+    )
+
+
+class LoggingConfig(Section):
+    """Where metrics go: stdout, MLflow (SQLite in the project by default), DVC plots."""
+
+    logging_steps: int = Field(10, gt=0, description="Log every N optimizer steps.")
+    logging_first_step: bool = Field(True, description="Also log step 1.")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow store; default sqlite:///<project>/mlflow.db."
+    )
+    experiment_name: str = Field("finetune", description="MLflow experiment.")
+
+
+class ExportConfig(Section):
+    """What the export stage writes."""
+
+    merge_adapter: bool = Field(True, description="Fold the adapter into the base weights.")
+    max_shard_size: str = Field("2GB", description="safetensors shard size.")
+
+
+class FinetuneConfig(Section):
+    """A whole params file."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    peft: PeftSection = Field(default_factory=PeftSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "FinetuneConfig":
+        t = self.training
+        world = self.distributed.world_size
+        if t.global_batch_size is not None:
+            derived = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
+            if derived != t.global_batch_size:
+                raise ValueError(
+                    f"training.global_batch_size {t.global_batch_size} != "
+                    f"per_device_train_batch_size {t.per_device_train_batch_size} x "
+                    f"gradient_accumulation_steps {t.gradient_accumulation_steps} x "
+                    f"world size {world} = {derived}"
+                )
+        if self.distributed.strategy == "ddp" and world == 1:
+            pass  # DDP on one process is legal (and useful to test the wrapper)
+        return self

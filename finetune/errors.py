@@ -1,0 +1,15 @@
+"""One exception type for every user-facing failure.
+
+Stages raise `PipelineError` with a message that names the file, key or row, what is wrong and
+what to do. The CLI prints it as a single line and exits non-zero; `--debug` shows the traceback.
+Anything else that escapes is a bug, and the CLI says so.
+"""
+
+
+class PipelineError(Exception):
+    """A failure caused by the user's input or environment, explained in one line."""
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(message.split()))  # keep it on one line

@@ -1,0 +1,142 @@
+"""Where each stage reads and writes, and how it writes without losing earlier results.
+
+The data layout is fixed (it is what `dvc.yaml` declares as deps and outs); the params file
+chooses inputs and settings, never where intermediate artifacts live. A test keeps `dvc.yaml`
+and these paths in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from finetune.config import FinetuneConfig, load_config
+from finetune.config.loader import project_root_for
+
+DEFAULT_PARAMS = "params/default.yaml"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Stage artifacts, relative to the project root."""
+
+    root: Path
+
+    @property
+    def raw(self) -> Path:
+        return self.root / "data/raw"
+
+    @property
+    def formatted(self) -> Path:
+        return self.root / "data/formatted"
+
+    @property
+    def tokenized(self) -> Path:
+        return self.root / "data/tokenized"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "data/checkpoints"
+
+    @property
+    def trained(self) -> Path:
+        return self.root / "data/trained"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "data/export"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "data/metrics"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "data/plots"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A validated config plus the project it runs in."""
+
+    config: FinetuneConfig
+    root: Path
+    params_path: Path
+
+    @classmethod
+    def load(
+        cls, params: str | Path = DEFAULT_PARAMS, overrides: dict[str, Any] | list[str] | None = None
+    ) -> "Workspace":
+        params_path = Path(params)
+        if not params_path.is_absolute() and not params_path.exists():
+            root_guess = Path(os.environ.get("FINETUNE_ROOT", "."))
+            params_path = root_guess / params_path
+        config = load_config(params_path, overrides)
+        return cls(config=config, root=project_root_for(params_path), params_path=params_path)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.root)
+
+    def resolve(self, path: str | Path) -> Path:
+        """A path from the params file, relative to the project root."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else self.root / p
+
+    def mlflow_uri(self) -> str:
+        uri = self.config.logging.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        return uri or f"sqlite:///{self.root / 'mlflow.db'}"
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield an empty staging folder that replaces `final` only if the block succeeds.
+
+    A failing stage leaves the previous successful output untouched (DVC outs are `persist`
+    so DVC does not delete them first either).
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; outputs should look like any dir
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_dir(staging, final)
+
+
+def replace_dir(src: Path, final: Path) -> None:
+    """Swap `src` into `final` with renames (the old copy is removed last)."""
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(src, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+    return path

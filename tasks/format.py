@@ -1,0 +1,82 @@
+"""Stage 2, format: raw rows -> `data/formatted/{train,test}.parquet` (prompt, completion).
+
+Templates use `{column}` placeholders; `module:function` callables take the row as a dict. A
+missing column or a failing function is reported with the split and row number.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from finetune.errors import PipelineError
+from finetune.workspace import Workspace, atomic_dir
+from tasks.contracts import validate_formatted
+from tasks.templates import builder
+
+
+def format_prompts(ws: Workspace) -> dict[str, Path]:
+    data = ws.config.data
+    prompt_fn = builder(data, "prompt")
+    completion_fn = builder(data, "completion")
+    out: dict[str, Path] = {}
+    with atomic_dir(ws.layout.formatted) as staging:
+        for raw_file in sorted(ws.layout.raw.glob("*.parquet")):
+            role = raw_file.stem
+            frame = pd.read_parquet(raw_file)
+            if data.text_mode:
+                column = detect_text_field(frame, data.text_field, role)
+                prompts = [""] * len(frame)
+                completions = frame[column].astype(str).tolist()
+            else:
+                prompts, completions = _render(frame, prompt_fn, completion_fn, role)
+            result = pd.DataFrame({"prompt": prompts, "completion": completions})
+            validate_formatted(result, f"format split '{role}'", allow_empty_prompt=data.text_mode)
+            result.to_parquet(staging / f"{role}.parquet", index=False)
+            out[role] = ws.layout.formatted / f"{role}.parquet"
+    if not out:
+        raise PipelineError(f"{ws.layout.raw}: no raw splits; run the download stage first")
+    return out
+
+
+def _render(frame: pd.DataFrame, prompt_fn, completion_fn, role: str) -> tuple[list, list]:
+    prompts, completions = [], []
+    for i, row in enumerate(frame.to_dict("records")):
+        for part, fn, sink in (("prompt", prompt_fn, prompts), ("completion", completion_fn, completions)):
+            try:
+                value = fn(row)
+            except KeyError as exc:
+                raise PipelineError(
+                    f"data.{part}_template names column {exc} which split '{role}' lacks "
+                    f"(row {i}; columns: {', '.join(frame.columns)})"
+                ) from None
+            except Exception as exc:
+                raise PipelineError(
+                    f"data.{part}_func failed on split '{role}' row {i}: {type(exc).__name__}: {exc}"
+                ) from None
+            if not isinstance(value, str):
+                raise PipelineError(
+                    f"data.{part}_func returned {type(value).__name__} on split '{role}' row {i}; "
+                    "it must return a string"
+                )
+            sink.append(value)
+    return prompts, completions
+
+
+def detect_text_field(frame: pd.DataFrame, text_field: str | None, role: str) -> str:
+    """`text_field` if given, else a column named text/content, else the only string column."""
+    if text_field:
+        if text_field not in frame.columns:
+            raise PipelineError(f"data.text_field '{text_field}' is not a column of split '{role}'")
+        return text_field
+    for name in ("text", "content"):
+        if name in frame.columns:
+            return name
+    strings = [c for c in frame.columns if pd.api.types.is_string_dtype(frame[c])]
+    if len(strings) == 1:
+        return strings[0]
+    raise PipelineError(
+        f"no templates set and no text column found in split '{role}' "
+        f"(string columns: {', '.join(strings) or 'none'}); set data.text_field or the templates"
+    )

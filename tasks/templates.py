@@ -1,0 +1,62 @@
+"""Prompt/completion builders: `{column}` templates or `module:function` callables."""
+
+from __future__ import annotations
+
+import importlib
+import string
+from typing import Any, Callable
+
+from finetune.config.schema import DataConfig
+from finetune.errors import PipelineError
+
+RowFn = Callable[[dict[str, Any]], str]
+
+
+def template_columns(data: DataConfig) -> list[str]:
+    """Columns the templates (or the text field) read; the raw contract requires them."""
+    cols: list[str] = []
+    for key in ("prompt_template", "completion_template"):
+        template = getattr(data, key)
+        if template is None:
+            continue
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        except ValueError as exc:
+            raise PipelineError(f"data.{key}: malformed template ({exc})") from None
+        for name in names:
+            if not name.isidentifier() and not name:
+                raise PipelineError(f"data.{key}: empty '{{}}' placeholder; name a column")
+            if name not in cols:
+                cols.append(name)
+    if data.text_mode and data.text_field:
+        cols.append(data.text_field)
+    return cols
+
+
+def builder(data: DataConfig, part: str) -> RowFn:
+    """The function that turns one row into the prompt or the completion."""
+    template = getattr(data, f"{part}_template")
+    func_ref = getattr(data, f"{part}_func")
+    if func_ref:
+        return load_callable(func_ref, f"data.{part}_func")
+    if template is None:
+        return lambda row: ""
+
+    def render(row: dict[str, Any]) -> str:
+        return template.format_map(row)
+
+    return render
+
+
+def load_callable(ref: str, key: str) -> RowFn:
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise PipelineError(f"{key} '{ref}' must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PipelineError(f"{key} '{ref}': cannot import module '{module_name}' ({exc})")
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise PipelineError(f"{key} '{ref}': module '{module_name}' has no function '{attr}'")
+    return fn

@@ -1,0 +1,126 @@
+"""Stage 3, tokenize: formatted pairs -> `data/tokenized/{train,test}` (Arrow) + token stats.
+
+Tokenization happens here, once, never on the training ranks. Labels are completion-only
+(prompt tokens are -100), EOS is appended and trained, sequences are truncated to
+`max_seq_length`. Rows left with no trainable token (prompt fills the window) are dropped and
+counted; above `data.max_dropped_fraction` the stage fails instead of training on nothing,
+the silent failure TRL users report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from engine.model import load_tokenizer, max_positions
+from finetune.errors import PipelineError
+from finetune.workspace import Workspace, atomic_dir, write_json_atomic
+from tasks.contracts import validate_tokenized
+
+IGNORE_INDEX = -100
+
+
+def tokenize(ws: Workspace) -> dict[str, Path]:
+    import datasets
+
+    data = ws.config.data
+    limit = max_positions(ws.config.model, ws.root)
+    if limit and data.max_seq_length > limit:
+        raise PipelineError(
+            f"data.max_seq_length {data.max_seq_length} exceeds the model's "
+            f"max_position_embeddings {limit}; set data.max_seq_length <= {limit}"
+        )
+    tok = load_tokenizer(ws.config.model, ws.root)
+    if tok.eos_token_id is None:
+        raise PipelineError(f"model.name_or_path {ws.config.model.name_or_path}: tokenizer has no EOS token")
+    bos = _bos_id(tok)
+    tok.model_max_length = int(1e9)  # we truncate ourselves; silence the length warning
+    stats: dict[str, Any] = {}
+    out: dict[str, Path] = {}
+    with atomic_dir(ws.layout.tokenized) as staging:
+        for file in sorted(ws.layout.formatted.glob("*.parquet")):
+            role = file.stem
+            ds = datasets.Dataset.from_pandas(pd.read_parquet(file), preserve_index=False)
+            ds = ds.map(
+                encode_batch,
+                batched=True,
+                num_proc=data.num_proc if len(ds) >= 2 * data.num_proc else None,
+                remove_columns=ds.column_names,
+                fn_kwargs={"tok": tok, "bos": bos, "max_len": data.max_seq_length},
+                desc=f"tokenize {role}",
+                load_from_cache_file=False,
+            )
+            ds, split_stats = _drop_untrainable(ds, role, data.max_dropped_fraction)
+            counts = pd.DataFrame(
+                {
+                    "n_tokens": [len(x) for x in ds["input_ids"]],
+                    "n_labels": [len(x) for x in ds["labels"]],
+                    "n_trainable": ds["n_trainable"],
+                }
+            )
+            validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'")
+            ds.save_to_disk(str(staging / role))
+            stats[role] = split_stats
+            out[role] = ws.layout.tokenized / role
+    if not out:
+        raise PipelineError(f"{ws.layout.formatted}: no formatted splits; run format first")
+    write_json_atomic(ws.layout.metrics / "tokenize.json", stats)
+    return out
+
+
+def _bos_id(tok) -> int | None:
+    """Prepend BOS only if the tokenizer itself would (Llama yes, GPT-2 no)."""
+    if tok.bos_token_id is None:
+        return None
+    ids = tok("a", add_special_tokens=True)["input_ids"]
+    return tok.bos_token_id if ids and ids[0] == tok.bos_token_id else None
+
+
+def encode_batch(batch: dict[str, list], tok, bos: int | None, max_len: int) -> dict[str, list]:
+    """Prompt and completion are tokenized apart so the mask boundary is exact."""
+    prompts = tok(batch["prompt"], add_special_tokens=False)["input_ids"]
+    completions = tok(batch["completion"], add_special_tokens=False)["input_ids"]
+    eos = tok.eos_token_id
+    out: dict[str, list] = {"input_ids": [], "labels": [], "n_trainable": [], "truncated": []}
+    for p, c in zip(prompts, completions):
+        head = ([bos] if bos is not None else []) + p
+        ids = head + c + [eos]
+        labels = [IGNORE_INDEX] * len(head) + c + [eos]
+        truncated = len(ids) > max_len
+        ids, labels = ids[:max_len], labels[:max_len]
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["n_trainable"].append(sum(1 for x in labels if x != IGNORE_INDEX))
+        out["truncated"].append(truncated)
+    return out
+
+
+def _drop_untrainable(ds, role: str, max_fraction: float):
+    total = len(ds)
+    trainable = [n > 0 for n in ds["n_trainable"]]
+    dropped = total - sum(trainable)
+    if total == 0:
+        raise PipelineError(f"tokenize split '{role}': no rows")
+    if dropped / total > max_fraction:
+        first = trainable.index(False)
+        raise PipelineError(
+            f"tokenize split '{role}': {dropped}/{total} rows have no trainable token "
+            f"(prompt fills max_seq_length or completion empty; first: row {first}); "
+            f"above data.max_dropped_fraction {max_fraction}: raise data.max_seq_length or "
+            "shorten the prompts"
+        )
+    if dropped:
+        ds = ds.select([i for i, keep in enumerate(trainable) if keep])
+    lengths = [len(x) for x in ds["input_ids"]]
+    stats = {
+        "rows": len(ds),
+        "dropped_rows": dropped,
+        "tokens": int(sum(lengths)),
+        "trainable_tokens": int(sum(ds["n_trainable"])),
+        "truncated_rows": int(sum(ds["truncated"])),
+        "max_tokens": int(max(lengths)),
+        "mean_tokens": round(sum(lengths) / len(lengths), 2),
+    }
+    return ds, stats

@@ -1,0 +1,119 @@
+"""MLflow bookkeeping shared by the stages: one run per training, found again downstream.
+
+The train stage opens the run and records its id in `data/trained/run.json` (a DVC out), so
+evaluate and export, even when launched as separate DVC/Prefect steps, log into the same run.
+Lineage tags: git commit and dirty flag, params file, config fingerprint, dvc.lock stage hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune.config import config_fingerprint
+from finetune.workspace import Workspace
+
+RUN_FILE = "run.json"
+
+
+def _env_quiet() -> None:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("DO_NOT_TRACK", "true")
+
+
+def client(ws: Workspace):
+    _env_quiet()
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=ws.mlflow_uri())
+
+
+def git_info(root: Path) -> dict[str, str]:
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else False
+    return {"git_commit": commit or "none", "git_dirty": str(dirty).lower()}
+
+
+def dvc_lock_hashes(root: Path) -> dict[str, str]:
+    """`dvc.lock` stage -> short hash of its recorded deps/params/outs."""
+    lock = root / "dvc.lock"
+    if not lock.exists():
+        return {}
+    import hashlib
+
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    return {
+        f"dvc_stage.{name}": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+        for name, body in stages.items()
+    }
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = json.dumps(value) if not isinstance(value, str) else value
+    return flat
+
+
+def start_run(ws: Workspace, extra_tags: dict[str, str] | None = None) -> str:
+    """Create the MLflow run for a training; logs resolved params and lineage tags."""
+    from mlflow.entities import Param, RunTag
+
+    c = client(ws)
+    exp_name = ws.config.logging.experiment_name
+    exp = c.get_experiment_by_name(exp_name)
+    exp_id = exp.experiment_id if exp else c.create_experiment(exp_name)
+    tags = {
+        **git_info(ws.root),
+        "params_file": str(ws.params_path),
+        "config_fingerprint": config_fingerprint(ws.config),
+        "strategy": ws.config.distributed.strategy,
+        "world_size": str(ws.config.distributed.world_size),
+        **(extra_tags or {}),
+    }
+    run = c.create_run(exp_id, tags=tags)
+    params = flatten(ws.config.model_dump(mode="json"))
+    items = [Param(k, v[:6000]) for k, v in params.items()]
+    for i in range(0, len(items), 100):
+        c.log_batch(run.info.run_id, params=items[i : i + 100])
+    c.log_dict(run.info.run_id, ws.config.model_dump(mode="json"), "resolved_params.json")
+    return run.info.run_id
+
+
+def run_id_of(ws: Workspace) -> str | None:
+    path = ws.layout.trained / RUN_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("mlflow_run_id")
+
+
+def log_metrics(ws: Workspace, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client(ws).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def set_tags(ws: Workspace, run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    client(ws).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+def finish_run(ws: Workspace, run_id: str, status: str = "FINISHED") -> None:
+    client(ws).set_terminated(run_id, status=status)

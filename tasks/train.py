@@ -1,0 +1,88 @@
+"""Stage 4, train: launch `torchrun` on the engine worker with the validated config.
+
+Single-process runs go through torchrun too (nproc_per_node 1), so the code a user tests on a
+laptop is the code that runs on 8 GPUs. The stage opens the MLflow run, hands its id to the
+worker (rank 0 logs per-step metrics into it), and records it next to the trained model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from finetune.errors import PipelineError
+from finetune.workspace import Workspace, write_json_atomic
+from tasks import tracking
+
+
+def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
+    dist = ws.config.distributed
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dist.nproc_per_node}"]
+    if dist.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={dist.nnodes}",
+            f"--node_rank={dist.node_rank}",
+            f"--rdzv_backend={dist.rdzv_backend}",
+            f"--rdzv_endpoint={dist.rdzv_endpoint}",
+        ]
+    return cmd + ["-m", "engine.worker", str(job_file)]
+
+
+def preflight(ws: Workspace) -> None:
+    """Checks that need the machine, done before any process starts."""
+    import torch
+
+    cfg = ws.config
+    if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise PipelineError(
+            "training.mixed_precision: fp16 on CPU is refused (about 100x slower than fp32 "
+            "here); use bf16 or fp32"
+        )
+    if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
+        raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
+    for split in ("train",):
+        if not (ws.layout.tokenized / split).exists():
+            raise PipelineError(f"{ws.layout.tokenized / split} missing; run the tokenize stage")
+
+
+def train(ws: Workspace) -> dict[str, Path]:
+    preflight(ws)
+    run_id = tracking.start_run(ws)
+    tokenize_stats = ws.layout.metrics / "tokenize.json"
+    if tokenize_stats.exists():
+        stats = json.loads(tokenize_stats.read_text())
+        flat = {f"data.{split}.{k}": v for split, s in stats.items() for k, v in s.items()
+                if isinstance(v, (int, float))}
+        tracking.log_metrics(ws, run_id, flat)
+    with tempfile.TemporaryDirectory(prefix="finetune-job-") as tmp:
+        job_file = Path(tmp) / "job.json"
+        error_file = Path(tmp) / "error.txt"
+        job_file.write_text(json.dumps({
+            "config": ws.config.model_dump(mode="json"),
+            "root": str(ws.root),
+            "mlflow_uri": ws.mlflow_uri(),
+            "run_id": run_id,
+            "error_file": str(error_file),
+        }))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
+        proc = subprocess.run(torchrun_command(ws, job_file), cwd=ws.root, env=env)
+        if proc.returncode != 0:
+            tracking.finish_run(ws, run_id, "FAILED")
+            if error_file.exists():
+                raise PipelineError(error_file.read_text())
+            raise PipelineError(f"training failed: torchrun exited {proc.returncode} (see log above)")
+    metrics = json.loads((ws.layout.metrics / "train.json").read_text())
+    tracking.log_metrics(ws, run_id, {k: v for k, v in metrics.items()
+                                      if isinstance(v, (int, float)) and v is not None})
+    for plot in ("train.csv", "eval.csv"):
+        tracking.client(ws).log_artifact(run_id, str(ws.layout.plots / plot), "plots")
+    write_json_atomic(ws.layout.trained / tracking.RUN_FILE, {"mlflow_run_id": run_id})
+    return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}
