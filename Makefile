@@ -1,0 +1,36 @@
+# The two README commands: `make run` (set up + run the default pipeline) and `make test`.
+# Installs into .venv with the tested versions from constraints.txt. torch is installed first:
+# a bare torch requirement in an empty venv would pull a multi-GB CUDA build.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export DO_NOT_TRACK ?= true
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HOME ?= $(CURDIR)/.cache/hf
+export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: setup run test clean-outputs
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0 -c constraints.txt
+	$(PY) -m pip install -q -e ".[test]" -c constraints.txt
+	touch $@
+
+run: setup
+	finetune run
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-outputs:
+	rm -rf data/raw data/formatted data/tokenized data/trained data/checkpoints data/export

@@ -1,0 +1,116 @@
+"""Shared fixtures: an isolated copy of the project (its own git repo, DVC, MLflow store).
+
+Tests never touch the working tree they run from: each pipeline test copies the tracked files
+into a temp folder, initialises git there, and shrinks the default params to seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+# The embedded default, shrunk: same model and data, a few steps.
+TINY = {
+    "data.max_train_samples": 48,
+    "data.max_eval_samples": 16,
+    "data.max_seq_length": 256,
+    "training.max_steps": 6,
+    "training.per_device_train_batch_size": 4,
+    "training.per_device_eval_batch_size": 8,
+    "logging.logging_steps": 2,
+    "checkpoint.save_steps": 3,
+    "eval.eval_steps": 3,
+    "eval.eval_batches": 1,
+    "scheduler.warmup_steps": 1,
+}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _offline_env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("caches")
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "DO_NOT_TRACK": "true",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HOME": str(cache / "hf"),
+        "DVC_SITE_CACHE_DIR": str(cache / "dvc-site"),
+        "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com",
+        "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.com",
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _project_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split("\n")
+    skip = ("data/raw/", "data/formatted/", "data/tokenized/", "data/trained/",
+            "data/checkpoints/", "data/export/", "data/metrics/", "data/plots/", "dvc.lock")
+    return [f for f in out if f and not f.startswith(skip) and (ROOT / f).is_file()]
+
+
+def copy_project(dest: Path, overrides: dict | None = None) -> Path:
+    """Tracked project files -> `dest`, as a fresh git repo with the params shrunk."""
+    for rel in _project_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+    write_params(dest, {**TINY, **(overrides or {})})
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
+        subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
+    return dest
+
+
+def write_params(project: Path, overrides: dict, name: str = "params/default.yaml") -> Path:
+    from finetune.config.loader import apply_overrides
+
+    path = project / name
+    raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    if path.exists():
+        raw = yaml.safe_load(path.read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(apply_overrides(raw, overrides), sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    return copy_project(tmp_path / "proj")
+
+
+def run_cli(project: Path, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(BIN / "finetune"), *args], cwd=project, capture_output=True,
+                          text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"finetune {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The CLI's contract for bad input: exit 2 and exactly one `error:` line, no traceback."""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]

@@ -1,0 +1,31 @@
+"""The console script: subcommands and the one-line error contract."""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import BIN, ROOT, error_line, run_cli
+
+
+def test_validate_and_config_print_resolved_values():
+    ok = run_cli(ROOT, "validate")
+    assert ok.returncode == 0 and "is valid" in ok.stdout
+    shown = run_cli(ROOT, "config", "-s", "training.max_steps=3")
+    assert shown.returncode == 0
+    assert "max_steps: 3" in shown.stdout and "auto_class_name: AutoModelForCausalLM" in shown.stdout
+
+
+def test_unknown_key_via_override_is_one_line():
+    line = error_line(run_cli(ROOT, "validate", "-s", "training.lerning_rate=1"))
+    assert "unknown key 'training.lerning_rate'" in line
+
+
+def test_debug_shows_traceback():
+    proc = run_cli(ROOT, "--debug", "validate", "-s", "training.max_steps=x")
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_help_lists_stages():
+    proc = subprocess.run([str(BIN / "finetune"), "stage", "--help"], capture_output=True, text=True)
+    for stage in ("download", "format", "tokenize", "train", "evaluate", "export"):
+        assert stage in proc.stdout

@@ -1,0 +1,119 @@
+"""The typed config: defaults validate, every bad-input rule gives one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.config import load_config, parse_override
+from finetune.config.loader import apply_overrides
+from finetune.errors import PipelineError
+
+from conftest import ROOT
+
+PARAMS = sorted((ROOT / "params").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PARAMS, ids=[p.name for p in PARAMS])
+def test_every_shipped_params_file_validates(path):
+    cfg = load_config(path)
+    assert cfg.training.max_grad_norm > 0
+
+
+def test_at_least_two_documented_examples_besides_default():
+    examples = [p for p in PARAMS if p.name != "default.yaml"]
+    assert len(examples) >= 2
+    for p in examples:
+        assert p.read_text().lstrip().startswith("#"), f"{p.name} needs a header comment"
+
+
+def _error(tmp_path: Path, overrides: dict) -> str:
+    raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(apply_overrides(raw, overrides)))
+    with pytest.raises(PipelineError) as exc:
+        load_config(path)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(str(path))
+    return msg
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"training.learning_rat": 1}, "unknown key 'training.learning_rat'"),
+        ({"optimizer.learnin_rate": 1}, "did you mean 'optimizer.learning_rate'"),
+        ({"trainng.max_steps": 1}, "did you mean 'training'"),
+        ({"training.max_steps": "ten"}, "training.max_steps: Input should be a valid integer"),
+        ({"training.per_device_train_batch_size": 0}, "per_device_train_batch_size: Input should be greater than 0"),
+        ({"training.per_device_train_batch_size": -4}, "greater than 0"),
+        ({"training.gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"optimizer.learning_rate": 0}, "learning_rate: Input should be greater than 0"),
+        ({"training.max_grad_norm": -1}, "max_grad_norm"),
+        ({"scheduler.warmup_steps": -1}, "warmup_steps: Input should be greater than or equal to 0"),
+        ({"logging.logging_steps": 0}, "logging_steps"),
+        ({"checkpoint.save_steps": 0}, "save_steps"),
+        ({"training.mixed_precision": "fp8"}, "mixed_precision"),
+        ({"training.global_batch_size": 64}, "global_batch_size 64 != per_device_train_batch_size 8 x gradient_accumulation_steps 1 x world size 1 = 8"),
+        ({"data.prompt_func": "m:f"}, "prompt_template and prompt_func are exclusive"),
+        ({"data.completion_func": "m:f"}, "completion_template and completion_func are exclusive"),
+        ({"data.json_file_path": "x.jsonl"}, "set exactly one of dataset_name, json_file_path, data_files"),
+        ({"distributed.nproc_per_node": 2}, "strategy 'single' runs one process"),
+        ({"distributed.strategy": "fsdp2"}, "not supported yet"),
+        ({"scheduler.name": "cosine_annealing"}, "scheduler.name"),
+        ({"optimizer.name": "Adamw"}, "'Adamw' is not a torch.optim optimizer class"),
+        ({"scheduler.warmup_ratio": 0.1}, "warmup_steps and warmup_ratio are exclusive"),
+        ({"model.load_in_4bit": True, "model.load_in_8bit": True}, "exclusive"),
+    ],
+)
+def test_bad_values_are_one_line_errors(tmp_path, overrides, expected):
+    assert expected in _error(tmp_path, overrides)
+
+
+def test_global_batch_consistent_is_accepted(tmp_path):
+    raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    raw = apply_overrides(raw, {"training.global_batch_size": 16,
+                                "training.gradient_accumulation_steps": 2})
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert load_config(path).training.global_batch_size == 16
+
+
+def test_overrides_parse_yaml_values():
+    assert parse_override("training.max_steps=10") == ("training.max_steps", 10)
+    assert parse_override("optimizer.learning_rate=3e-4") == ("optimizer.learning_rate", 3e-4)
+    assert parse_override("peft.target_modules=[q_proj, v_proj]")[1] == ["q_proj", "v_proj"]
+    assert parse_override("data.subset=null") == ("data.subset", None)
+    with pytest.raises(PipelineError, match="section.key=value"):
+        parse_override("training.max_steps")
+    with pytest.raises(PipelineError, match="dotted"):
+        parse_override("max_steps=3")
+
+
+def test_override_applies_through_loader():
+    cfg = load_config(ROOT / "params/default.yaml", ["training.max_steps=7", "peft.r=4"])
+    assert cfg.training.max_steps == 7 and cfg.peft.r == 4
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(PipelineError, match="params file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [1, 2\n")
+    with pytest.raises(PipelineError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_defaults_are_complete_for_dvc(tmp_path):
+    """Every params key dvc.yaml tracks exists in params/default.yaml (DVC fails otherwise)."""
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    params = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    for name, stage in dvc["stages"].items():
+        for entry in stage.get("params", []):
+            for key in entry["params/default.yaml"]:
+                node = params
+                for part in key.split("."):
+                    assert isinstance(node, dict) and part in node, f"{name}: {key} missing"
+                    node = node[part]
