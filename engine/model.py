@@ -73,7 +73,12 @@ def max_positions(cfg: ModelConfig, root: Path) -> int | None:
     return getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
 
 
-def _quantization(cfg: ModelConfig) -> dict[str, Any]:
+def check_quantization(cfg: ModelConfig) -> None:
+    """Fail fast (before torchrun starts) when quantised loading cannot work here."""
+    _quantization(cfg, build=False)
+
+
+def _quantization(cfg: ModelConfig, build: bool = True) -> dict[str, Any]:
     if not (cfg.load_in_4bit or cfg.load_in_8bit):
         return {}
     key = "model.load_in_4bit" if cfg.load_in_4bit else "model.load_in_8bit"
@@ -86,6 +91,8 @@ def _quantization(cfg: ModelConfig) -> dict[str, Any]:
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise PipelineError(f"{key}: needs bitsandbytes; pip install bitsandbytes") from None
+    if not build:
+        return {}
     from transformers import BitsAndBytesConfig
 
     compute = DTYPES.get(cfg.dtype, torch.bfloat16)

@@ -22,8 +22,12 @@ RUN_FILE = "run.json"
 
 
 def _env_quiet() -> None:
+    import logging
+
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     os.environ.setdefault("DO_NOT_TRACK", "true")
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def client(ws: Workspace):

@@ -38,7 +38,10 @@ def preflight(ws: Workspace) -> None:
     """Checks that need the machine, done before any process starts."""
     import torch
 
+    from engine.model import check_quantization
+
     cfg = ws.config
+    check_quantization(cfg.model)
     if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise PipelineError(
             "training.mixed_precision: fp16 on CPU is refused (about 100x slower than fp32 "
@@ -73,12 +76,18 @@ def train(ws: Workspace) -> dict[str, Path]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
         env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
-        proc = subprocess.run(torchrun_command(ws, job_file), cwd=ws.root, env=env)
+        stderr_file = Path(tmp) / "stderr.txt"
+        with open(stderr_file, "w") as err:
+            # stdout (the training log) streams live; stderr is held back so that a clean
+            # one-line error is not buried under torchrun's failure dump.
+            proc = subprocess.run(torchrun_command(ws, job_file), cwd=ws.root, env=env, stderr=err)
         if proc.returncode != 0:
             tracking.finish_run(ws, run_id, "FAILED")
             if error_file.exists():
                 raise PipelineError(error_file.read_text())
+            sys.stderr.write(stderr_file.read_text())
             raise PipelineError(f"training failed: torchrun exited {proc.returncode} (see log above)")
+        sys.stderr.write(stderr_file.read_text())
     metrics = json.loads((ws.layout.metrics / "train.json").read_text())
     tracking.log_metrics(ws, run_id, {k: v for k, v in metrics.items()
                                       if isinstance(v, (int, float)) and v is not None})

@@ -23,6 +23,7 @@ TINY = {
     "data.max_train_samples": 48,
     "data.max_eval_samples": 16,
     "data.max_seq_length": 256,
+    "data.max_dropped_fraction": 0.25,
     "training.max_steps": 6,
     "training.per_device_train_batch_size": 4,
     "training.per_device_eval_batch_size": 8,

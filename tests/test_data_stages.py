@@ -1,0 +1,183 @@
+"""download -> format -> tokenize on real GSM8K rows and small hand-made files."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from finetune.errors import PipelineError
+from finetune.workspace import Workspace
+from tasks.download import download
+from tasks.format import format_prompts
+from tasks.tokenize import IGNORE_INDEX, tokenize
+
+from conftest import copy_project, error_line, run_cli, write_params
+
+
+def ws_for(project, overrides=None):
+    if overrides:
+        write_params(project, overrides)
+    return Workspace.load(project / "params/default.yaml")
+
+
+def local_source(project, rows, name="src.jsonl", **extra):
+    path = project / "data/source" / name
+    if name.endswith(".jsonl"):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif name.endswith(".json"):
+        path.write_text(json.dumps(rows))
+    elif name.endswith(".csv"):
+        pd.DataFrame(rows).to_csv(path, index=False)
+    return {"data.data_files": None, "data.json_file_path": f"data/source/{name}", **extra}
+
+
+def test_default_source_flows_through_three_stages(project):
+    ws = ws_for(project)
+    raw = download(ws)
+    train = pd.read_parquet(raw["train"])
+    assert len(train) == 48 and {"question", "answer"} <= set(train.columns)
+    assert len(pd.read_parquet(raw["test"])) == 16
+    fmt = format_prompts(ws)
+    f = pd.read_parquet(fmt["train"])
+    assert f.prompt[0].startswith("Question: ") and f.prompt[0].endswith("\nAnswer:")
+    assert f.completion[0].startswith(" ") and "####" in f.completion[0]
+    tok = tokenize(ws)
+    import datasets
+
+    ds = datasets.load_from_disk(str(tok["train"]))
+    row = ds[0]
+    assert len(row["input_ids"]) == len(row["labels"]) <= 256
+    n_prompt = next(i for i, lab in enumerate(row["labels"]) if lab != IGNORE_INDEX)
+    assert row["input_ids"][0] == 1  # BOS, as the Llama tokenizer adds it
+    assert all(lab == IGNORE_INDEX for lab in row["labels"][:n_prompt])
+    assert row["labels"][n_prompt:] == row["input_ids"][n_prompt:]
+    untruncated = next(r for r in ds if not r["truncated"])
+    assert untruncated["input_ids"][-1] == 2 and untruncated["labels"][-1] == 2  # EOS trained
+    stats = json.loads((project / "data/metrics/tokenize.json").read_text())
+    assert stats["train"]["rows"] == len(ds)
+    assert stats["train"]["trainable_tokens"] == sum(ds["n_trainable"])
+    assert stats["train"]["truncated_rows"] == sum(ds["truncated"])
+
+
+@pytest.mark.parametrize("name", ["src.jsonl", "src.json", "src.csv"])
+def test_local_formats_and_split_ratio(project, name):
+    rows = [{"q": f"what is {i}?", "a": str(i)} for i in range(40)]
+    ws = ws_for(project, local_source(project, rows, name, **{
+        "data.prompt_template": "Q: {q}", "data.completion_template": " {a}",
+        "data.split_ratio": 0.25, "data.max_train_samples": None, "data.max_eval_samples": None}))
+    out = download(ws)
+    train, test = pd.read_parquet(out["train"]), pd.read_parquet(out["test"])
+    assert (len(train), len(test)) == (30, 10)
+    assert set(train.q) & set(test.q) == set()
+    again = download(ws)  # seeded: same split twice
+    assert pd.read_parquet(again["test"]).q.tolist() == test.q.tolist()
+
+
+def test_prompt_func_and_text_mode(project, monkeypatch):
+    mod = project / "my_prompts.py"
+    mod.write_text("def prompt(row):\n    return 'Q: ' + row['q']\n"
+                   "def completion(row):\n    return ' ' + row['a']\n")
+    monkeypatch.syspath_prepend(str(project))
+    rows = [{"q": f"q{i}", "a": f"a{i}"} for i in range(20)]
+    ws = ws_for(project, local_source(project, rows, **{
+        "data.prompt_template": None, "data.completion_template": None,
+        "data.prompt_func": "my_prompts:prompt", "data.completion_func": "my_prompts:completion"}))
+    download(ws)
+    f = pd.read_parquet(format_prompts(ws)["train"])
+    assert f.prompt.str.startswith("Q: q").all() and f.completion.str.startswith(" a").all()
+
+    text_rows = [{"id": i, "text": f"once upon a time {i}"} for i in range(20)]
+    ws = ws_for(project, local_source(project, text_rows, "plain.jsonl", **{
+        "data.prompt_func": None, "data.completion_func": None}))
+    download(ws)
+    f = pd.read_parquet(format_prompts(ws)["train"])
+    assert (f.prompt == "").all() and f.completion.str.startswith("once upon").all()
+    ds_path = tokenize(ws)["train"]
+    import datasets
+
+    row = datasets.load_from_disk(str(ds_path))[0]
+    assert row["labels"][0] == IGNORE_INDEX and row["labels"][1:] == row["input_ids"][1:]
+
+
+def test_zero_trainable_rows_dropped_then_fail_above_fraction(project):
+    rows = [{"q": "word " * (300 if i < 3 else 5), "a": "yes"} for i in range(30)]
+    over = local_source(project, rows, **{"data.prompt_template": "{q}",
+                                          "data.completion_template": " {a}",
+                                          "data.max_seq_length": 64,
+                                          "data.max_dropped_fraction": 0.2})
+    ws = ws_for(project, over)
+    download(ws), format_prompts(ws), tokenize(ws)
+    stats = json.loads((project / "data/metrics/tokenize.json").read_text())
+    dropped = stats["train"]["dropped_rows"] + stats.get("test", {}).get("dropped_rows", 0)
+    assert dropped == 3
+    ws = ws_for(project, {"data.max_dropped_fraction": 0.01})
+    with pytest.raises(PipelineError, match=r"3/27 rows have no trainable token.*data.max_dropped_fraction 0.01"):
+        tokenize(ws)
+
+
+BAD_INPUTS = [
+    ({"data.data_files": {"train": "data/source/missing.jsonl"}}, "download",
+     "data/source/missing.jsonl not found"),
+    ({"data.prompt_template": "Q: {questio}\nA:"}, "download",
+     "column 'questio' named by the prompt/completion template is missing"),
+    ({"model.name_or_path": "./no/such/model"}, "tokenize", "local folder"),
+    ({"model.name_or_path": "HuggingFaceTB/SmolLM-135M"}, "tokenize", "HF_HUB_OFFLINE"),
+    ({"data.max_seq_length": 1024}, "tokenize", "exceeds the model's max_position_embeddings 512"),
+    ({"data.max_seq_length": 8}, "tokenize", "no trainable token"),
+    ({"data.dataset_name": "openai/gsm8k", "data.data_files": None}, "download", "HF_HUB_OFFLINE"),
+    ({"distributed.nproc_per_node": 2}, "train", "strategy 'single' runs one process"),
+    ({"training.mixed_precision": "fp16"}, "train", "fp16 on CPU is refused"),
+    ({"model.load_in_4bit": True}, "train", "needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A project whose data stages already ran with good params (copied per case)."""
+    project = copy_project(tmp_path_factory.mktemp("prepared") / "p")
+    for name in ("download", "format", "tokenize"):
+        run_cli(project, "stage", name, check=True)
+    return project
+
+
+@pytest.mark.parametrize("overrides, stage, expected", BAD_INPUTS,
+                         ids=[b[2][:30] for b in BAD_INPUTS])
+def test_bad_input_is_one_line_and_keeps_previous_outputs(prepared, tmp_path, overrides, stage,
+                                                          expected):
+    import shutil
+
+    project = tmp_path / "p"
+    shutil.copytree(prepared, project, symlinks=True)
+    before = {p: p.read_bytes() for p in (project / "data").rglob("*")
+              if p.is_file() and "/source/" not in str(p)}
+    write_params(project, overrides)
+    line = error_line(run_cli(project, "stage", stage))
+    assert expected in line
+    after = {p: p.read_bytes() for p in before if p.exists()}
+    assert after == before, "a failing stage changed earlier outputs"
+
+
+def test_empty_dataset_and_null_column(project):
+    (project / "data/source/empty.jsonl").write_text("")
+    ws = ws_for(project, {"data.data_files": None, "data.json_file_path": "data/source/empty.jsonl"})
+    with pytest.raises(PipelineError, match="no rows|cannot parse"):
+        download(ws)
+    rows = [{"question": "q", "answer": "a"}] * 10 + [{"question": None, "answer": "a"}]
+    ws = ws_for(project, local_source(project, rows, **{"data.split_ratio": 0.1}))
+    with pytest.raises(PipelineError, match=r"column 'question' row \d+ fails not_nullable"):
+        download(ws)
+
+
+def test_format_names_row_of_failing_func(project, monkeypatch):
+    mod = project / "bad_prompts.py"
+    mod.write_text("def prompt(row):\n    return None if row['q'] == 'q7' else row['q']\n")
+    monkeypatch.syspath_prepend(str(project))
+    rows = [{"q": f"q{i}", "a": "a"} for i in range(10)]
+    ws = ws_for(project, local_source(project, rows, **{
+        "data.prompt_template": None, "data.prompt_func": "bad_prompts:prompt",
+        "data.completion_template": " {a}", "data.test_split": None, "data.max_eval_samples": None}))
+    download(ws)
+    with pytest.raises(PipelineError, match="returned NoneType on split 'train' row 7"):
+        format_prompts(ws)
