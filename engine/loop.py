@@ -157,7 +157,7 @@ def _train(cfg, layout: Layout, root: Path, d: Dist, mlflow_uri, run_id, dataset
         if cfg.eval.eval_strategy == "steps" and eval_ds is not None and (
             pos.step % cfg.eval.eval_steps == 0 or pos.step == n_steps
         ):
-            ev = evaluate_loss(wrapped, eval_ds, t.per_device_eval_batch_size, tok.pad_token_id,
+            ev = evaluate_loss(unwrap(wrapped), eval_ds, t.per_device_eval_batch_size, tok.pad_token_id,
                                d, cfg.eval.eval_batches, amp)
             if sinks:
                 sinks.log(pos.step, {"eval_loss": ev["loss"]})
