@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("validate", "check a params file"), ("config", "print the resolved config")):
         _common(sub.add_parser(name, help=text))
     _common(sub.add_parser("summary", help="print the last run's results"))
+    ref = sub.add_parser("reference", help="print the params reference (markdown)")
+    ref.add_argument("--write-readme", action="store_true", help="update README.md in place")
     return parser
 
 
@@ -146,6 +148,18 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_reference(args) -> int:
+    from finetune.config.reference import embed, render
+
+    if args.write_readme:
+        readme = Path(__file__).resolve().parents[1] / "README.md"
+        readme.write_text(embed(readme.read_text()))
+        print(f"updated {readme}")
+    else:
+        print(render(), end="")
+    return 0
+
+
 def _rel(path, root: Path) -> str:
     try:
         return str(Path(path).relative_to(root))
@@ -154,7 +168,7 @@ def _rel(path, root: Path) -> str:
 
 
 COMMANDS = {"stage": cmd_stage, "run": cmd_run, "validate": cmd_validate, "config": cmd_config,
-            "summary": cmd_summary}
+            "summary": cmd_summary, "reference": cmd_reference}
 
 if __name__ == "__main__":
     sys.exit(main())

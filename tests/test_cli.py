@@ -29,3 +29,11 @@ def test_help_lists_stages():
     proc = subprocess.run([str(BIN / "finetune"), "stage", "--help"], capture_output=True, text=True)
     for stage in ("download", "format", "tokenize", "train", "evaluate", "export"):
         assert stage in proc.stdout
+
+
+def test_readme_params_reference_is_generated_from_schema():
+    from finetune.config.reference import embed
+
+    readme = (ROOT / "README.md").read_text()
+    assert embed(readme) == readme, "run: finetune reference --write-readme"
+    assert "`training.per_device_train_batch_size`" in readme
