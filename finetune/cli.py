@@ -128,22 +128,13 @@ def cmd_run(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    ws = Workspace.load(args.params, [])
-    from tasks.tracking import run_id_of
+    from tasks.report import markdown, summary
 
-    ev_file = ws.layout.metrics / "eval.json"
-    if not ev_file.exists():
-        raise PipelineError(f"{ev_file} missing: run the pipeline first (finetune run)")
-    ev = json.loads(ev_file.read_text())
-    base, tuned = ev["base"], ev["finetuned"]
-    print("| model | eval loss | perplexity |\n|---|---|---|")
-    print(f"| base | {base['loss']:.4f} | {base['perplexity']:.2f} |")
-    print(f"| fine-tuned | {tuned['loss']:.4f} | {tuned['perplexity']:.2f} |")
-    verdict = "improved" if tuned["loss"] < base["loss"] else "did NOT improve"
-    print(f"\nfine-tuning {verdict} eval loss by {base['loss'] - tuned['loss']:+.4f}")
-    print(f"exported model: {_rel(ws.layout.export, ws.root)} "
-          "(AutoModelForCausalLM.from_pretrained)")
-    print(f"MLflow run: {run_id_of(ws)} in {ws.mlflow_uri()}")
+    ws = Workspace.load(args.params, [])
+    info = summary(ws)
+    if not info["eval"]:
+        raise PipelineError(f"{ws.layout.metrics / 'eval.json'} missing: run the pipeline first")
+    print(markdown(info))
     print(f"curves: dvc plots show  |  mlflow ui --backend-store-uri {ws.mlflow_uri()}")
     return 0
 

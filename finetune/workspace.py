@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from finetune.config import FinetuneConfig, load_config
+from finetune.errors import PipelineError
 from finetune.config.loader import project_root_for
 
 DEFAULT_PARAMS = "params/default.yaml"
@@ -140,3 +141,45 @@ def write_text_atomic(path: Path, text: str) -> Path:
         fh.write(text)
     os.replace(tmp, path)
     return path
+
+
+class WorkspaceBusy(PipelineError):
+    """Another pipeline run holds the workspace lock."""
+
+
+@contextlib.contextmanager
+def workspace_lock(root: Path, wait_seconds: float = 0.0, poll: float = 1.0) -> Iterator[Path]:
+    """An exclusive lock on a project: two runs never train in one workspace at once.
+
+    `flock` is released by the kernel when the holder dies, so a killed run never leaves a
+    stale lock. The second run waits up to `wait_seconds`, then fails with who holds it.
+    """
+    import fcntl
+    import time
+
+    path = root / ".finetune.lock"
+    fh = open(path, "a+")
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                fh.seek(0)
+                holder = fh.read().strip() or "unknown"
+                fh.close()
+                raise WorkspaceBusy(
+                    f"workspace {root} is busy: another pipeline run holds {path} ({holder}); "
+                    "wait for it to finish"
+                ) from None
+            time.sleep(poll)
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+        fh.flush()
+        yield path
+    finally:
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()

@@ -54,7 +54,17 @@ def preflight(ws: Workspace) -> None:
             raise PipelineError(f"{ws.layout.tokenized / split} missing; run the tokenize stage")
 
 
+RESUME_ENV = "FINETUNE_RESUME"
+
+
 def train(ws: Workspace) -> dict[str, Path]:
+    if os.environ.get(RESUME_ENV) == "1" and not ws.config.checkpoint.resume_from_checkpoint:
+        # An orchestrator retry: continue from the latest checkpoint, not from scratch. Exact
+        # resume gives the same weights, so this is not a change of params.
+        cfg = ws.config.model_copy(deep=True)
+        cfg.checkpoint.resume_from_checkpoint = True
+        ws = Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
+        print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint", flush=True)
     preflight(ws)
     run_id = tracking.start_run(ws)
     tokenize_stats = ws.layout.metrics / "tokenize.json"

@@ -1,0 +1,1 @@
+"""Prefect orchestration only: flows call the stage tasks; no pipeline logic lives here."""

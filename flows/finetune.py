@@ -1,0 +1,114 @@
+"""The `finetune` flow: the six pipeline stages as Prefect tasks, one lineage with `dvc repro`.
+
+Each task runs its DVC stage (`dvc repro --single-item`), whose command is the same stage
+function `dvc repro` runs: unchanged stages are skipped by DVC and shown as
+`Completed("cached: up to date")`; stages that ran are recorded in `dvc.lock`. Overrides are
+validated first, run as a DVC experiment, and leave the params file as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import get_run_context
+from prefect.states import Completed
+from prefect.tasks import exponential_backoff
+
+from finetune.errors import PipelineError
+from finetune.workspace import DEFAULT_PARAMS, Workspace, workspace_lock
+from tasks import STAGES
+from tasks.dvc_runner import OverrideSession, repro_stage
+from tasks.report import markdown, summary
+from tasks.train import RESUME_ENV
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stage(stage: str, root: str, extra_env: dict[str, str] | None = None):
+    logger = get_run_logger()
+    result = repro_stage(Path(root), stage, on_line=logger.info, extra_env=extra_env)
+    if not result.ran:
+        return Completed(message="cached: up to date", data={"stage": stage, "ran": False})
+    return {"stage": stage, "ran": True}
+
+
+@task(name="download", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
+def download(root: str):
+    """Network sources fail transiently: retry with exponential backoff."""
+    return _stage("download", root)
+
+
+@task(name="format")
+def format_prompts(root: str):
+    return _stage("format", root)
+
+
+@task(name="tokenize")
+def tokenize(root: str):
+    return _stage("tokenize", root)
+
+
+@task(name="train", retries=1, retry_delay_seconds=5)
+def train(root: str):
+    """Retried once; the retry resumes from the latest checkpoint instead of starting over."""
+    run_count = get_run_context().task_run.run_count
+    return _stage("train", root, {RESUME_ENV: "1"} if run_count > 1 else None)
+
+
+@task(name="evaluate")
+def evaluate(root: str):
+    return _stage("evaluate", root)
+
+
+@task(name="export")
+def export(root: str):
+    return _stage("export", root)
+
+
+TASKS = {"download": download, "format": format_prompts, "tokenize": tokenize, "train": train,
+         "evaluate": evaluate, "export": export}
+assert tuple(TASKS) == STAGES
+
+
+def project_root(workspace: str | None) -> Path:
+    return Path(workspace or os.environ.get("FINETUNE_ROOT") or PROJECT_ROOT).resolve()
+
+
+@flow(name="finetune", log_prints=True)
+def finetune(params_file: str = DEFAULT_PARAMS, overrides: dict[str, Any] | None = None,
+             workspace: str | None = None, lock_wait_seconds: float = 0.0):
+    """Run (or skip, when up to date) every stage of the pipeline in `workspace`."""
+    root = project_root(workspace)
+    params = (root / params_file).resolve()
+    if params != (root / DEFAULT_PARAMS).resolve():
+        raise PipelineError(f"the flow reproduces {DEFAULT_PARAMS} (what dvc.yaml tracks); "
+                            f"pass overrides instead of params_file={params_file}")
+    ws = Workspace.load(params, overrides or {})  # validate before anything runs
+    experiment = None
+    with workspace_lock(root, lock_wait_seconds):
+        session = OverrideSession(root, params, overrides) if overrides else None
+        if session:
+            session.__enter__()
+        try:
+            results = {name: fn(str(root)) for name, fn in TASKS.items()}
+            ran = [n for n, r in results.items() if isinstance(r, dict) and r.get("ran")]
+            cached = [n for n in STAGES if n not in ran]
+            if session:
+                experiment = session.save_experiment(f"prefect-{time.strftime('%Y%m%d-%H%M%S')}")
+            info = summary(ws)
+        finally:
+            if session:
+                session.__exit__(None, None, None)
+    report = markdown(info, ran, cached, experiment)
+    create_markdown_artifact(key="finetune-summary", markdown=report,
+                             description="metrics, MLflow run, export path, stages ran/cached")
+    result = {**info, "ran": ran, "cached": cached, "experiment": experiment}
+    if not ran:
+        return Completed(message="up to date: no data or params changed since the last run",
+                         data=result)
+    return result

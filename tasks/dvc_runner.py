@@ -1,0 +1,138 @@
+"""Run one DVC stage the way `dvc repro` would, for orchestrators (the Prefect flow).
+
+Going through `dvc repro --single-item STAGE` (whose cmd is `finetune stage STAGE`, the stage
+function) means a Prefect run and a hand-typed `dvc repro` share one cache and one `dvc.lock`:
+a stage whose inputs did not change is skipped by DVC itself, and a stage that ran is recorded
+as if `dvc repro` had run it. Overrides are applied to the params file for the run, saved as a
+DVC experiment, and the workspace is put back exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from finetune.config.loader import apply_overrides, read_params_file, validate_raw
+from finetune.errors import PipelineError
+
+RAN = re.compile(r"Running stage '([\w-]+)'")
+GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots")
+
+
+@dataclass
+class StageResult:
+    stage: str
+    ran: bool
+    output: str
+
+
+def dvc_exe() -> list[str]:
+    exe = Path(sys.executable).with_name("dvc")
+    return [str(exe)] if exe.exists() else [shutil.which("dvc") or "dvc"]
+
+
+def _env() -> dict[str, str]:
+    bindir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def stream(cmd: list[str], cwd: Path, on_line: Callable[[str], None] | None = None,
+           env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run `cmd`, passing each output line to `on_line` as it comes; return (rc, output)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if on_line:
+            on_line(line.rstrip("\n"))
+    return proc.wait(), "".join(lines)
+
+
+def stage_error(output: str) -> str | None:
+    """The stage's own one-line `error: ...` (from the finetune CLI), if it printed one."""
+    found = [ln[len("error: "):] for ln in output.splitlines() if ln.startswith("error: ")]
+    return found[-1] if found else None
+
+
+def repro_stage(root: Path, stage: str, on_line: Callable[[str], None] | None = None,
+                extra_env: dict[str, str] | None = None) -> StageResult:
+    env = {**_env(), **(extra_env or {})}
+    rc, out = stream(dvc_exe() + ["repro", "--single-item", stage], root, on_line, env)
+    if rc != 0:
+        dvc_error = next((ln for ln in out.splitlines() if ln.startswith("ERROR")), None)
+        raise PipelineError(
+            f"stage '{stage}' failed: {stage_error(out) or dvc_error or f'dvc exited {rc}'}")
+    return StageResult(stage, stage in RAN.findall(out), out)
+
+
+def pipeline_status(root: Path) -> bool:
+    """True when `dvc status` says every stage is up to date."""
+    proc = subprocess.run(dvc_exe() + ["status", "--json"], cwd=root, env=_env(),
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise PipelineError(f"dvc status failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return proc.stdout.strip() in ("{}", "")
+
+
+class OverrideSession:
+    """Apply overrides to the params file for one run; restore everything afterwards.
+
+    The merged params are validated before anything is written. On exit the run is saved as a
+    DVC experiment (`dvc exp show` lists it), then the params file, dvc.lock, metrics and plots
+    are restored byte for byte and `dvc checkout` puts the baseline outputs back.
+    """
+
+    def __init__(self, root: Path, params_file: Path, overrides: dict[str, Any]):
+        self.root, self.params_file, self.overrides = root, params_file, overrides
+        self._backup: Path | None = None
+
+    def __enter__(self) -> "OverrideSession":
+        raw = read_params_file(self.params_file)
+        merged = apply_overrides(raw, self.overrides)
+        validate_raw(merged, source=f"{self.params_file} with overrides")
+        self._backup = Path(tempfile.mkdtemp(prefix="finetune-baseline-"))
+        for rel in (str(self.params_file.relative_to(self.root)), *GIT_TRACKED_RESULTS):
+            src = self.root / rel
+            if src.is_dir():
+                shutil.copytree(src, self._backup / rel)
+            elif src.exists():
+                (self._backup / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, self._backup / rel)
+        self.params_file.write_text(yaml.safe_dump(merged, sort_keys=False))
+        return self
+
+    def save_experiment(self, name: str) -> str:
+        untracked = [p for p in GIT_TRACKED_RESULTS if (self.root / p).exists()]
+        cmd = dvc_exe() + ["exp", "save", "--force", "-n", name]
+        for path in untracked:
+            cmd += ["-I", path]
+        proc = subprocess.run(cmd, cwd=self.root, env=_env(), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise PipelineError(f"dvc exp save failed: {(proc.stderr or proc.stdout).strip()}")
+        return name
+
+    def __exit__(self, *exc) -> None:
+        assert self._backup is not None
+        for rel in (str(self.params_file.relative_to(self.root)), *GIT_TRACKED_RESULTS):
+            saved, live = self._backup / rel, self.root / rel
+            if saved.is_dir():
+                shutil.rmtree(live, ignore_errors=True)
+                shutil.copytree(saved, live)
+            elif saved.exists():
+                shutil.copy2(saved, live)
+            elif live.exists() and not live.is_dir():
+                live.unlink()  # did not exist before the run
+        shutil.rmtree(self._backup, ignore_errors=True)
+        subprocess.run(dvc_exe() + ["checkout", "--force", "--quiet"], cwd=self.root, env=_env(),
+                       capture_output=True, text=True)

@@ -1,0 +1,40 @@
+"""The end-of-run summary: the same table for the CLI and the Prefect artifact."""
+
+from __future__ import annotations
+
+import json
+
+from finetune.workspace import Workspace
+from tasks.tracking import run_id_of
+
+
+def summary(ws: Workspace) -> dict:
+    ev_file = ws.layout.metrics / "eval.json"
+    ev = json.loads(ev_file.read_text()) if ev_file.exists() else {}
+    return {
+        "eval": ev,
+        "mlflow_run_id": run_id_of(ws),
+        "mlflow_uri": ws.mlflow_uri(),
+        "export_path": str(ws.layout.export),
+    }
+
+
+def markdown(info: dict, ran: list[str] | None = None, cached: list[str] | None = None,
+             experiment: str | None = None) -> str:
+    ev = info.get("eval") or {}
+    lines = ["| model | eval loss | perplexity |", "|---|---|---|"]
+    for label, key in (("base", "base"), ("fine-tuned", "finetuned")):
+        vals = ev.get(key)
+        if vals:
+            lines.append(f"| {label} | {vals['loss']:.4f} | {vals['perplexity']:.2f} |")
+    if ev.get("base") and ev.get("finetuned"):
+        delta = ev["base"]["loss"] - ev["finetuned"]["loss"]
+        verdict = "improved" if delta > 0 else "did NOT improve"
+        lines.append(f"\nfine-tuning {verdict} eval loss by {delta:+.4f}")
+    lines.append(f"exported model: {info['export_path']} (AutoModelForCausalLM.from_pretrained)")
+    lines.append(f"MLflow run: {info['mlflow_run_id']} in {info['mlflow_uri']}")
+    if ran is not None:
+        lines.append(f"stages ran: {', '.join(ran) or 'none'}; cached: {', '.join(cached or []) or 'none'}")
+    if experiment:
+        lines.append(f"DVC experiment: {experiment} (dvc exp show)")
+    return "\n".join(lines)
