@@ -15,7 +15,7 @@ export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run test clean-outputs
+.PHONY: setup run test stack clean-outputs
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 run: setup
 	finetune run
+
+stack: setup
+	finetune-stack
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

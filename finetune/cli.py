@@ -117,9 +117,12 @@ def cmd_run(args) -> int:
             "single stages with 'finetune stage NAME -p FILE -s KEY=VALUE'"
         )
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    from finetune.workspace import workspace_lock
+
     started = time.perf_counter()
     cmd = dvc_command() + ["repro"] + (["--force"] if args.force else [])
-    proc = subprocess.run(cmd, cwd=ws.root, env=env)
+    with workspace_lock(ws.root):  # the Prefect flow takes the same lock
+        proc = subprocess.run(cmd, cwd=ws.root, env=env)
     if proc.returncode != 0:
         raise PipelineError(f"dvc repro failed (exit {proc.returncode}); the failing stage's "
                             "error is printed above")

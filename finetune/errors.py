@@ -13,3 +13,9 @@ class PipelineError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(message.split()))  # keep it on one line
+
+
+class TransientError(PipelineError):
+    """A failure worth retrying (network, hub): orchestrators retry these, not bad input."""
+
+    exit_code = 75  # EX_TEMPFAIL

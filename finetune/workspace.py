@@ -183,3 +183,13 @@ def workspace_lock(root: Path, wait_seconds: float = 0.0, poll: float = 1.0) -> 
     finally:
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+
+
+def find_project_root(fallback: Path | None = None) -> Path:
+    """FINETUNE_ROOT, else the cwd when it holds dvc.yaml, else `fallback` (the code's repo)."""
+    if os.environ.get("FINETUNE_ROOT"):
+        return Path(os.environ["FINETUNE_ROOT"]).resolve()
+    cwd = Path.cwd()
+    if (cwd / "dvc.yaml").exists() or fallback is None:
+        return cwd.resolve()
+    return fallback.resolve()

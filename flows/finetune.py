@@ -8,7 +8,6 @@ validated first, run as a DVC experiment, and leave the params file as it was.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,24 +19,66 @@ from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
 from finetune.errors import PipelineError
-from finetune.workspace import DEFAULT_PARAMS, Workspace, workspace_lock
+from finetune.workspace import DEFAULT_PARAMS, Workspace, find_project_root, workspace_lock
 from tasks import STAGES
-from tasks.dvc_runner import OverrideSession, repro_stage
+from tasks.dvc_runner import OverrideSession, StageFailed, repro_stage
 from tasks.report import markdown, summary
 from tasks.train import RESUME_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+def _logger():
+    """The run logger inside Prefect; a plain logger when a task is called via `.fn`."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("finetune.flow")
+
+
+def _run_count() -> int:
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_context().task_run.run_count
+    except (MissingContextError, AttributeError):
+        return 1
+
+
 def _stage(stage: str, root: str, extra_env: dict[str, str] | None = None):
-    logger = get_run_logger()
+    logger = _logger()
     result = repro_stage(Path(root), stage, on_line=logger.info, extra_env=extra_env)
     if not result.ran:
         return Completed(message="cached: up to date", data={"stage": stage, "ran": False})
     return {"stage": stage, "ran": True}
 
 
-@task(name="download", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5))
+def _failure(state) -> Exception | None:
+    try:
+        state.result()
+    except Exception as exc:  # the task's exception is re-raised by result()
+        return exc
+    return None
+
+
+def retry_if_transient(task, task_run, state) -> bool:
+    """Network/hub failures are worth a retry; bad input (exit 2) never is."""
+    exc = _failure(state)
+    return isinstance(exc, StageFailed) and exc.transient
+
+
+def retry_unless_bad_input(task, task_run, state) -> bool:
+    """A crashed training (killed, OOM, lost node) is retried; a config error is not."""
+    exc = _failure(state)
+    return not (isinstance(exc, StageFailed) and exc.stage_exit == 2)
+
+
+@task(name="download", retries=3, retry_delay_seconds=exponential_backoff(backoff_factor=5),
+      retry_condition_fn=retry_if_transient)
 def download(root: str):
     """Network sources fail transiently: retry with exponential backoff."""
     return _stage("download", root)
@@ -53,11 +94,10 @@ def tokenize(root: str):
     return _stage("tokenize", root)
 
 
-@task(name="train", retries=1, retry_delay_seconds=5)
+@task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_bad_input)
 def train(root: str):
     """Retried once; the retry resumes from the latest checkpoint instead of starting over."""
-    run_count = get_run_context().task_run.run_count
-    return _stage("train", root, {RESUME_ENV: "1"} if run_count > 1 else None)
+    return _stage("train", root, {RESUME_ENV: "1"} if _run_count() > 1 else None)
 
 
 @task(name="evaluate")
@@ -76,7 +116,7 @@ assert tuple(TASKS) == STAGES
 
 
 def project_root(workspace: str | None) -> Path:
-    return Path(workspace or os.environ.get("FINETUNE_ROOT") or PROJECT_ROOT).resolve()
+    return Path(workspace).resolve() if workspace else find_project_root(PROJECT_ROOT)
 
 
 @flow(name="finetune", log_prints=True)

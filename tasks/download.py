@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from finetune.errors import PipelineError
+from finetune.errors import PipelineError, TransientError
 from finetune.workspace import Workspace, atomic_dir
 from tasks.contracts import validate_raw_split
 from tasks.templates import template_columns
@@ -95,7 +95,8 @@ def _load_hub(name: str, subset: str | None) -> dict[str, pd.DataFrame]:
             if offline
             else f"the Hugging Face Hub could not be reached ({type(exc).__name__})"
         )
-        raise PipelineError(
+        error = PipelineError if offline else TransientError
+        raise error(
             f"data.dataset_name '{name}': cannot load: {why}; connect to the network and unset "
             "HF_HUB_OFFLINE, or set data.json_file_path to a local file"
         ) from exc

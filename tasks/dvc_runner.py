@@ -28,6 +28,18 @@ RAN = re.compile(r"Running stage '([\w-]+)'")
 GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots")
 
 
+class StageFailed(PipelineError):
+    """A DVC stage failed; `stage_exit` is its command's exit code (2 bad input, 75 transient)."""
+
+    def __init__(self, message: str, stage_exit: int | None):
+        super().__init__(message)
+        self.stage_exit = stage_exit
+
+    @property
+    def transient(self) -> bool:
+        return self.stage_exit == 75
+
+
 @dataclass
 class StageResult:
     stage: str
@@ -71,8 +83,10 @@ def repro_stage(root: Path, stage: str, on_line: Callable[[str], None] | None = 
     rc, out = stream(dvc_exe() + ["repro", "--single-item", stage], root, on_line, env)
     if rc != 0:
         dvc_error = next((ln for ln in out.splitlines() if ln.startswith("ERROR")), None)
-        raise PipelineError(
-            f"stage '{stage}' failed: {stage_error(out) or dvc_error or f'dvc exited {rc}'}")
+        code = re.search(r"exited with (-?\d+)", dvc_error or "")
+        raise StageFailed(
+            f"stage '{stage}' failed: {stage_error(out) or dvc_error or f'dvc exited {rc}'}",
+            int(code.group(1)) if code else None)
     return StageResult(stage, stage in RAN.findall(out), out)
 
 

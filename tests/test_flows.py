@@ -1,0 +1,150 @@
+"""Prefect flow and tasks against a real (temporary) Prefect server: prefect_test_harness."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import subprocess
+
+import pytest
+import yaml
+from packaging.version import Version
+from prefect.states import State
+
+from conftest import BIN, ROOT, copy_project, run_cli
+from finetune.workspace import workspace_lock
+
+STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]
+
+
+def test_version_traps_pinned():
+    """prefect 3.8.8 breaks at runtime on fastapi >= 0.151 and SQLAlchemy >= 2.1 (cron runs)."""
+    assert Version(md.version("fastapi")) < Version("0.151")
+    assert Version(md.version("sqlalchemy")) < Version("2.1")
+
+
+def test_prefect_yaml_matches_deployment_settings():
+    from flows.deploy import load_settings
+
+    s = load_settings(ROOT / "params/deployment.yaml")
+    dep = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"][0]
+    assert dep["name"] == s.name == "default"
+    assert dep["schedules"][0] == {"cron": s.cron, "timezone": s.timezone}
+    assert dep["entrypoint"] == "flows/finetune.py:finetune"
+
+
+def test_tasks_via_fn_run_then_report_cached(tmp_path):
+    from flows.finetune import download
+
+    project = copy_project(tmp_path / "p")
+    first = download.fn(str(project))
+    assert first == {"stage": "download", "ran": True}
+    second = download.fn(str(project))
+    assert isinstance(second, State) and second.message == "cached: up to date"
+
+
+def test_retry_conditions():
+    from prefect.states import Failed
+
+    from flows.finetune import retry_if_transient, retry_unless_bad_input
+    from tasks.dvc_runner import StageFailed
+
+    def failed(code):
+        return Failed(data=StageFailed("x", code))
+
+    assert retry_if_transient(None, None, failed(75))
+    assert not retry_if_transient(None, None, failed(2))
+    assert retry_unless_bad_input(None, None, failed(1))
+    assert not retry_unless_bad_input(None, None, failed(2))
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def flow_project(tmp_path_factory, harness):
+    return copy_project(tmp_path_factory.mktemp("flow") / "p")
+
+
+def task_messages(flow_run_id) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {r.name.rsplit("-", 1)[0]: r.state.message or "" for r in runs}
+
+
+def test_flow_full_run_then_fully_cached(flow_project):
+    from prefect.client.orchestration import get_client
+
+    from flows.finetune import finetune
+
+    state = finetune(workspace=str(flow_project), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["ran"] == STAGES and result["cached"] == []
+    assert result["eval"]["finetuned"]["loss"] < result["eval"]["base"]["loss"]
+    assert result["mlflow_run_id"]
+    with get_client(sync_client=True) as client:
+        artifact = client.read_latest_artifacts()
+    assert any(a.key == "finetune-summary" and "| fine-tuned |" in a.data for a in artifact)
+
+    again = finetune(workspace=str(flow_project), return_state=True)
+    assert again.is_completed() and again.message.startswith("up to date")
+    assert again.result()["ran"] == []
+    messages = task_messages(again.state_details.flow_run_id)
+    assert set(messages) == set(STAGES)
+    assert all(m == "cached: up to date" for m in messages.values()), messages
+
+
+def test_flow_override_is_an_experiment_and_leaves_params(flow_project):
+    from flows.finetune import finetune
+
+    params = flow_project / "params/default.yaml"
+    before = params.read_bytes()
+    state = finetune(workspace=str(flow_project), overrides={"training.max_steps": 4},
+                     return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["ran"] == ["train", "evaluate", "export"]
+    assert params.read_bytes() == before
+    exps = subprocess.run([str(BIN / "dvc"), "exp", "show", "--json"], cwd=flow_project,
+                          capture_output=True, text=True, check=True).stdout
+    assert result["experiment"] in exps
+    status = subprocess.run([str(BIN / "dvc"), "status"], cwd=flow_project, capture_output=True,
+                            text=True, check=True).stdout
+    assert "up to date" in status, status  # the baseline outputs are back in the workspace
+
+
+def test_flow_failures_surface_the_stage_message(flow_project):
+    from flows.finetune import finetune
+
+    bad = finetune(workspace=str(flow_project), overrides={"training.max_steps": -3, "training.num_train_epochs": 0},
+                   return_state=True)
+    assert bad.is_failed()
+    with pytest.raises(Exception, match="max_steps > 0 or num_train_epochs > 0"):
+        bad.result()
+    missing = finetune(workspace=str(flow_project),
+                       overrides={"data.data_files": {"train": "data/source/nope.jsonl"}},
+                       return_state=True)
+    assert missing.is_failed()
+    with pytest.raises(Exception, match="stage 'download' failed: data file .*nope.jsonl not found"):
+        missing.result()
+    assert subprocess.run([str(BIN / "dvc"), "status"], cwd=flow_project, capture_output=True,
+                          text=True).stdout.strip().endswith("up to date.")
+
+
+def test_second_run_waits_or_fails_on_workspace_lock(flow_project):
+    from flows.finetune import finetune
+
+    with workspace_lock(flow_project):
+        busy = finetune(workspace=str(flow_project), return_state=True)
+    assert busy.is_failed()
+    with pytest.raises(Exception, match="is busy: another pipeline run holds"):
+        busy.result()
