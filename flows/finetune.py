@@ -84,32 +84,24 @@ def download(root: str):
     return _stage("download", root)
 
 
-@task(name="format")
-def format_prompts(root: str):
-    return _stage("format", root)
-
-
-@task(name="tokenize")
-def tokenize(root: str):
-    return _stage("tokenize", root)
-
-
 @task(name="train", retries=1, retry_delay_seconds=5, retry_condition_fn=retry_unless_bad_input)
 def train(root: str):
     """Retried once; the retry resumes from the latest checkpoint instead of starting over."""
     return _stage("train", root, {RESUME_ENV: "1"} if _run_count() > 1 else None)
 
 
-@task(name="evaluate")
-def evaluate(root: str):
-    return _stage("evaluate", root)
+def _plain_task(stage: str):
+    """Stages with nothing to retry: a task that just runs the DVC stage."""
+
+    def run(root: str):
+        return _stage(stage, root)
+
+    run.__name__ = run.__qualname__ = f"{stage}_stage"
+    return task(name=stage)(run)
 
 
-@task(name="export")
-def export(root: str):
-    return _stage("export", root)
-
-
+format_prompts, tokenize, evaluate, export = map(_plain_task, ("format", "tokenize", "evaluate",
+                                                                "export"))
 TASKS = {"download": download, "format": format_prompts, "tokenize": tokenize, "train": train,
          "evaluate": evaluate, "export": export}
 assert tuple(TASKS) == STAGES

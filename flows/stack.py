@@ -38,7 +38,7 @@ def wait_healthy(api_url: str, timeout: float, proc: subprocess.Popen | None = N
     raise SystemExit(f"error: prefect server at {api_url} not healthy after {timeout:.0f}s")
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True
@@ -51,17 +51,17 @@ def stop(proc: subprocess.Popen | None, sig: int, timeout: float) -> None:
     if proc is None:
         return
     pgid = proc.pid
-    if proc.poll() is None and _group_alive(pgid):
+    if proc.poll() is None and group_alive(pgid):
         os.killpg(pgid, sig)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None and not _group_alive(pgid):
+        if proc.poll() is not None and not group_alive(pgid):
             return
         time.sleep(0.2)
-    if _group_alive(pgid):
+    if group_alive(pgid):
         os.killpg(pgid, signal.SIGKILL)
     proc.wait()
-    while _group_alive(pgid):
+    while group_alive(pgid):
         time.sleep(0.1)
 
 

@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from conftest import BIN, copy_project
+from flows.stack import group_alive
 
 
 def free_port() -> int:
@@ -41,14 +42,6 @@ def wait_for(predicate, timeout: float, what: str):
             pass
         time.sleep(1)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @pytest.mark.slow
