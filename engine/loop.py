@@ -22,7 +22,8 @@ from engine import checkpoint as ckpt
 from engine.data import ShardedBatches, collate, count_targets, token_loss_sum
 from engine.distributed import Dist, all_reduce_sum, setup, teardown, unwrap, wrap_model
 from engine.evaluation import evaluate_loss
-from engine.model import apply_peft, count_parameters, load_base_model, load_tokenizer
+from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
+                          make_adapter_config_reproducible)
 from engine.optim import build_optimizer, build_scheduler
 from engine.sinks import MetricSinks
 from finetune.config import FinetuneConfig
@@ -178,6 +179,7 @@ def _train(cfg, layout: Layout, root: Path, d: Dist, mlflow_uri, run_id, dataset
         "world_size": d.world_size,
     }
     if d.is_main:
+        make_adapter_config_reproducible(unwrap(wrapped), cfg.model)
         with atomic_dir(layout.trained) as staging:
             unwrap(wrapped).save_pretrained(staging, safe_serialization=True)
             tok.save_pretrained(staging)

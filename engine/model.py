@@ -158,6 +158,19 @@ def apply_peft(model, cfg: PeftSection):
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
 
 
+def make_adapter_config_reproducible(model, cfg: ModelConfig) -> None:
+    """Byte-identical adapter_config.json for identical trainings, on any machine.
+
+    peft stores "all-linear" targets as a set (written in hash-seed order) and the base model
+    as the absolute path it was loaded from (different in every clone); use a sorted list and
+    the name_or_path as written in the params file instead.
+    """
+    for peft_cfg in getattr(model, "peft_config", {}).values():
+        if isinstance(peft_cfg.target_modules, (set, frozenset)):
+            peft_cfg.target_modules = sorted(peft_cfg.target_modules)
+        peft_cfg.base_model_name_or_path = cfg.name_or_path
+
+
 def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_dir: Path):
     """The fine-tuned model from the train stage's output (adapter on base, or full weights)."""
     if peft_cfg.use_peft:

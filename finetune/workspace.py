@@ -61,6 +61,12 @@ class Layout:
     def plots(self) -> Path:
         return self.root / "data/plots"
 
+    @property
+    def train_run(self) -> Path:
+        """The MLflow run id of the last training. Kept out of data/trained so the trained
+        weights folder is byte-identical when a training is reproduced."""
+        return self.root / "data/lineage/train_run.json"
+
 
 @dataclass(frozen=True)
 class Workspace:

@@ -1,6 +1,6 @@
 """MLflow bookkeeping shared by the stages: one run per training, found again downstream.
 
-The train stage opens the run and records its id in `data/trained/run.json` (a DVC out), so
+The train stage opens the run and records its id in `data/lineage/train_run.json` (a DVC out), so
 evaluate and export, even when launched as separate DVC/Prefect steps, log into the same run.
 Lineage tags: git commit and dirty flag, params file, config fingerprint, dvc.lock stage hashes.
 """
@@ -17,8 +17,6 @@ import yaml
 
 from finetune.config import config_fingerprint
 from finetune.workspace import Workspace
-
-RUN_FILE = "run.json"
 
 
 def _env_quiet() -> None:
@@ -98,7 +96,7 @@ def start_run(ws: Workspace, extra_tags: dict[str, str] | None = None) -> str:
 
 
 def run_id_of(ws: Workspace) -> str | None:
-    path = ws.layout.trained / RUN_FILE
+    path = ws.layout.train_run
     if not path.exists():
         return None
     return json.loads(path.read_text()).get("mlflow_run_id")

@@ -103,5 +103,5 @@ def train(ws: Workspace) -> dict[str, Path]:
                                       if isinstance(v, (int, float)) and v is not None})
     for plot in ("train.csv", "eval.csv"):
         tracking.client(ws).log_artifact(run_id, str(ws.layout.plots / plot), "plots")
-    write_json_atomic(ws.layout.trained / tracking.RUN_FILE, {"mlflow_run_id": run_id})
+    write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
     return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}

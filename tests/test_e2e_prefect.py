@@ -69,7 +69,7 @@ def test_stack_deployment_run_schedule_and_clean_stop(tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr + (tmp_path / "stack.log").read_text()
         assert "Completed" in proc.stdout
 
-        run_file = project / "data/trained/run.json"
+        run_file = project / "data/lineage/train_run.json"
         run_id = json.loads(run_file.read_text())["mlflow_run_id"]
         from mlflow.tracking import MlflowClient
 

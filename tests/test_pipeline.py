@@ -63,13 +63,27 @@ def test_mlflow_run_has_lineage(repro):
     project, _ = repro
     from mlflow.tracking import MlflowClient
 
-    run_id = json.loads((project / "data/trained/run.json").read_text())["mlflow_run_id"]
+    run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
     run = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}").get_run(run_id)
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert len(tags["git_commit"]) == 40 and tags["data_sha256"]
     assert {"dvc_stage.download", "dvc_stage.tokenize", "dvc_stage.train"} <= set(tags)
     assert run.data.metrics["eval.loss"] < run.data.metrics["eval.base_loss"]
+
+
+def out_hash(project, stage, path):
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    return next(o["md5"] for o in lock["stages"][stage]["outs"] if o["path"] == path)
+
+
+def test_forced_retrain_reproduces_the_model_bit_for_bit(repro):
+    project, _ = repro
+    before = out_hash(project, "train", "data/trained")
+    dvc(project, "repro", "--force", "--single-item", "train")
+    assert out_hash(project, "train", "data/trained") == before
+    status = dvc(project, "status").stdout
+    assert "up to date" in status, status  # evaluate/export see identical weights: no rerun
 
 
 def test_second_repro_is_noop_and_training_change_reruns_only_later_stages(repro):

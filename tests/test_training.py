@@ -57,7 +57,7 @@ def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
     assert sorted(p.name for p in (project / "data/checkpoints").iterdir()) == [
         "step-0000003", "step-0000006"]
     assert len(losses(project)) == 6
-    run_id = json.loads((trained / "run.json").read_text())["mlflow_run_id"]
+    run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
