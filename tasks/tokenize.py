@@ -9,6 +9,7 @@ the silent failure TRL users report.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
         for file in sorted(ws.layout.formatted.glob("*.parquet")):
             role = file.stem
             ds = datasets.Dataset.from_pandas(pd.read_parquet(file), preserve_index=False)
+            fingerprint = _fingerprint(file, tok, bos, data.max_seq_length,
+                                       ws.config.model.name_or_path)
             ds = ds.map(
                 encode_batch,
                 batched=True,
@@ -51,8 +54,9 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
                 fn_kwargs={"tok": tok, "bos": bos, "max_len": data.max_seq_length},
                 desc=f"tokenize {role}",
                 load_from_cache_file=False,
+                new_fingerprint=fingerprint,
             )
-            ds, split_stats = _drop_untrainable(ds, role, data.max_dropped_fraction)
+            ds, split_stats = _drop_untrainable(ds, role, data.max_dropped_fraction, fingerprint)
             counts = pd.DataFrame(
                 {
                     "n_tokens": [len(x) for x in ds["input_ids"]],
@@ -97,7 +101,19 @@ def encode_batch(batch: dict[str, list], tok, bos: int | None, max_len: int) -> 
     return out
 
 
-def _drop_untrainable(ds, role: str, max_fraction: float):
+def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str) -> str:
+    """A content-derived datasets fingerprint, so `state.json` (and the DVC hash of the
+    tokenized folder) is identical when the same inputs are tokenized again, on any machine.
+    datasets would otherwise draw a random one (it cannot hash the tokenizer object)."""
+    import hashlib
+
+    h = hashlib.sha256(file.read_bytes())
+    h.update(json.dumps([max_len, bos, tok.eos_token_id, len(tok), model_ref]).encode())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _drop_untrainable(ds, role: str, max_fraction: float, fingerprint: str):
     total = len(ds)
     trainable = [n > 0 for n in ds["n_trainable"]]
     dropped = total - sum(trainable)
@@ -112,7 +128,8 @@ def _drop_untrainable(ds, role: str, max_fraction: float):
             "shorten the prompts"
         )
     if dropped:
-        ds = ds.select([i for i, keep in enumerate(trainable) if keep])
+        ds = ds.select([i for i, keep in enumerate(trainable) if keep],
+                       new_fingerprint=fingerprint[::-1])
     lengths = [len(x) for x in ds["input_ids"]]
     stats = {
         "rows": len(ds),

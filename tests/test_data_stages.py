@@ -57,6 +57,10 @@ def test_default_source_flows_through_three_stages(project):
     assert untruncated["input_ids"][-1] == 2 and untruncated["labels"][-1] == 2  # EOS trained
     stats = json.loads((project / "data/metrics/tokenize.json").read_text())
     assert stats["train"]["rows"] == len(ds)
+    first = {p.relative_to(project): p.read_bytes() for p in tok["train"].parent.rglob("*") if p.is_file()}
+    tokenize(ws)  # same inputs -> byte-identical folder (DVC hash stable across reruns/clones)
+    again = {p.relative_to(project): p.read_bytes() for p in tok["train"].parent.rglob("*") if p.is_file()}
+    assert again == first
     assert stats["train"]["trainable_tokens"] == sum(ds["n_trainable"])
     assert stats["train"]["truncated_rows"] == sum(ds["truncated"])
 
