@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from finetune.workspace import replace_dir
+
 PREFIX = "step-"
 
 
@@ -65,13 +67,7 @@ def save(directory: Path, step: int, state: dict[str, Any], meta: dict[str, Any]
             "state_sha256": _sha256(staging / "state.pt")}
     (staging / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     _fsync_dir(staging)
-    if final.exists():
-        old = directory / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, final)
+    replace_dir(staging, final)
     _fsync_dir(directory)
     if keep:
         for stale in list_checkpoints(directory, validate=False)[:-keep]:

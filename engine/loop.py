@@ -66,16 +66,17 @@ def total_steps(cfg: FinetuneConfig, steps_per_epoch: int) -> int:
 def train(cfg: FinetuneConfig, root: Path, mlflow_uri: str | None = None,
           run_id: str | None = None) -> dict[str, Any]:
     """Run training on this rank; rank 0 writes the trained model and metrics."""
-    import datasets
-
     d = setup(cfg.distributed)
     try:
-        return _train(cfg, Layout(root), root, d, mlflow_uri, run_id, datasets)
+        return _train(cfg, root, d, mlflow_uri, run_id)
     finally:
         teardown()
 
 
-def _train(cfg, layout: Layout, root: Path, d: Dist, mlflow_uri, run_id, datasets):
+def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
+    import datasets
+
+    layout = Layout(root)
     t = cfg.training
     amp = autocast_dtype(cfg, d.device)
     seed_everything(t.seed)

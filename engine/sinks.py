@@ -9,11 +9,20 @@ from __future__ import annotations
 import csv
 import os
 import sys
+import time
 from pathlib import Path
 
 TRAIN_FIELDS = ["step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second",
                 "num_input_tokens_seen"]
 EVAL_FIELDS = ["step", "eval_loss"]
+
+
+def log_batch(client, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """All metrics of one step in one MLflow request."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
 
 
 class MetricSinks:
@@ -36,14 +45,7 @@ class MetricSinks:
                          for k, v in row.items())
         print(f"[train] {shown}", file=sys.stdout, flush=True)
         if self._client:
-            from mlflow.entities import Metric
-            import time
-
-            now = int(time.time() * 1000)
-            self._client.log_batch(
-                self._run_id,
-                metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()],
-            )
+            log_batch(self._client, self._run_id, metrics, step)
 
     def finish(self) -> None:
         """Write `train.csv` (training rows) and `eval.csv` (eval rows) for `dvc plots`."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -104,11 +103,6 @@ def cmd_config(args) -> int:
     return 0
 
 
-def dvc_command() -> list[str]:
-    exe = Path(sys.executable).with_name("dvc")
-    return [str(exe)] if exe.exists() else [shutil.which("dvc") or "dvc"]
-
-
 def cmd_run(args) -> int:
     ws = Workspace.load(args.params, args.overrides)
     if args.overrides or ws.params_path.resolve() != (ws.root / DEFAULT_PARAMS).resolve():
@@ -116,13 +110,13 @@ def cmd_run(args) -> int:
             f"finetune run reproduces {DEFAULT_PARAMS} (what dvc.yaml tracks); edit it, or run "
             "single stages with 'finetune stage NAME -p FILE -s KEY=VALUE'"
         )
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     from finetune.workspace import workspace_lock
+    from tasks.dvc_runner import dvc_env, dvc_exe
 
     started = time.perf_counter()
-    cmd = dvc_command() + ["repro"] + (["--force"] if args.force else [])
+    cmd = dvc_exe() + ["repro"] + (["--force"] if args.force else [])
     with workspace_lock(ws.root):  # the Prefect flow takes the same lock
-        proc = subprocess.run(cmd, cwd=ws.root, env=env)
+        proc = subprocess.run(cmd, cwd=ws.root, env=dvc_env())
     if proc.returncode != 0:
         raise PipelineError(f"dvc repro failed (exit {proc.returncode}); the failing stage's "
                             "error is printed above")

@@ -82,8 +82,7 @@ class Workspace:
     ) -> "Workspace":
         params_path = Path(params)
         if not params_path.is_absolute() and not params_path.exists():
-            root_guess = Path(os.environ.get("FINETUNE_ROOT", "."))
-            params_path = root_guess / params_path
+            params_path = find_project_root() / params_path
         config = load_config(params_path, overrides)
         return cls(config=config, root=project_root_for(params_path), params_path=params_path)
 
@@ -136,15 +135,6 @@ def write_json_atomic(path: Path, data: Any) -> Path:
     with os.fdopen(fd, "w") as fh:
         json.dump(data, fh, indent=2, sort_keys=True)
         fh.write("\n")
-    os.replace(tmp, path)
-    return path
-
-
-def write_text_atomic(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
     os.replace(tmp, path)
     return path
 

@@ -8,6 +8,7 @@ validated first, run as a DVC experiment, and leave the params file as it was.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -122,20 +123,14 @@ def finetune(params_file: str = DEFAULT_PARAMS, overrides: dict[str, Any] | None
                             f"pass overrides instead of params_file={params_file}")
     ws = Workspace.load(params, overrides or {})  # validate before anything runs
     experiment = None
-    with workspace_lock(root, lock_wait_seconds):
-        session = OverrideSession(root, params, overrides) if overrides else None
+    overriding = OverrideSession(root, params, overrides) if overrides else contextlib.nullcontext()
+    with workspace_lock(root, lock_wait_seconds), overriding as session:
+        results = {name: fn(str(root)) for name, fn in TASKS.items()}
+        ran = [n for n, r in results.items() if isinstance(r, dict) and r.get("ran")]
+        cached = [n for n in STAGES if n not in ran]
         if session:
-            session.__enter__()
-        try:
-            results = {name: fn(str(root)) for name, fn in TASKS.items()}
-            ran = [n for n, r in results.items() if isinstance(r, dict) and r.get("ran")]
-            cached = [n for n in STAGES if n not in ran]
-            if session:
-                experiment = session.save_experiment(f"prefect-{time.strftime('%Y%m%d-%H%M%S')}")
-            info = summary(ws)
-        finally:
-            if session:
-                session.__exit__(None, None, None)
+            experiment = session.save_experiment(f"prefect-{time.strftime('%Y%m%d-%H%M%S')}")
+        info = summary(ws)  # before the session restores the baseline metrics
     report = markdown(info, ran, cached, experiment)
     create_markdown_artifact(key="finetune-summary", markdown=report,
                              description="metrics, MLflow run, export path, stages ran/cached")

@@ -11,20 +11,19 @@ from typing import Callable
 STAGES = ("download", "format", "tokenize", "train", "evaluate", "export")
 
 
+_FUNCTIONS = {
+    "download": "tasks.download:download",
+    "format": "tasks.format:format_prompts",
+    "tokenize": "tasks.tokenize:tokenize",
+    "train": "tasks.train:train",
+    "evaluate": "tasks.evaluate:evaluate",
+    "export": "tasks.export:export",
+}
+
+
 def stage_function(name: str) -> Callable:
     """Import lazily: `finetune validate` should not pay for torch/datasets imports."""
-    if name == "download":
-        from tasks.download import download as fn
-    elif name == "format":
-        from tasks.format import format_prompts as fn
-    elif name == "tokenize":
-        from tasks.tokenize import tokenize as fn
-    elif name == "train":
-        from tasks.train import train as fn
-    elif name == "evaluate":
-        from tasks.evaluate import evaluate as fn
-    elif name == "export":
-        from tasks.export import export as fn
-    else:
-        raise KeyError(name)
-    return fn
+    import importlib
+
+    module, _, attr = _FUNCTIONS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -52,7 +52,8 @@ def dvc_exe() -> list[str]:
     return [str(exe)] if exe.exists() else [shutil.which("dvc") or "dvc"]
 
 
-def _env() -> dict[str, str]:
+def dvcdvc_env() -> dict[str, str]:
+    """The environment with this venv's bin first, so DVC finds the `finetune` command."""
     bindir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
@@ -60,7 +61,7 @@ def _env() -> dict[str, str]:
 def stream(cmd: list[str], cwd: Path, on_line: Callable[[str], None] | None = None,
            env: dict[str, str] | None = None) -> tuple[int, str]:
     """Run `cmd`, passing each output line to `on_line` as it comes; return (rc, output)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or dvc_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     lines = []
     assert proc.stdout is not None
@@ -79,7 +80,7 @@ def stage_error(output: str) -> str | None:
 
 def repro_stage(root: Path, stage: str, on_line: Callable[[str], None] | None = None,
                 extra_env: dict[str, str] | None = None) -> StageResult:
-    env = {**_env(), **(extra_env or {})}
+    env = {**dvc_env(), **(extra_env or {})}
     rc, out = stream(dvc_exe() + ["repro", "--single-item", stage], root, on_line, env)
     if rc != 0:
         dvc_error = next((ln for ln in out.splitlines() if ln.startswith("ERROR")), None)
@@ -88,15 +89,6 @@ def repro_stage(root: Path, stage: str, on_line: Callable[[str], None] | None = 
             f"stage '{stage}' failed: {stage_error(out) or dvc_error or f'dvc exited {rc}'}",
             int(code.group(1)) if code else None)
     return StageResult(stage, stage in RAN.findall(out), out)
-
-
-def pipeline_status(root: Path) -> bool:
-    """True when `dvc status` says every stage is up to date."""
-    proc = subprocess.run(dvc_exe() + ["status", "--json"], cwd=root, env=_env(),
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise PipelineError(f"dvc status failed: {proc.stderr.strip().splitlines()[-1:]}")
-    return proc.stdout.strip() in ("{}", "")
 
 
 class OverrideSession:
@@ -131,7 +123,7 @@ class OverrideSession:
         cmd = dvc_exe() + ["exp", "save", "--force", "-n", name]
         for path in untracked:
             cmd += ["-I", path]
-        proc = subprocess.run(cmd, cwd=self.root, env=_env(), capture_output=True, text=True)
+        proc = subprocess.run(cmd, cwd=self.root, env=dvc_env(), capture_output=True, text=True)
         if proc.returncode != 0:
             raise PipelineError(f"dvc exp save failed: {(proc.stderr or proc.stdout).strip()}")
         return name
@@ -148,5 +140,5 @@ class OverrideSession:
             elif live.exists() and not live.is_dir():
                 live.unlink()  # did not exist before the run
         shutil.rmtree(self._backup, ignore_errors=True)
-        subprocess.run(dvc_exe() + ["checkout", "--force", "--quiet"], cwd=self.root, env=_env(),
+        subprocess.run(dvc_exe() + ["checkout", "--force", "--quiet"], cwd=self.root, env=dvc_env(),
                        capture_output=True, text=True)

@@ -24,7 +24,7 @@ def template_columns(data: DataConfig) -> list[str]:
         except ValueError as exc:
             raise PipelineError(f"data.{key}: malformed template ({exc})") from None
         for name in names:
-            if not name.isidentifier() and not name:
+            if not name:
                 raise PipelineError(f"data.{key}: empty '{{}}' placeholder; name a column")
             if name not in cols:
                 cols.append(name)

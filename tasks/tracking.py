@@ -72,7 +72,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 def start_run(ws: Workspace, extra_tags: dict[str, str] | None = None) -> str:
     """Create the MLflow run for a training; logs resolved params and lineage tags."""
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Param
 
     c = client(ws)
     exp_name = ws.config.logging.experiment_name
@@ -103,12 +103,9 @@ def run_id_of(ws: Workspace) -> str | None:
 
 
 def log_metrics(ws: Workspace, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-    import time
+    from engine.sinks import log_batch
 
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    client(ws).log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+    log_batch(client(ws), run_id, metrics, step)
 
 
 def set_tags(ws: Workspace, run_id: str, tags: dict[str, str]) -> None:

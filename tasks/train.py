@@ -38,20 +38,17 @@ def preflight(ws: Workspace) -> None:
     """Checks that need the machine, done before any process starts."""
     import torch
 
+    from engine.loop import autocast_dtype
     from engine.model import check_quantization
 
     cfg = ws.config
+    cuda = torch.cuda.is_available()
     check_quantization(cfg.model)
-    if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise PipelineError(
-            "training.mixed_precision: fp16 on CPU is refused (about 100x slower than fp32 "
-            "here); use bf16 or fp32"
-        )
-    if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
+    autocast_dtype(cfg, torch.device("cuda" if cuda else "cpu"))  # refuses fp16 on CPU
+    if cfg.distributed.backend == "nccl" and not cuda:
         raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
-    for split in ("train",):
-        if not (ws.layout.tokenized / split).exists():
-            raise PipelineError(f"{ws.layout.tokenized / split} missing; run the tokenize stage")
+    if not (ws.layout.tokenized / "train").exists():
+        raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
 
 
 RESUME_ENV = "FINETUNE_RESUME"

@@ -317,6 +317,4 @@ class FinetuneConfig(Section):
                     f"gradient_accumulation_steps {t.gradient_accumulation_steps} x "
                     f"world size {world} = {derived}"
                 )
-        if self.distributed.strategy == "ddp" and world == 1:
-            pass  # DDP on one process is legal (and useful to test the wrapper)
         return self
