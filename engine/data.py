@@ -41,6 +41,22 @@ class ShardedBatches:
         return out
 
 
+MODEL_COLUMNS = ["input_ids", "labels"]
+
+
+def load_tokenized(path):
+    """A tokenized split with only the columns the model consumes."""
+    import datasets
+
+    return datasets.load_from_disk(str(path)).select_columns(MODEL_COLUMNS)
+
+
+def take_rows(dataset, indices) -> list[dict]:
+    """Rows at `indices` in one Arrow take (not one lookup per row)."""
+    cols = dataset[list(indices)]
+    return [dict(zip(cols, values)) for values in zip(*cols.values())]
+
+
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Dynamic padding: pad to the longest row of this batch (right side)."""
     longest = max(len(r["input_ids"]) for r in rows)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.data import collate, count_targets, token_loss_sum
+from engine.data import collate, count_targets, take_rows, token_loss_sum
 from engine.distributed import Dist, all_reduce_sum
 
 
@@ -23,13 +23,13 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
         starts = starts[:max_batches]
     loss_sum, tokens = 0.0, 0
     for start in starts[rank::world]:
-        rows = dataset[start : start + batch_size]
-        batch = collate([dict(zip(rows, v)) for v in zip(*rows.values())], pad_id)
+        batch = collate(take_rows(dataset, range(start, min(start + batch_size, len(dataset)))),
+                        pad_id)
+        tokens += count_targets(batch)
         batch = {k: v.to(device) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss_sum += float(token_loss_sum(logits, batch["labels"]))
-        tokens += count_targets(batch)
     if dist:
         loss_sum, tokens = all_reduce_sum(loss_sum, dist), int(all_reduce_sum(tokens, dist))
     model.train(was_training)

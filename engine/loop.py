@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from engine import checkpoint as ckpt
-from engine.data import ShardedBatches, collate, count_targets, token_loss_sum
+from engine.data import (ShardedBatches, collate, count_targets, load_tokenized, take_rows,
+                         token_loss_sum)
 from engine.distributed import Dist, all_reduce_sum, setup, teardown, unwrap, wrap_model
 from engine.evaluation import evaluate_loss
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
@@ -74,8 +75,6 @@ def train(cfg: FinetuneConfig, root: Path, mlflow_uri: str | None = None,
 
 
 def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
-    import datasets
-
     layout = Layout(root)
     t = cfg.training
     amp = autocast_dtype(cfg, d.device)
@@ -83,10 +82,10 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     tok = load_tokenizer(cfg.model, root)
     model = apply_peft(load_base_model(cfg.model, root), cfg.peft).to(d.device)
     trainable, total = count_parameters(model)
-    train_ds = datasets.load_from_disk(str(layout.tokenized / "train"))
+    train_ds = load_tokenized(layout.tokenized / "train")
     eval_ds = None
     if (layout.tokenized / "test").exists():
-        eval_ds = datasets.load_from_disk(str(layout.tokenized / "test"))
+        eval_ds = load_tokenized(layout.tokenized / "test")
     batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
                              t.seed)
     accum = t.gradient_accumulation_steps
@@ -112,7 +111,9 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
               flush=True)
 
     order = batches.epoch(pos.epoch)
-    window = {"loss_sum": 0.0, "targets": 0, "tokens": 0, "t0": time.perf_counter()}
+    # The loss stays a device tensor until a logging step: no host sync per step.
+    window = {"loss_sum": torch.zeros((), dtype=torch.float64, device=d.device), "targets": 0,
+              "tokens": 0, "t0": time.perf_counter()}
     started = time.perf_counter()
     wrapped.train()
     while pos.step < n_steps:
@@ -123,11 +124,11 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
                 order = batches.epoch(pos.epoch)
             idx = order[pos.batch_in_epoch]
             pos.batch_in_epoch += 1
-            micro.append(collate([train_ds[i] for i in idx], tok.pad_token_id))
+            micro.append(collate(take_rows(train_ds, idx), tok.pad_token_id))
         targets = all_reduce_sum(sum(count_targets(b) for b in micro), d)
-        step_loss = torch.zeros((), dtype=torch.float64)
+        window["tokens"] += sum(int(b["attention_mask"].sum()) for b in micro)  # CPU tensors
         for i, batch in enumerate(micro):
-            batch = {k: v.to(d.device) for k, v in batch.items()}
+            batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
             sync = i == accum - 1 or not hasattr(wrapped, "no_sync")
             with (contextlib.nullcontext() if sync else wrapped.no_sync()):
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -136,8 +137,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
                 loss_sum = token_loss_sum(logits, batch["labels"])
                 loss = loss_sum * (d.world_size / max(targets, 1))
                 (scaler.scale(loss) if scaler else loss).backward()
-            step_loss += loss_sum.detach().double()
-            window["tokens"] += int(batch["attention_mask"].sum())
+            window["loss_sum"] += loss_sum.detach().double()
         if scaler:
             scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
@@ -149,7 +149,6 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         pos.step += 1
-        window["loss_sum"] += float(step_loss)
         window["targets"] += int(targets)
 
         if pos.step % cfg.logging.logging_steps == 0 or pos.step == n_steps or (
@@ -192,7 +191,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
 
 
 def _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum) -> None:
-    loss_sum = all_reduce_sum(window["loss_sum"], d)
+    loss_sum = all_reduce_sum(float(window["loss_sum"]), d)
     tokens = int(all_reduce_sum(window["tokens"], d))
     pos.tokens_seen += tokens
     elapsed = time.perf_counter() - window["t0"]
@@ -205,7 +204,8 @@ def _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, ac
             "num_input_tokens_seen": pos.tokens_seen,
             "epoch": round(pos.epoch + pos.batch_in_epoch / max(steps_per_epoch * accum, 1), 4),
         })
-    window.update(loss_sum=0.0, targets=0, tokens=0, t0=time.perf_counter())
+    window["loss_sum"].zero_()
+    window.update(targets=0, tokens=0, t0=time.perf_counter())
 
 
 def _trainable_state(model) -> dict[str, torch.Tensor]:

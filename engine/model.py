@@ -171,12 +171,15 @@ def make_adapter_config_reproducible(model, cfg: ModelConfig) -> None:
         peft_cfg.base_model_name_or_path = cfg.name_or_path
 
 
-def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_dir: Path):
-    """The fine-tuned model from the train stage's output (adapter on base, or full weights)."""
+def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_dir: Path,
+                 base=None):
+    """The fine-tuned model from the train stage's output (adapter on base, or full weights).
+
+    `base`, if given, is the already-loaded base model; the adapter is injected into it."""
     if peft_cfg.use_peft:
         from peft import PeftModel
 
-        base = load_base_model(cfg, root)
+        base = base if base is not None else load_base_model(cfg, root)
         return PeftModel.from_pretrained(base, str(trained_dir))
     return load_base_model(cfg, root, ref=str(trained_dir))
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine.data import load_tokenized
 from engine.evaluation import evaluate_loss
 from engine.model import load_base_model, load_tokenizer, load_trained
 from finetune.errors import PipelineError
@@ -19,8 +20,6 @@ from tasks import tracking
 
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
-    import datasets
-
     cfg = ws.config
     test_dir = ws.layout.tokenized / "test"
     if not test_dir.exists():
@@ -28,12 +27,14 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     if not ws.layout.trained.exists():
         raise PipelineError(f"{ws.layout.trained} missing; run the train stage first")
     torch.manual_seed(cfg.training.seed)
-    test = datasets.load_from_disk(str(test_dir))
+    test = load_tokenized(test_dir)
     tok = load_tokenizer(cfg.model, ws.root)
     # The whole split: eval.eval_batches caps only the quick in-training evals.
     args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
-    base = evaluate_loss(load_base_model(cfg.model, ws.root), *args)
-    tuned = evaluate_loss(load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained), *args)
+    base_model = load_base_model(cfg.model, ws.root)
+    base = evaluate_loss(base_model, *args)
+    tuned = evaluate_loss(load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained,
+                                       base=base_model), *args)
     metrics = {
         "base": {"loss": round(base["loss"], 6), "perplexity": round(base["perplexity"], 4)},
         "finetuned": {"loss": round(tuned["loss"], 6), "perplexity": round(tuned["perplexity"], 4)},

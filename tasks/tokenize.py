@@ -56,17 +56,17 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
                 load_from_cache_file=False,
                 new_fingerprint=fingerprint,
             )
-            ds, split_stats = _drop_untrainable(ds, role, data.max_dropped_fraction, fingerprint)
-            counts = pd.DataFrame(
-                {
-                    "n_tokens": [len(x) for x in ds["input_ids"]],
-                    "n_labels": [len(x) for x in ds["labels"]],
-                    "n_trainable": ds["n_trainable"],
-                }
-            )
+            counts = pd.DataFrame({  # each column read once; contract and stats use these
+                "n_tokens": [len(x) for x in ds["input_ids"]],
+                "n_labels": [len(x) for x in ds["labels"]],
+                "n_trainable": ds["n_trainable"],
+                "truncated": ds["truncated"],
+            })
+            ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
+                                                    fingerprint)
             validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'")
             ds.save_to_disk(str(staging / role))
-            stats[role] = split_stats
+            stats[role] = _stats(counts, dropped)
             out[role] = ws.layout.tokenized / role
     if not out:
         raise PipelineError(f"{ws.layout.formatted}: no formatted splits; run format first")
@@ -113,14 +113,15 @@ def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str)
     return h.hexdigest()[:16]
 
 
-def _drop_untrainable(ds, role: str, max_fraction: float, fingerprint: str):
-    total = len(ds)
-    trainable = [n > 0 for n in ds["n_trainable"]]
-    dropped = total - sum(trainable)
+def _drop_untrainable(ds, counts: pd.DataFrame, role: str, max_fraction: float,
+                      fingerprint: str):
+    total = len(counts)
+    keep = counts["n_trainable"] > 0
+    dropped = int(total - keep.sum())
     if total == 0:
         raise PipelineError(f"tokenize split '{role}': no rows")
     if dropped / total > max_fraction:
-        first = trainable.index(False)
+        first = int(keep.idxmin())
         raise PipelineError(
             f"tokenize split '{role}': {dropped}/{total} rows have no trainable token "
             f"(prompt fills max_seq_length or completion empty; first: row {first}); "
@@ -128,16 +129,18 @@ def _drop_untrainable(ds, role: str, max_fraction: float, fingerprint: str):
             "shorten the prompts"
         )
     if dropped:
-        ds = ds.select([i for i, keep in enumerate(trainable) if keep],
-                       new_fingerprint=fingerprint[::-1])
-    lengths = [len(x) for x in ds["input_ids"]]
-    stats = {
-        "rows": len(ds),
+        ds = ds.select(counts.index[keep].tolist(), new_fingerprint=f"{fingerprint}-kept")
+        counts = counts[keep].reset_index(drop=True)
+    return ds, counts, dropped
+
+
+def _stats(counts: pd.DataFrame, dropped: int) -> dict[str, Any]:
+    return {
+        "rows": len(counts),
         "dropped_rows": dropped,
-        "tokens": int(sum(lengths)),
-        "trainable_tokens": int(sum(ds["n_trainable"])),
-        "truncated_rows": int(sum(ds["truncated"])),
-        "max_tokens": int(max(lengths)),
-        "mean_tokens": round(sum(lengths) / len(lengths), 2),
+        "tokens": int(counts["n_tokens"].sum()),
+        "trainable_tokens": int(counts["n_trainable"].sum()),
+        "truncated_rows": int(counts["truncated"].sum()),
+        "max_tokens": int(counts["n_tokens"].max()),
+        "mean_tokens": round(float(counts["n_tokens"].mean()), 2),
     }
-    return ds, stats
