@@ -169,7 +169,9 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
 
     runtime = time.perf_counter() - started
     result = {
-        "train_loss": sinks.history[-1].get("loss") if sinks and sinks.history else None,
+        # the last training row (an eval row may come after it at the final step)
+        "train_loss": next((r["loss"] for r in reversed(sinks.history) if "loss" in r), None)
+        if sinks else None,
         "global_step": pos.step,
         "epoch": round(pos.epoch + pos.batch_in_epoch / max(len(order), 1), 4),
         "num_input_tokens_seen": pos.tokens_seen,

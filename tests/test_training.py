@@ -57,6 +57,7 @@ def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
     assert sorted(p.name for p in (project / "data/checkpoints").iterdir()) == [
         "step-0000003", "step-0000006"]
     assert len(losses(project)) == 6
+    assert metrics["train_loss"] == pytest.approx(losses(project)[-1])
     run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
     from mlflow.tracking import MlflowClient
 
