@@ -52,7 +52,7 @@ def dvc_exe() -> list[str]:
     return [str(exe)] if exe.exists() else [shutil.which("dvc") or "dvc"]
 
 
-def dvcdvc_env() -> dict[str, str]:
+def dvc_env() -> dict[str, str]:
     """The environment with this venv's bin first, so DVC finds the `finetune` command."""
     bindir = str(Path(sys.executable).parent)
     return {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
