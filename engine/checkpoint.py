@@ -1,14 +1,21 @@
-"""Checkpoints that survive a crash mid-save and restore training exactly.
+"""Sharded checkpoints (torch.distributed.checkpoint) that survive a crash mid-save.
 
-Layout: `<dir>/step-0000050/{state.pt, meta.json}`. A checkpoint is written into a hidden
-staging folder and renamed into place; `meta.json` (written last) carries the SHA-256 of
-`state.pt`, so a half-written or corrupted checkpoint is detected on load and the previous one
-is used instead, with a warning. Rotation keeps the newest `save_total_limit` by save time, so a
-fresh run's first checkpoints displace an older run's only once they exist.
+Layout of `<dir>/step-0000050/`:
+- `.metadata`, `__<rank>_0.distcp`: DCP files with the trainable weights and optimizer state(s),
+  FQN-keyed and sharded the way the model is (FSDP2 shards, DDP writes replicated tensors once);
+- `rank-<r>.pt`: each rank's RNG states (dropout differs per rank);
+- `trainer.pt`: scheduler, GradScaler, strategy extras and the metric history (rank 0);
+- `meta.json`, written last: data position, world size, strategy, SHA-256 of every file.
+
+All ranks write into one hidden staging folder, which rank 0 renames into place once everything
+is on disk, so a crash mid-save leaves the previous checkpoint valid. A half-written or corrupted
+checkpoint fails its hashes on load and the previous one is used, with a warning. Rotation keeps
+the newest `save_total_limit` by save time. The folder must be on storage all nodes share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,14 +24,18 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from finetune.workspace import replace_dir
 
 PREFIX = "step-"
+META = "meta.json"
+TRAINER = "trainer.pt"
 
 
 def _sha256(path: Path) -> str:
@@ -54,24 +65,50 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(directory: Path, step: int, state: dict[str, Any], meta: dict[str, Any],
-         keep: int | None) -> Path:
-    """Write `state` (tensors, optimizer, ...) and `meta` (json) as checkpoint `step`."""
-    directory.mkdir(parents=True, exist_ok=True)
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """Without a process group DCP warns that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
+         meta: dict[str, Any], keep: int | None) -> Path:
+    """Collective: every rank calls it with its share; returns the final folder."""
+    rank = _rank()
     final = directory / f"{PREFIX}{step:07d}"
-    staging = directory / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    torch.save(state, staging / "state.pt")
-    meta = {**meta, "step": step, "saved_at_ns": time.time_ns(),
-            "state_sha256": _sha256(staging / "state.pt")}
-    (staging / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-    _fsync_dir(staging)
-    replace_dir(staging, final)
-    _fsync_dir(directory)
-    if keep:
-        for stale in list_checkpoints(directory, validate=False)[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
+    staging = directory / f".{final.name}.tmp"
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    _barrier()
+    with _single_process_ok():
+        dcp.save(dcp_state, checkpoint_id=str(staging))
+    torch.save(rng_state(), staging / f"rank-{rank:05d}.pt")
+    _barrier()
+    if rank == 0:
+        torch.save(trainer_state, staging / TRAINER)
+        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        meta = {**meta, "step": step, "saved_at_ns": time.time_ns(), "files": files}
+        (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        _fsync_dir(staging)
+        replace_dir(staging, final)
+        _fsync_dir(directory)
+        if keep:
+            for stale in list_checkpoints(directory, validate=False)[:-keep]:
+                shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
     return final
 
 
@@ -85,15 +122,18 @@ def _fsync_dir(path: Path) -> None:
 
 def read_meta(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((path / "meta.json").read_text())
+        return json.loads((path / META).read_text())
     except (OSError, ValueError):
         return None
 
 
 def is_valid(path: Path) -> bool:
     meta = read_meta(path)
-    state = path / "state.pt"
-    return bool(meta) and state.exists() and _sha256(state) == meta.get("state_sha256")
+    files = (meta or {}).get("files")
+    if not files:
+        return False
+    return all((path / name).is_file() and _sha256(path / name) == digest
+               for name, digest in files.items())
 
 
 def list_checkpoints(directory: Path, validate: bool = True) -> list[Path]:
@@ -117,6 +157,13 @@ def latest(directory: Path) -> Path | None:
     return valid[-1] if valid else None
 
 
-def load(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    return state, read_meta(path) or {}
+def load(path: Path, dcp_state: dict, apply: Callable[[dict], None]) -> tuple[dict, dict]:
+    """Collective: fill `dcp_state` in place from `path`, hand it to `apply`, restore this
+    rank's RNG last (loading must not consume random numbers after it); returns
+    (trainer_state, meta)."""
+    with _single_process_ok():
+        dcp.load(dcp_state, checkpoint_id=str(path))
+    apply(dcp_state)
+    trainer_state = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
+    set_rng_state(torch.load(path / f"rank-{_rank():05d}.pt", weights_only=False))
+    return trainer_state, read_meta(path) or {}

@@ -1,4 +1,4 @@
-"""Process-group setup and strategy wrapping for the torchrun worker.
+"""Process-group setup for the torchrun worker (strategies live in engine.strategies).
 
 Threads per rank default to cores / local processes: 2 ranks x 2 threads on 2 cores was
 measured 5x slower than 2 x 1. The backend is nccl on CUDA, gloo on CPU.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from finetune.config.schema import DistributedConfig
+from finetune.config.distributed import DistributedConfig
 
 
 @dataclass(frozen=True)
@@ -56,25 +56,3 @@ def all_reduce_sum(value: float, d: Dist) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=d.device)
     dist.all_reduce(t)
     return float(t.item())
-
-
-def wrap_model(model: torch.nn.Module, cfg: DistributedConfig, d: Dist) -> torch.nn.Module:
-    """Apply the strategy. `single` leaves the model as is."""
-    if cfg.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if d.world_size > 1 or dist.is_initialized():
-            return DDP(
-                model,
-                device_ids=[d.local_rank] if d.device.type == "cuda" else None,
-                bucket_cap_mb=cfg.bucket_cap_mb,
-                find_unused_parameters=cfg.find_unused_parameters,
-                gradient_as_bucket_view=cfg.gradient_as_bucket_view,
-                static_graph=cfg.static_graph,
-                broadcast_buffers=cfg.broadcast_buffers,
-            )
-    return model
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") and hasattr(model, "no_sync") else model

@@ -12,8 +12,12 @@ from engine.distributed import Dist, all_reduce_sum
 
 @torch.no_grad()
 def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | None = None,
-                  max_batches: int | None = None, autocast_dtype: torch.dtype | None = None) -> dict:
-    """Mean next-token loss and perplexity; rank r takes batches r, r+world, ..."""
+                  max_batches: int | None = None, autocast_dtype: torch.dtype | None = None,
+                  lockstep: bool = False) -> dict:
+    """Mean next-token loss and perplexity; rank r takes batches r, r+world, ...
+
+    `lockstep`: every rank runs the same number of forwards (FSDP2 all-gathers inside forward,
+    so a rank with one batch fewer would hang the others); the extra ones are not counted."""
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     device = dist.device if dist else torch.device("cpu")
     was_training = model.training
@@ -22,14 +26,19 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
     if max_batches:
         starts = starts[:max_batches]
     loss_sum, tokens = 0.0, 0
-    for start in starts[rank::world]:
+    mine = starts[rank::world]
+    rounds = -(-len(starts) // world) if lockstep else len(mine)
+    for i in range(rounds):
+        counted = i < len(mine)
+        start = mine[i] if counted else starts[0]
         batch = collate(take_rows(dataset, range(start, min(start + batch_size, len(dataset)))),
                         pad_id)
-        tokens += count_targets(batch)
         batch = {k: v.to(device) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss_sum += float(token_loss_sum(logits, batch["labels"]))
+        if counted:
+            tokens += count_targets(batch)
+            loss_sum += float(token_loss_sum(logits, batch["labels"]))
     if dist:
         loss_sum, tokens = all_reduce_sum(loss_sum, dist), int(all_reduce_sum(tokens, dist))
     model.train(was_training)

@@ -3,6 +3,8 @@
 Loss is token-weighted across micro-batches *and* ranks: each step's summed loss is divided by
 the number of target tokens in the whole global batch (counted before the backward passes), so
 gradient accumulation and world size do not change the objective (HF's accumulation bug).
+The strategy (engine.strategies) decides everything about communication; the loop is the same
+for single, DDP, FSDP2 and DiLoCo.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ import numpy as np
 import torch
 
 from engine import checkpoint as ckpt
+from engine.comm import CommMeter
 from engine.data import (ShardedBatches, collate, count_targets, load_tokenized, take_rows,
                          token_loss_sum)
-from engine.distributed import Dist, all_reduce_sum, setup, teardown, unwrap, wrap_model
+from engine.distributed import Dist, setup, teardown
 from engine.evaluation import evaluate_loss
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
                           make_adapter_config_reproducible)
-from engine.optim import build_optimizer, build_scheduler
+from engine.optim import build_scheduler
 from engine.sinks import MetricSinks
+from engine.strategies import Strategy, build_strategy
 from finetune.config import FinetuneConfig
 from finetune.errors import PipelineError
 from finetune.workspace import Layout, atomic_dir, write_json_atomic
@@ -59,8 +63,8 @@ def autocast_dtype(cfg: FinetuneConfig, device: torch.device) -> torch.dtype | N
 
 
 def total_steps(cfg: FinetuneConfig, steps_per_epoch: int) -> int:
-    if cfg.training.max_steps > 0:
-        return cfg.training.max_steps
+    if cfg.total_steps_hint:
+        return cfg.total_steps_hint
     return max(1, math.ceil(cfg.training.num_train_epochs * steps_per_epoch))
 
 
@@ -82,6 +86,9 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     tok = load_tokenizer(cfg.model, root)
     model = apply_peft(load_base_model(cfg.model, root), cfg.peft).to(d.device)
     trainable, total = count_parameters(model)
+    meter = CommMeter()
+    strategy = build_strategy(cfg, d, meter)
+    model = strategy.wrap(model)
     train_ds = load_tokenized(layout.tokenized / "train")
     eval_ds = None
     if (layout.tokenized / "test").exists():
@@ -97,25 +104,24 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
             "gradient_accumulation_steps"
         )
     n_steps = total_steps(cfg, steps_per_epoch)
-    optimizer = build_optimizer(model.parameters(), cfg.optimizer)
+    optimizer = strategy.build_optimizer()
     scheduler = build_scheduler(optimizer, cfg.scheduler, n_steps)
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
     pos, history = Position(), []
     if cfg.checkpoint.resume_from_checkpoint:
-        pos, history = _resume(layout.checkpoints, model, optimizer, scheduler, scaler, d)
-    wrapped = wrap_model(model, cfg.distributed, d)
+        pos, history = _resume(layout.checkpoints, strategy, optimizer, scheduler, scaler, d)
     sinks = MetricSinks(layout.plots, mlflow_uri, run_id, history) if d.is_main else None
     if d.is_main:
         print(f"[train] {trainable:,} trainable / {total:,} params; {n_steps} steps "
-              f"({steps_per_epoch}/epoch); world size {d.world_size}; start step {pos.step}",
-              flush=True)
+              f"({steps_per_epoch}/epoch); strategy {strategy.name}, world size {d.world_size}; "
+              f"start step {pos.step}", flush=True)
 
+    start_step = pos.step
     order = batches.epoch(pos.epoch)
     # The loss stays a device tensor until a logging step: no host sync per step.
-    window = {"loss_sum": torch.zeros((), dtype=torch.float64, device=d.device), "targets": 0,
-              "tokens": 0, "t0": time.perf_counter()}
+    window = _new_window(d)
     started = time.perf_counter()
-    wrapped.train()
+    model.train()
     while pos.step < n_steps:
         micro = []
         for _ in range(accum):
@@ -125,22 +131,23 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
             idx = order[pos.batch_in_epoch]
             pos.batch_in_epoch += 1
             micro.append(collate(take_rows(train_ds, idx), tok.pad_token_id))
-        targets = all_reduce_sum(sum(count_targets(b) for b in micro), d)
+        local_targets = sum(count_targets(b) for b in micro)
+        divisor = strategy.loss_divisor(local_targets, pos.step)
         window["tokens"] += sum(int(b["attention_mask"].sum()) for b in micro)  # CPU tensors
         for i, batch in enumerate(micro):
             batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
-            sync = i == accum - 1 or not hasattr(wrapped, "no_sync")
-            with (contextlib.nullcontext() if sync else wrapped.no_sync()):
+            with strategy.sync_context(last_micro_batch=i == accum - 1):
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
-                    logits = wrapped(input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"]).logits
+                    logits = model(input_ids=batch["input_ids"],
+                                   attention_mask=batch["attention_mask"]).logits
                 loss_sum = token_loss_sum(logits, batch["labels"])
-                loss = loss_sum * (d.world_size / max(targets, 1))
+                loss = loss_sum / max(divisor, 1e-9)
                 (scaler.scale(loss) if scaler else loss).backward()
             window["loss_sum"] += loss_sum.detach().double()
+        strategy.before_optimizer_step(pos.step)
         if scaler:
             scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        grad_norm = strategy.clip_grad_norm(t.max_grad_norm)
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -149,25 +156,32 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         pos.step += 1
-        window["targets"] += int(targets)
+        window["targets"] += local_targets
+        window["steps"] += 1
+        outer = strategy.after_optimizer_step(pos.step)
+        if outer and sinks:
+            sinks.log(pos.step, outer)
 
         if pos.step % cfg.logging.logging_steps == 0 or pos.step == n_steps or (
             pos.step == 1 and cfg.logging.logging_first_step
         ):
-            _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum)
+            _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum,
+                        meter)
         if cfg.eval.eval_strategy == "steps" and eval_ds is not None and (
             pos.step % cfg.eval.eval_steps == 0 or pos.step == n_steps
         ):
-            ev = evaluate_loss(unwrap(wrapped), eval_ds, t.per_device_eval_batch_size, tok.pad_token_id,
-                               d, cfg.eval.eval_batches, amp)
+            ev = evaluate_loss(strategy.module, eval_ds, t.per_device_eval_batch_size,
+                               tok.pad_token_id, d, cfg.eval.eval_batches, amp,
+                               lockstep=strategy.eval_lockstep)
             if sinks:
                 sinks.log(pos.step, {"eval_loss": ev["loss"]})
         if cfg.checkpoint.save_strategy == "steps" and (
             pos.step % cfg.checkpoint.save_steps == 0 or pos.step == n_steps
         ):
-            _save(layout.checkpoints, cfg, model, optimizer, scheduler, scaler, pos, d, sinks)
+            _save(layout.checkpoints, cfg, strategy, optimizer, scheduler, scaler, pos, d, sinks)
 
     runtime = time.perf_counter() - started
+    comm = meter.summary(pos.step - start_step)  # this process's steps (resume starts later)
     result = {
         # the last training row (an eval row may come after it at the final step)
         "train_loss": next((r["loss"] for r in reversed(sinks.history) if "loss" in r), None)
@@ -179,12 +193,14 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         "trainable_params": trainable,
         "total_params": total,
         "world_size": d.world_size,
+        "strategy": strategy.name,
+        **comm,
     }
+    _write_trained(layout, cfg, strategy, tok, d)
     if d.is_main:
-        make_adapter_config_reproducible(unwrap(wrapped), cfg.model)
-        with atomic_dir(layout.trained) as staging:
-            unwrap(wrapped).save_pretrained(staging, safe_serialization=True)
-            tok.save_pretrained(staging)
+        print(f"[train] communication ({strategy.name}): {comm['comm_bytes_total'] / 1e6:.3f} MB "
+              f"sent per rank, {comm['comm_bytes_per_step'] / 1e3:.1f} KB per optimizer step",
+              flush=True)
         sinks.finish()
         write_json_atomic(layout.metrics / "train.json", result)
     if d.world_size > 1:
@@ -192,72 +208,94 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     return result
 
 
-def _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum) -> None:
-    loss_sum = all_reduce_sum(float(window["loss_sum"]), d)
-    tokens = int(all_reduce_sum(window["tokens"], d))
-    pos.tokens_seen += tokens
+def _write_trained(layout: Layout, cfg, strategy: Strategy, tok, d: Dist) -> None:
+    """Rank 0 writes a normal HF/PEFT folder; FSDP2 first gathers the full weights."""
+    full = strategy.full_state_dict()  # collective on every rank
+    if not d.is_main:
+        return
+    module = strategy.module
+    make_adapter_config_reproducible(module, cfg.model)
+    with atomic_dir(layout.trained) as staging:
+        if full is None:
+            module.save_pretrained(staging, safe_serialization=True)
+        else:
+            module.save_pretrained(staging, state_dict=full, safe_serialization=True)
+        tok.save_pretrained(staging)
+
+
+def _new_window(d: Dist) -> dict:
+    return {"loss_sum": torch.zeros((), dtype=torch.float64, device=d.device), "targets": 0,
+            "tokens": 0, "steps": 0, "t0": time.perf_counter()}
+
+
+def _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum,
+                meter: CommMeter) -> None:
+    # One (uncounted: metrics, not training traffic) reduction for the whole window.
+    totals = torch.stack([window["loss_sum"].to(torch.float64),
+                          torch.tensor(float(window["targets"]), dtype=torch.float64,
+                                       device=d.device),
+                          torch.tensor(float(window["tokens"]), dtype=torch.float64,
+                                       device=d.device)])
+    if d.world_size > 1:
+        torch.distributed.all_reduce(totals)
+    loss_sum, targets, tokens = totals.tolist()
+    pos.tokens_seen += int(tokens)
     elapsed = time.perf_counter() - window["t0"]
+    comm = meter.take_window()
     if sinks:
         sinks.log(pos.step, {
-            "loss": loss_sum / max(window["targets"], 1),
+            "loss": loss_sum / max(targets, 1),
             "learning_rate": float(scheduler.get_last_lr()[0]),
             "grad_norm": float(grad_norm),
             "tokens_per_second": tokens / max(elapsed, 1e-9),
             "num_input_tokens_seen": pos.tokens_seen,
+            "comm_bytes_per_step": comm / max(window["steps"], 1),
             "epoch": round(pos.epoch + pos.batch_in_epoch / max(steps_per_epoch * accum, 1), 4),
         })
-    window["loss_sum"].zero_()
-    window.update(targets=0, tokens=0, t0=time.perf_counter())
+    window.update(_new_window(d))
 
 
-def _trainable_state(model) -> dict[str, torch.Tensor]:
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in names}
-
-
-def _save(directory, cfg, model, optimizer, scheduler, scaler, pos, d, sinks) -> None:
+def _save(directory, cfg, strategy: Strategy, optimizer, scheduler, scaler, pos, d,
+          sinks) -> None:
+    trainer_state = {
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler else None,
+        "strategy": strategy.trainer_state(),
+        "history": sinks.history if sinks else [],
+    }
+    meta = {**pos.__dict__, "world_size": d.world_size, "strategy": strategy.name}
+    path = ckpt.save(directory, pos.step, strategy.dcp_state(optimizer), trainer_state, meta,
+                     cfg.checkpoint.save_total_limit)
     if d.is_main:
-        state = {
-            "model": _trainable_state(model),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler else None,
-            "rng": ckpt.rng_state(),
-            "history": sinks.history if sinks else [],
-        }
-        meta = {**pos.__dict__, "world_size": d.world_size}
-        path = ckpt.save(directory, pos.step, state, meta, cfg.checkpoint.save_total_limit)
         print(f"[train] checkpoint {path}", flush=True)
-    if d.world_size > 1:
-        torch.distributed.barrier()
 
 
-def _resume(directory, model, optimizer, scheduler, scaler, d) -> tuple[Position, list]:
+def check_resumable(meta: dict, path: Path, world_size: int, strategy: str) -> None:
+    """Exact resume needs the same world size (data shards, per-rank RNG) and strategy."""
+    if meta.get("world_size") != world_size or meta.get("strategy", strategy) != strategy:
+        raise PipelineError(
+            f"checkpoint {path} was written by strategy {meta.get('strategy')} with world size "
+            f"{meta.get('world_size')} but this run is {strategy} with world size {world_size}; "
+            "resume with the same distributed.strategy and nproc_per_node x nnodes"
+        )
+
+
+def _resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d) -> tuple[Position, list]:
     path = ckpt.latest(directory)
     if path is None:
         if d.is_main:
             print(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
                   "starting from scratch", flush=True)
         return Position(), []
-    state, meta = ckpt.load(path)
-    if meta.get("world_size") != d.world_size:
-        raise PipelineError(
-            f"checkpoint {path} was written with world size {meta.get('world_size')} but this run "
-            f"has {d.world_size}; resume with the same distributed.nproc_per_node x nnodes"
-        )
-    missing = set(_trainable_state(model)) - set(state["model"])
-    if missing:
-        raise PipelineError(
-            f"checkpoint {path} does not match the model ({len(missing)} trainable tensors "
-            f"missing, e.g. {sorted(missing)[0]}); was peft/model config changed?"
-        )
-    model.load_state_dict(state["model"], strict=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    if scaler and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
-    ckpt.set_rng_state(state["rng"])
+    meta = ckpt.read_meta(path) or {}
+    check_resumable(meta, path, d.world_size, strategy.name)
+    trainer_state, meta = ckpt.load(path, strategy.dcp_state(optimizer),
+                                    lambda state: strategy.load_dcp_state(optimizer, state))
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    if scaler and trainer_state.get("scaler"):
+        scaler.load_state_dict(trainer_state["scaler"])
+    strategy.load_trainer_state(trainer_state.get("strategy", {}))
     pos = Position(**{k: meta[k] for k in ("step", "epoch", "batch_in_epoch", "tokens_seen")})
     if d.is_main:
         print(f"[train] resumed from {path} at step {pos.step}", flush=True)
-    return pos, state.get("history", [])
+    return pos, trainer_state.get("history", [])

@@ -43,24 +43,29 @@ def test_token_loss_sum_matches_mean_cross_entropy():
     assert torch.allclose(token_loss_sum(logits, labels) / n, ref)
 
 
-def _state(v: float):
-    return {"model": {"w": torch.full((3,), v)}, "rng": ckpt.rng_state()}
+def _dcp_state(v: float):
+    return {"model": {"w": torch.full((3,), v)}, "optim": {"step": torch.tensor(v)}}
 
 
 def test_checkpoint_roundtrip_rotation_and_corruption(tmp_path):
     for step in (1, 2, 3):
-        ckpt.save(tmp_path, step, _state(step), {"world_size": 1}, keep=2)
+        ckpt.save(tmp_path, step, _dcp_state(step), {"history": [step]}, {"world_size": 1}, keep=2)
     names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
     assert names == ["step-0000002", "step-0000003"]
-    state, meta = ckpt.load(ckpt.latest(tmp_path))
-    assert meta["step"] == 3 and state["model"]["w"][0] == 3
-    # a torn write of the newest checkpoint: detected, previous one used, with a warning
-    with open(tmp_path / "step-0000003" / "state.pt", "r+b") as fh:
+    newest = ckpt.latest(tmp_path)
+    assert {".metadata", "__0_0.distcp", "rank-00000.pt", "trainer.pt", "meta.json"} <= {
+        p.name for p in newest.iterdir()}
+    target, applied = _dcp_state(0), []
+    trainer, meta = ckpt.load(newest, target, applied.append)
+    assert meta["step"] == 3 and trainer["history"] == [3]
+    assert torch.equal(target["model"]["w"], torch.full((3,), 3.0)) and applied == [target]
+    # a torn write of the newest checkpoint's DCP shard: detected, previous one used, warned
+    with open(newest / "__0_0.distcp", "r+b") as fh:
         fh.truncate(10)
     with pytest.warns(UserWarning, match="incomplete or corrupt"):
         assert ckpt.latest(tmp_path).name == "step-0000002"
     # leftover staging folder from a crash mid-save is ignored
-    (tmp_path / ".step-0000004.tmp-1").mkdir()
+    (tmp_path / ".step-0000004.tmp").mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert ckpt.latest(tmp_path).name == "step-0000002"

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.config.schema import FinetuneConfig
+from finetune.config.section import section_model
 from finetune.errors import PipelineError
 
 
@@ -113,6 +114,8 @@ def explain(error: dict[str, Any]) -> str:
         where = f"in section '{'.'.join(parent)}'" if parent else "at the top level"
         return f"unknown key '{key}' {where}{hint}"
     msg = error["msg"].removeprefix("Value error, ")
+    if not loc:  # cross-section checks name their keys themselves
+        return msg
     if kind in ("missing",):
         return f"{key}: required key is missing"
     got = error.get("input")
@@ -124,8 +127,7 @@ def _field_names(loc: list[str]) -> list[str]:
     model: type[BaseModel] | None = FinetuneConfig
     for part in loc:
         field = model.model_fields.get(part) if model else None
-        ann = field.annotation if field else None
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = section_model(field.annotation) if field else None
     return list(model.model_fields) if model else []
 
 

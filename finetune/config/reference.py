@@ -7,37 +7,57 @@ two drift apart, so the documentation cannot go stale.
 from __future__ import annotations
 
 import json
+import types
 import typing
 
 from pydantic import BaseModel
 
 from finetune.config.schema import FinetuneConfig
+from finetune.config.section import section_model
 
 BEGIN = "<!-- params-reference:begin -->"
 END = "<!-- params-reference:end -->"
 
 
-def _type_name(annotation) -> str:
+def _type_name(annotation, escape: bool = True) -> str:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        text = " | ".join(_type_name(a, escape=False) for a in args)
+        return text.replace("|", "\\|") if escape else text
     text = str(annotation)
     if isinstance(annotation, type):
         text = annotation.__name__
     text = text.replace("typing.", "").replace("NoneType", "None")
     if typing.get_origin(annotation) is typing.Literal:
         text = " | ".join(repr(a) for a in typing.get_args(annotation))
-    return text.replace("|", "\\|")
+    return text.replace("|", "\\|") if escape else text
+
+
+def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> None:
+    """One table per section; optional sub-sections (e.g. distributed.fsdp) get their own."""
+    doc = " ".join((model.__doc__ or "").split())
+    lines.append(f"\n### `{prefix}`\n\n{doc}\n")
+    lines.append("| key | type | default | meaning |\n|---|---|---|---|")
+    nested = []
+    for name, f in model.model_fields.items():
+        sub = section_model(f.annotation)
+        if sub is not None and f.default is None:
+            nested.append((f"{prefix}.{name}", sub))
+            lines.append(f"| `{prefix}.{name}` | section or None | `null` | {f.description or ''} "
+                         f"(keys below) |")
+            continue
+        default = f.default_factory() if f.default_factory else f.default
+        shown = json.dumps(default).replace("|", "\\|")
+        lines.append(f"| `{prefix}.{name}` | {_type_name(f.annotation)} | `{shown}` | "
+                     f"{f.description or ''} |")
+    for sub_prefix, sub in nested:
+        _render_section(sub_prefix, sub, lines)
 
 
 def render() -> str:
-    lines = []
+    lines: list[str] = []
     for section, field in FinetuneConfig.model_fields.items():
-        model: type[BaseModel] = field.annotation
-        lines.append(f"\n### `{section}`\n\n{(model.__doc__ or '').strip()}\n")
-        lines.append("| key | type | default | meaning |\n|---|---|---|---|")
-        for name, f in model.model_fields.items():
-            default = f.default_factory() if f.default_factory else f.default
-            shown = json.dumps(default).replace("|", "\\|")
-            lines.append(f"| `{section}.{name}` | {_type_name(f.annotation)} | `{shown}` | "
-                         f"{f.description or ''} |")
+        _render_section(section, section_model(field.annotation), lines)
     return "\n".join(lines).strip() + "\n"
 
 

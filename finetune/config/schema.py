@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from finetune.config.distributed import DistributedConfig, torch_optimizer_name
+from finetune.config.section import Section
 
 SCHEDULERS = (
     "linear",
@@ -23,12 +26,6 @@ SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
-
-
-class Section(BaseModel):
-    """Base for every section: unknown keys are rejected, assignments re-validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(Section):
@@ -185,12 +182,7 @@ class OptimizerConfig(Section):
     @field_validator("name")
     @classmethod
     def _known_optimizer(cls, name: str) -> str:
-        import torch.optim
-
-        klass = getattr(torch.optim, name, None)
-        if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
-            raise ValueError(f"'{name}' is not a torch.optim optimizer class (e.g. AdamW, SGD)")
-        return name
+        return torch_optimizer_name(name)
 
 
 class SchedulerConfig(Section):
@@ -208,48 +200,6 @@ class SchedulerConfig(Section):
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("warmup_steps and warmup_ratio are exclusive; set one to 0")
         return self
-
-
-class DistributedConfig(Section):
-    """How torchrun launches the worker and how the model is parallelised."""
-
-    strategy: Literal["single", "ddp", "fsdp2", "diloco"] = Field(
-        "single", description="Parallelism strategy."
-    )
-    nproc_per_node: int = Field(1, gt=0, description="Processes per node (torchrun).")
-    nnodes: int = Field(1, gt=0, description="Number of nodes (torchrun).")
-    node_rank: int = Field(0, ge=0, description="This node's rank when nnodes > 1.")
-    rdzv_backend: Literal["c10d", "static"] = Field("c10d", description="torchrun rendezvous.")
-    rdzv_endpoint: str = Field("127.0.0.1:29400", description="host:port of the rendezvous.")
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Process-group backend; auto = nccl on CUDA, gloo on CPU."
-    )
-    threads_per_process: int | None = Field(
-        None, gt=0, description="torch threads per rank (default: cores / nproc_per_node)."
-    )
-    bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size.")
-    find_unused_parameters: bool = Field(False, description="DDP: tolerate unused params.")
-    gradient_as_bucket_view: bool = Field(True, description="DDP: grads alias the buckets.")
-    static_graph: bool = Field(False, description="DDP: graph does not change across steps.")
-    broadcast_buffers: bool = Field(True, description="DDP: sync buffers every forward.")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "DistributedConfig":
-        if self.strategy in ("fsdp2", "diloco"):
-            raise ValueError(f"strategy '{self.strategy}' is not supported yet; use single or ddp")
-        world = self.nproc_per_node * self.nnodes
-        if self.strategy == "single" and world > 1:
-            raise ValueError(
-                f"strategy 'single' runs one process but nproc_per_node x nnodes = {world}; "
-                "use strategy ddp or set nproc_per_node: 1"
-            )
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
 
 
 class CheckpointConfig(Section):
@@ -317,4 +267,49 @@ class FinetuneConfig(Section):
                     f"gradient_accumulation_steps {t.gradient_accumulation_steps} x "
                     f"world size {world} = {derived}"
                 )
+        if self.distributed.strategy == "diloco":
+            self._check_diloco()
         return self
+
+    def _check_diloco(self) -> None:
+        """Under DiLoCo, training.max_steps is H (inner steps per outer loop); evaluation and
+        checkpoints happen at sync points, where every worker holds the global model."""
+        h = self.training.max_steps
+        if h <= 0:
+            raise ValueError(
+                "strategy diloco: training.max_steps is the inner steps per outer loop (H); "
+                "set it > 0 (epochs do not apply)"
+            )
+        if self.eval.eval_strategy == "steps" and self.eval.eval_steps % h:
+            raise ValueError(
+                f"eval.eval_steps {self.eval.eval_steps} must be a multiple of training.max_steps "
+                f"{h} under diloco (evaluate the global model, at an outer-loop end)"
+            )
+        if self.checkpoint.save_strategy == "steps" and self.checkpoint.save_steps % h:
+            raise ValueError(
+                f"checkpoint.save_steps {self.checkpoint.save_steps} must be a multiple of "
+                f"training.max_steps {h} under diloco (checkpoints are taken at sync points)"
+            )
+        total = h * self.distributed.diloco.diloco_loops
+        start = self.distributed.diloco.local_sgd_start_step
+        if start % h:
+            raise ValueError(
+                f"distributed.diloco.local_sgd_start_step {start} must be a multiple of "
+                f"training.max_steps {h} (outer syncs fall on multiples of H)"
+            )
+        if start >= total:
+            raise ValueError(
+                f"distributed.diloco.local_sgd_start_step "
+                f"{self.distributed.diloco.local_sgd_start_step} >= total steps {total}: "
+                "the run would never go local"
+            )
+
+    @property
+    def total_steps_hint(self) -> int | None:
+        """Total optimizer steps when known from the config alone (max_steps based)."""
+        t = self.training
+        if t.max_steps <= 0:
+            return None
+        if self.distributed.strategy == "diloco":
+            return t.max_steps * self.distributed.diloco.diloco_loops
+        return t.max_steps

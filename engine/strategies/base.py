@@ -1,0 +1,94 @@
+"""The strategy interface, and `single` (one process, no communication) as its base.
+
+torchtitan's split: the model is built plainly, a strategy parallelises it. The loop only calls
+the methods below, so DDP, FSDP2 and DiLoCo differ in these small classes and nowhere else:
+how the model is wrapped, which gradients or parameters are communicated and when, how the loss
+is normalised across ranks, and what goes into a (DCP) checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+
+from engine.comm import CommMeter, all_reduce
+from engine.distributed import Dist
+from engine.optim import build_optimizer
+from finetune.config import FinetuneConfig
+
+
+class Strategy:
+    name = "single"
+    #: every rank must run the same number of forwards in eval (FSDP2 gathers inside forward)
+    eval_lockstep = False
+
+    def __init__(self, cfg: FinetuneConfig, d: Dist, meter: CommMeter):
+        self.cfg, self.d, self.meter = cfg, d, meter
+        self.model: torch.nn.Module | None = None  # what the loop calls forward on
+
+    # -- model and optimizer -------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.model = model
+        return model
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model without a communication wrapper: state dicts, eval, export use it."""
+        return self.model
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return build_optimizer(self.module.parameters(), self.cfg.optimizer)
+
+    def trainable_names(self) -> set[str]:
+        return {n for n, p in self.module.named_parameters() if p.requires_grad}
+
+    # -- one optimizer step --------------------------------------------------------------
+    def loss_divisor(self, local_targets: int, step: int) -> float:
+        """What a micro-batch's summed loss is divided by. Gradient-averaging strategies use
+        global targets / world size, so the averaged gradient is the global token mean."""
+        if self.d.world_size == 1:
+            return float(local_targets)
+        t = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.d.device)
+        all_reduce(t, self.meter, "loss_normaliser")
+        return float(t.item()) / self.d.world_size
+
+    def sync_context(self, last_micro_batch: bool):
+        """Gradient sync only on the last micro-batch of an accumulation."""
+        return contextlib.nullcontext()
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Hook for strategies that sync gradients by hand."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def after_optimizer_step(self, step: int) -> dict[str, float]:
+        """Hook after `step` optimizer steps (DiLoCo's outer sync); returns metrics to log."""
+        return {}
+
+    # -- checkpoint and export -----------------------------------------------------------
+    def dcp_state(self, optimizer) -> dict:
+        """What DCP saves/loads: trainable weights and optimizer state, FQN-keyed (so a
+        checkpoint does not depend on wrappers), sharded where the model is."""
+        model_sd, optim_sd = get_state_dict(self.module, optimizer)
+        names = self.trainable_names()
+        return {"model": {k: v for k, v in model_sd.items() if k in names}, "optim": optim_sd}
+
+    def load_dcp_state(self, optimizer, state: dict) -> None:
+        set_state_dict(self.module, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
+
+    def trainer_state(self) -> dict:
+        """Small replicated state that is not a tensor tree (e.g. an outer LR schedule)."""
+        return {}
+
+    def load_trainer_state(self, state: dict) -> None:
+        pass
+
+    def full_state_dict(self) -> dict | None:
+        """Collective: the unsharded state dict for export, or None when module.state_dict()
+        already is one."""
+        return None

@@ -1,0 +1,35 @@
+"""DDP: replicate the model, all-reduce gradients in buckets during backward."""
+
+from __future__ import annotations
+
+from torch.nn.parallel import DistributedDataParallel
+
+from engine.comm import ddp_counting_hook
+from engine.strategies.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def wrap(self, model):
+        c = self.cfg.distributed
+        self.model = DistributedDataParallel(
+            model,
+            device_ids=[self.d.local_rank] if self.d.device.type == "cuda" else None,
+            bucket_cap_mb=c.bucket_cap_mb,
+            find_unused_parameters=c.find_unused_parameters,
+            gradient_as_bucket_view=c.gradient_as_bucket_view,
+            static_graph=c.static_graph,
+            broadcast_buffers=c.broadcast_buffers,
+            init_sync=c.init_sync,
+        )
+        # Same averaging all-reduce as DDP's default, with the bytes counted.
+        self.model.register_comm_hook(self.meter, ddp_counting_hook)
+        return self.model
+
+    @property
+    def module(self):
+        return self.model.module
+
+    def sync_context(self, last_micro_batch: bool):
+        return super().sync_context(True) if last_micro_batch else self.model.no_sync()

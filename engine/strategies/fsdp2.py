@@ -1,0 +1,96 @@
+"""FSDP2: shard parameters, gradients and optimizer state with `fully_shard`.
+
+Each transformer block is its own FSDP unit (found from the HF model's `_no_split_modules`, or
+given as dotted paths), then the root; a block's parameters are all-gathered just before it
+runs and freed after (reshard_after_forward), gradients are reduce-scattered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
+
+from engine.comm import install_fsdp_counters
+from engine.model import DTYPES
+from engine.strategies.base import Strategy
+from finetune.config.distributed import FsdpConfig
+from finetune.errors import PipelineError
+
+
+def shard_units(model: torch.nn.Module, paths: list[str] | None) -> list[torch.nn.Module]:
+    """The modules to shard one by one: named paths, or every transformer block."""
+    if paths:
+        units = []
+        for path in paths:
+            try:
+                module = model.get_submodule(path)
+            except AttributeError:
+                raise PipelineError(
+                    f"distributed.fsdp.shard_modules: '{path}' is not a module of "
+                    f"{type(model).__name__}"
+                ) from None
+            is_list = isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
+            units.extend(module if is_list else [module])
+        return units
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    block_names = set(getattr(hf, "_no_split_modules", None) or [])
+    units = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not units:
+        raise PipelineError(
+            f"distributed.fsdp.shard_modules: {type(hf).__name__} names no transformer block "
+            "class (_no_split_modules); list the blocks by dotted path, e.g. [model.layers]"
+        )
+    return units
+
+
+class FSDP2Strategy(Strategy):
+    name = "fsdp2"
+    eval_lockstep = True
+
+    def wrap(self, model):
+        c = self.cfg.distributed.fsdp or FsdpConfig()
+        if c.buffer_dtype:
+            for module in model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf.is_floating_point():
+                        setattr(module, name, buf.to(DTYPES[c.buffer_dtype]))
+        kwargs = {
+            "mesh": init_device_mesh(self.d.device.type, (self.d.world_size,)),
+            "reshard_after_forward": c.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=DTYPES.get(c.param_dtype), reduce_dtype=DTYPES.get(c.reduce_dtype)),
+            "offload_policy": CPUOffloadPolicy(pin_memory=self.d.device.type == "cuda")
+            if c.cpu_offload else OffloadPolicy(),
+        }
+        for unit in shard_units(model, c.shard_modules):
+            fully_shard(unit, **kwargs)
+        fully_shard(model, **kwargs)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                install_fsdp_counters(module, self.meter)
+        self.model = model
+        return model
+
+    @contextlib.contextmanager
+    def _no_reduce(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def sync_context(self, last_micro_batch: bool):
+        return contextlib.nullcontext() if last_micro_batch else self._no_reduce()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        norm = super().clip_grad_norm(max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def full_state_dict(self) -> dict:
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

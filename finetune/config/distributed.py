@@ -1,0 +1,144 @@
+"""The `distributed` section: how torchrun launches the worker and how the model is parallelised.
+
+Strategy-specific options live in their own sub-section (`fsdp`, `diloco`); setting one for a
+different strategy is an error, because it would silently do nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from finetune.config.section import Section
+
+FloatDtype = Literal["float32", "bfloat16", "float16"]
+
+
+def torch_optimizer_name(name: str) -> str:
+    import torch.optim
+
+    klass = getattr(torch.optim, name, None)
+    if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
+        raise ValueError(f"'{name}' is not a torch.optim optimizer class (e.g. AdamW, SGD)")
+    return name
+
+
+class FsdpConfig(Section):
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) options."""
+
+    shard_modules: list[str] | None = Field(
+        None,
+        description="Dotted paths of modules to shard one by one (a ModuleList path shards "
+        "each child); default: every transformer block (the model's _no_split_modules).",
+    )
+    reshard_after_forward: bool | int = Field(
+        True,
+        description="Free gathered params after forward (true), keep them (false), or reshard "
+        "to a smaller group of this size.",
+    )
+    param_dtype: FloatDtype | None = Field(None, description="MixedPrecisionPolicy param dtype.")
+    reduce_dtype: FloatDtype | None = Field(None, description="Gradient reduce-scatter dtype.")
+    buffer_dtype: FloatDtype | None = Field(
+        None, description="Cast floating buffers (e.g. rotary tables) to this dtype before sharding."
+    )
+    cpu_offload: bool = Field(False, description="Keep sharded params/grads/optimizer on CPU.")
+
+
+class DilocoConfig(Section):
+    """DiLoCo: `training.max_steps` local (inner) steps per outer loop, then one sync.
+
+    Each worker trains alone for H = training.max_steps steps with the `optimizer` section (the
+    inner optimizer); then the token-weighted mean of (global - local) is the pseudo-gradient
+    that the outer optimizer applies to the global parameters. Only trainable parameters are
+    synchronised (LoRA: the adapter). Outer SGD with lr 1 and no momentum is plain model
+    averaging, i.e. (post-)local SGD.
+    """
+
+    diloco_loops: int = Field(1, gt=0, description="Outer loops (syncs); total steps = H x loops.")
+    outer_optimizer: str = Field("SGD", description="torch.optim class for the outer step.")
+    outer_lr: float = Field(0.7, gt=0, description="Outer learning rate.")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum (SGD).")
+    outer_nesterov: bool = Field(True, description="Nesterov outer momentum (SGD).")
+    outer_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra outer-optimizer kwargs."
+    )
+    outer_lr_schedule: Literal["none", "cosine", "linear", "polynomial"] = Field(
+        "none", description="Outer lr over the outer loops (transformers schedules)."
+    )
+    outer_grad_clip: float | None = Field(
+        None, gt=0, description="Clip the pseudo-gradient's global norm to this."
+    )
+    local_sgd_start_step: int = Field(
+        0,
+        ge=0,
+        description="Post-local SGD: average gradients every step (as DDP) before this step, "
+        "go local after it.",
+    )
+
+    @field_validator("outer_optimizer")
+    @classmethod
+    def _known_optimizer(cls, name: str) -> str:
+        return torch_optimizer_name(name)
+
+    def outer_optimizer_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"lr": self.outer_lr}
+        if self.outer_optimizer == "SGD":
+            kwargs.update(momentum=self.outer_momentum,
+                          nesterov=self.outer_nesterov and self.outer_momentum > 0)
+        return {**kwargs, **self.outer_kwargs}
+
+
+class DistributedConfig(Section):
+    """How torchrun launches the worker and how the model is parallelised."""
+
+    strategy: Literal["single", "ddp", "fsdp2", "diloco"] = Field(
+        "single", description="Parallelism strategy."
+    )
+    nproc_per_node: int = Field(1, gt=0, description="Processes per node (torchrun).")
+    nnodes: int = Field(1, gt=0, description="Number of nodes (torchrun).")
+    node_rank: int = Field(0, ge=0, description="This node's rank when nnodes > 1.")
+    rdzv_backend: Literal["c10d", "static"] = Field("c10d", description="torchrun rendezvous.")
+    rdzv_endpoint: str = Field("127.0.0.1:29400", description="host:port of the rendezvous.")
+    rdzv_id: str = Field("finetune", description="Rendezvous id shared by all nodes of a job.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend; auto = nccl on CUDA, gloo on CPU."
+    )
+    threads_per_process: int | None = Field(
+        None, gt=0, description="torch threads per rank (default: cores / nproc_per_node)."
+    )
+    bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size.")
+    find_unused_parameters: bool = Field(False, description="DDP: tolerate unused params.")
+    gradient_as_bucket_view: bool = Field(True, description="DDP: grads alias the buckets.")
+    static_graph: bool = Field(False, description="DDP: graph does not change across steps.")
+    broadcast_buffers: bool = Field(True, description="DDP: sync buffers every forward.")
+    init_sync: bool = Field(True, description="DDP: broadcast rank 0's weights at start.")
+    fsdp: FsdpConfig | None = Field(None, description="FSDP2 options (strategy fsdp2 only).")
+    diloco: DilocoConfig | None = Field(None, description="DiLoCo options (strategy diloco only).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "DistributedConfig":
+        world = self.nproc_per_node * self.nnodes
+        if self.strategy == "single" and world > 1:
+            raise ValueError(
+                f"strategy 'single' runs one process but nproc_per_node x nnodes = {world}; "
+                "use strategy ddp or set nproc_per_node: 1"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
+        if self.strategy == "diloco" and self.diloco is None:
+            raise ValueError(
+                "strategy 'diloco' needs its outer-loop settings: add a distributed.diloco "
+                "section (at least diloco_loops; outer_lr, outer_momentum have defaults)"
+            )
+        for name, owner in (("fsdp", "fsdp2"), ("diloco", "diloco")):
+            if getattr(self, name) is not None and self.strategy != owner:
+                raise ValueError(
+                    f"distributed.{name} is set but strategy is '{self.strategy}'; it would be "
+                    f"ignored: set strategy: {owner} or remove the section"
+                )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
