@@ -11,6 +11,7 @@ and are not counted.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -24,8 +25,20 @@ class CommMeter:
         self.by_kind: dict[str, int] = defaultdict(int)
         self.total = 0
         self._window_start = 0
+        self.paused = False
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Evaluation forwards (FSDP2 gathers params for them too) are not training traffic."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
+        if self.paused:
+            return
         n = tensor.numel() * tensor.element_size()
         self.by_kind[kind] += n
         self.total += n

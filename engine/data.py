@@ -3,7 +3,9 @@
 Global batch k is `perm[k*B : (k+1)*B]` with B = micro-batch x world size, and rank r takes the
 r-th contiguous slice. So 2 ranks x batch b see exactly the examples 1 rank x batch 2b sees,
 which is what makes DDP vs single runs comparable bit for bit, and the position in an epoch is
-just "batches consumed": enough to resume exactly.
+just "batches consumed": enough to resume exactly. An epoch holds whole optimizer steps
+(micro x world x accumulation examples each); the remainder is dropped, so no step straddles
+two epochs and batch b x accumulation k sees exactly what batch k*b sees.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ class ShardedBatches:
     rank: int
     world_size: int
     seed: int
+    accumulation: int = 1
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch_size * self.world_size
 
     def __len__(self) -> int:
-        """Micro-batches per epoch on each rank (incomplete global batches are dropped)."""
-        return self.num_examples // self.global_batch
+        """Micro-batches per epoch on each rank (incomplete optimizer steps are dropped)."""
+        return self.num_examples // (self.global_batch * self.accumulation) * self.accumulation
 
     def epoch(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed + epoch)

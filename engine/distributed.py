@@ -22,10 +22,14 @@ class Dist:
     world_size: int
     local_world_size: int
     device: torch.device
+    main_rank: int = 0
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """The process that logs and writes outputs: local rank 0 of node 0 (node_rank from
+        the params). With c10d rendezvous global ranks follow arrival order, so it is not
+        necessarily global rank 0, and node 0 is the node whose stage owns the MLflow run."""
+        return self.rank == self.main_rank
 
 
 def setup(cfg: DistributedConfig) -> Dist:
@@ -39,10 +43,15 @@ def setup(cfg: DistributedConfig) -> Dist:
     device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
-        dist.init_process_group(backend=backend)
-    return Dist(rank, local_rank, world, local_world, device)
+    main_rank = 0
+    if world > 1:
+        if not dist.is_initialized():
+            backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+            dist.init_process_group(backend=backend)
+        where: list = [None] * world
+        dist.all_gather_object(where, (cfg.node_rank, local_rank))
+        main_rank = where.index((0, 0))
+    return Dist(rank, local_rank, world, local_world, device, main_rank)
 
 
 def teardown() -> None:

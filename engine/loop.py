@@ -93,9 +93,9 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     eval_ds = None
     if (layout.tokenized / "test").exists():
         eval_ds = load_tokenized(layout.tokenized / "test")
-    batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
-                             t.seed)
     accum = t.gradient_accumulation_steps
+    batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
+                             t.seed, accum)
     steps_per_epoch = len(batches) // accum
     if steps_per_epoch == 0:
         raise PipelineError(
@@ -170,9 +170,10 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         if cfg.eval.eval_strategy == "steps" and eval_ds is not None and (
             pos.step % cfg.eval.eval_steps == 0 or pos.step == n_steps
         ):
-            ev = evaluate_loss(strategy.module, eval_ds, t.per_device_eval_batch_size,
-                               tok.pad_token_id, d, cfg.eval.eval_batches, amp,
-                               lockstep=strategy.eval_lockstep)
+            with meter.pause():
+                ev = evaluate_loss(strategy.module, eval_ds, t.per_device_eval_batch_size,
+                                   tok.pad_token_id, d, cfg.eval.eval_batches, amp,
+                                   lockstep=strategy.eval_lockstep)
             if sinks:
                 sinks.log(pos.step, {"eval_loss": ev["loss"]})
         if cfg.checkpoint.save_strategy == "steps" and (

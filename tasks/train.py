@@ -30,6 +30,7 @@ def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
             f"--node_rank={dist.node_rank}",
             f"--rdzv_backend={dist.rdzv_backend}",
             f"--rdzv_endpoint={dist.rdzv_endpoint}",
+            f"--rdzv_id={dist.rdzv_id}",
         ]
     return cmd + ["-m", "engine.worker", str(job_file)]
 
@@ -49,6 +50,19 @@ def preflight(ws: Workspace) -> None:
         raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
     if not (ws.layout.tokenized / "train").exists():
         raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
+    if cfg.training.mixed_precision == "fp16" and cfg.distributed.strategy == "fsdp2":
+        raise PipelineError(
+            "training.mixed_precision: fp16 with strategy fsdp2 needs a sharded GradScaler, "
+            "which this trainer does not use; use bf16 (distributed.fsdp.param_dtype: bfloat16)"
+        )
+    if cfg.checkpoint.resume_from_checkpoint:
+        from engine import checkpoint as ckpt
+        from engine.loop import check_resumable
+
+        path = ckpt.latest(ws.layout.checkpoints)
+        if path is not None:  # no checkpoint: the worker says so and starts from scratch
+            check_resumable(ckpt.read_meta(path) or {}, path, cfg.distributed.world_size,
+                            cfg.distributed.strategy)
 
 
 RESUME_ENV = "FINETUNE_RESUME"
@@ -63,6 +77,8 @@ def train(ws: Workspace) -> dict[str, Path]:
         ws = Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
         print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint", flush=True)
     preflight(ws)
+    if ws.config.distributed.node_rank > 0:
+        return _train_worker_node(ws)
     run_id = tracking.start_run(ws)
     tokenize_stats = ws.layout.metrics / "tokenize.json"
     if tokenize_stats.exists():
@@ -70,13 +86,38 @@ def train(ws: Workspace) -> dict[str, Path]:
         flat = {f"data.{split}.{k}": v for split, s in stats.items() for k, v in s.items()
                 if isinstance(v, (int, float))}
         tracking.log_metrics(ws, run_id, flat)
+    try:
+        _launch(ws, run_id)
+    except PipelineError:
+        tracking.finish_run(ws, run_id, "FAILED")
+        raise
+    metrics = json.loads((ws.layout.metrics / "train.json").read_text())
+    tracking.log_metrics(ws, run_id, {k: v for k, v in metrics.items()
+                                      if isinstance(v, (int, float)) and v is not None})
+    for plot in ("train.csv", "eval.csv"):
+        tracking.client(ws).log_artifact(run_id, str(ws.layout.plots / plot), "plots")
+    write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
+    return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}
+
+
+def _train_worker_node(ws: Workspace) -> dict[str, Path]:
+    """node_rank > 0 of a multi-node job: run this node's ranks; node 0 (global rank 0) owns
+    the MLflow run and writes the trained model, metrics and checkpoints (shared storage)."""
+    _launch(ws, run_id=None)
+    print(f"[train] node {ws.config.distributed.node_rank} finished; node 0 writes the outputs",
+          flush=True)
+    return {}
+
+
+def _launch(ws: Workspace, run_id: str | None) -> None:
+    """Run torchrun on the worker; a failure becomes one PipelineError line."""
     with tempfile.TemporaryDirectory(prefix="finetune-job-") as tmp:
         job_file = Path(tmp) / "job.json"
         error_file = Path(tmp) / "error.txt"
         job_file.write_text(json.dumps({
             "config": ws.config.model_dump(mode="json"),
             "root": str(ws.root),
-            "mlflow_uri": ws.mlflow_uri(),
+            "mlflow_uri": ws.mlflow_uri() if run_id else None,
             "run_id": run_id,
             "error_file": str(error_file),
         }))
@@ -89,16 +130,8 @@ def train(ws: Workspace) -> dict[str, Path]:
             # one-line error is not buried under torchrun's failure dump.
             proc = subprocess.run(torchrun_command(ws, job_file), cwd=ws.root, env=env, stderr=err)
         if proc.returncode != 0:
-            tracking.finish_run(ws, run_id, "FAILED")
             if error_file.exists():
                 raise PipelineError(error_file.read_text())
             sys.stderr.write(stderr_file.read_text())
             raise PipelineError(f"training failed: torchrun exited {proc.returncode} (see log above)")
         sys.stderr.write(stderr_file.read_text())
-    metrics = json.loads((ws.layout.metrics / "train.json").read_text())
-    tracking.log_metrics(ws, run_id, {k: v for k, v in metrics.items()
-                                      if isinstance(v, (int, float)) and v is not None})
-    for plot in ("train.csv", "eval.csv"):
-        tracking.client(ws).log_artifact(run_id, str(ws.layout.plots / plot), "plots")
-    write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
-    return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}

@@ -130,3 +130,16 @@ def test_defaults_are_complete_for_dvc(tmp_path):
                 for part in key.split("."):
                     assert isinstance(node, dict) and part in node, f"{name}: {key} missing"
                     node = node[part]
+
+
+def test_bare_yaml_no_means_the_choice_no(tmp_path):
+    """`save_strategy: no` in YAML 1.1 is the boolean false; it must still mean "no"."""
+    from finetune.config import load_config
+
+    raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    path = tmp_path / "p.yaml"
+    text = yaml.safe_dump(raw).replace("save_strategy: steps", "save_strategy: no")
+    path.write_text(text.replace("eval_strategy: steps", "eval_strategy: no"))
+    cfg = load_config(path, overrides=[])
+    assert cfg.checkpoint.save_strategy == "no" and cfg.eval.eval_strategy == "no"
+    assert load_config(path, overrides=["eval.eval_strategy=no"]).eval.eval_strategy == "no"

@@ -24,6 +24,19 @@ def test_two_ranks_see_exactly_what_one_rank_with_double_batch_sees():
     assert single.epoch(1) == ShardedBatches(50, 8, 0, 1, seed=3).epoch(1)
 
 
+def test_accumulation_never_straddles_epochs():
+    """46 examples, 2 ranks x batch 2 x accumulation 2: 5 whole steps of 8 examples; the 11th
+    micro-batch (which would start a step finishing in the next epoch) is dropped, so each step
+    sees what batch 8 on one rank sees."""
+    single = ShardedBatches(46, 8, rank=0, world_size=1, seed=1)
+    ranks = [ShardedBatches(46, 2, rank=r, world_size=2, seed=1, accumulation=2) for r in (0, 1)]
+    assert len(ranks[0]) == 10 and len(single) == 5
+    e = [r.epoch(0) for r in ranks]
+    for step in range(5):
+        seen = sorted(e[0][2 * step] + e[0][2 * step + 1] + e[1][2 * step] + e[1][2 * step + 1])
+        assert seen == sorted(single.epoch(0)[step])
+
+
 def test_collate_pads_right_and_masks_labels():
     rows = [{"input_ids": [1, 5, 6], "labels": [-100, 5, 6]}, {"input_ids": [1, 7], "labels": [-100, 7]}]
     b = collate(rows, pad_id=0)

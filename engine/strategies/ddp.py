@@ -20,7 +20,7 @@ class DDPStrategy(Strategy):
             find_unused_parameters=c.find_unused_parameters,
             gradient_as_bucket_view=c.gradient_as_bucket_view,
             static_graph=c.static_graph,
-            broadcast_buffers=c.broadcast_buffers,
+            forward_sync_buffers=c.broadcast_buffers,
             init_sync=c.init_sync,
         )
         # Same averaging all-reduce as DDP's default, with the bytes counted.

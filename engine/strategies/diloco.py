@@ -91,6 +91,7 @@ class DiLoCoStrategy(Strategy):
     @torch.no_grad()
     def _outer_step(self) -> dict[str, float]:
         c = self.cfg.distributed.diloco
+        sent_before = self.meter.total
         globals_ = list(self.globals.parameters())
         deltas = torch.cat([(g - p).reshape(-1) for g, (_, p) in zip(globals_, self.local)])
         weight = torch.tensor([self.tokens_since_sync], dtype=torch.float64,
@@ -113,7 +114,8 @@ class DiLoCoStrategy(Strategy):
         self.tokens_since_sync = 0.0
         self.outer_steps += 1
         return {"outer_lr": float(lr), "pseudo_grad_norm": float(norm),
-                "outer_step": float(self.outer_steps)}
+                "outer_step": float(self.outer_steps),
+                "comm_bytes_outer_loop": float(self.meter.total - sent_before)}
 
     # -- checkpoint: inner optimizer state differs per worker, so each rank keeps its own key;
     # the global copy and the outer optimizer are replicated (DCP writes them once).

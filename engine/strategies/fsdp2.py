@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard)
+from torch.distributed.tensor import DTensor
 
 from engine.comm import install_fsdp_counters
 from engine.model import DTYPES
@@ -92,5 +92,15 @@ class FSDP2Strategy(Strategy):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def full_state_dict(self) -> dict:
-        return get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        """Gather one tensor at a time (peak memory: one unsharded tensor), in the same order on
+        every rank since each gather is a collective; only the main process keeps them. A PEFT
+        export only needs the adapter, so only trainable tensors are gathered then."""
+        sd = self.model.state_dict()
+        names = self.trainable_names() if self.cfg.peft.use_peft else set(sd)
+        full = {}
+        for name in sorted(names):
+            tensor = sd[name]
+            tensor = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if self.d.is_main:
+                full[name] = tensor.detach().cpu()
+        return full

@@ -2,13 +2,23 @@
 
 import typing
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 
 class Section(BaseModel):
     """Base for every section: unknown keys are rejected, assignments re-validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_no_is_a_word(cls, data):
+        """YAML 1.1 reads a bare `no` as false; for choices like save_strategy it is the word."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if data.get(name) is False and "no" in typing.get_args(field.annotation):
+                    data = {**data, name: "no"}
+        return data
 
 
 def section_model(annotation) -> type[BaseModel] | None:
