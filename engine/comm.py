@@ -56,11 +56,12 @@ class CommMeter:
         return out
 
 
-def all_reduce(tensor: torch.Tensor, meter: CommMeter | None, kind: str = "all_reduce") -> None:
-    """In-place SUM all-reduce that is counted when a meter is given."""
+def all_reduce(tensor: torch.Tensor, meter: CommMeter | None, kind: str = "all_reduce",
+               group=None) -> None:
+    """In-place SUM all-reduce (over `group`, default all ranks), counted when a meter is given."""
     if meter is not None:
         meter.add(kind, tensor)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
 
 
 def ddp_counting_hook(meter, bucket):

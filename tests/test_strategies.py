@@ -167,3 +167,22 @@ def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
     assert not (nodes[1] / "data/trained").exists()
     assert losses(nodes[0]) == pytest.approx(losses(ddp_run), abs=1e-5)
     assert train_metrics(nodes[0])["world_size"] == 2
+
+
+def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, tmp_path):
+    """OpenDiLoCo's layout: 4 processes = 2 DiLoCo workers x FSDP2 groups of 2 (batch 2 each)
+    trains like 2 unsharded workers with batch 4 (the same examples per worker and step); each
+    rank then sends only its shard of the pseudo-gradient."""
+    common = {"distributed.strategy": "diloco", "training.max_steps": 3,
+              "distributed.diloco.diloco_loops": 2, "eval.eval_steps": 3,
+              "checkpoint.save_strategy": "no"}
+    plain, _ = train_copy(tokenized, tmp_path / "plain", {**common, **TWO})
+    sharded, proc = train_copy(tokenized, tmp_path / "sharded", {
+        **common, "distributed.nproc_per_node": 4, "training.per_device_train_batch_size": 2,
+        "distributed.diloco.fsdp_group_size": 2})
+    assert "strategy diloco, world size 4" in proc.stdout
+    assert losses(sharded) == pytest.approx(losses(plain), abs=1e-5)
+    assert_weights_close(adapter(sharded), adapter(plain))
+    m, p = train_metrics(sharded), train_metrics(plain)
+    assert 0 < m["comm_bytes_diloco_pseudo_grad"] < p["comm_bytes_diloco_pseudo_grad"]
+    assert m["comm_bytes_fsdp_all_gather"] > 0

@@ -9,6 +9,11 @@ normalised by the worker's own tokens, so a slow link costs one all-reduce per H
 
 Post-local SGD (Lin et al.) is the special case outer SGD(lr=1, momentum=0) with
 `local_sgd_start_step`: before it, gradients are averaged every step as in DDP.
+
+With `fsdp_group_size` g > 1 a worker is g processes that shard its model with FSDP2
+(OpenDiLoCo's layout): a (workers x g) device mesh, FSDP2 over each row, and the pseudo-gradient
+all-reduce over each column, on local shards. The per-worker parallelism is an inner strategy
+(single or FSDP2) that this class delegates to.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 from transformers import get_scheduler
+
+import torch.distributed as dist
 
 from engine.comm import all_reduce
 from engine.strategies.base import Strategy
@@ -29,11 +36,16 @@ class _GlobalParams(torch.nn.Module):
     """The global copy as a module, so DCP's FQN-keyed state-dict helpers handle it and its
     outer optimizer like any model (dots are not allowed in parameter names)."""
 
-    def __init__(self, named: list[tuple[str, torch.nn.Parameter]]):
+    def __init__(self, named: list[tuple[str, torch.Tensor]]):
         super().__init__()
         for name, p in named:
             self.register_parameter(name.replace(".", "__"),
                                     torch.nn.Parameter(p.detach().clone()))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: the local shard of an FSDP2 DTensor, else itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 class DiLoCoStrategy(Strategy):
@@ -43,9 +55,27 @@ class DiLoCoStrategy(Strategy):
         c = self.cfg.distributed.diloco
         self.h = self.cfg.training.max_steps
         self.start = c.local_sgd_start_step
+        self.group_size = c.fsdp_group_size
+        self.workers = self.d.world_size // self.group_size
+        self.replicas = None  # process group across workers (None: all ranks)
+        if self.group_size > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from engine.strategies.fsdp2 import FSDP2Strategy
+
+            mesh = init_device_mesh(self.d.device.type, (self.workers, self.group_size),
+                                    mesh_dim_names=("replica", "shard"))
+            self.inner = FSDP2Strategy(self.cfg, self.d, self.meter)
+            self.inner.wrap(model, mesh=mesh["shard"])
+            self.replicas = mesh.get_group("replica")
+            self._group = mesh.get_group("shard")
+        else:
+            self.inner = Strategy(self.cfg, self.d, self.meter)
+            self.inner.wrap(model)
+        self.eval_lockstep = self.inner.eval_lockstep
         self.model = model
         self.local = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.globals = _GlobalParams(self.local)
+        self.globals = _GlobalParams([(n, _local(p)) for n, p in self.local])
         klass = getattr(torch.optim, c.outer_optimizer)
         self.outer = klass(self.globals.parameters(), **c.outer_optimizer_kwargs())
         self.outer_schedule = get_scheduler(
@@ -59,18 +89,33 @@ class DiLoCoStrategy(Strategy):
         return step >= self.start
 
     def loss_divisor(self, local_targets: int, step: int) -> float:
-        if self._local_phase(step):
-            self.tokens_since_sync += local_targets
-            return float(max(local_targets, 1))
-        return super().loss_divisor(local_targets, step)
+        if not self._local_phase(step):
+            return super().loss_divisor(local_targets, step)
+        worker_targets = float(local_targets)
+        if self.group_size > 1:  # FSDP2 averages gradients over the worker's group
+            t = torch.tensor([worker_targets], dtype=torch.float64, device=self.d.device)
+            all_reduce(t, self.meter, "loss_normaliser", group=self._group)
+            worker_targets = float(t.item())
+        self.tokens_since_sync += worker_targets
+        return max(worker_targets, 1.0) / self.group_size
+
+    def sync_context(self, last_micro_batch: bool):
+        return self.inner.sync_context(last_micro_batch)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return self.inner.clip_grad_norm(max_norm)
+
+    def full_state_dict(self) -> dict | None:
+        return self.inner.full_state_dict()
 
     def before_optimizer_step(self, step: int) -> None:
-        """Before local SGD starts: average gradients every step, as DDP does."""
-        if self._local_phase(step) or self.d.world_size == 1:
+        """Before local SGD starts: average gradients over workers every step, as DDP does
+        (within a worker, FSDP2 has already averaged them over the group)."""
+        if self._local_phase(step) or self.workers == 1:
             return
-        grads = [p.grad for _, p in self.local]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.d.world_size)
-        all_reduce(flat, self.meter, "grad_all_reduce")
+        grads = [_local(p.grad) for _, p in self.local]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.workers)
+        all_reduce(flat, self.meter, "grad_all_reduce", group=self.replicas)
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
 
@@ -86,53 +131,70 @@ class DiLoCoStrategy(Strategy):
     @torch.no_grad()
     def _copy_local_to_global(self) -> None:
         for g, (_, p) in zip(self.globals.parameters(), self.local):
-            g.copy_(p)
+            g.copy_(_local(p))
 
     @torch.no_grad()
     def _outer_step(self) -> dict[str, float]:
         c = self.cfg.distributed.diloco
         sent_before = self.meter.total
         globals_ = list(self.globals.parameters())
-        deltas = torch.cat([(g - p).reshape(-1) for g, (_, p) in zip(globals_, self.local)])
+        deltas = torch.cat([(g - _local(p)).reshape(-1)
+                            for g, (_, p) in zip(globals_, self.local)])
         weight = torch.tensor([self.tokens_since_sync], dtype=torch.float64,
                               device=deltas.device)
-        if self.d.world_size > 1:
+        if self.workers > 1:
             deltas.mul_(self.tokens_since_sync)
-            all_reduce(deltas, self.meter, "diloco_pseudo_grad")
-            all_reduce(weight, self.meter, "diloco_token_weight")
+            all_reduce(deltas, self.meter, "diloco_pseudo_grad", group=self.replicas)
+            all_reduce(weight, self.meter, "diloco_token_weight", group=self.replicas)
             deltas.div_(max(float(weight.item()), 1.0))
         for g, chunk in zip(globals_, deltas.split([g.numel() for g in globals_])):
             g.grad = chunk.view_as(g).clone()
-        norm = torch.nn.utils.clip_grad_norm_(
-            globals_, c.outer_grad_clip if c.outer_grad_clip else float("inf"))
+        norm = self._clip_pseudo_gradient(globals_, c.outer_grad_clip)
         lr = self.outer.param_groups[0]["lr"]
         self.outer.step()
         self.outer_schedule.step()
         self.outer.zero_grad(set_to_none=True)
         for g, (_, p) in zip(globals_, self.local):
-            p.copy_(g)
+            _local(p).copy_(g)
         self.tokens_since_sync = 0.0
         self.outer_steps += 1
         return {"outer_lr": float(lr), "pseudo_grad_norm": float(norm),
                 "outer_step": float(self.outer_steps),
                 "comm_bytes_outer_loop": float(self.meter.total - sent_before)}
 
+    def _clip_pseudo_gradient(self, params, max_norm: float | None) -> torch.Tensor:
+        """Global norm over the whole pseudo-gradient (summed over a worker's shards)."""
+        sq = torch.stack([p.grad.double().pow(2).sum() for p in params]).sum()
+        if self.group_size > 1:
+            dist.all_reduce(sq, group=self._group)  # a scalar per outer loop: not counted
+        norm = sq.sqrt()
+        if max_norm and float(norm) > max_norm:
+            for p in params:
+                p.grad.mul_(max_norm / (float(norm) + 1e-6))
+        return norm
+
     # -- checkpoint: inner optimizer state differs per worker, so each rank keeps its own key;
-    # the global copy and the outer optimizer are replicated (DCP writes them once).
+    # the global copy and the outer optimizer are replicated across workers (DCP writes them
+    # once) but, with FSDP2 workers, differ per shard: keyed by shard index then.
+    def _shard_key(self) -> str:
+        return "" if self.group_size == 1 else f".shard{dist.get_rank(self._group)}"
+
     def dcp_state(self, optimizer) -> dict:
         model_sd, inner_sd = get_state_dict(self.model, optimizer)
         names = self.trainable_names()
         global_sd, outer_sd = get_state_dict(self.globals, self.outer)
+        shard = self._shard_key()
         return {"model": {k: v for k, v in model_sd.items() if k in names},
                 f"inner_optim.rank{self.d.rank}": inner_sd,
-                "outer_global": global_sd, "outer_optim": outer_sd}
+                f"outer_global{shard}": global_sd, f"outer_optim{shard}": outer_sd}
 
     def load_dcp_state(self, optimizer, state: dict) -> None:
+        shard = self._shard_key()
         set_state_dict(self.model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state[f"inner_optim.rank{self.d.rank}"],
                        options=StateDictOptions(strict=False))
-        set_state_dict(self.globals, self.outer, model_state_dict=state["outer_global"],
-                       optim_state_dict=state["outer_optim"])
+        set_state_dict(self.globals, self.outer, model_state_dict=state[f"outer_global{shard}"],
+                       optim_state_dict=state[f"outer_optim{shard}"])
 
     def trainer_state(self) -> dict:
         return {"outer_schedule": self.outer_schedule.state_dict(),

@@ -52,7 +52,8 @@ class FSDP2Strategy(Strategy):
     name = "fsdp2"
     eval_lockstep = True
 
-    def wrap(self, model):
+    def wrap(self, model, mesh=None):
+        """Shard over `mesh` (default: all ranks; DiLoCo passes its worker group's mesh)."""
         c = self.cfg.distributed.fsdp or FsdpConfig()
         if c.buffer_dtype:
             for module in model.modules():
@@ -60,7 +61,7 @@ class FSDP2Strategy(Strategy):
                     if buf.is_floating_point():
                         setattr(module, name, buf.to(DTYPES[c.buffer_dtype]))
         kwargs = {
-            "mesh": init_device_mesh(self.d.device.type, (self.d.world_size,)),
+            "mesh": mesh or init_device_mesh(self.d.device.type, (self.d.world_size,)),
             "reshard_after_forward": c.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(
                 param_dtype=DTYPES.get(c.param_dtype), reduce_dtype=DTYPES.get(c.reduce_dtype)),

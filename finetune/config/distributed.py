@@ -69,6 +69,12 @@ class DilocoConfig(Section):
     outer_grad_clip: float | None = Field(
         None, gt=0, description="Clip the pseudo-gradient's global norm to this."
     )
+    fsdp_group_size: int = Field(
+        1,
+        gt=0,
+        description="Processes per DiLoCo worker; > 1 shards each worker's model with FSDP2 "
+        "over its group (OpenDiLoCo's layout; distributed.fsdp options apply).",
+    )
     local_sgd_start_step: int = Field(
         0,
         ge=0,
@@ -131,7 +137,15 @@ class DistributedConfig(Section):
                 "strategy 'diloco' needs its outer-loop settings: add a distributed.diloco "
                 "section (at least diloco_loops; outer_lr, outer_momentum have defaults)"
             )
+        if self.diloco is not None and self.world_size % self.diloco.fsdp_group_size:
+            raise ValueError(
+                f"distributed.diloco.fsdp_group_size {self.diloco.fsdp_group_size} must divide "
+                f"the world size {self.world_size}"
+            )
+        sharded_diloco = self.diloco is not None and self.diloco.fsdp_group_size > 1
         for name, owner in (("fsdp", "fsdp2"), ("diloco", "diloco")):
+            if name == "fsdp" and sharded_diloco:
+                continue
             if getattr(self, name) is not None and self.strategy != owner:
                 raise ValueError(
                     f"distributed.{name} is set but strategy is '{self.strategy}'; it would be "
