@@ -112,7 +112,10 @@ def _kill_after_first_checkpoint(project) -> str:
     {"distributed.strategy": "fsdp2", "training.per_device_train_batch_size": 2,
      "training.gradient_accumulation_steps": 2},
     {"distributed.strategy": "diloco", "training.max_steps": 3, "distributed.diloco.diloco_loops": 4},
-], ids=["fsdp2", "diloco"])
+    {"distributed.strategy": "diloco", "training.max_steps": 3, "distributed.diloco.diloco_loops": 4,
+     "distributed.nproc_per_node": 4, "distributed.diloco.fsdp_group_size": 2,
+     "training.per_device_train_batch_size": 2},
+], ids=["fsdp2", "diloco", "diloco-fsdp2-workers"])
 def test_sigkill_after_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, strategy):
     common = {**TWO, **strategy, "checkpoint.save_steps": 3, "eval.eval_steps": 3,
               "checkpoint.save_total_limit": 10}
@@ -134,10 +137,12 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, st
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
     assert losses(cut) == losses(full)
     # a different world size cannot resume exactly: refused before any process starts
+    world = common["distributed.nproc_per_node"]
     write_params(cut, {"distributed.nproc_per_node": 1, "distributed.strategy": "single"}
-                 if strategy["distributed.strategy"] != "diloco" else {"distributed.nproc_per_node": 1})
+                 if strategy["distributed.strategy"] != "diloco" else
+                 {"distributed.nproc_per_node": 1, "distributed.diloco.fsdp_group_size": 1})
     err = run_cli(cut, "stage", "train")
-    assert "world size 2 but this run" in error_line(err)
+    assert f"world size {world} but this run" in error_line(err)
     assert "[train] step" not in err.stdout
 
 

@@ -173,9 +173,13 @@ class DiLoCoStrategy(Strategy):
                 p.grad.mul_(max_norm / (float(norm) + 1e-6))
         return norm
 
-    # -- checkpoint: inner optimizer state differs per worker, so each rank keeps its own key;
+    # -- checkpoint: inner optimizer state differs per worker, so each worker has its own key
+    # (a worker's FSDP2 ranks fill their shards of it together);
     # the global copy and the outer optimizer are replicated across workers (DCP writes them
     # once) but, with FSDP2 workers, differ per shard: keyed by shard index then.
+    def _worker(self) -> int:
+        return self.d.rank // self.group_size  # mesh rows are contiguous ranks
+
     def _shard_key(self) -> str:
         return "" if self.group_size == 1 else f".shard{dist.get_rank(self._group)}"
 
@@ -185,13 +189,13 @@ class DiLoCoStrategy(Strategy):
         global_sd, outer_sd = get_state_dict(self.globals, self.outer)
         shard = self._shard_key()
         return {"model": {k: v for k, v in model_sd.items() if k in names},
-                f"inner_optim.rank{self.d.rank}": inner_sd,
+                f"inner_optim.worker{self._worker()}": inner_sd,
                 f"outer_global{shard}": global_sd, f"outer_optim{shard}": outer_sd}
 
     def load_dcp_state(self, optimizer, state: dict) -> None:
         shard = self._shard_key()
         set_state_dict(self.model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state[f"inner_optim.rank{self.d.rank}"],
+                       optim_state_dict=state[f"inner_optim.worker{self._worker()}"],
                        options=StateDictOptions(strict=False))
         set_state_dict(self.globals, self.outer, model_state_dict=state[f"outer_global{shard}"],
                        optim_state_dict=state[f"outer_optim{shard}"])
