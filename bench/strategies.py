@@ -22,7 +22,7 @@ from workdir import ROOT, copy_project, machine, markdown_table, read_json, set_
 TWO = {"distributed.nproc_per_node": 2, "training.per_device_train_batch_size": 4}
 
 
-def runs(steps: int) -> list[tuple[str, dict]]:
+def runs(steps: int, outer: dict) -> list[tuple[str, dict]]:
     quiet = {"checkpoint.save_strategy": "no", "eval.eval_strategy": "no",
              "logging.logging_steps": 10}
     out = [("single", {**quiet}),
@@ -32,7 +32,7 @@ def runs(steps: int) -> list[tuple[str, dict]]:
         if steps % h == 0:
             out.append((f"diloco H={h}", {
                 **quiet, **TWO, "distributed.strategy": "diloco", "training.max_steps": h,
-                "distributed.diloco.diloco_loops": steps // h}))
+                "distributed.diloco.diloco_loops": steps // h, **outer}))
     return out
 
 
@@ -40,14 +40,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150, help="optimizer steps per strategy")
     ap.add_argument("--keep", action="store_true", help="keep the temp projects")
+    ap.add_argument("--only", nargs="*", help="strategy labels to run (default: all)")
+    ap.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default: the schema's)")
+    ap.add_argument("--outer-momentum", type=float, help="DiLoCo outer momentum")
+    ap.add_argument("--out", default="strategies", help="results file stem under bench/results")
     args = ap.parse_args()
+    outer = {}
+    if args.outer_lr is not None:
+        outer["distributed.diloco.outer_lr"] = args.outer_lr
+    if args.outer_momentum is not None:
+        outer["distributed.diloco.outer_momentum"] = args.outer_momentum
     work = Path(tempfile.mkdtemp(prefix="bench-strategies-"))
     base = copy_project(work / "base")
     set_params(base, {"training.max_steps": args.steps})
     for name in ("download", "format", "tokenize"):
         stage(base, name)
     rows = []
-    for label, overrides in runs(args.steps):
+    for label, overrides in runs(args.steps, outer):
+        if args.only and label not in args.only:
+            continue
         project = work / label.replace(" ", "").replace("=", "")
         shutil.copytree(base, project, symlinks=True)
         set_params(project, overrides)
@@ -65,18 +76,18 @@ def main() -> None:
             "eval loss": e["finetuned"]["loss"],
         })
         print(f"{label}: {rows[-1]}", flush=True)
-    ddp_loss = next(r["eval loss"] for r in rows if r["strategy"] == "ddp")
+    ddp_loss = next((r["eval loss"] for r in rows if r["strategy"] in ("ddp", "single")), None)
     for r in rows:
-        r["eval gap vs ddp"] = (r["eval loss"] - ddp_loss) / ddp_loss
+        r["eval gap vs ddp"] = (r["eval loss"] - ddp_loss) / ddp_loss if ddp_loss else None
     info = machine()
     cols = ["strategy", "world", "steps", "tokens", "tokens/s", "bytes/step", "train wall s",
             "eval loss", "eval gap vs ddp"]
     table = markdown_table(rows, cols)
     print(f"\n{info}\n\n{table}")
-    out = ROOT / "bench/results" / f"strategies-{'cpu' if info['device'] == 'cpu' else 'gpu'}.json"
+    out = ROOT / "bench/results" / f"{args.out}-{'cpu' if info['device'] == 'cpu' else 'gpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "steps": args.steps, "rows": rows,
-                               "table": table}, indent=2))
+    out.write_text(json.dumps({"machine": info, "steps": args.steps, "outer": outer,
+                               "rows": rows, "table": table}, indent=2))
     print(f"wrote {out}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

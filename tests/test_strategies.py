@@ -68,7 +68,7 @@ def test_fsdp2_with_accumulation_matches_ddp(ddp_run, tmp_path):
     export_loads(project)
 
 
-def test_diloco_h1_with_sgd_is_ddp_and_sends_1_over_h_bytes(tokenized, tmp_path):
+def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(tokenized, tmp_path):
     ddp, _ = train_copy(tokenized, tmp_path / "ddp", {**SGD, **TWO, "distributed.strategy": "ddp"})
     outer_sgd = {"distributed.strategy": "diloco", "distributed.diloco.outer_lr": 1.0,
                  "distributed.diloco.outer_momentum": 0.0}
@@ -84,6 +84,16 @@ def test_diloco_h1_with_sgd_is_ddp_and_sends_1_over_h_bytes(tokenized, tmp_path)
     assert per_step["h1"] == per_step["ddp"]
     assert per_step["h3"] * 3 == per_step["ddp"]
     export_loads(h3)
+    # post-local SGD: DDP-style gradient averaging for 3 steps, then 3 local steps + averaging
+    post, proc = train_copy(tokenized, tmp_path / "post", {
+        **SGD, **TWO, **outer_sgd, "training.max_steps": 3, "distributed.diloco.diloco_loops": 2,
+        "distributed.diloco.local_sgd_start_step": 3})
+    assert losses(post)[:3] == pytest.approx(losses(ddp)[:3], abs=1e-5)
+    assert losses(post)[3:] != pytest.approx(losses(ddp)[3:], abs=1e-5)
+    m, trainable = train_metrics(post), train_metrics(post)["trainable_params"]
+    assert m["comm_bytes_grad_all_reduce"] == 3 * trainable * 4
+    assert m["comm_bytes_diloco_pseudo_grad"] == 1 * trainable * 4
+    assert "outer_step=1" in proc.stdout and "outer_step=2" not in proc.stdout
 
 
 def _free_port() -> int:

@@ -46,7 +46,7 @@ def test_gradient_accumulation_is_token_weighted(tokenized, tmp_path):
 
 
 def test_ddp_two_ranks_matches_single_rank_double_batch(tokenized, tmp_path):
-    common = {"training.max_steps": 4, "checkpoint.save_strategy": "no"}
+    common = {"training.max_steps": 10, "checkpoint.save_strategy": "no"}
     single, _ = train_copy(tokenized, tmp_path / "s", {**common, "training.per_device_train_batch_size": 8})
     ddp, proc = train_copy(tokenized, tmp_path / "d", {
         **common, "training.per_device_train_batch_size": 4,
