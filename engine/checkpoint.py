@@ -153,8 +153,13 @@ def list_checkpoints(directory: Path, validate: bool = True) -> list[Path]:
 
 
 def latest(directory: Path) -> Path | None:
-    valid = list_checkpoints(directory)
-    return valid[-1] if valid else None
+    """The newest valid checkpoint. Hashes are checked newest-first, so a resume reads only
+    the checkpoint it uses (and any corrupt newer ones), not every kept checkpoint."""
+    for path in reversed(list_checkpoints(directory, validate=False)):
+        if is_valid(path):
+            return path
+        warnings.warn(f"checkpoint {path} is incomplete or corrupt; skipping it", stacklevel=2)
+    return None
 
 
 def load(path: Path, dcp_state: dict, apply: Callable[[dict], None]) -> tuple[dict, dict]:

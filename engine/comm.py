@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
 class CommMeter:
@@ -68,8 +69,6 @@ def ddp_counting_hook(meter, bucket):
     """DDP's default averaging all-reduce, with the bucket's bytes counted. (No annotations:
     DDP rejects any return annotation but the exact Future[Tensor] object, and this module's
     postponed annotations are strings.)"""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     meter.add("ddp_grad_all_reduce", bucket.buffer())
     return default_hooks.allreduce_hook(None, bucket)
 

@@ -282,7 +282,12 @@ def check_resumable(meta: dict, path: Path, world_size: int, strategy: str) -> N
 
 
 def _resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d) -> tuple[Position, list]:
-    path = ckpt.latest(directory)
+    # One process hashes the checkpoint files and tells the others which one to load.
+    path = ckpt.latest(directory) if d.is_main else None
+    if d.world_size > 1:
+        chosen = [path]
+        torch.distributed.broadcast_object_list(chosen, src=d.main_rank)
+        path = chosen[0]
     if path is None:
         if d.is_main:
             print(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from torch.nn.parallel import DistributedDataParallel
 
 from engine.comm import ddp_counting_hook
@@ -32,4 +34,4 @@ class DDPStrategy(Strategy):
         return self.model.module
 
     def sync_context(self, last_micro_batch: bool):
-        return super().sync_context(True) if last_micro_batch else self.model.no_sync()
+        return contextlib.nullcontext() if last_micro_batch else self.model.no_sync()

@@ -19,11 +19,9 @@ all-reduce over each column, on local shards. The per-worker parallelism is an i
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
-from transformers import get_scheduler
-
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import get_scheduler
 
 from engine.comm import all_reduce
 from engine.strategies.base import Strategy
@@ -163,14 +161,16 @@ class DiLoCoStrategy(Strategy):
                 "comm_bytes_outer_loop": float(self.meter.total - sent_before)}
 
     def _clip_pseudo_gradient(self, params, max_norm: float | None) -> torch.Tensor:
-        """Global norm over the whole pseudo-gradient (summed over a worker's shards)."""
-        sq = torch.stack([p.grad.double().pow(2).sum() for p in params]).sum()
+        """torch's clipping, with the norm taken over the whole pseudo-gradient (a worker's
+        shards combined)."""
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads)
         if self.group_size > 1:
+            sq = norm.pow(2)
             dist.all_reduce(sq, group=self._group)  # a scalar per outer loop: not counted
-        norm = sq.sqrt()
-        if max_norm and float(norm) > max_norm:
-            for p in params:
-                p.grad.mul_(max_norm / (float(norm) + 1e-6))
+            norm = sq.sqrt()
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
 
     # -- checkpoint: inner optimizer state differs per worker, so each worker has its own key
@@ -184,19 +184,16 @@ class DiLoCoStrategy(Strategy):
         return "" if self.group_size == 1 else f".shard{dist.get_rank(self._group)}"
 
     def dcp_state(self, optimizer) -> dict:
-        model_sd, inner_sd = get_state_dict(self.model, optimizer)
-        names = self.trainable_names()
+        state = super().dcp_state(optimizer)  # trainable weights + this worker's inner optim
+        state[f"inner_optim.worker{self._worker()}"] = state.pop("optim")
         global_sd, outer_sd = get_state_dict(self.globals, self.outer)
         shard = self._shard_key()
-        return {"model": {k: v for k, v in model_sd.items() if k in names},
-                f"inner_optim.worker{self._worker()}": inner_sd,
-                f"outer_global{shard}": global_sd, f"outer_optim{shard}": outer_sd}
+        return {**state, f"outer_global{shard}": global_sd, f"outer_optim{shard}": outer_sd}
 
     def load_dcp_state(self, optimizer, state: dict) -> None:
+        super().load_dcp_state(optimizer, {
+            "model": state["model"], "optim": state[f"inner_optim.worker{self._worker()}"]})
         shard = self._shard_key()
-        set_state_dict(self.model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state[f"inner_optim.worker{self._worker()}"],
-                       options=StateDictOptions(strict=False))
         set_state_dict(self.globals, self.outer, model_state_dict=state[f"outer_global{shard}"],
                        optim_state_dict=state[f"outer_optim{shard}"])
 
