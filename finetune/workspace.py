@@ -62,6 +62,16 @@ class Layout:
         return self.root / "data/plots"
 
     @property
+    def eval_samples(self) -> Path:
+        """Prompt / reference / generation rows written by the evaluate stage."""
+        return self.root / "data/eval/samples.json"
+
+    @property
+    def model_version(self) -> Path:
+        """The MLflow registry version the export stage created and its promotion decision."""
+        return self.root / "data/lineage/model_version.json"
+
+    @property
     def train_run(self) -> Path:
         """The MLflow run id of the last training. Kept out of data/trained so the trained
         weights folder is byte-identical when a training is reproduced."""

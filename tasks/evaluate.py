@@ -1,22 +1,27 @@
-"""Stage 5, evaluate: test-split loss and perplexity of the base and the fine-tuned model.
+"""Stage 5, evaluate: loss, perplexity and generation metrics of the base and fine-tuned model.
 
-Both numbers come from the same tokenized test split with the same token-weighted loss the
-trainer uses, so "fine-tuned below base" is an apples-to-apples claim. Results go to a DVC
-metrics file (`dvc metrics diff`, `dvc exp show`) and into the training's MLflow run.
+Loss numbers come from the same tokenized test split with the same token-weighted loss the
+trainer uses, so "fine-tuned below base" is an apples-to-apples claim. Generation metrics
+(exact match, ROUGE) come from greedy generations on the first `eval.max_generation_samples`
+formatted test rows, the prompt encoded exactly as in training. Results go to a DVC metrics
+file (`dvc metrics diff`, `dvc exp show`), a samples table, and the training's MLflow run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from engine.data import load_tokenized
 from engine.evaluation import evaluate_loss
-from engine.model import load_base_model, load_tokenizer, load_trained
+from engine.generation import encode_prompts, greedy_generate
+from engine.model import load_base_model, load_tokenizer, load_trained, max_positions
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace, write_json_atomic
 from tasks import tracking
+from tasks.metrics import generation_metrics
 
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
@@ -29,22 +34,74 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     torch.manual_seed(cfg.training.seed)
     test = load_tokenized(test_dir)
     tok = load_tokenizer(cfg.model, ws.root)
+    rows = _generation_rows(ws) if cfg.eval.wants_generation else None
     # The whole split: eval.eval_batches caps only the quick in-training evals.
     args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
     base_model = load_base_model(cfg.model, ws.root)
-    base = evaluate_loss(base_model, *args)
-    tuned = evaluate_loss(load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained,
-                                       base=base_model), *args)
-    metrics = {
-        "base": {"loss": round(base["loss"], 6), "perplexity": round(base["perplexity"], 4)},
-        "finetuned": {"loss": round(tuned["loss"], 6), "perplexity": round(tuned["perplexity"], 4)},
-        "eval_tokens": tuned["tokens"],
-    }
+    results, generations = {}, {}
+    base_loss = evaluate_loss(base_model, *args)
+    results["base"] = _loss_entry(base_loss)
+    if rows is not None:
+        generations["base"] = _generate(ws, base_model, tok, rows)
+    tuned_model = load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained, base=base_model)
+    tuned_loss = evaluate_loss(tuned_model, *args)
+    results["finetuned"] = _loss_entry(tuned_loss)
+    if rows is not None:
+        generations["finetuned"] = _generate(ws, tuned_model, tok, rows)
+        references = rows["completion"].tolist()
+        for name, texts in generations.items():
+            scores = generation_metrics(cfg.eval.generation_metrics, texts, references,
+                                        cfg.eval.answer_regex)
+            results[name].update({k: round(v, 6) for k, v in scores.items()})
+    metrics = {**results, "eval_tokens": tuned_loss["tokens"],
+               "generation_rows": 0 if rows is None else len(rows)}
+    samples = _samples(rows, generations, cfg.eval.num_logged_samples)
+    samples_path = write_json_atomic(ws.layout.eval_samples, samples)
     path = write_json_atomic(ws.layout.metrics / "eval.json", metrics)
     run_id = tracking.run_id_of(ws)
     if run_id:
-        tracking.log_metrics(ws, run_id, {
-            "eval.base_loss": base["loss"], "eval.base_perplexity": base["perplexity"],
-            "eval.loss": tuned["loss"], "eval.perplexity": tuned["perplexity"],
-        })
-    return {"metrics": path}
+        flat = {f"eval.{k}": v for k, v in results["finetuned"].items()}
+        flat.update({f"eval.base_{k}": v for k, v in results["base"].items()})
+        tracking.log_metrics(ws, run_id, flat)
+        if samples:
+            tracking.client(ws).log_table(run_id, pd.DataFrame(samples), "eval/samples.json")
+    return {"metrics": path, "samples": samples_path}
+
+
+def _loss_entry(result: dict) -> dict:
+    return {"loss": round(result["loss"], 6), "perplexity": round(result["perplexity"], 4)}
+
+
+def _generation_rows(ws: Workspace) -> pd.DataFrame:
+    test = ws.layout.formatted / "test.parquet"
+    if not test.exists():
+        raise PipelineError(f"{test} missing; run the format stage first")
+    rows = pd.read_parquet(test, columns=["prompt", "completion"])
+    limit = ws.config.eval.max_generation_samples
+    return rows.head(limit) if limit else rows
+
+
+def _generate(ws: Workspace, model, tok, rows: pd.DataFrame) -> list[str]:
+    ev = ws.config.eval
+    limit = max_positions(ws.config.model, ws.root)
+    room = limit - ev.generation_max_new_tokens if limit else None
+    if room is not None and room < 1:
+        raise PipelineError(
+            f"eval.generation_max_new_tokens {ev.generation_max_new_tokens} leaves no room for "
+            f"a prompt in the model's {limit} positions; lower it"
+        )
+    prompts = encode_prompts(tok, rows["prompt"].tolist(), room)
+    return greedy_generate(model, tok, prompts, ws.config.training.per_device_eval_batch_size,
+                           ev.generation_max_new_tokens)
+
+
+def _samples(rows: pd.DataFrame | None, generations: dict[str, list[str]], n: int) -> list[dict]:
+    """The first n rows side by side: what a reviewer reads before trusting a number."""
+    if rows is None or n == 0:
+        return []
+    head = rows.head(n)
+    return [
+        {"prompt": prompt, "reference": reference,
+         "generation": generations["finetuned"][i], "base_generation": generations["base"][i]}
+        for i, (prompt, reference) in enumerate(zip(head["prompt"], head["completion"]))
+    ]

@@ -1,68 +1,122 @@
-"""Stage 6, export: a self-contained HF folder (adapter merged) plus a model card.
+"""Stage 6, export: a self-contained HF folder, the adapter alone, a model card, a registry entry.
 
-The result loads with `AutoModelForCausalLM.from_pretrained(data/export)` and nothing else:
-safetensors weights, tokenizer, generation config and a README that records the base model,
-data hash, params and metrics.
+`data/export` loads with `AutoModelForCausalLM.from_pretrained` and nothing else: safetensors
+weights (adapter merged), tokenizer, generation config and a README (model card) recording base
+model, data hash, params, metrics and commit. `data/export/adapter` is the PEFT adapter alone,
+for users who keep the base model. The merged model is then logged to the training's MLflow run
+(transformers flavour), registered, tagged with lineage and gated (see tasks.registry).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import yaml
 
 from engine.model import load_tokenizer, load_trained, resolve_model_ref
 from finetune.errors import PipelineError
-from finetune.workspace import Workspace, atomic_dir
-from tasks import tracking
+from finetune.workspace import Workspace, atomic_dir, write_json_atomic
+from tasks import registry, tracking
 
-
-def data_hash(ws: Workspace) -> str:
-    """SHA-256 over the raw split files: the data identity recorded in card and MLflow."""
-    h = hashlib.sha256()
-    for path in sorted(ws.layout.raw.glob("*.parquet")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
+ADAPTER_DIR = "adapter"
 
 
 def export(ws: Workspace) -> dict[str, Path]:
     cfg = ws.config
     if not ws.layout.trained.exists():
         raise PipelineError(f"{ws.layout.trained} missing; run the train stage first")
-    model = load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained)
-    if cfg.peft.use_peft and cfg.export.merge_adapter:
-        model = model.merge_and_unload()
-    tok = load_tokenizer(cfg.model, ws.root)
     metrics_file = ws.layout.metrics / "eval.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    gate_value = _gate_value(ws, metrics)  # before anything is written
+    model = load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained)
+    tok = load_tokenizer(cfg.model, ws.root)
     run_id = tracking.run_id_of(ws)
-    digest = data_hash(ws)
+    lineage = tracking.lineage_tags(ws)
+    merge = cfg.peft.use_peft and cfg.export.merge_adapter
     with atomic_dir(ws.layout.export) as staging:
-        model.save_pretrained(staging, safe_serialization=True, max_shard_size=cfg.export.max_shard_size)
+        saved = model.merge_and_unload() if merge else model
+        saved.save_pretrained(staging, safe_serialization=True,
+                              max_shard_size=cfg.export.max_shard_size)
         tok.save_pretrained(staging)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(staging)
-        (staging / "README.md").write_text(model_card(ws, metrics, digest, run_id))
+        if getattr(saved, "generation_config", None) is not None:
+            saved.generation_config.save_pretrained(staging)
+        if cfg.peft.use_peft and cfg.export.save_adapter and merge:
+            shutil.copytree(ws.layout.trained, staging / ADAPTER_DIR)
+        (staging / "README.md").write_text(model_card(ws, metrics, lineage, run_id))
+    record = {"registered": False, "reason": "registry.register_model is false"}
     if run_id:
-        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), "data_sha256": digest,
-                                       **tracking.dvc_lock_hashes(ws.root)})
+        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), **lineage})
         tracking.client(ws).log_artifact(run_id, str(ws.layout.export / "README.md"), "export")
+        if cfg.registry.register_model:
+            servable = saved if not cfg.peft.use_peft or merge else model.merge_and_unload()
+            record = _register(ws, run_id, servable, tok, gate_value, lineage)
         tracking.finish_run(ws, run_id)
-    return {"export": ws.layout.export}
+    elif cfg.registry.register_model:
+        record = {"registered": False, "reason": f"no MLflow run in {ws.layout.train_run}"}
+    write_json_atomic(ws.layout.model_version, record)
+    return {"export": ws.layout.export, "model_version": ws.layout.model_version}
 
 
-def model_card(ws: Workspace, metrics: dict, digest: str, run_id: str | None) -> str:
+def _gate_value(ws: Workspace, metrics: dict) -> float | None:
+    if not ws.config.registry.register_model:
+        return None
+    key = ws.config.registry.gate_metric.removeprefix("eval.")
+    value = (metrics.get("finetuned") or {}).get(key)
+    if value is None:
+        raise PipelineError(
+            f"registry.gate_metric {ws.config.registry.gate_metric}: no '{key}' for the "
+            f"fine-tuned model in {ws.layout.metrics / 'eval.json'}; rerun the evaluate stage"
+        )
+    return float(value)
+
+
+def _register(ws: Workspace, run_id: str, model, tok, gate_value: float,
+              lineage: dict[str, str]) -> dict:
     cfg = ws.config
-    git = tracking.git_info(ws.root)
+    name = cfg.registry.registered_model_name or cfg.logging.experiment_name
+    version = registry.log_and_register(ws.mlflow_uri(), run_id, model, tok, name,
+                                        cfg.eval.generation_max_new_tokens,
+                                        (ws.layout.export / "README.md").read_text())
+    client = tracking.client(ws)
+    registry.tag_version(client, name, version, {**lineage, "mlflow_run_id": run_id})
+    decision = registry.promote(client, name, version, gate_value, cfg.registry)
+    aliases = [cfg.registry.candidate_alias] + ([cfg.registry.champion_alias]
+                                                 if decision.promoted else [])
+    print(f"[export] registered {name} v{version} as {' + '.join(aliases)}: {decision.reason}",
+          flush=True)
+    tracking.set_tags(ws, run_id, {"registered_model": f"{name}/{version}",
+                                   "promoted": str(decision.promoted).lower()})
+    return {**decision.as_dict(), "aliases": aliases,
+            "model_uri": f"models:/{name}/{version}"}
+
+
+def _metrics_table(metrics: dict) -> str:
+    models = {k: v for k, v in metrics.items() if isinstance(v, dict)}
+    columns = sorted({c for vals in models.values() for c in vals},
+                     key=lambda c: (c not in ("loss", "perplexity"), c))
+    head = "| model | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns)
+    rows = [f"| {name} | " + " | ".join(str(vals.get(c, "")) for c in columns) + " |"
+            for name, vals in models.items()]
+    return "\n".join([head, *rows])
+
+
+def model_card(ws: Workspace, metrics: dict, lineage: dict[str, str], run_id: str | None) -> str:
+    cfg = ws.config
     base = resolve_model_ref(cfg.model.name_or_path, ws.root)
     source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
-    rows = "\n".join(
-        f"| {name} | {vals.get('loss')} | {vals.get('perplexity')} |"
-        for name, vals in metrics.items() if isinstance(vals, dict)
-    )
+    export_dir = ws.layout.export.relative_to(ws.root)
+    merged = cfg.peft.use_peft and cfg.export.merge_adapter
+    adapter = ""
+    if merged and cfg.export.save_adapter:
+        adapter = f"""
+The adapter alone (for users who keep the base model) is in `{ADAPTER_DIR}/`:
+```python
+from peft import AutoPeftModelForCausalLM
+model = AutoPeftModelForCausalLM.from_pretrained("{export_dir}/{ADAPTER_DIR}")
+```
+"""
     return f"""---
 library_name: transformers
 base_model: {cfg.model.name_or_path}
@@ -71,25 +125,24 @@ pipeline_tag: text-generation
 # Fine-tuned {Path(cfg.model.name_or_path).name}
 
 Fine-tuned with {cfg.peft.peft_type if cfg.peft.use_peft else 'full'} fine-tuning
-({'adapter merged' if cfg.peft.use_peft and cfg.export.merge_adapter else 'weights as trained'}).
+({'adapter merged' if merged else 'weights as trained'}).
 
 - Base model: `{cfg.model.name_or_path}` (`{base}`)
-- Data: `{source}`, raw splits sha256 `{digest}`
-- Git commit: `{git['git_commit']}` (dirty: {git['git_dirty']})
+- Data: `{source}`, raw splits sha256 `{lineage.get('data_sha256')}`
+- Git commit: `{lineage['git_commit']}` (dirty: {lineage['git_dirty']})
+- Strategy: {cfg.distributed.strategy}, world size {cfg.distributed.world_size}
 - MLflow run: `{run_id}`
 
 ## Metrics (test split)
-| model | loss | perplexity |
-|---|---|---|
-{rows}
+{_metrics_table(metrics)}
 
 ## Load it
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("{ws.layout.export.relative_to(ws.root)}")
-tokenizer = AutoTokenizer.from_pretrained("{ws.layout.export.relative_to(ws.root)}")
+model = AutoModelForCausalLM.from_pretrained("{export_dir}")
+tokenizer = AutoTokenizer.from_pretrained("{export_dir}")
 ```
-
+{adapter}
 ## Params
 ```yaml
 {yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False)}```

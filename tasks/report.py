@@ -11,8 +11,10 @@ from tasks.tracking import run_id_of
 def summary(ws: Workspace) -> dict:
     ev_file = ws.layout.metrics / "eval.json"
     ev = json.loads(ev_file.read_text()) if ev_file.exists() else {}
+    registry_file = ws.layout.model_version
     return {
         "eval": ev,
+        "registry": json.loads(registry_file.read_text()) if registry_file.exists() else None,
         "mlflow_run_id": run_id_of(ws),
         "mlflow_uri": ws.mlflow_uri(),
         "export_path": str(ws.layout.export),
@@ -22,17 +24,27 @@ def summary(ws: Workspace) -> dict:
 def markdown(info: dict, ran: list[str] | None = None, cached: list[str] | None = None,
              experiment: str | None = None) -> str:
     ev = info.get("eval") or {}
-    lines = ["| model | eval loss | perplexity |", "|---|---|---|"]
+    extra = sorted({k for key in ("base", "finetuned") for k in (ev.get(key) or {})}
+                   - {"loss", "perplexity"})
+    lines = ["| model | eval loss | perplexity |" + "".join(f" {k} |" for k in extra),
+             "|---|---|---|" + "---|" * len(extra)]
     for label, key in (("base", "base"), ("fine-tuned", "finetuned")):
         vals = ev.get(key)
         if vals:
-            lines.append(f"| {label} | {vals['loss']:.4f} | {vals['perplexity']:.2f} |")
+            lines.append(f"| {label} | {vals['loss']:.4f} | {vals['perplexity']:.2f} |"
+                         + "".join(f" {vals.get(k, float('nan')):.4f} |" for k in extra))
     if ev.get("base") and ev.get("finetuned"):
         delta = ev["base"]["loss"] - ev["finetuned"]["loss"]
         verdict = "improved" if delta > 0 else "did NOT improve"
         lines.append(f"\nfine-tuning {verdict} eval loss by {delta:+.4f}")
     lines.append(f"exported model: {info['export_path']} (AutoModelForCausalLM.from_pretrained)")
     lines.append(f"MLflow run: {info['mlflow_run_id']} in {info['mlflow_uri']}")
+    reg = info.get("registry")
+    if reg and reg.get("registered"):
+        lines.append(f"registered model: {reg['name']} v{reg['version']} "
+                     f"({' + '.join(reg['aliases'])}): {reg['reason']}")
+    elif reg:
+        lines.append(f"registered model: none ({reg.get('reason')})")
     if ran is not None:
         lines.append(f"stages ran: {', '.join(ran) or 'none'}; cached: {', '.join(cached or []) or 'none'}")
     if experiment:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from engine.model import load_tokenizer, max_positions
+from engine.model import bos_prefix_id, load_tokenizer, max_positions
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace, atomic_dir, write_json_atomic
 from tasks.contracts import validate_tokenized
@@ -36,7 +36,7 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
     tok = load_tokenizer(ws.config.model, ws.root)
     if tok.eos_token_id is None:
         raise PipelineError(f"model.name_or_path {ws.config.model.name_or_path}: tokenizer has no EOS token")
-    bos = _bos_id(tok)
+    bos = bos_prefix_id(tok)
     tok.model_max_length = int(1e9)  # we truncate ourselves; silence the length warning
     stats: dict[str, Any] = {}
     out: dict[str, Path] = {}
@@ -72,14 +72,6 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
         raise PipelineError(f"{ws.layout.formatted}: no formatted splits; run format first")
     write_json_atomic(ws.layout.metrics / "tokenize.json", stats)
     return out
-
-
-def _bos_id(tok) -> int | None:
-    """Prepend BOS only if the tokenizer itself would (Llama yes, GPT-2 no)."""
-    if tok.bos_token_id is None:
-        return None
-    ids = tok("a", add_special_tokens=True)["input_ids"]
-    return tok.bos_token_id if ids and ids[0] == tok.bos_token_id else None
 
 
 def encode_batch(batch: dict[str, list], tok, bos: int | None, max_len: int) -> dict[str, list]:

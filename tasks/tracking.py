@@ -59,6 +59,47 @@ def dvc_lock_hashes(root: Path) -> dict[str, str]:
     }
 
 
+def dvc_out_hashes(root: Path) -> dict[str, str]:
+    """`dvc.lock` outs -> the md5 DVC stores them under (`dvc_out.data/raw`: the dataset as
+    DVC can check it out again from the cache or remote)."""
+    lock = root / "dvc.lock"
+    if not lock.exists():
+        return {}
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+    return {f"dvc_out.{out['path']}": out["md5"]
+            for body in stages.values() for out in body.get("outs", []) if out.get("md5")}
+
+
+def data_hashes(raw_dir: Path) -> dict[str, str]:
+    """SHA-256 of each raw split file and of all of them together (`data_sha256`): the data
+    identity recorded in the model card, the MLflow run and every registered version."""
+    import hashlib
+
+    whole = hashlib.sha256()
+    tags = {}
+    for path in sorted(raw_dir.glob("*.parquet")):
+        content = path.read_bytes()
+        whole.update(path.name.encode())
+        whole.update(content)
+        tags[f"data_sha256.{path.name}"] = hashlib.sha256(content).hexdigest()
+    return {"data_sha256": whole.hexdigest(), **tags}
+
+
+def lineage_tags(ws: Workspace) -> dict[str, str]:
+    """Everything needed to trace a model back to code, config and data."""
+    return {
+        **git_info(ws.root),
+        "params_file": str(ws.params_path.relative_to(ws.root))
+        if ws.params_path.is_relative_to(ws.root) else str(ws.params_path),
+        "config_fingerprint": config_fingerprint(ws.config),
+        "strategy": ws.config.distributed.strategy,
+        "world_size": str(ws.config.distributed.world_size),
+        **data_hashes(ws.layout.raw),
+        **dvc_lock_hashes(ws.root),
+        **dvc_out_hashes(ws.root),
+    }
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     flat: dict[str, str] = {}
     for key, value in data.items():
@@ -77,15 +118,11 @@ def start_run(ws: Workspace, extra_tags: dict[str, str] | None = None) -> str:
     c = client(ws)
     exp_name = ws.config.logging.experiment_name
     exp = c.get_experiment_by_name(exp_name)
-    exp_id = exp.experiment_id if exp else c.create_experiment(exp_name)
-    tags = {
-        **git_info(ws.root),
-        "params_file": str(ws.params_path),
-        "config_fingerprint": config_fingerprint(ws.config),
-        "strategy": ws.config.distributed.strategy,
-        "world_size": str(ws.config.distributed.world_size),
-        **(extra_tags or {}),
-    }
+    # The project's own store keeps artifacts next to it, whatever the working directory.
+    local = ws.mlflow_uri() == f"sqlite:///{ws.root / 'mlflow.db'}"
+    location = (ws.root / "mlruns").as_uri() if local else None
+    exp_id = exp.experiment_id if exp else c.create_experiment(exp_name, location)
+    tags = {**lineage_tags(ws), **(extra_tags or {})}
     run = c.create_run(exp_id, tags=tags)
     params = flatten(ws.config.model_dump(mode="json"))
     items = [Param(k, v[:6000]) for k, v in params.items()]

@@ -17,6 +17,7 @@ from pathlib import Path
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace, write_json_atomic
 from tasks import tracking
+from tasks.curves import render_curves
 
 
 def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
@@ -94,7 +95,8 @@ def train(ws: Workspace) -> dict[str, Path]:
     metrics = json.loads((ws.layout.metrics / "train.json").read_text())
     tracking.log_metrics(ws, run_id, {k: v for k, v in metrics.items()
                                       if isinstance(v, (int, float)) and v is not None})
-    for plot in ("train.csv", "eval.csv"):
+    render_curves(ws.layout.plots)
+    for plot in ("train.csv", "eval.csv", "curves.png"):
         tracking.client(ws).log_artifact(run_id, str(ws.layout.plots / plot), "plots")
     write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
     return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}

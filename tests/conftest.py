@@ -32,6 +32,7 @@ TINY = {
     "eval.eval_steps": 3,
     "eval.eval_batches": 1,
     "scheduler.warmup_steps": 1,
+    "eval.generation_max_new_tokens": 32,
 }
 
 
@@ -66,7 +67,8 @@ def _project_files() -> list[str]:
     out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.split("\n")
     skip = ("data/raw/", "data/formatted/", "data/tokenized/", "data/trained/",
-            "data/checkpoints/", "data/export/", "data/metrics/", "data/plots/", "dvc.lock")
+            "data/checkpoints/", "data/export/", "data/metrics/", "data/plots/", "data/eval/",
+            "data/lineage/", "dvc.lock")
     return [f for f in out if f and not f.startswith(skip) and (ROOT / f).is_file()]
 
 

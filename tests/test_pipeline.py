@@ -72,6 +72,91 @@ def test_mlflow_run_has_lineage(repro):
     assert run.data.metrics["eval.loss"] < run.data.metrics["eval.base_loss"]
 
 
+def mlflow_client(project):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+
+
+def test_evaluate_writes_generation_metrics_samples_and_plots(repro):
+    project, _ = repro
+    ev = json.loads((project / "data/metrics/eval.json").read_text())
+    assert ev["generation_rows"] == 16  # TINY keeps 16 test rows
+    for model in ("base", "finetuned"):
+        assert 0.0 <= ev[model]["exact_match"] <= 1.0
+    samples = json.loads((project / "data/eval/samples.json").read_text())
+    assert len(samples) == 5
+    assert set(samples[0]) == {"prompt", "reference", "generation", "base_generation"}
+    assert samples[0]["prompt"].startswith("Question:") and "####" in samples[0]["reference"]
+    assert samples[0]["generation"] != samples[0]["base_generation"]
+    png = project / "data/plots/curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plots = json.loads(dvc(project, "plots", "show", "--json").stdout)["data"]
+    assert {"loss", "learning_rate", "data/plots/curves.png"} <= set(plots), set(plots)
+    run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
+    client = mlflow_client(project)
+    logged = {a.path for folder in ("plots", "eval") for a in client.list_artifacts(run_id, folder)}
+    assert {"plots/curves.png", "plots/train.csv", "eval/samples.json"} <= logged, logged
+    assert "eval.exact_match" in client.get_run(run_id).data.metrics
+
+
+def test_export_has_adapter_and_registered_model_reloads(repro):
+    project, _ = repro
+    import mlflow
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    export = project / "data/export"
+    merged = AutoModelForCausalLM.from_pretrained(export)
+    base = AutoModelForCausalLM.from_pretrained(project / "data/models/stories260K")
+    adapted = PeftModel.from_pretrained(base, export / "adapter")
+    ids = torch.tensor([[1, 300, 301, 302, 303]])
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, adapted(ids).logits, atol=1e-4)
+    record = json.loads((project / "data/lineage/model_version.json").read_text())
+    assert record["promoted"] and record["aliases"] == ["candidate", "champion"]
+    assert "first model" in record["reason"]
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    pyfunc = mlflow.pyfunc.load_model(f"models:/{record['name']}@champion")
+    out = pyfunc.predict(["Question: Tom has 3 apples and buys 2 more. How many?\nAnswer:"])
+    assert len(out) == 1 and isinstance(out[0], str) and len(out[0]) > 0
+    requirements = mlflow.pyfunc.get_model_dependencies(f"models:/{record['name']}@champion")
+    pins = open(requirements).read()
+    assert "transformers==" in pins and "torch==" in pins and "torchvision" not in pins
+
+
+def test_registered_version_walks_back_to_the_dataset(repro):
+    """registry alias -> version -> tags and run -> the exact raw data, params and commit."""
+    project, _ = repro
+    import hashlib
+
+    from mlflow.artifacts import load_dict
+
+    client = mlflow_client(project)
+    mv = client.get_model_version_by_alias("finetune-default", "champion")
+    whole = hashlib.sha256()
+    for path in sorted((project / "data/raw").glob("*.parquet")):
+        whole.update(path.name.encode())
+        whole.update(path.read_bytes())
+        assert mv.tags[f"data_sha256.{path.name}"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert mv.tags["data_sha256"] == whole.hexdigest()
+    assert mv.tags["dvc_out.data/raw"] == out_hash(project, "download", "data/raw")
+    assert mv.tags["dvc_out.data/tokenized"] == out_hash(project, "tokenize", "data/tokenized")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    run = client.get_run(mv.run_id)
+    for tags in (mv.tags, run.data.tags):
+        assert tags["git_commit"] == head and tags["git_dirty"] in ("true", "false")
+        assert tags["strategy"] == "single" and tags["world_size"] == "1"
+        assert {"dvc_stage.download", "dvc_stage.train", "dvc_stage.evaluate"} <= set(tags)
+    assert mv.tags["mlflow_run_id"] == mv.run_id
+    params = load_dict(f"{run.info.artifact_uri}/resolved_params.json")
+    written = yaml.safe_load((project / "params/default.yaml").read_text())
+    assert params["training"]["max_steps"] == written["training"]["max_steps"]
+    assert params["data"]["data_files"] == written["data"]["data_files"]
+
+
 def out_hash(project, stage, path):
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     return next(o["md5"] for o in lock["stages"][stage]["outs"] if o["path"] == path)
@@ -94,6 +179,12 @@ def test_second_repro_is_noop_and_training_change_reruns_only_later_stages(repro
     changed = dvc(project, "repro")
     assert ran(changed) == ["train", "evaluate", "export"]
     assert json.loads((project / "data/metrics/train.json").read_text())["global_step"] == 4
+    # the shorter training is worse: registered, but the gate keeps the first one in service
+    record = json.loads((project / "data/lineage/model_version.json").read_text())
+    assert record["version"] == "2" and not record["promoted"], record
+    assert record["aliases"] == ["candidate"] and record["champion_version"] == "1"
+    mv = mlflow_client(project).get_model_version_by_alias("finetune-default", "champion")
+    assert str(mv.version) == "1"
 
 
 def test_failing_repro_keeps_previous_outputs(repro):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
+from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
 from finetune.config.section import Section
 
 SCHEDULERS = (
@@ -211,16 +212,6 @@ class CheckpointConfig(Section):
     resume_from_checkpoint: bool = Field(False, description="Continue from the latest checkpoint.")
 
 
-class EvalConfig(Section):
-    """Held-out loss during training and in the evaluate stage."""
-
-    eval_strategy: Literal["no", "steps"] = Field("no", description="Eval during training.")
-    eval_steps: int = Field(50, gt=0, description="Eval every N steps when eval_strategy=steps.")
-    eval_batches: int | None = Field(
-        None, gt=0, description="Cap eval batches (None: the whole test split)."
-    )
-
-
 class LoggingConfig(Section):
     """Where metrics go: stdout, MLflow (SQLite in the project by default), DVC plots."""
 
@@ -230,13 +221,6 @@ class LoggingConfig(Section):
         None, description="MLflow store; default sqlite:///<project>/mlflow.db."
     )
     experiment_name: str = Field("finetune", description="MLflow experiment.")
-
-
-class ExportConfig(Section):
-    """What the export stage writes."""
-
-    merge_adapter: bool = Field(True, description="Fold the adapter into the base weights.")
-    max_shard_size: str = Field("2GB", description="safetensors shard size.")
 
 
 class FinetuneConfig(Section):
@@ -253,6 +237,7 @@ class FinetuneConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
 
     @model_validator(mode="after")
     def _cross_section(self) -> "FinetuneConfig":
@@ -269,6 +254,7 @@ class FinetuneConfig(Section):
                 )
         if self.distributed.strategy == "diloco":
             self._check_diloco()
+        self.registry.check_against(self.eval)
         return self
 
     def _check_diloco(self) -> None:

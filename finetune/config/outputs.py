@@ -1,0 +1,117 @@
+"""Config of what a run produces after training: evaluation, the exported model, the registry.
+
+Kept apart from the training sections because these keys drive the evaluate and export stages
+only (dvc.yaml tracks them per stage, so changing a generation setting never retrains).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from finetune.config.section import Section
+
+GENERATION_METRICS = ("exact_match", "rouge")
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
+                *(f"eval.{k}" for k in ROUGE_KEYS))
+
+
+class EvalConfig(Section):
+    """Held-out loss during training; loss, perplexity and generation metrics in evaluate."""
+
+    eval_strategy: Literal["no", "steps"] = Field("no", description="Eval during training.")
+    eval_steps: int = Field(50, gt=0, description="Eval every N steps when eval_strategy=steps.")
+    eval_batches: int | None = Field(
+        None, gt=0, description="Cap eval batches (None: the whole test split)."
+    )
+    generation_metrics: list[Literal[GENERATION_METRICS]] = Field(
+        default_factory=list,
+        description="Metrics on greedy generations in the evaluate stage: exact_match (final "
+        "answer, GSM8K-style) and/or rouge (ROUGE-1/2/L F1, rouge-score package).",
+    )
+    max_generation_samples: int | None = Field(
+        100, gt=0, description="Test rows generated for the metrics (None: the whole split)."
+    )
+    generation_max_new_tokens: int = Field(
+        128, gt=0, description="Greedy generation length cap (stops earlier at EOS)."
+    )
+    num_logged_samples: int = Field(
+        5, ge=0, description="Rows of prompt / reference / generation in the samples table."
+    )
+    answer_regex: str = Field(
+        r"####\s*(.+)",
+        description="exact_match: the answer is this regex's group 1 (first match); without "
+        "a match, the last number in the text.",
+    )
+
+    @field_validator("answer_regex")
+    @classmethod
+    def _one_group(cls, pattern: str) -> str:
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression ({exc})") from None
+        if groups < 1:
+            raise ValueError("needs one capture group: the answer is group 1")
+        return pattern
+
+    @property
+    def wants_generation(self) -> bool:
+        return bool(self.generation_metrics) or self.num_logged_samples > 0
+
+
+class ExportConfig(Section):
+    """What the export stage writes."""
+
+    merge_adapter: bool = Field(True, description="Fold the adapter into the base weights.")
+    save_adapter: bool = Field(
+        True, description="Also write the adapter alone to <export>/adapter (PEFT runs)."
+    )
+    max_shard_size: str = Field("2GB", description="safetensors shard size.")
+
+
+class RegistryConfig(Section):
+    """MLflow Model Registry: every export is a version; aliases say which one serves.
+
+    The new version gets `candidate_alias`; it also gets `champion_alias` when there is no
+    champion yet or when its `gate_metric` beats the champion's by at least `min_improvement`.
+    """
+
+    register_model: bool = Field(True, description="Log the export to MLflow and register it.")
+    registered_model_name: str | None = Field(
+        None, description="Registry name (default: logging.experiment_name)."
+    )
+    gate_metric: Literal[GATE_METRICS] = Field(
+        "eval.loss", description="Metric of the fine-tuned model that decides promotion."
+    )
+    greater_is_better: bool | None = Field(
+        None, description="Direction of gate_metric (None: inferred; loss/perplexity lower)."
+    )
+    min_improvement: float = Field(
+        0.0, ge=0, description="Absolute improvement over the champion needed to promote."
+    )
+    candidate_alias: str = Field("candidate", description="Alias every new version gets.")
+    champion_alias: str = Field("champion", description="Alias of the version in service.")
+
+    @property
+    def higher_wins(self) -> bool:
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not self.gate_metric.endswith(("loss", "perplexity"))
+
+    def check_against(self, ev: EvalConfig) -> None:
+        """A generation metric as the gate needs that metric computed."""
+        if not self.register_model:
+            return
+        name = self.gate_metric.removeprefix("eval.")
+        needed = "rouge" if name in ROUGE_KEYS else name
+        if needed in GENERATION_METRICS and needed not in ev.generation_metrics:
+            raise ValueError(
+                f"registry.gate_metric {self.gate_metric} needs '{needed}' in "
+                f"eval.generation_metrics (now {ev.generation_metrics})"
+            )
+        if self.candidate_alias == self.champion_alias:
+            raise ValueError("registry.candidate_alias and champion_alias must differ")

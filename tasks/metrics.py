@@ -1,0 +1,88 @@
+"""Generation metrics: exact match of a final answer, and ROUGE from the rouge-score package.
+
+Exact match compares *normalised final answers*, not whole texts: a GSM8K reference ends in
+`#### 1,000` and a model may write `#### $1000.00`; both are the number 1000. Numbers compare
+as decimals (commas, `$`, a trailing `.` or `.0` do not matter); anything else compares as
+lower-cased, whitespace-collapsed text.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from finetune.config.outputs import ROUGE_KEYS
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def _number(token: str) -> str | None:
+    try:
+        value = Decimal(token.replace(",", ""))
+    except InvalidOperation:
+        return None
+    if value == value.to_integral_value():
+        return str(int(value))  # 18.0 -> 18, -0 -> 0
+    return format(value.normalize(), "f")  # 2.50 -> 2.5
+
+
+def normalize_answer(text: str) -> str:
+    """The canonical form of one answer: the first number in it, else its plain text."""
+    cleaned = text.strip().replace("$", "")
+    match = NUMBER.search(cleaned)
+    if match:
+        number = _number(match.group())
+        if number is not None:
+            return number
+    return " ".join(cleaned.rstrip(".").lower().split())
+
+
+def extract_answer(text: str, pattern: str) -> str | None:
+    """The answer part of a text: `pattern`'s group 1 (first match; its first line), else the
+    last number in the text (models that skip the `####` marker), else None."""
+    match = re.search(pattern, text)
+    if match and match.group(1) is not None:
+        lines = match.group(1).strip().splitlines()
+        return lines[0] if lines else ""
+    numbers = NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def is_exact_match(prediction: str, reference: str, pattern: str) -> bool:
+    want = extract_answer(reference, pattern)
+    got = extract_answer(prediction, pattern)
+    if want is None or got is None:
+        return False
+    return normalize_answer(got) == normalize_answer(want)
+
+
+def exact_match(predictions: list[str], references: list[str], pattern: str) -> float:
+    """Fraction of rows whose final answers agree."""
+    if not references:
+        return 0.0
+    hits = sum(is_exact_match(p, r, pattern) for p, r in zip(predictions, references, strict=True))
+    return hits / len(references)
+
+
+def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L F1 (rouge-score, Porter stemming), as the package computes each pair."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+    totals = dict.fromkeys(ROUGE_KEYS, 0.0)
+    for pred, ref in zip(predictions, references, strict=True):
+        scores = scorer.score(ref, pred)
+        for key in ROUGE_KEYS:
+            totals[key] += scores[key].fmeasure
+    n = max(len(references), 1)
+    return {key: total / n for key, total in totals.items()}
+
+
+def generation_metrics(names: list[str], predictions: list[str], references: list[str],
+                       pattern: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if "exact_match" in names:
+        out["exact_match"] = exact_match(predictions, references, pattern)
+    if "rouge" in names:
+        out.update(rouge(predictions, references))
+    return out
