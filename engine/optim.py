@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Callable
+
 import torch
 from transformers import get_scheduler
 
@@ -9,18 +12,56 @@ from finetune.config.schema import OptimizerConfig, SchedulerConfig
 from finetune.errors import PipelineError
 
 
-def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def assign_groups(names: list[str], patterns: list[str]) -> list[list[int]]:
+    """Indices of `names` per pattern (re.search, first match wins), then the unmatched rest."""
+    compiled = [re.compile(p) for p in patterns]
+    groups: list[list[int]] = [[] for _ in range(len(patterns) + 1)]
+    for i, name in enumerate(names):
+        hit = next((g for g, rx in enumerate(compiled) if rx.search(name)), len(patterns))
+        groups[hit].append(i)
+    return groups
+
+
+def build_optimizer(named_params, cfg: OptimizerConfig,
+                    log: Callable[[str], None] | None = None) -> torch.optim.Optimizer:
+    """torch.optim.<name> over the trainable parameters, split into `optimizer_groups`."""
     klass = getattr(torch.optim, cfg.name)
-    params = [p for p in params if p.requires_grad]
-    if not params:
+    named = [(n, p) for n, p in named_params if p.requires_grad]
+    if not named:
         raise PipelineError("no trainable parameters: check peft.target_modules / peft.use_peft")
     kwargs = {"lr": cfg.learning_rate, **cfg.kwargs}
     if cfg.weight_decay:
         kwargs["weight_decay"] = cfg.weight_decay
+    names = [n for n, _ in named]
+    patterns = list(cfg.optimizer_groups)
+    groups = []
+    for g, members in enumerate(assign_groups(names, patterns)):
+        if g < len(patterns) and not members:
+            raise PipelineError(
+                f"optimizer.optimizer_groups['{patterns[g]}']: matches no trainable parameter"
+                f"{' left by the earlier patterns' if g else ''} (names look like "
+                f"{names[0]!r}); fix the regex or remove the group"
+            )
+        if members:
+            overrides = cfg.optimizer_groups[patterns[g]] if g < len(patterns) else {}
+            groups.append({"params": [named[i][1] for i in members], **overrides})
+            if log:
+                label = f"'{patterns[g]}' {overrides}" if g < len(patterns) else "default"
+                shown = ", ".join(names[i] for i in members[:4])
+                more = f" (+{len(members) - 4} more)" if len(members) > 4 else ""
+                log(f"[optimizer] group {label}: {len(members)} tensors: {shown}{more}")
     try:
-        return klass(params, **kwargs)
+        optimizer = klass(groups, **kwargs)
     except TypeError as exc:
         raise PipelineError(f"optimizer.kwargs: {cfg.name} rejects them ({exc})") from None
+    for pattern, overrides in cfg.optimizer_groups.items():
+        unknown = sorted(set(overrides) - set(optimizer.defaults))
+        if unknown:  # torch keeps unknown group keys silently; an ignored option is a bug
+            raise PipelineError(
+                f"optimizer.optimizer_groups['{pattern}'].{unknown[0]}: {cfg.name} has no "
+                f"such option (it has: {', '.join(sorted(optimizer.defaults))})"
+            )
+    return optimizer
 
 
 def warmup_steps(cfg: SchedulerConfig, total_steps: int) -> int:

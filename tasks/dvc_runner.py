@@ -25,7 +25,7 @@ from finetune.config.loader import apply_overrides, read_params_file, validate_r
 from finetune.errors import PipelineError
 
 RAN = re.compile(r"Running stage '([\w-]+)'")
-GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots", "data/lineage")
+GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots", "data/lineage", "data/eval")
 
 
 class StageFailed(PipelineError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -100,11 +101,16 @@ def lineage_tags(ws: Workspace) -> dict[str, str]:
     }
 
 
+MLFLOW_KEY = re.compile(r"[\w\-. :/]+")
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested config -> MLflow params `a.b.c`; a mapping whose keys MLflow cannot take as
+    names (e.g. optimizer_groups' regexes) stays one JSON value."""
     flat: dict[str, str] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
+        if isinstance(value, dict) and value and all(MLFLOW_KEY.fullmatch(k) for k in value):
             flat.update(flatten(value, f"{name}."))
         else:
             flat[name] = json.dumps(value) if not isinstance(value, str) else value

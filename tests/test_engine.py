@@ -90,3 +90,46 @@ def test_rng_state_restores_draws():
     ckpt.set_rng_state(state)
     b = (torch.rand(3), __import__("random").random())
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+def _tiny_named_params():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("lin", torch.nn.Linear(3, 3))
+    model.add_module("norm", torch.nn.LayerNorm(3))
+    return model.named_parameters()
+
+
+def test_optimizer_groups_first_match_wins_and_override_options():
+    from engine.optim import build_optimizer
+    from finetune.config.schema import OptimizerConfig
+
+    cfg = OptimizerConfig(weight_decay=0.1, optimizer_groups={
+        "bias": {"weight_decay": 0.0}, "lin": {"learning_rate": 0.5}})
+    opt = build_optimizer(_tiny_named_params(), cfg)
+    shapes = [[tuple(p.shape) for p in g["params"]] for g in opt.param_groups]
+    # lin.bias matches both patterns: the first one ('bias') takes it
+    assert shapes == [[(3,), (3,)], [(3, 3)], [(3,)]]  # lin.bias+norm.bias | lin.weight | norm.weight
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.1, 0.1]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.5, 1e-3]
+    lines = []
+    build_optimizer(_tiny_named_params(), cfg, log=lines.append)
+    assert lines[0].startswith("[optimizer] group 'bias' {'weight_decay': 0.0}: 2 tensors: "
+                               "lin.bias, norm.bias")
+
+
+def test_optimizer_groups_bad_input():
+    from engine.optim import build_optimizer
+    from finetune.config.schema import OptimizerConfig
+    from finetune.errors import PipelineError
+
+    with pytest.raises(PipelineError, match=r"optimizer_groups\['attn'\]: matches no trainable"):
+        build_optimizer(_tiny_named_params(), OptimizerConfig(optimizer_groups={"attn": {}}))
+    with pytest.raises(PipelineError, match="left by the earlier patterns"):
+        build_optimizer(_tiny_named_params(), OptimizerConfig(
+            optimizer_groups={"lin": {}, r"lin\.bias": {}}))
+    with pytest.raises(PipelineError, match=r"optimizer_groups\['bias'\].momentum: AdamW has no"):
+        build_optimizer(_tiny_named_params(), OptimizerConfig(
+            optimizer_groups={"bias": {"momentum": 0.9}}))
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        OptimizerConfig(optimizer_groups={"(": {}})

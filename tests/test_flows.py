@@ -91,9 +91,13 @@ def test_flow_full_run_then_fully_cached(flow_project):
     assert result["ran"] == STAGES and result["cached"] == []
     assert result["eval"]["finetuned"]["loss"] < result["eval"]["base"]["loss"]
     assert result["mlflow_run_id"]
+    assert result["registry"]["promoted"] and result["registry"]["aliases"] == ["candidate",
+                                                                                 "champion"]
     with get_client(sync_client=True) as client:
         artifact = client.read_latest_artifacts()
-    assert any(a.key == "finetune-summary" and "| fine-tuned |" in a.data for a in artifact)
+    summary = next(a.data for a in artifact if a.key == "finetune-summary")
+    assert "| fine-tuned |" in summary and "exact_match" in summary
+    assert "registered model: finetune-default v1 (candidate + champion)" in summary
 
     again = finetune(workspace=str(flow_project), return_state=True)
     assert again.is_completed() and again.message.startswith("up to date")

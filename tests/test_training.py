@@ -8,7 +8,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import adapter, assert_weights_close, losses, run_cli, train_copy, write_params
+from conftest import (adapter, assert_weights_close, error_line, losses, run_cli, train_copy,
+                      write_params)
 
 
 def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
@@ -71,3 +72,23 @@ def test_resume_from_checkpoint_is_bitwise_exact(tokenized, tmp_path):
     assert wf.keys() == wc.keys()
     assert all(torch.equal(wf[k], wc[k]) for k in wf), "resumed weights differ from uninterrupted"
     assert losses(cut) == losses(full)  # the plot history survives the resume too
+
+
+def test_optimizer_groups_reach_the_training_loop(tokenized, tmp_path):
+    """lr 0 for lora_B keeps it at its zero init (and so the adapter inert); without the group
+    it trains. A regex that matches nothing stops the run with one line."""
+    common = {"training.max_steps": 3, "checkpoint.save_strategy": "no"}
+    frozen, proc = train_copy(tokenized, tmp_path / "g", {
+        **common, "optimizer.optimizer_groups": {"lora_B": {"lr": 0.0}},
+        "optimizer.log_param_groups": True})
+    assert "[optimizer] group 'lora_B' {'lr': 0.0}:" in proc.stdout
+    assert "[optimizer] group default:" in proc.stdout
+    b_frozen = {k: v for k, v in adapter(frozen).items() if "lora_B" in k}
+    assert b_frozen and all(float(v.abs().max()) == 0.0 for v in b_frozen.values())
+    plain, _ = train_copy(tokenized, tmp_path / "p", common)
+    assert any(float(v.abs().max()) > 0 for k, v in adapter(plain).items() if "lora_B" in k)
+
+    shutil.copytree(tokenized, tmp_path / "bad", symlinks=True)
+    write_params(tmp_path / "bad", {**common, "optimizer.optimizer_groups": {"mlp\\.nope": {}}})
+    line = error_line(run_cli(tmp_path / "bad", "stage", "train"))
+    assert "optimizer.optimizer_groups['mlp\\.nope']: matches no trainable parameter" in line

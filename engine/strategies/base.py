@@ -40,7 +40,9 @@ class Strategy:
         return self.model
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.module.parameters(), self.cfg.optimizer)
+        log = (lambda line: print(line, flush=True)) if (
+            self.d.is_main and self.cfg.optimizer.log_param_groups) else None
+        return build_optimizer(self.module.named_parameters(), self.cfg.optimizer, log)
 
     def trainable_names(self) -> set[str]:
         return {n for n, p in self.module.named_parameters() if p.requires_grad}

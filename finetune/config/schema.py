@@ -179,11 +179,36 @@ class OptimizerConfig(Section):
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra optimizer kwargs.")
+    optimizer_groups: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Regex on parameter names -> that group's overrides (e.g. "
+        "'norm|bias|embed': {weight_decay: 0.0}); first match wins, the rest use the values "
+        "above; a regex left with no parameter is an error.",
+    )
+    log_param_groups: bool = Field(
+        False, description="Print which parameters each optimizer group got."
+    )
 
     @field_validator("name")
     @classmethod
     def _known_optimizer(cls, name: str) -> str:
         return torch_optimizer_name(name)
+
+    @field_validator("optimizer_groups")
+    @classmethod
+    def _valid_groups(cls, groups: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        import re
+
+        for pattern, overrides in groups.items():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"'{pattern}' is not a valid regular expression ({exc})") from None
+            if "learning_rate" in overrides:  # the config's name for torch's `lr`
+                overrides["lr"] = overrides.pop("learning_rate")
+            if "params" in overrides:
+                raise ValueError(f"'{pattern}': 'params' is chosen by the regex, not set")
+        return groups
 
 
 class SchedulerConfig(Section):
