@@ -89,3 +89,66 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: indices grouped into rows of at most `capacity` tokens.
+    Deterministic (ties keep input order), so a resumed run packs exactly as before."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        slot = next((b for b, free in enumerate(room) if free >= n), None)
+        if slot is None:
+            bins.append([i])
+            room.append(capacity - n)
+        else:
+            bins[slot].append(i)
+            room[slot] -= n
+    return bins
+
+
+def collate_packed(rows: list[dict], pad_id: int, capacity: int,
+                   block_mask: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Packing: the micro-batch's examples share rows of up to `capacity` tokens.
+
+    position_ids restart at 0 for every example; models that build their attention mask from
+    position_ids (transformers' packed-sequence detection, or varlen flash attention) then keep
+    examples apart. `block_mask` (a float dtype) adds an explicit block-diagonal causal mask for
+    models that do not. Each example's first label is ignored: in the unpacked batch nothing
+    predicts it either, so packed and unpacked runs optimise exactly the same targets.
+    """
+    bins = pack_rows([len(r["input_ids"]) for r in rows], capacity)
+    width = max(sum(len(rows[i]["input_ids"]) for i in b) for b in bins)
+    ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(bins), width), IGNORE_INDEX, dtype=torch.long)
+    positions = torch.zeros((len(bins), width), dtype=torch.long)
+    segments = torch.full((len(bins), width), -1, dtype=torch.long)
+    for r, members in enumerate(bins):
+        at = 0
+        for seg, i in enumerate(members):
+            n = len(rows[i]["input_ids"])
+            ids[r, at : at + n] = torch.as_tensor(rows[i]["input_ids"])
+            labels[r, at : at + n] = torch.as_tensor(rows[i]["labels"])
+            labels[r, at] = IGNORE_INDEX
+            positions[r, at : at + n] = torch.arange(n)
+            segments[r, at : at + n] = seg
+            at += n
+        positions[r, at:] = torch.arange(width - at)  # padding: its own (ignored) sequence
+        segments[r, at:] = len(members)
+    batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    if block_mask is not None:
+        causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
+        allowed = (segments[:, :, None] == segments[:, None, :]) & causal
+        mask = torch.zeros((len(bins), 1, width, width), dtype=block_mask)
+        batch["attention_mask"] = mask.masked_fill(~allowed[:, None], torch.finfo(block_mask).min)
+    return batch
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the forward pass takes from a (padded or packed) batch."""
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}

@@ -9,7 +9,7 @@ for single, DDP, FSDP2 and DiLoCo.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import random
 import time
@@ -22,13 +22,14 @@ import torch
 
 from engine import checkpoint as ckpt
 from engine.comm import CommMeter
-from engine.data import (ShardedBatches, collate, count_targets, load_tokenized, take_rows,
-                         token_loss_sum)
+from engine.data import (ShardedBatches, collate, collate_packed, count_targets, load_tokenized,
+                         model_inputs, take_rows, token_loss_sum)
 from engine.distributed import Dist, setup, teardown
 from engine.evaluation import evaluate_loss
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
                           make_adapter_config_reproducible)
 from engine.optim import build_scheduler
+from engine.packing import POSITION_IDS, probe_packing
 from engine.sinks import MetricSinks
 from engine.strategies import Strategy, build_strategy
 from finetune.config import FinetuneConfig
@@ -86,6 +87,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     tok = load_tokenizer(cfg.model, root)
     model = apply_peft(load_base_model(cfg.model, root), cfg.peft).to(d.device)
     trainable, total = count_parameters(model)
+    collate_fn = _collate_fn(cfg, model, tok, d, amp)
     meter = CommMeter()
     strategy = build_strategy(cfg, d, meter)
     model = strategy.wrap(model)
@@ -120,6 +122,8 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     order = batches.epoch(pos.epoch)
     # The loss stays a device tensor until a logging step: no host sync per step.
     window = _new_window(d)
+    # this rank's real tokens vs token slots computed (padding), examples vs rows (packing)
+    fill = {"real": 0, "slots": 0, "examples": 0, "rows": 0}
     started = time.perf_counter()
     model.train()
     while pos.step < n_steps:
@@ -130,16 +134,21 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
                 order = batches.epoch(pos.epoch)
             idx = order[pos.batch_in_epoch]
             pos.batch_in_epoch += 1
-            micro.append(collate(take_rows(train_ds, idx), tok.pad_token_id))
+            rows = take_rows(train_ds, idx)
+            real = sum(len(r["input_ids"]) for r in rows)
+            window["tokens"] += real
+            micro.append(collate_fn(rows))
+            fill["real"] += real
+            fill["slots"] += micro[-1]["input_ids"].numel()
+            fill["examples"] += len(rows)
+            fill["rows"] += micro[-1]["input_ids"].shape[0]
         local_targets = sum(count_targets(b) for b in micro)
         divisor = strategy.loss_divisor(local_targets, pos.step)
-        window["tokens"] += sum(int(b["attention_mask"].sum()) for b in micro)  # CPU tensors
         for i, batch in enumerate(micro):
             batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
             with strategy.sync_context(last_micro_batch=i == accum - 1):
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
-                    logits = model(input_ids=batch["input_ids"],
-                                   attention_mask=batch["attention_mask"]).logits
+                    logits = model(**model_inputs(batch), use_cache=False).logits
                 loss_sum = token_loss_sum(logits, batch["labels"])
                 loss = loss_sum / max(divisor, 1e-9)
                 (scaler.scale(loss) if scaler else loss).backward()
@@ -195,6 +204,8 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         "total_params": total,
         "world_size": d.world_size,
         "strategy": strategy.name,
+        "padding_fraction": round(1 - fill["real"] / max(fill["slots"], 1), 4),
+        "examples_per_row": round(fill["examples"] / max(fill["rows"], 1), 4),
         **comm,
     }
     _write_trained(layout, cfg, strategy, tok, d)
@@ -207,6 +218,22 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     if d.world_size > 1:
         torch.distributed.barrier()
     return result
+
+
+def _collate_fn(cfg: FinetuneConfig, model, tok, d: Dist, amp):
+    """Padded batches, or packed rows fed the way the probe found this model needs."""
+    pad = tok.pad_token_id
+    if not cfg.training.packing:
+        return functools.partial(collate, pad_id=pad)
+    mask_dtype = amp or next(model.parameters()).dtype
+    mode = probe_packing(model, model.config.vocab_size, d.device, mask_dtype)
+    capacity = cfg.training.packed_sequence_length or cfg.data.max_seq_length
+    if d.is_main:
+        print(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by "
+              f"{'restarted position_ids' if mode == POSITION_IDS else 'a block mask'}",
+              flush=True)
+    return functools.partial(collate_packed, pad_id=pad, capacity=capacity,
+                             block_mask=None if mode == POSITION_IDS else mask_dtype)
 
 
 def _write_trained(layout: Layout, cfg, strategy: Strategy, tok, d: Dist) -> None:

@@ -12,7 +12,6 @@ Errors print as one line (`error: ...`) with exit code 2; `--debug` shows the tr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

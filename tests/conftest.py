@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -164,3 +165,19 @@ def assert_weights_close(a, b):
     assert a.keys() == b.keys()
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert worst < 2e-4, worst
+
+
+def kill_after_first_checkpoint(project) -> str:
+    """Start the train stage, SIGKILL its whole process tree once a checkpoint is written."""
+    proc = subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("[train] checkpoint"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+    return "".join(seen)

@@ -133,3 +133,42 @@ def test_optimizer_groups_bad_input():
             optimizer_groups={"bias": {"momentum": 0.9}}))
     with pytest.raises(ValueError, match="not a valid regular expression"):
         OptimizerConfig(optimizer_groups={"(": {}})
+
+
+def test_collate_packed_restarts_positions_and_drops_boundary_targets():
+    from engine.data import collate_packed, count_targets, pack_rows
+
+    rows = [{"input_ids": [1, 2, 3, 4], "labels": [5, 6, 7, 8]},
+            {"input_ids": [9, 10], "labels": [11, 12]},
+            {"input_ids": [13, 14, 15], "labels": [16, 17, 18]}]
+    assert pack_rows([4, 2, 3], 6) == [[0, 1], [2]]
+    b = collate_packed(rows, 0, 6)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 9, 10], [13, 14, 15, 0, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 1, 2]]
+    assert b["labels"].tolist() == [[IGNORE_INDEX, 6, 7, 8, IGNORE_INDEX, 12],
+                                    [IGNORE_INDEX, 17, 18] + [IGNORE_INDEX] * 3]
+    assert count_targets(b) == count_targets(collate(rows, 0))  # same targets as padded
+    masked = collate_packed(rows, 0, 6, block_mask=torch.float32)["attention_mask"]
+    allowed = masked[0, 0] == 0
+    assert allowed[5, 4] and not allowed[4, 3] and not allowed[0, 1]  # causal, per example
+
+
+def test_packing_probe_refuses_models_that_cannot_separate_examples():
+    from types import SimpleNamespace
+
+    from engine.packing import probe_packing
+    from finetune.errors import PipelineError
+
+    class Leaky(torch.nn.Module):  # takes position_ids but mixes every earlier token in
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+            return SimpleNamespace(logits=torch.nn.functional.one_hot(input_ids, 32).float()
+                                   .cumsum(1) + 1)
+
+    class NoPositions(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return SimpleNamespace(logits=input_ids.float())
+
+    with pytest.raises(PipelineError, match="Leaky lets packed examples attend"):
+        probe_packing(Leaky(), 32, torch.device("cpu"))
+    with pytest.raises(PipelineError, match="NoPositions.forward takes no position_ids"):
+        probe_packing(NoPositions(), 32, torch.device("cpu"))

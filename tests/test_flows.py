@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 import subprocess
 
 import pytest
@@ -11,7 +10,7 @@ import yaml
 from packaging.version import Version
 from prefect.states import State
 
-from conftest import BIN, ROOT, copy_project, run_cli
+from conftest import BIN, ROOT, copy_project
 from finetune.workspace import workspace_lock
 
 STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]

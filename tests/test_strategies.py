@@ -5,17 +5,15 @@ Every run goes through the train stage (`finetune stage train`), i.e. torchrun -
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 
 import pytest
 import torch
 
-from conftest import (BIN, adapter, assert_weights_close, error_line, losses, run_cli,
-                      train_copy, train_metrics, write_params)
+from conftest import (BIN, adapter, assert_weights_close, error_line, kill_after_first_checkpoint,
+                      losses, run_cli, train_copy, train_metrics, write_params)
 
 STEPS = {"training.max_steps": 10, "checkpoint.save_strategy": "no", "eval.eval_steps": 5}
 TWO = {"distributed.nproc_per_node": 2}
@@ -102,22 +100,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_after_first_checkpoint(project) -> str:
-    """Start the train stage, SIGKILL its whole process tree once a checkpoint is written."""
-    proc = subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=project,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("[train] checkpoint"):
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "".join(seen)
-    return "".join(seen)
-
-
 @pytest.mark.parametrize("strategy", [
     {"distributed.strategy": "fsdp2", "training.per_device_train_batch_size": 2,
      "training.gradient_accumulation_steps": 2},
@@ -135,7 +117,7 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, st
     cut = tmp_path / "cut"
     shutil.copytree(tokenized, cut, symlinks=True)
     write_params(cut, common)
-    _kill_after_first_checkpoint(cut)
+    kill_after_first_checkpoint(cut)
     assert not (cut / "data/trained").exists()
     write_params(cut, {"checkpoint.resume_from_checkpoint": True})
     proc = run_cli(cut, "stage", "train", check=True)

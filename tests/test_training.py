@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import (adapter, assert_weights_close, error_line, losses, run_cli, train_copy,
-                      write_params)
+from conftest import (adapter, assert_weights_close, error_line, kill_after_first_checkpoint,
+                      losses, run_cli, train_copy, train_metrics, write_params)
 
 
 def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
@@ -92,3 +92,49 @@ def test_optimizer_groups_reach_the_training_loop(tokenized, tmp_path):
     write_params(tmp_path / "bad", {**common, "optimizer.optimizer_groups": {"mlp\\.nope": {}}})
     line = error_line(run_cli(tmp_path / "bad", "stage", "train"))
     assert "optimizer.optimizer_groups['mlp\\.nope']: matches no trainable parameter" in line
+
+
+def test_packing_trains_exactly_like_padding(tokenized, tmp_path):
+    """Same examples per step, packed into shared rows with restarted position_ids instead of
+    padded: same losses and weights (cross-example attention or a leaked boundary target
+    would change both), fewer rows."""
+    common = {"training.max_steps": 4, "checkpoint.save_strategy": "no",
+              "training.per_device_train_batch_size": 8}
+    padded, _ = train_copy(tokenized, tmp_path / "pad", common)
+    packed, proc = train_copy(tokenized, tmp_path / "pack", {
+        **common, "training.packing": True, "training.packed_sequence_length": 1024})
+    assert "[train] packing: rows of up to 1024 tokens" in proc.stdout
+    assert "restarted position_ids" in proc.stdout
+    # really packed: several examples share a row (so cross-example attention would show)
+    assert train_metrics(padded)["examples_per_row"] == 1.0
+    assert train_metrics(packed)["examples_per_row"] >= 3
+    assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
+    assert_weights_close(adapter(padded), adapter(packed))
+    assert train_metrics(packed)["num_input_tokens_seen"] == train_metrics(padded)[
+        "num_input_tokens_seen"]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"training.packing": True, "training.packed_sequence_length": 1024},
+    {"training.packing": True, "training.packed_sequence_length": 1024,
+     "training.gradient_accumulation_steps": 2, "training.per_device_train_batch_size": 2},
+], ids=["packing", "packing-accumulation"])
+def test_sigkill_at_a_random_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, overrides):
+    import random
+
+    save_steps = random.Random(str(overrides)).randint(2, 5)
+    common = {**overrides, "training.max_steps": 8, "checkpoint.save_steps": save_steps,
+              "eval.eval_steps": save_steps, "checkpoint.save_total_limit": 10}
+    full, _ = train_copy(tokenized, tmp_path / "full", common)
+    cut = tmp_path / "cut"
+    shutil.copytree(tokenized, cut, symlinks=True)
+    write_params(cut, common)
+    kill_after_first_checkpoint(cut)
+    assert not (cut / "data/trained").exists()
+    write_params(cut, {"checkpoint.resume_from_checkpoint": True})
+    proc = run_cli(cut, "stage", "train", check=True)
+    assert f"at step {save_steps}" in proc.stdout
+    a, b = adapter(full), adapter(cut)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
+    assert losses(cut) == losses(full)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
@@ -159,6 +159,18 @@ class TrainingConfig(Section):
     )
     num_train_epochs: float = Field(1.0, description="Epochs (ignored when max_steps > 0).")
     max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
+    packing: bool = Field(
+        False,
+        validation_alias=AliasChoices("packing", "dynamic_batch"),
+        description="Pack each micro-batch's examples into rows of up to "
+        "packed_sequence_length tokens, position_ids restarting per example (no attention across examples; no "
+        "padding compute). Alias: dynamic_batch.",
+    )
+    packed_sequence_length: int | None = Field(
+        None, gt=0,
+        description="Packing: tokens per packed row (None: data.max_seq_length). Positions "
+        "restart per example, so this may exceed the model's max_position_embeddings.",
+    )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
         "fp32", description="Autocast dtype; fp32/no = full precision."
