@@ -10,7 +10,7 @@ Layout of `<dir>/step-0000050/`:
 All ranks write into one hidden staging folder, which rank 0 renames into place once everything
 is on disk, so a crash mid-save leaves the previous checkpoint valid. A half-written or corrupted
 checkpoint fails its hashes on load and the previous one is used, with a warning. Rotation keeps
-the newest `save_total_limit` by save time. The folder must be on storage all nodes share.
+the newest `save_total_limit` by save time, or, with a metric, the newest plus the best. The folder must be on storage all nodes share.
 """
 
 from __future__ import annotations
@@ -83,8 +83,10 @@ def _rank() -> int:
 
 
 def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
-         meta: dict[str, Any], keep: int | None) -> Path:
-    """Collective: every rank calls it with its share; returns the final folder."""
+         meta: dict[str, Any], keep: int | None,
+         best_by: tuple[str, bool] | None = None) -> Path:
+    """Collective: every rank calls it with its share; returns the final folder.
+    `best_by` = (metric key in meta, higher wins) makes rotation keep the best ones."""
     rank = _rank()
     final = directory / f"{PREFIX}{step:07d}"
     staging = directory / f".{final.name}.tmp"
@@ -106,10 +108,35 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
         replace_dir(staging, final)
         _fsync_dir(directory)
         if keep:
-            for stale in list_checkpoints(directory, validate=False)[:-keep]:
+            for stale in stale_checkpoints(directory, keep, best_by):
                 shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+def _ranked(paths: list[Path], best_by: tuple[str, bool]) -> list[Path]:
+    """Checkpoints that carry the metric, best first (ties: the earlier one)."""
+    metric, higher_wins = best_by
+    scored = [(meta[metric], i, p) for i, p in enumerate(paths)
+              if (meta := read_meta(p) or {}).get(metric) is not None]
+    scored.sort(key=lambda t: (-t[0] if higher_wins else t[0], t[1]))
+    return [p for _, _, p in scored]
+
+
+def stale_checkpoints(directory: Path, keep: int,
+                      best_by: tuple[str, bool] | None = None) -> list[Path]:
+    """What rotation deletes: all but the newest `keep`; with `best_by` (metric, higher
+    wins) all but the newest one (resume needs it) and the best `keep - 1` (at least one)."""
+    paths = list_checkpoints(directory, validate=False)
+    if best_by is None:
+        return paths[:-keep]
+    kept = set(paths[-1:]) | set(_ranked(paths, best_by)[: max(keep - 1, 1)])
+    return [p for p in paths if p not in kept]
+
+
+def best(directory: Path, best_by: tuple[str, bool]) -> Path | None:
+    """The valid checkpoint with the best metric."""
+    return next((p for p in _ranked(list_checkpoints(directory), best_by)), None)
 
 
 def _fsync_dir(path: Path) -> None:

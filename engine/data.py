@@ -25,6 +25,8 @@ class ShardedBatches:
     world_size: int
     seed: int
     accumulation: int = 1
+    #: per-example token counts; set = group_by_length (similar lengths share a batch)
+    lengths: tuple[int, ...] | None = None
 
     @property
     def global_batch(self) -> int:
@@ -37,6 +39,8 @@ class ShardedBatches:
     def epoch(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed + epoch)
         perm = torch.randperm(self.num_examples, generator=g).tolist()
+        if self.lengths is not None:
+            perm = self._grouped(perm)
         out = []
         for k in range(len(self)):
             start = k * self.global_batch + self.rank * self.micro_batch_size
@@ -44,6 +48,19 @@ class ShardedBatches:
         return out
 
 
+    def _grouped(self, perm: list[int]) -> list[int]:
+        """HF's LengthGroupedSampler idea, per global batch: the shuffled order is cut into
+        mega-batches of 50 global batches, each sorted longest first, so a batch (and each
+        rank's share of it) holds similar lengths and pads little. Still seeded per epoch."""
+        mega = self.global_batch * MEGABATCH_MULT
+        out: list[int] = []
+        for start in range(0, len(perm), mega):
+            chunk = perm[start : start + mega]
+            out.extend(sorted(chunk, key=lambda i: -self.lengths[i]))
+        return out
+
+
+MEGABATCH_MULT = 50
 MODEL_COLUMNS = ["input_ids", "labels"]
 
 

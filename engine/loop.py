@@ -28,6 +28,7 @@ from engine.distributed import Dist, setup, teardown
 from engine.evaluation import evaluate_loss
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
                           make_adapter_config_reproducible)
+from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
 from engine.packing import POSITION_IDS, probe_packing
 from engine.sinks import MetricSinks
@@ -96,8 +97,9 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     if (layout.tokenized / "test").exists():
         eval_ds = load_tokenized(layout.tokenized / "test")
     accum = t.gradient_accumulation_steps
+    lengths = tuple(len(x) for x in train_ds["input_ids"]) if t.group_by_length else None
     batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
-                             t.seed, accum)
+                             t.seed, accum, lengths)
     steps_per_epoch = len(batches) // accum
     if steps_per_epoch == 0:
         raise PipelineError(
@@ -110,8 +112,10 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     scheduler = build_scheduler(optimizer, cfg.scheduler, n_steps)
     scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None
     pos, history = Position(), []
+    monitor = Monitor.from_config(cfg)
     if cfg.checkpoint.resume_from_checkpoint:
-        pos, history = _resume(layout.checkpoints, strategy, optimizer, scheduler, scaler, d)
+        pos, history = _resume(layout.checkpoints, strategy, optimizer, scheduler, scaler, d,
+                               monitor)
     sinks = MetricSinks(layout.plots, mlflow_uri, run_id, history) if d.is_main else None
     if d.is_main:
         print(f"[train] {trainable:,} trainable / {total:,} params; {n_steps} steps "
@@ -176,19 +180,33 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         ):
             _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum,
                         meter)
-        if cfg.eval.eval_strategy == "steps" and eval_ds is not None and (
-            pos.step % cfg.eval.eval_steps == 0 or pos.step == n_steps
+        epoch_end, last = pos.batch_in_epoch >= len(order), pos.step == n_steps
+        c = cfg.checkpoint
+        save_now = due(c.save_strategy, c.save_steps, pos.step, epoch_end, last)
+        evaluated = {}
+        if eval_ds is not None and (
+            due(cfg.eval.eval_strategy, cfg.eval.eval_steps, pos.step, epoch_end, last)
+            or (save_now and cfg.eval.eval_on_save)
         ):
             with meter.pause():
                 ev = evaluate_loss(strategy.module, eval_ds, t.per_device_eval_batch_size,
                                    tok.pad_token_id, d, cfg.eval.eval_batches, amp,
                                    lockstep=strategy.eval_lockstep)
+            evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
+            monitor.update(evaluated, pos.step)
             if sinks:
                 sinks.log(pos.step, {"eval_loss": ev["loss"]})
-        if cfg.checkpoint.save_strategy == "steps" and (
-            pos.step % cfg.checkpoint.save_steps == 0 or pos.step == n_steps
-        ):
-            _save(layout.checkpoints, cfg, strategy, optimizer, scheduler, scaler, pos, d, sinks)
+        stop = monitor.should_stop and not last
+        if save_now or (stop and c.save_strategy != "no"):
+            _save(layout.checkpoints, cfg, strategy, optimizer, scheduler, scaler, pos, d, sinks,
+                  monitor, evaluated)
+        if stop:
+            if d.is_main:
+                print(f"[train] early stopping at step {pos.step}: {monitor.metric} has not "
+                      f"improved by more than {monitor.threshold:g} for {monitor.bad_evals} "
+                      f"evaluations (best {monitor.best:.6g} at step {monitor.best_step})",
+                      flush=True)
+            break
 
     runtime = time.perf_counter() - started
     comm = meter.summary(pos.step - start_step)  # this process's steps (resume starts later)
@@ -208,6 +226,10 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         "examples_per_row": round(fill["examples"] / max(fill["rows"], 1), 4),
         **comm,
     }
+    if monitor.best is not None:
+        result.update({f"best_{monitor.metric}": monitor.best, "best_step": monitor.best_step})
+    if cfg.checkpoint.load_best_model_at_end:
+        result["loaded_best_step"] = _load_best(layout.checkpoints, strategy, optimizer, monitor, d)
     _write_trained(layout, cfg, strategy, tok, d)
     if d.is_main:
         print(f"[train] communication ({strategy.name}): {comm['comm_bytes_total'] / 1e6:.3f} MB "
@@ -284,16 +306,17 @@ def _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, ac
 
 
 def _save(directory, cfg, strategy: Strategy, optimizer, scheduler, scaler, pos, d,
-          sinks) -> None:
+          sinks, monitor: Monitor, evaluated: dict) -> None:
     trainer_state = {
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler else None,
         "strategy": strategy.trainer_state(),
         "history": sinks.history if sinks else [],
+        "monitor": monitor.state_dict(),
     }
-    meta = {**pos.__dict__, "world_size": d.world_size, "strategy": strategy.name}
+    meta = {**pos.__dict__, "world_size": d.world_size, "strategy": strategy.name, **evaluated}
     path = ckpt.save(directory, pos.step, strategy.dcp_state(optimizer), trainer_state, meta,
-                     cfg.checkpoint.save_total_limit)
+                     cfg.checkpoint.save_total_limit, monitor.best_by)
     if d.is_main:
         print(f"[train] checkpoint {path}", flush=True)
 
@@ -308,7 +331,28 @@ def check_resumable(meta: dict, path: Path, world_size: int, strategy: str) -> N
         )
 
 
-def _resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d) -> tuple[Position, list]:
+def _load_best(directory, strategy: Strategy, optimizer, monitor: Monitor, d) -> int | None:
+    """load_best_model_at_end: the best kept checkpoint's weights become the trained model."""
+    path = ckpt.best(directory, monitor.best_by) if d.is_main else None
+    if d.world_size > 1:
+        chosen = [path]
+        torch.distributed.broadcast_object_list(chosen, src=d.main_rank)
+        path = chosen[0]
+    if path is None:
+        if d.is_main:
+            print("[train] load_best_model_at_end: no checkpoint with a metric; keeping the "
+                  "final weights", flush=True)
+        return None
+    _, meta = ckpt.load(path, strategy.dcp_state(optimizer),
+                        lambda state: strategy.load_dcp_state(optimizer, state))
+    if d.is_main:
+        print(f"[train] load_best_model_at_end: {path.name} ({monitor.metric} "
+              f"{meta.get(monitor.metric):.6g})", flush=True)
+    return meta.get("step")
+
+
+def _resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d,
+            monitor: Monitor) -> tuple[Position, list]:
     # One process hashes the checkpoint files and tells the others which one to load.
     path = ckpt.latest(directory) if d.is_main else None
     if d.world_size > 1:
@@ -328,6 +372,7 @@ def _resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d) -> t
     if scaler and trainer_state.get("scaler"):
         scaler.load_state_dict(trainer_state["scaler"])
     strategy.load_trainer_state(trainer_state.get("strategy", {}))
+    monitor.load_state_dict(trainer_state.get("monitor", {}))
     pos = Position(**{k: meta[k] for k in ("step", "epoch", "batch_in_epoch", "tokens_seen")})
     if d.is_main:
         print(f"[train] resumed from {path} at step {pos.step}", flush=True)

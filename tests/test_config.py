@@ -79,6 +79,22 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"optimizer.name": "Adamw"}, "'Adamw' is not a torch.optim optimizer class"),
         ({"scheduler.warmup_ratio": 0.1}, "warmup_steps and warmup_ratio are exclusive"),
         ({"model.load_in_4bit": True, "model.load_in_8bit": True}, "exclusive"),
+        ({"checkpoint.load_best_model_at_end": True, "checkpoint.metric_for_best_model":
+          "eval_loss", "eval.eval_strategy": "epoch"},
+         "load_best_model_at_end: save_strategy steps and eval.eval_strategy epoch differ"),
+        ({"checkpoint.load_best_model_at_end": True, "checkpoint.metric_for_best_model":
+          "eval_loss", "checkpoint.save_steps": 75},
+         "save_steps 75 must be a multiple of eval.eval_steps 50"),
+        ({"eval.early_stopping_patience": 3}, "need checkpoint.metric_for_best_model"),
+        ({"checkpoint.metric_for_best_model": "eval_loss", "eval.early_stopping_patience": 3,
+          "eval.eval_strategy": "no"}, "set eval.eval_strategy to steps or epoch"),
+        ({"checkpoint.metric_for_best_model": "train_loss"}, "checkpoint.metric_for_best_model"),
+        ({"distributed.strategy": "diloco", "distributed.diloco.diloco_loops": 2,
+          "eval.eval_strategy": "epoch"}, "eval.eval_strategy epoch is not supported under diloco"),
+        ({"optimizer.optimizer_groups": {"(": {}}}, "not a valid regular expression"),
+        ({"eval.generation_metrics": ["bleu"]}, "eval.generation_metrics"),
+        ({"registry.gate_metric": "eval.exact_match", "eval.generation_metrics": []},
+         "needs 'exact_match' in eval.generation_metrics"),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path, overrides, expected):

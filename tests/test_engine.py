@@ -172,3 +172,21 @@ def test_packing_probe_refuses_models_that_cannot_separate_examples():
         probe_packing(Leaky(), 32, torch.device("cpu"))
     with pytest.raises(PipelineError, match="NoPositions.forward takes no position_ids"):
         probe_packing(NoPositions(), 32, torch.device("cpu"))
+
+
+def test_group_by_length_batches_similar_lengths_and_keeps_the_epoch():
+    import random
+
+    rnd = random.Random(0)
+    lengths = tuple(rnd.randint(10, 500) for _ in range(400))
+    plain = ShardedBatches(400, 4, 0, 2, seed=3)
+    grouped = ShardedBatches(400, 4, 0, 2, seed=3, lengths=lengths)
+
+    def waste(batches):
+        return sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b)
+                   for b in batches.epoch(0))
+
+    assert waste(grouped) < waste(plain) / 3
+    both = grouped.epoch(0) + ShardedBatches(400, 4, 1, 2, seed=3, lengths=lengths).epoch(0)
+    assert sorted(i for b in both for i in b) == list(range(400))  # every example once
+    assert grouped.epoch(0) == grouped.epoch(0) and grouped.epoch(0) != grouped.epoch(1)

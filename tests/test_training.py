@@ -138,3 +138,68 @@ def test_sigkill_at_a_random_checkpoint_then_resume_is_bitwise(tokenized, tmp_pa
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
     assert losses(cut) == losses(full)
+
+
+def _checkpoints(project) -> list[str]:
+    return sorted(p.name for p in (project / "data/checkpoints").iterdir())
+
+
+def _eval_steps(project) -> list[int]:
+    import csv
+
+    with open(project / "data/plots/eval.csv") as fh:
+        return [int(r["step"]) for r in csv.DictReader(fh)]
+
+
+def test_epoch_strategies_and_group_by_length(tokenized, tmp_path):
+    """Two epochs of E steps: eval and checkpoints at each epoch end, nowhere else."""
+    import re
+
+    project, proc = train_copy(tokenized, tmp_path / "e", {
+        "training.max_steps": -1, "training.num_train_epochs": 2,
+        "eval.eval_strategy": "epoch", "checkpoint.save_strategy": "epoch",
+        "checkpoint.save_total_limit": 5, "training.group_by_length": True})
+    per_epoch = int(re.search(r"\((\d+)/epoch\)", proc.stdout).group(1))
+    assert per_epoch > 5 and train_metrics(project)["global_step"] == 2 * per_epoch
+    assert _checkpoints(project) == [f"step-{per_epoch:07d}", f"step-{2 * per_epoch:07d}"]
+    assert _eval_steps(project) == [per_epoch, 2 * per_epoch]
+    plain, _ = train_copy(tokenized, tmp_path / "p", {"training.max_steps": 12,
+                                                      "checkpoint.save_strategy": "no"})
+    grouped, plain_pad = train_metrics(project)["padding_fraction"], train_metrics(plain)[
+        "padding_fraction"]
+    assert grouped < plain_pad, (grouped, plain_pad)
+
+
+def test_early_stopping_stops_on_a_stalled_metric(tokenized, tmp_path):
+    """threshold 10: no eval can improve enough, so patience 2 stops after eval 3 (step 6)."""
+    project, proc = train_copy(tokenized, tmp_path / "s", {
+        "training.max_steps": 12, "checkpoint.save_strategy": "no",
+        "eval.eval_strategy": "steps", "eval.eval_steps": 2,
+        "checkpoint.metric_for_best_model": "eval_loss",
+        "eval.early_stopping_patience": 2, "eval.early_stopping_threshold": 10.0})
+    assert "[train] early stopping at step 6" in proc.stdout
+    m = train_metrics(project)
+    assert m["global_step"] == 6 and m["best_step"] == 6  # small gains still move the best
+    assert _eval_steps(project) == [2, 4, 6]
+
+
+def test_best_checkpoints_kept_and_loaded_at_end(tokenized, tmp_path):
+    """greater_is_better on eval_loss makes the *first* checkpoint the best (loss falls): it
+    survives rotation next to the newest, and its weights become the trained model."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    project, proc = train_copy(tokenized, tmp_path / "b", {
+        "training.max_steps": 8, "eval.eval_strategy": "steps", "eval.eval_steps": 2,
+        "checkpoint.save_steps": 2, "checkpoint.save_total_limit": 2,
+        "checkpoint.metric_for_best_model": "eval_loss", "checkpoint.greater_is_better": True,
+        "checkpoint.load_best_model_at_end": True})
+    assert _checkpoints(project) == ["step-0000002", "step-0000008"]
+    assert "load_best_model_at_end: step-0000002" in proc.stdout
+    assert train_metrics(project)["loaded_best_step"] == 2
+    dcp_to_torch_save(project / "data/checkpoints/step-0000002", tmp_path / "best.pt")
+    saved = torch.load(tmp_path / "best.pt", weights_only=False)["model"]
+    trained = adapter(project)
+    assert trained
+    for key, value in trained.items():
+        fqn = key.replace(".weight", ".default.weight")
+        assert torch.equal(saved[fqn], value), key

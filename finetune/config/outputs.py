@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 
 from finetune.config.section import Section
 
@@ -22,10 +22,24 @@ GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
 class EvalConfig(Section):
     """Held-out loss during training; loss, perplexity and generation metrics in evaluate."""
 
-    eval_strategy: Literal["no", "steps"] = Field("no", description="Eval during training.")
+    eval_strategy: Literal["no", "steps", "epoch"] = Field(
+        "no", description="Eval during training: every eval_steps, at each epoch end, never."
+    )
     eval_steps: int = Field(50, gt=0, description="Eval every N steps when eval_strategy=steps.")
     eval_batches: int | None = Field(
-        None, gt=0, description="Cap eval batches (None: the whole test split)."
+        None, gt=0, description="Cap eval batches (None: the whole test split). Alias: "
+        "max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
+    )
+    eval_on_save: bool = Field(
+        False, description="Also evaluate at every checkpoint (so each one has a metric)."
+    )
+    early_stopping_patience: int | None = Field(
+        None, gt=0,
+        description="Stop after N evaluations in a row without improving "
+        "checkpoint.metric_for_best_model by more than early_stopping_threshold.",
+    )
+    early_stopping_threshold: float = Field(
+        0.0, ge=0, description="Minimum improvement that resets the patience counter."
     )
     generation_metrics: list[Literal[GENERATION_METRICS]] = Field(
         default_factory=list,

@@ -159,6 +159,9 @@ class TrainingConfig(Section):
     )
     num_train_epochs: float = Field(1.0, description="Epochs (ignored when max_steps > 0).")
     max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
+    group_by_length: bool = Field(
+        False, description="Batch examples of similar length together (less padding)."
+    )
     packing: bool = Field(
         False,
         validation_alias=AliasChoices("packing", "dynamic_batch"),
@@ -241,12 +244,32 @@ class SchedulerConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Periodic training state for resume (model/adapter, optimizer, scheduler, RNG, data)."""
+    """Periodic training state for resume (model/adapter, optimizer, scheduler, RNG, data),
+    and which checkpoints are worth keeping (HF TrainingArguments names)."""
 
-    save_strategy: Literal["no", "steps"] = Field("steps", description="When to checkpoint.")
+    save_strategy: Literal["no", "steps", "epoch"] = Field(
+        "steps", description="When to checkpoint: every save_steps, at each epoch end, never."
+    )
     save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
-    save_total_limit: int | None = Field(2, gt=0, description="Keep at most N checkpoints.")
+    save_total_limit: int | None = Field(
+        2, gt=0,
+        description="Keep at most N checkpoints: the newest, plus the best by "
+        "metric_for_best_model when set (else the newest N).",
+    )
     resume_from_checkpoint: bool = Field(False, description="Continue from the latest checkpoint.")
+    metric_for_best_model: Literal["eval_loss", "eval_perplexity"] | None = Field(
+        None, description="Metric that ranks checkpoints (best kept, best loaded at end)."
+    )
+    greater_is_better: bool | None = Field(
+        None, description="Direction of metric_for_best_model (None: lower is better)."
+    )
+    load_best_model_at_end: bool = Field(
+        False, description="Write the best checkpoint's weights as the trained model."
+    )
+
+    @property
+    def higher_wins(self) -> bool:
+        return bool(self.greater_is_better)
 
 
 class LoggingConfig(Section):
@@ -292,12 +315,42 @@ class FinetuneConfig(Section):
         if self.distributed.strategy == "diloco":
             self._check_diloco()
         self.registry.check_against(self.eval)
+        self._check_best_model()
         return self
+
+    def _check_best_model(self) -> None:
+        """HF's rules: the best model needs an eval at every checkpoint it could be."""
+        c, e = self.checkpoint, self.eval
+        monitored = c.load_best_model_at_end or e.early_stopping_patience is not None
+        if monitored and c.metric_for_best_model is None:
+            raise ValueError("checkpoint.load_best_model_at_end / eval.early_stopping_patience "
+                             "need checkpoint.metric_for_best_model (e.g. eval_loss)")
+        if monitored and e.eval_strategy == "no":
+            raise ValueError("checkpoint.metric_for_best_model is computed by evaluation: set "
+                             "eval.eval_strategy to steps or epoch")
+        if c.load_best_model_at_end:
+            if c.save_strategy != e.eval_strategy and not e.eval_on_save:
+                raise ValueError(
+                    f"checkpoint.load_best_model_at_end: save_strategy {c.save_strategy} and "
+                    f"eval.eval_strategy {e.eval_strategy} differ; make them equal or set "
+                    "eval.eval_on_save: true"
+                )
+            if (c.save_strategy == "steps" and e.eval_strategy == "steps" and not e.eval_on_save
+                    and c.save_steps % e.eval_steps):
+                raise ValueError(
+                    f"checkpoint.load_best_model_at_end: save_steps {c.save_steps} must be a "
+                    f"multiple of eval.eval_steps {e.eval_steps} (or set eval.eval_on_save)"
+                )
 
     def _check_diloco(self) -> None:
         """Under DiLoCo, training.max_steps is H (inner steps per outer loop); evaluation and
         checkpoints happen at sync points, where every worker holds the global model."""
         h = self.training.max_steps
+        for key, value in (("eval.eval_strategy", self.eval.eval_strategy),
+                           ("checkpoint.save_strategy", self.checkpoint.save_strategy)):
+            if value == "epoch":
+                raise ValueError(f"{key} epoch is not supported under diloco (epoch ends are "
+                                 "not sync points); use steps with a multiple of H")
         if h <= 0:
             raise ValueError(
                 "strategy diloco: training.max_steps is the inner steps per outer loop (H); "
