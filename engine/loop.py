@@ -30,6 +30,8 @@ from engine.model import (apply_peft, count_parameters, load_base_model, load_to
                           make_adapter_config_reproducible)
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
+from engine.runtime import (compile_stats, configure_torch, enable_gradient_checkpointing,
+                            maybe_compile)
 from engine.packing import POSITION_IDS, probe_packing
 from engine.sinks import MetricSinks
 from engine.strategies import Strategy, build_strategy
@@ -84,14 +86,17 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     layout = Layout(root)
     t = cfg.training
     amp = autocast_dtype(cfg, d.device)
+    configure_torch(t)
     seed_everything(t.seed)
     tok = load_tokenizer(cfg.model, root)
-    model = apply_peft(load_base_model(cfg.model, root), cfg.peft).to(d.device)
+    base = load_base_model(cfg.model, root)
+    enable_gradient_checkpointing(base, t)
+    model = apply_peft(base, cfg.peft).to(d.device)
     trainable, total = count_parameters(model)
     collate_fn = _collate_fn(cfg, model, tok, d, amp)
     meter = CommMeter()
     strategy = build_strategy(cfg, d, meter)
-    model = strategy.wrap(model)
+    model = maybe_compile(strategy.wrap(model), t)
     train_ds = load_tokenized(layout.tokenized / "train")
     eval_ds = None
     if (layout.tokenized / "test").exists():
@@ -224,6 +229,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         "strategy": strategy.name,
         "padding_fraction": round(1 - fill["real"] / max(fill["slots"], 1), 4),
         "examples_per_row": round(fill["examples"] / max(fill["rows"], 1), 4),
+        **(compile_stats() if t.torch_compile else {}),
         **comm,
     }
     if monitor.best is not None:

@@ -190,3 +190,76 @@ def test_group_by_length_batches_similar_lengths_and_keeps_the_epoch():
     both = grouped.epoch(0) + ShardedBatches(400, 4, 1, 2, seed=3, lengths=lengths).epoch(0)
     assert sorted(i for b in both for i in b) == list(range(400))  # every example once
     assert grouped.epoch(0) == grouped.epoch(0) and grouped.epoch(0) != grouped.epoch(1)
+
+
+def _stories():
+    from transformers import AutoModelForCausalLM
+
+    from conftest import ROOT
+
+    return AutoModelForCausalLM.from_pretrained(ROOT / "data/models/stories260K")
+
+
+def test_runtime_flags_follow_the_config():
+    from engine.runtime import configure_torch
+    from finetune.config.schema import TrainingConfig
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        configure_torch(TrainingConfig(full_determinism=True, detect_anomaly=True,
+                                       float32_matmul_precision="medium"))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.autograd.set_detect_anomaly(False)
+        torch.set_float32_matmul_precision(before)
+    configure_torch(TrainingConfig())
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.is_anomaly_enabled()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
+    from engine.model import apply_peft
+    from engine.runtime import enable_gradient_checkpointing
+    from finetune.config.schema import PeftSection, TrainingConfig
+
+    def forward_calls(checkpointing: bool) -> tuple[int, torch.Tensor]:
+        torch.manual_seed(0)
+        base = _stories()
+        enable_gradient_checkpointing(base, TrainingConfig(
+            gradient_checkpointing=checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}))
+        model = apply_peft(base, PeftSection(r=4))
+        model.train()
+        calls = []
+        # a pre-hook: non-reentrant recomputation stops early, before post-hooks would fire
+        base.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))
+        ids = torch.tensor([[1, 40, 50, 60, 70, 80]])
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grad = next(p.grad for n, p in model.named_parameters() if "lora_B" in n)
+        return len(calls), grad
+
+    plain_calls, plain_grad = forward_calls(False)
+    ckpt_calls, ckpt_grad = forward_calls(True)
+    assert (plain_calls, ckpt_calls) == (1, 2)  # the block runs again during backward
+    assert torch.allclose(plain_grad, ckpt_grad, atol=1e-6) and plain_grad.abs().sum() > 0
+
+
+def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation():
+    from engine.runtime import compile_stats, maybe_compile
+    from finetune.config.schema import TrainingConfig
+
+    torch._dynamo.reset()
+    model = _stories()
+    assert maybe_compile(model, TrainingConfig()) is model
+    compiled = maybe_compile(model, TrainingConfig(torch_compile=True,
+                                                   torch_compile_backend="aot_eager"))
+    ids = torch.tensor([[1, 40, 50, 60]])
+    assert torch.allclose(compiled(input_ids=ids, use_cache=False).logits,
+                          model(input_ids=ids, use_cache=False).logits, atol=1e-5)
+    assert compile_stats()["torch_compile_graphs"] >= 1
+    with pytest.raises(ValueError, match="max-autotune captures CUDA graphs"):
+        TrainingConfig(torch_compile=True, torch_compile_mode="max-autotune",
+                       gradient_accumulation_steps=2)

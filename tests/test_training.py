@@ -203,3 +203,18 @@ def test_best_checkpoints_kept_and_loaded_at_end(tokenized, tmp_path):
     for key, value in trained.items():
         fqn = key.replace(".weight", ".default.weight")
         assert torch.equal(saved[fqn], value), key
+
+
+def test_checkpointing_compile_determinism_anomaly_train_like_plain(tokenized, tmp_path):
+    """Activation checkpointing, torch.compile (aot_eager: dynamo + AOT autograd, no C++
+    toolchain), full determinism and anomaly detection change how, not what, is computed."""
+    common = {"training.max_steps": 3, "checkpoint.save_strategy": "no"}
+    plain, _ = train_copy(tokenized, tmp_path / "p", common)
+    tuned, proc = train_copy(tokenized, tmp_path / "t", {
+        **common, "training.gradient_checkpointing": True, "training.torch_compile": True,
+        "training.torch_compile_backend": "aot_eager", "training.full_determinism": True,
+        "training.detect_anomaly": True, "training.float32_matmul_precision": "high"})
+    assert train_metrics(tuned)["torch_compile_graphs"] >= 1
+    assert "torch_compile_graphs" not in train_metrics(plain)
+    assert losses(tuned) == pytest.approx(losses(plain), abs=1e-5)
+    assert_weights_close(adapter(plain), adapter(tuned))

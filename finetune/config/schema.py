@@ -148,6 +148,17 @@ class DataConfig(Section):
         )
 
 
+class GradientCheckpointingKwargs(Section):
+    """Passed to torch.utils.checkpoint (via HF's gradient_checkpointing_enable)."""
+
+    use_reentrant: bool = Field(
+        False, description="Reentrant autograd checkpointing (legacy; non-reentrant is safer)."
+    )
+    preserve_rng_state: bool = Field(
+        True, description="Replay dropout masks exactly in the recomputation."
+    )
+
+
 class TrainingConfig(Section):
     """The loop's size and cadence (HF TrainingArguments names)."""
 
@@ -179,6 +190,43 @@ class TrainingConfig(Section):
         "fp32", description="Autocast dtype; fp32/no = full precision."
     )
     seed: int = Field(42, description="Seed for init, dropout and data order.")
+    full_determinism: bool = Field(
+        False, description="torch.use_deterministic_algorithms + deterministic cuDNN/cuBLAS "
+        "(bitwise-repeatable GPU runs, slower)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (less memory, ~30% more compute)."
+    )
+    gradient_checkpointing_kwargs: GradientCheckpointingKwargs = Field(
+        default_factory=lambda: GradientCheckpointingKwargs(),
+        description="torch.utils.checkpoint options.",
+    )
+    torch_compile: bool = Field(False, description="torch.compile the model for training.")
+    torch_compile_backend: str = Field("inductor", description="torch.compile backend.")
+    torch_compile_mode: Literal[
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    ] = Field("default", description="torch.compile mode.")
+    torch_compile_dynamic: bool | None = Field(
+        None, description="Dynamic shapes (None: torch decides after a recompile)."
+    )
+    torch_compile_fullgraph: bool = Field(False, description="Fail on graph breaks.")
+    float32_matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "highest", description="torch.set_float32_matmul_precision (high: TF32 on Ampere+)."
+    )
+    detect_anomaly: bool = Field(
+        False, description="autograd anomaly detection: the op that made a NaN (slow; debug)."
+    )
+
+    @model_validator(mode="after")
+    def _compile_mode(self) -> "TrainingConfig":
+        if (self.torch_compile and self.torch_compile_mode == "max-autotune"
+                and self.gradient_accumulation_steps > 1):
+            raise ValueError(
+                "torch_compile_mode max-autotune captures CUDA graphs, which replay stale "
+                "gradients under gradient_accumulation_steps > 1; use "
+                "max-autotune-no-cudagraphs or accumulation 1"
+            )
+        return self
 
     @model_validator(mode="after")
     def _budget(self) -> "TrainingConfig":
