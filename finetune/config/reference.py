@@ -41,9 +41,10 @@ def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> No
     nested = []
     for name, f in model.model_fields.items():
         sub = section_model(f.annotation)
-        if sub is not None and f.default is None:
+        if sub is not None:
             nested.append((f"{prefix}.{name}", sub))
-            lines.append(f"| `{prefix}.{name}` | section or None | `null` | {f.description or ''} "
+            kind, shown = ("section or None", "null") if f.default is None else ("section", "{}")
+            lines.append(f"| `{prefix}.{name}` | {kind} | `{shown}` | {f.description or ''} "
                          f"(keys below) |")
             continue
         default = f.default_factory() if f.default_factory else f.default

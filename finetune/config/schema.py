@@ -198,7 +198,7 @@ class TrainingConfig(Section):
         False, description="Recompute activations in backward (less memory, ~30% more compute)."
     )
     gradient_checkpointing_kwargs: GradientCheckpointingKwargs = Field(
-        default_factory=lambda: GradientCheckpointingKwargs(),
+        default_factory=GradientCheckpointingKwargs,
         description="torch.utils.checkpoint options.",
     )
     torch_compile: bool = Field(False, description="torch.compile the model for training.")
