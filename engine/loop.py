@@ -13,14 +13,13 @@ import functools
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from engine import checkpoint as ckpt
+from engine.callbacks import TrainState
 from engine.comm import CommMeter
 from engine.data import (ShardedBatches, collate, collate_packed, count_targets, load_tokenized,
                          model_inputs, take_rows, token_loss_sum)
@@ -33,21 +32,12 @@ from engine.optim import build_scheduler
 from engine.runtime import (compile_stats, configure_torch, enable_gradient_checkpointing,
                             maybe_compile)
 from engine.packing import POSITION_IDS, probe_packing
-from engine.sinks import MetricSinks
+from engine.reporters import build_reporters
 from engine.strategies import Strategy, build_strategy
+from engine.trainer_state import Position, history_rows, load_best, resume, save
 from finetune.config import FinetuneConfig
 from finetune.errors import PipelineError
 from finetune.workspace import Layout, atomic_dir, write_json_atomic
-
-
-@dataclass
-class Position:
-    """Where the data stream is: resume restores exactly this."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    tokens_seen: int = 0
 
 
 def seed_everything(seed: int) -> None:
@@ -119,9 +109,11 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     pos, history = Position(), []
     monitor = Monitor.from_config(cfg)
     if cfg.checkpoint.resume_from_checkpoint:
-        pos, history = _resume(layout.checkpoints, strategy, optimizer, scheduler, scaler, d,
+        pos, history = resume(layout.checkpoints, strategy, optimizer, scheduler, scaler, d,
                                monitor)
-    sinks = MetricSinks(layout.plots, mlflow_uri, run_id, history) if d.is_main else None
+    reporters = (build_reporters(cfg.logging, layout.plots, root, mlflow_uri, run_id, history)
+                 if d.is_main else None)
+    state = TrainState(step=pos.step, max_steps=n_steps)
     if d.is_main:
         print(f"[train] {trainable:,} trainable / {total:,} params; {n_steps} steps "
               f"({steps_per_epoch}/epoch); strategy {strategy.name}, world size {d.world_size}; "
@@ -135,6 +127,8 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     fill = {"real": 0, "slots": 0, "examples": 0, "rows": 0}
     started = time.perf_counter()
     model.train()
+    if reporters:
+        reporters.on_train_begin(_sync(state, pos, len(order)))
     while pos.step < n_steps:
         micro = []
         for _ in range(accum):
@@ -177,14 +171,16 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         window["targets"] += local_targets
         window["steps"] += 1
         outer = strategy.after_optimizer_step(pos.step)
-        if outer and sinks:
-            sinks.log(pos.step, outer)
+        if reporters:
+            reporters.on_step_end(_sync(state, pos, len(order)))
+            if outer:
+                reporters.on_log(state, outer)
 
         if pos.step % cfg.logging.logging_steps == 0 or pos.step == n_steps or (
             pos.step == 1 and cfg.logging.logging_first_step
         ):
-            _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum,
-                        meter)
+            _log_window(window, pos, d, reporters, scheduler, grad_norm, state, len(order),
+                        meter, cfg.logging.include_num_input_tokens_seen)
         epoch_end, last = pos.batch_in_epoch >= len(order), pos.step == n_steps
         c = cfg.checkpoint
         save_now = due(c.save_strategy, c.save_steps, pos.step, epoch_end, last)
@@ -199,12 +195,15 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
                                    lockstep=strategy.eval_lockstep)
             evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
             monitor.update(evaluated, pos.step)
-            if sinks:
-                sinks.log(pos.step, {"eval_loss": ev["loss"]})
+            if reporters:
+                reporters.on_log(state, {"eval_loss": ev["loss"]})
+                reporters.on_evaluate(state, evaluated)
         stop = monitor.should_stop and not last
         if save_now or (stop and c.save_strategy != "no"):
-            _save(layout.checkpoints, cfg, strategy, optimizer, scheduler, scaler, pos, d, sinks,
-                  monitor, evaluated)
+            path = save(layout.checkpoints, cfg, strategy, optimizer, scheduler, scaler, pos,
+                         d, reporters, monitor, evaluated)
+            if reporters:
+                reporters.on_save(state, path)
         if stop:
             if d.is_main:
                 print(f"[train] early stopping at step {pos.step}: {monitor.metric} has not "
@@ -217,11 +216,12 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     comm = meter.summary(pos.step - start_step)  # this process's steps (resume starts later)
     result = {
         # the last training row (an eval row may come after it at the final step)
-        "train_loss": next((r["loss"] for r in reversed(sinks.history) if "loss" in r), None)
-        if sinks else None,
+        "train_loss": next((r["loss"] for r in reversed(history_rows(reporters)) if "loss" in r), None)
+        if reporters else None,
         "global_step": pos.step,
         "epoch": round(pos.epoch + pos.batch_in_epoch / max(len(order), 1), 4),
-        "num_input_tokens_seen": pos.tokens_seen,
+        **({"num_input_tokens_seen": pos.tokens_seen}
+           if cfg.logging.include_num_input_tokens_seen else {}),
         "train_runtime": round(runtime, 3),
         "trainable_params": trainable,
         "total_params": total,
@@ -235,13 +235,13 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     if monitor.best is not None:
         result.update({f"best_{monitor.metric}": monitor.best, "best_step": monitor.best_step})
     if cfg.checkpoint.load_best_model_at_end:
-        result["loaded_best_step"] = _load_best(layout.checkpoints, strategy, optimizer, monitor, d)
+        result["loaded_best_step"] = load_best(layout.checkpoints, strategy, optimizer, monitor, d)
     _write_trained(layout, cfg, strategy, tok, d)
     if d.is_main:
         print(f"[train] communication ({strategy.name}): {comm['comm_bytes_total'] / 1e6:.3f} MB "
               f"sent per rank, {comm['comm_bytes_per_step'] / 1e3:.1f} KB per optimizer step",
               flush=True)
-        sinks.finish()
+        reporters.on_train_end(state)
         write_json_atomic(layout.metrics / "train.json", result)
     if d.world_size > 1:
         torch.distributed.barrier()
@@ -284,8 +284,25 @@ def _new_window(d: Dist) -> dict:
             "tokens": 0, "steps": 0, "t0": time.perf_counter()}
 
 
-def _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, accum,
-                meter: CommMeter) -> None:
+def _sync(state: TrainState, pos: Position, epoch_len: int) -> TrainState:
+    """The callbacks' view of where training is."""
+    state.step = pos.step
+    state.epoch = round(pos.epoch + pos.batch_in_epoch / max(epoch_len, 1), 4)
+    state.num_input_tokens_seen = pos.tokens_seen
+    return state
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def _log_window(window, pos, d, reporters, scheduler, grad_norm, state, epoch_len,
+                meter: CommMeter, with_tokens: bool) -> None:
     # One (uncounted: metrics, not training traffic) reduction for the whole window.
     totals = torch.stack([window["loss_sum"].to(torch.float64),
                           torch.tensor(float(window["targets"]), dtype=torch.float64,
@@ -298,88 +315,21 @@ def _log_window(window, pos, d, sinks, scheduler, grad_norm, steps_per_epoch, ac
     pos.tokens_seen += int(tokens)
     elapsed = time.perf_counter() - window["t0"]
     comm = meter.take_window()
-    if sinks:
-        sinks.log(pos.step, {
+    if reporters:
+        logs = {
             "loss": loss_sum / max(targets, 1),
             "learning_rate": float(scheduler.get_last_lr()[0]),
             "grad_norm": float(grad_norm),
             "tokens_per_second": tokens / max(elapsed, 1e-9),
-            "num_input_tokens_seen": pos.tokens_seen,
             "comm_bytes_per_step": comm / max(window["steps"], 1),
-            "epoch": round(pos.epoch + pos.batch_in_epoch / max(steps_per_epoch * accum, 1), 4),
-        })
+            "epoch": _sync(state, pos, epoch_len).epoch,
+            "memory_rss_mb": peak_rss_mb(),
+        }
+        if with_tokens:
+            logs["num_input_tokens_seen"] = pos.tokens_seen
+        if d.device.type == "cuda":
+            logs["cuda_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        reporters.on_log(state, logs)
     window.update(_new_window(d))
 
 
-def _save(directory, cfg, strategy: Strategy, optimizer, scheduler, scaler, pos, d,
-          sinks, monitor: Monitor, evaluated: dict) -> None:
-    trainer_state = {
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler else None,
-        "strategy": strategy.trainer_state(),
-        "history": sinks.history if sinks else [],
-        "monitor": monitor.state_dict(),
-    }
-    meta = {**pos.__dict__, "world_size": d.world_size, "strategy": strategy.name, **evaluated}
-    path = ckpt.save(directory, pos.step, strategy.dcp_state(optimizer), trainer_state, meta,
-                     cfg.checkpoint.save_total_limit, monitor.best_by)
-    if d.is_main:
-        print(f"[train] checkpoint {path}", flush=True)
-
-
-def check_resumable(meta: dict, path: Path, world_size: int, strategy: str) -> None:
-    """Exact resume needs the same world size (data shards, per-rank RNG) and strategy."""
-    if meta.get("world_size") != world_size or meta.get("strategy", strategy) != strategy:
-        raise PipelineError(
-            f"checkpoint {path} was written by strategy {meta.get('strategy')} with world size "
-            f"{meta.get('world_size')} but this run is {strategy} with world size {world_size}; "
-            "resume with the same distributed.strategy and nproc_per_node x nnodes"
-        )
-
-
-def _load_best(directory, strategy: Strategy, optimizer, monitor: Monitor, d) -> int | None:
-    """load_best_model_at_end: the best kept checkpoint's weights become the trained model."""
-    path = ckpt.best(directory, monitor.best_by) if d.is_main else None
-    if d.world_size > 1:
-        chosen = [path]
-        torch.distributed.broadcast_object_list(chosen, src=d.main_rank)
-        path = chosen[0]
-    if path is None:
-        if d.is_main:
-            print("[train] load_best_model_at_end: no checkpoint with a metric; keeping the "
-                  "final weights", flush=True)
-        return None
-    _, meta = ckpt.load(path, strategy.dcp_state(optimizer),
-                        lambda state: strategy.load_dcp_state(optimizer, state))
-    if d.is_main:
-        print(f"[train] load_best_model_at_end: {path.name} ({monitor.metric} "
-              f"{meta.get(monitor.metric):.6g})", flush=True)
-    return meta.get("step")
-
-
-def _resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d,
-            monitor: Monitor) -> tuple[Position, list]:
-    # One process hashes the checkpoint files and tells the others which one to load.
-    path = ckpt.latest(directory) if d.is_main else None
-    if d.world_size > 1:
-        chosen = [path]
-        torch.distributed.broadcast_object_list(chosen, src=d.main_rank)
-        path = chosen[0]
-    if path is None:
-        if d.is_main:
-            print(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
-                  "starting from scratch", flush=True)
-        return Position(), []
-    meta = ckpt.read_meta(path) or {}
-    check_resumable(meta, path, d.world_size, strategy.name)
-    trainer_state, meta = ckpt.load(path, strategy.dcp_state(optimizer),
-                                    lambda state: strategy.load_dcp_state(optimizer, state))
-    scheduler.load_state_dict(trainer_state["scheduler"])
-    if scaler and trainer_state.get("scaler"):
-        scaler.load_state_dict(trainer_state["scaler"])
-    strategy.load_trainer_state(trainer_state.get("strategy", {}))
-    monitor.load_state_dict(trainer_state.get("monitor", {}))
-    pos = Position(**{k: meta[k] for k in ("step", "epoch", "batch_in_epoch", "tokens_seen")})
-    if d.is_main:
-        print(f"[train] resumed from {path} at step {pos.step}", flush=True)
-    return pos, trainer_state.get("history", [])

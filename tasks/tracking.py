@@ -146,7 +146,7 @@ def run_id_of(ws: Workspace) -> str | None:
 
 
 def log_metrics(ws: Workspace, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-    from engine.sinks import log_batch
+    from engine.reporters import log_batch
 
     log_batch(client(ws), run_id, metrics, step)
 

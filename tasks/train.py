@@ -58,7 +58,7 @@ def preflight(ws: Workspace) -> None:
         )
     if cfg.checkpoint.resume_from_checkpoint:
         from engine import checkpoint as ckpt
-        from engine.loop import check_resumable
+        from engine.trainer_state import check_resumable
 
         path = ckpt.latest(ws.layout.checkpoints)
         if path is not None:  # no checkpoint: the worker says so and starts from scratch

@@ -263,3 +263,27 @@ def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation(
     with pytest.raises(ValueError, match="max-autotune captures CUDA graphs"):
         TrainingConfig(torch_compile=True, torch_compile_mode="max-autotune",
                        gradient_accumulation_steps=2)
+
+
+def test_progress_bar_rules_and_output():
+    import io
+
+    from engine.callbacks import TrainState
+    from engine.reporters import ProgressBar, progress_enabled
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert progress_enabled(None, Tty()) and not progress_enabled(None, io.StringIO())
+    assert not progress_enabled(True, Tty()) and progress_enabled(False, io.StringIO())
+    for kind in ("tqdm", "rich"):
+        out = io.StringIO()
+        bar, state = ProgressBar(kind, file=out), TrainState(step=0, max_steps=4)
+        bar.on_train_begin(state)
+        for step in range(1, 5):
+            state.step = step
+            bar.on_step_end(state)
+            bar.on_log(state, {"loss": 1.5})
+        bar.on_train_end(state)
+        assert "4/4" in out.getvalue() and "1.5" in out.getvalue(), (kind, out.getvalue())

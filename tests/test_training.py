@@ -218,3 +218,72 @@ def test_checkpointing_compile_determinism_anomaly_train_like_plain(tokenized, t
     assert "torch_compile_graphs" not in train_metrics(plain)
     assert losses(tuned) == pytest.approx(losses(plain), abs=1e-5)
     assert_weights_close(adapter(plain), adapter(tuned))
+
+
+RECORDER = '''
+from pathlib import Path
+
+
+class Recorder:
+    """Writes each hook it sees; has no base class on purpose (duck typing is enough)."""
+
+    def _note(self, line):
+        with open(Path("hooks.log"), "a") as fh:
+            fh.write(line + "\\n")
+
+    def on_train_begin(self, state):
+        self._note(f"on_train_begin {state.step}/{state.max_steps}")
+
+    def on_step_end(self, state):
+        self._note(f"on_step_end {state.step}")
+
+    def on_log(self, state, logs):
+        self._note(f"on_log {state.step} {sorted(logs)}")
+
+    def on_evaluate(self, state, metrics):
+        self._note(f"on_evaluate {state.step} {sorted(metrics)}")
+
+    def on_save(self, state, path):
+        self._note(f"on_save {state.step} {path.name}")
+
+    def on_train_end(self, state):
+        self._note(f"on_train_end {state.step}")
+'''
+
+
+def test_callbacks_and_reporters(tokenized, tmp_path):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    project = tmp_path / "cb"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "my_callbacks.py").write_text(RECORDER)
+    write_params(project, {
+        "training.max_steps": 4, "checkpoint.save_steps": 2, "eval.eval_steps": 2,
+        "logging.logging_steps": 1, "logging.callbacks": ["my_callbacks:Recorder"],
+        "logging.report_to": ["jsonl", "tensorboard"], "logging.disable_tqdm": False,
+        "logging.include_num_input_tokens_seen": False})
+    proc = run_cli(project, "stage", "train", check=True)
+    hooks = (project / "hooks.log").read_text().splitlines()
+    assert hooks[0] == "on_train_begin 0/4" and hooks[-1] == "on_train_end 4"
+    assert [h for h in hooks if h.startswith("on_step_end")] == [f"on_step_end {i}"
+                                                                 for i in range(1, 5)]
+    assert "on_evaluate 2 ['eval_loss', 'eval_perplexity']" in hooks
+    assert "on_save 2 step-0000002" in hooks and "on_save 4 step-0000004" in hooks
+    assert any(h.startswith("on_log 1 ['comm_bytes_per_step', 'epoch', 'grad_norm'") for h in hooks)
+    # JSON lines: every logged row, no token count (include_num_input_tokens_seen: false)
+    rows = [json.loads(x) for x in (project / "data/logs/train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert all("num_input_tokens_seen" not in r and r.get("memory_rss_mb", 1) > 0 for r in rows)
+    assert "num_input_tokens_seen" not in train_metrics(project)
+    # TensorBoard event files hold the same curve
+    acc = EventAccumulator(str(project / "data/logs/tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
+    assert [round(e.value, 4) for e in acc.Scalars("loss")] == [round(x, 4) for x in losses(project)]
+    # no "mlflow" in report_to: the run exists (params, final metrics) without step curves
+    run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    assert client.get_metric_history(run_id, "loss") == []
+    assert "train_loss" in client.get_run(run_id).data.metrics
+    assert "4/4" in proc.stderr  # the progress bar, forced on in a non-terminal

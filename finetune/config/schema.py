@@ -325,6 +325,24 @@ class LoggingConfig(Section):
 
     logging_steps: int = Field(10, gt=0, description="Log every N optimizer steps.")
     logging_first_step: bool = Field(True, description="Also log step 1.")
+    report_to: list[Literal["mlflow", "jsonl", "tensorboard"]] = Field(
+        default_factory=lambda: ["mlflow", "jsonl"],
+        description="Reporters besides stdout and the DVC plots CSVs (always on).",
+    )
+    logging_dir: str = Field(
+        "data/logs", description="Where jsonl (train_log.jsonl) and tensorboard logs go."
+    )
+    disable_tqdm: bool | None = Field(
+        None, description="Progress bar off (true) / on (false); None: on only on a terminal."
+    )
+    progress_bar: Literal["tqdm", "rich"] = Field("tqdm", description="Progress bar library.")
+    callbacks: list[str] = Field(
+        default_factory=list,
+        description="Your callbacks, 'module:Class' (see engine/callbacks.py for the hooks).",
+    )
+    include_num_input_tokens_seen: bool = Field(
+        True, description="Count and log input tokens seen (num_input_tokens_seen)."
+    )
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow store; default sqlite:///<project>/mlflow.db."
     )
