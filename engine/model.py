@@ -47,9 +47,12 @@ def _from_pretrained(factory: Any, ref: str, cfg: ModelConfig, **kwargs: Any) ->
         return factory.from_pretrained(
             ref, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **kwargs
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         if Path(ref).exists():
-            raise PipelineError(f"model.name_or_path {ref}: cannot load ({exc})") from exc
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PipelineError(f"model.name_or_path {ref}: cannot load ({first})") from None
+        if isinstance(exc, ValueError):
+            raise PipelineError(f"model.name_or_path {ref}: {str(exc).splitlines()[0]}") from None
         raise _hub_error(ref, exc) from exc
 
 
@@ -116,11 +119,50 @@ def _quantization(cfg: ModelConfig, build: bool = True) -> dict[str, Any]:
     }
 
 
-def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None):
-    """The base model as configured (dtype, attention kernel, quantisation)."""
+# model.auto_class_name -> a class with `from_pretrained`. transformers' AutoModelFor* names
+# resolve by themselves; register others (a custom architecture, a subclass with a patched
+# forward) with `register_model_class`, or name them as "module:Class".
+MODEL_CLASSES: dict[str, Any] = {}
+
+
+def register_model_class(key: str, cls: Any = None):
+    """`register_model_class("my-llama", MyLlama)`, or as a class decorator."""
+    def add(klass):
+        if not hasattr(klass, "from_pretrained"):
+            raise TypeError(f"{klass!r} has no from_pretrained")
+        MODEL_CLASSES[key] = klass
+        return klass
+
+    return add(cls) if cls is not None else add
+
+
+def model_class(name: str):
+    """Resolve model.auto_class_name (registry key, transformers Auto class, module:Class)."""
+    import importlib
+
     import transformers
 
-    factory = getattr(transformers, cfg.auto_class_name)
+    if name in MODEL_CLASSES:
+        return MODEL_CLASSES[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            klass = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise PipelineError(f"model.auto_class_name: cannot import '{name}' ({exc})") from None
+        return MODEL_CLASSES.get(name) or register_model_class(name, klass)
+    if name.startswith("AutoModel") and hasattr(transformers, name):
+        return getattr(transformers, name)
+    known = ", ".join(sorted(MODEL_CLASSES)) or "none"
+    raise PipelineError(
+        f"model.auto_class_name '{name}': not a transformers AutoModel class, a registered key "
+        f"(registered: {known}) or a 'module:Class' path"
+    )
+
+
+def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None):
+    """The base model as configured (class, dtype, attention kernel, quantisation)."""
+    factory = model_class(cfg.auto_class_name)
     kwargs: dict[str, Any] = {"attn_implementation": cfg.attn_implementation}
     if cfg.dtype != "auto":
         kwargs["dtype"] = DTYPES[cfg.dtype]

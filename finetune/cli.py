@@ -81,6 +81,10 @@ def cmd_stage(args) -> int:
     from tasks import stage_function
 
     ws = Workspace.load(args.params, args.overrides)
+    # project modules named in params ('module:function' / 'module:Class') import from the
+    # project root in every stage, as they do in the torchrun workers (PYTHONPATH)
+    if str(ws.root) not in sys.path:
+        sys.path.insert(0, str(ws.root))
     started = time.perf_counter()
     outputs = stage_function(args.name)(ws)
     shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())

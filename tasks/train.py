@@ -41,10 +41,11 @@ def preflight(ws: Workspace) -> None:
     import torch
 
     from engine.loop import autocast_dtype
-    from engine.model import check_quantization
+    from engine.model import check_quantization, model_class
 
     cfg = ws.config
     cuda = torch.cuda.is_available()
+    model_class(cfg.model.auto_class_name)  # an unknown class fails here, not in every rank
     check_quantization(cfg.model)
     autocast_dtype(cfg, torch.device("cuda" if cuda else "cpu"))  # refuses fp16 on CPU
     if cfg.distributed.backend == "nccl" and not cuda:

@@ -287,3 +287,22 @@ def test_callbacks_and_reporters(tokenized, tmp_path):
     assert client.get_metric_history(run_id, "loss") == []
     assert "train_loss" in client.get_run(run_id).data.metrics
     assert "4/4" in proc.stderr  # the progress bar, forced on in a non-terminal
+
+
+def test_custom_model_class_from_the_project(tokenized, tmp_path):
+    project = tmp_path / "m"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "custom_model.py").write_text(
+        "import os\nfrom transformers import LlamaForCausalLM\n\n\n"
+        "class TaggedLlama(LlamaForCausalLM):\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__(config)\n"
+        "        open(f'built-by-rank-{os.environ.get(\"RANK\", \"-\")}', 'w').close()\n")
+    common = {"training.max_steps": 2, "checkpoint.save_strategy": "no"}
+    write_params(project, {**common, "model.auto_class_name": "custom_model:TaggedLlama"})
+    run_cli(project, "stage", "train", check=True)
+    assert (project / "built-by-rank-0").exists()
+    write_params(project, {"model.auto_class_name": "custom_model:Nope"})
+    proc = run_cli(project, "stage", "train")
+    assert "model.auto_class_name: cannot import 'custom_model:Nope'" in error_line(proc)
+    assert "[train] step" not in proc.stdout

@@ -36,8 +36,11 @@ class ModelConfig(Section):
         "data/models/stories260K",
         description="Hub model id or local folder (relative paths resolve against the project root).",
     )
-    auto_class_name: Literal["AutoModelForCausalLM"] = Field(
-        "AutoModelForCausalLM", description="transformers Auto class used to load the model."
+    auto_class_name: str = Field(
+        "AutoModelForCausalLM",
+        description="Class that loads the model: a transformers AutoModel name, a key "
+        "registered with engine.model.register_model_class, or 'module:Class'.",
+        pattern=r"^[A-Za-z_][\w.\-]*(:[A-Za-z_]\w*)?$",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
