@@ -5,7 +5,8 @@ r-th contiguous slice. So 2 ranks x batch b see exactly the examples 1 rank x ba
 which is what makes DDP vs single runs comparable bit for bit, and the position in an epoch is
 just "batches consumed": enough to resume exactly. An epoch holds whole optimizer steps
 (micro x world x accumulation examples each); the remainder is dropped, so no step straddles
-two epochs and batch b x accumulation k sees exactly what batch k*b sees.
+two epochs and batch b x accumulation k sees exactly what batch k*b sees (or, with
+drop_last false, the last step is filled with examples from the start of the epoch).
 """
 
 from __future__ import annotations
@@ -27,20 +28,29 @@ class ShardedBatches:
     accumulation: int = 1
     #: per-example token counts; set = group_by_length (similar lengths share a batch)
     lengths: tuple[int, ...] | None = None
+    #: False: fill the last optimizer step with examples from the epoch's start (the padding
+    #: torch's DistributedSampler does) instead of dropping the remainder
+    drop_last: bool = True
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch_size * self.world_size
 
     def __len__(self) -> int:
-        """Micro-batches per epoch on each rank (incomplete optimizer steps are dropped)."""
-        return self.num_examples // (self.global_batch * self.accumulation) * self.accumulation
+        """Micro-batches per epoch on each rank (whole optimizer steps only)."""
+        per_step = self.global_batch * self.accumulation
+        steps = (self.num_examples // per_step if self.drop_last
+                 else -(-self.num_examples // per_step))
+        return steps * self.accumulation
 
     def epoch(self, epoch: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(self.seed + epoch)
         perm = torch.randperm(self.num_examples, generator=g).tolist()
         if self.lengths is not None:
             perm = self._grouped(perm)
+        short = len(self) * self.micro_batch_size * self.world_size - len(perm)
+        if short > 0:
+            perm = perm + (perm * (short // len(perm) + 1))[:short]
         out = []
         for k in range(len(self)):
             start = k * self.global_batch + self.rank * self.micro_batch_size

@@ -22,7 +22,8 @@ import torch
 from engine.callbacks import TrainState
 from engine.comm import CommMeter
 from engine.data import (ShardedBatches, collate, collate_packed, count_targets, load_tokenized,
-                         model_inputs, take_rows, token_loss_sum)
+                         model_inputs, token_loss_sum)
+from engine.loader import make_loader, micro_batches
 from engine.distributed import Dist, setup, teardown
 from engine.evaluation import evaluate_loss
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
@@ -94,7 +95,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     accum = t.gradient_accumulation_steps
     lengths = tuple(len(x) for x in train_ds["input_ids"]) if t.group_by_length else None
     batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
-                             t.seed, accum, lengths)
+                             t.seed, accum, lengths, t.dataloader_drop_last)
     steps_per_epoch = len(batches) // accum
     if steps_per_epoch == 0:
         raise PipelineError(
@@ -120,7 +121,9 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
               f"start step {pos.step}", flush=True)
 
     start_step = pos.step
-    order = batches.epoch(pos.epoch)
+    epoch_len = len(batches)
+    stream = micro_batches(make_loader(train_ds, batches, collate_fn, t, d.device), pos.epoch,
+                           pos.batch_in_epoch)
     # The loss stays a device tensor until a logging step: no host sync per step.
     window = _new_window(d)
     # this rank's real tokens vs token slots computed (padding), examples vs rows (packing)
@@ -128,23 +131,20 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     started = time.perf_counter()
     model.train()
     if reporters:
-        reporters.on_train_begin(_sync(state, pos, len(order)))
+        reporters.on_train_begin(_sync(state, pos, epoch_len))
     while pos.step < n_steps:
         micro = []
         for _ in range(accum):
-            if pos.batch_in_epoch >= len(order):
-                pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
-                order = batches.epoch(pos.epoch)
-            idx = order[pos.batch_in_epoch]
-            pos.batch_in_epoch += 1
-            rows = take_rows(train_ds, idx)
-            real = sum(len(r["input_ids"]) for r in rows)
+            batch = next(stream)
+            epoch, index = batch.pop("key").tolist()
+            pos.epoch, pos.batch_in_epoch = epoch, index + 1  # consumed, not just prefetched
+            real, examples = int(batch.pop("real_tokens")), int(batch.pop("examples"))
             window["tokens"] += real
-            micro.append(collate_fn(rows))
+            micro.append(batch)
             fill["real"] += real
-            fill["slots"] += micro[-1]["input_ids"].numel()
-            fill["examples"] += len(rows)
-            fill["rows"] += micro[-1]["input_ids"].shape[0]
+            fill["slots"] += batch["input_ids"].numel()
+            fill["examples"] += examples
+            fill["rows"] += batch["input_ids"].shape[0]
         local_targets = sum(count_targets(b) for b in micro)
         divisor = strategy.loss_divisor(local_targets, pos.step)
         for i, batch in enumerate(micro):
@@ -172,16 +172,16 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
         window["steps"] += 1
         outer = strategy.after_optimizer_step(pos.step)
         if reporters:
-            reporters.on_step_end(_sync(state, pos, len(order)))
+            reporters.on_step_end(_sync(state, pos, epoch_len))
             if outer:
                 reporters.on_log(state, outer)
 
         if pos.step % cfg.logging.logging_steps == 0 or pos.step == n_steps or (
             pos.step == 1 and cfg.logging.logging_first_step
         ):
-            _log_window(window, pos, d, reporters, scheduler, grad_norm, state, len(order),
+            _log_window(window, pos, d, reporters, scheduler, grad_norm, state, epoch_len,
                         meter, cfg.logging.include_num_input_tokens_seen)
-        epoch_end, last = pos.batch_in_epoch >= len(order), pos.step == n_steps
+        epoch_end, last = pos.batch_in_epoch >= epoch_len, pos.step == n_steps
         c = cfg.checkpoint
         save_now = due(c.save_strategy, c.save_steps, pos.step, epoch_end, last)
         evaluated = {}
@@ -213,13 +213,14 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
             break
 
     runtime = time.perf_counter() - started
+    del stream  # stops the loader's workers
     comm = meter.summary(pos.step - start_step)  # this process's steps (resume starts later)
     result = {
         # the last training row (an eval row may come after it at the final step)
         "train_loss": next((r["loss"] for r in reversed(history_rows(reporters)) if "loss" in r), None)
         if reporters else None,
         "global_step": pos.step,
-        "epoch": round(pos.epoch + pos.batch_in_epoch / max(len(order), 1), 4),
+        "epoch": _sync(state, pos, epoch_len).epoch,
         **({"num_input_tokens_seen": pos.tokens_seen}
            if cfg.logging.include_num_input_tokens_seen else {}),
         "train_runtime": round(runtime, 3),

@@ -287,3 +287,44 @@ def test_progress_bar_rules_and_output():
             bar.on_log(state, {"loss": 1.5})
         bar.on_train_end(state)
         assert "4/4" in out.getvalue() and "1.5" in out.getvalue(), (kind, out.getvalue())
+
+
+def test_drop_last_false_fills_the_last_step_from_the_epoch_start():
+    kept = ShardedBatches(10, 2, 0, 2, seed=1)
+    filled = ShardedBatches(10, 2, 0, 2, seed=1, drop_last=False)
+    assert (len(kept), len(filled)) == (2, 3)
+    both = filled.epoch(0) + ShardedBatches(10, 2, 1, 2, seed=1, drop_last=False).epoch(0)
+    seen = [i for b in both for i in b]
+    assert len(seen) == 12 and set(seen) == set(range(10))  # all 10, two of them twice
+    assert all(len(b) == 2 for b in both)
+
+
+def test_dataloader_options_reach_the_loader():
+    from engine.data import collate
+    from engine.loader import make_loader, micro_batches
+    from finetune.config.schema import TrainingConfig
+
+    rows = [{"input_ids": [1] * (i + 1), "labels": [1] * (i + 1)} for i in range(12)]
+
+    class Rows(list):
+        def __getitem__(self, idx):  # the Arrow column access take_rows uses
+            if isinstance(idx, list):
+                return {k: [list.__getitem__(self, i)[k] for i in idx] for k in ("input_ids",
+                                                                                 "labels")}
+            return list.__getitem__(self, idx)
+
+    batches = ShardedBatches(12, 2, 0, 1, seed=0)
+    cfg = TrainingConfig(dataloader_num_workers=2, dataloader_prefetch_factor=3,
+                         dataloader_persistent_workers=True)
+    loader = make_loader(Rows(rows), batches, lambda r: collate(r, 0), cfg, torch.device("cuda"))
+    assert (loader.num_workers, loader.prefetch_factor, loader.persistent_workers,
+            loader.pin_memory) == (2, 3, True, True)
+    assert not make_loader(Rows(rows), batches, lambda r: collate(r, 0), cfg,
+                           torch.device("cpu")).pin_memory  # pinning is for accelerators
+    plain = make_loader(Rows(rows), batches, lambda r: collate(r, 0), TrainingConfig(),
+                        torch.device("cpu"))
+    assert plain.num_workers == 0 and not plain.persistent_workers
+    # resumable mid-epoch, and the keys say what was consumed
+    stream = micro_batches(plain, epoch=1, start=4)
+    keys = [next(stream)["key"].tolist() for _ in range(4)]
+    assert keys == [[1, 4], [1, 5], [2, 0], [2, 1]]

@@ -306,3 +306,22 @@ def test_custom_model_class_from_the_project(tokenized, tmp_path):
     proc = run_cli(project, "stage", "train")
     assert "model.auto_class_name: cannot import 'custom_model:Nope'" in error_line(proc)
     assert "[train] step" not in proc.stdout
+
+
+def test_dataloader_workers_keep_the_order_and_drop_last_false_adds_a_step(tokenized, tmp_path):
+    """Collating in 2 persistent worker processes (across an epoch boundary) trains exactly
+    like collating in the main process; drop_last false gives each epoch one more step."""
+    common = {"training.max_steps": 7, "checkpoint.save_strategy": "no",
+              "training.per_device_train_batch_size": 8}
+    plain, proc = train_copy(tokenized, tmp_path / "p", common)
+    workers, _ = train_copy(tokenized, tmp_path / "w", {
+        **common, "training.dataloader_num_workers": 2, "training.dataloader_prefetch_factor": 2,
+        "training.dataloader_persistent_workers": True})
+    per_epoch = int(proc.stdout.split("/epoch)")[0].rsplit("(", 1)[1])
+    assert per_epoch < 7  # the run crosses an epoch boundary
+    assert losses(workers) == losses(plain)
+    assert all(torch.equal(a, b) for a, b in zip(adapter(plain).values(),
+                                                 adapter(workers).values()))
+    _, filled = train_copy(tokenized, tmp_path / "f", {**common,
+                                                       "training.dataloader_drop_last": False})
+    assert f"({per_epoch + 1}/epoch)" in filled.stdout

@@ -176,6 +176,23 @@ class TrainingConfig(Section):
     group_by_length: bool = Field(
         False, description="Batch examples of similar length together (less padding)."
     )
+    dataloader_num_workers: int = Field(
+        0, ge=0, description="Worker processes that collate batches (0: in the main process)."
+    )
+    dataloader_pin_memory: bool = Field(
+        True, description="Pinned host memory for faster copies to the GPU (no-op on CPU)."
+    )
+    dataloader_prefetch_factor: int | None = Field(
+        None, gt=0, description="Batches each worker prepares ahead (None: torch's 2)."
+    )
+    dataloader_persistent_workers: bool = Field(
+        False, description="Keep workers alive between epochs."
+    )
+    dataloader_drop_last: bool = Field(
+        True,
+        description="Drop the epoch's incomplete last optimizer step; false fills it with "
+        "examples from the epoch's start (every example is trained on every epoch).",
+    )
     packing: bool = Field(
         False,
         validation_alias=AliasChoices("packing", "dynamic_batch"),
@@ -219,6 +236,14 @@ class TrainingConfig(Section):
     detect_anomaly: bool = Field(
         False, description="autograd anomaly detection: the op that made a NaN (slow; debug)."
     )
+
+    @model_validator(mode="after")
+    def _loader(self) -> "TrainingConfig":
+        if self.dataloader_num_workers == 0 and (self.dataloader_prefetch_factor is not None
+                                                 or self.dataloader_persistent_workers):
+            raise ValueError("dataloader_prefetch_factor / dataloader_persistent_workers need "
+                             "dataloader_num_workers > 0")
+        return self
 
     @model_validator(mode="after")
     def _compile_mode(self) -> "TrainingConfig":

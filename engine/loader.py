@@ -1,0 +1,78 @@
+"""The training batches through a torch DataLoader (workers, pinning, prefetch), in the exact
+order ShardedBatches defines, resumable at any (epoch, micro-batch).
+
+The sampler yields (epoch, index-in-epoch) keys and the dataset turns a key into a collated
+micro-batch, so the order stays decided in one place (engine.data) while collation runs in
+worker processes. Every item carries its key: the loop's position advances only for batches it
+actually consumed, never for ones a worker prefetched.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from engine.data import ShardedBatches, take_rows
+
+
+class MicroBatches(Dataset):
+    def __init__(self, rows, batches: ShardedBatches, collate_fn: Callable):
+        self.rows, self.batches, self.collate_fn = rows, batches, collate_fn
+        self._orders: dict[int, list[list[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        epoch, index = key
+        if epoch not in self._orders:  # one permutation per epoch, per worker
+            self._orders = {epoch: self.batches.epoch(epoch)}
+        rows = take_rows(self.rows, self._orders[epoch][index])
+        batch = self.collate_fn(rows)
+        batch["key"] = torch.tensor([epoch, index])
+        batch["real_tokens"] = torch.tensor(sum(len(r["input_ids"]) for r in rows))
+        batch["examples"] = torch.tensor(len(rows))
+        return batch
+
+
+class EpochSampler(Sampler):
+    """Keys of one epoch from a start index; `set_epoch` before each pass (like
+    DistributedSampler), so persistent workers serve every epoch."""
+
+    def __init__(self, per_epoch: int):
+        self.per_epoch, self.epoch, self.start = per_epoch, 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter([(self.epoch, i) for i in range(self.start, self.per_epoch)])
+
+    def __len__(self) -> int:
+        return self.per_epoch - self.start
+
+
+def make_loader(rows, batches: ShardedBatches, collate_fn: Callable, cfg,
+                device: torch.device) -> DataLoader:
+    """`cfg`: the training section (dataloader_* keys, HF TrainingArguments names). Pinning
+    only means something when batches are copied to an accelerator."""
+    workers = cfg.dataloader_num_workers
+    return DataLoader(
+        MicroBatches(rows, batches, collate_fn),
+        sampler=EpochSampler(len(batches)),
+        batch_size=None,  # items are already micro-batches
+        num_workers=workers,
+        pin_memory=cfg.dataloader_pin_memory and device.type == "cuda",
+        prefetch_factor=cfg.dataloader_prefetch_factor if workers else None,
+        persistent_workers=cfg.dataloader_persistent_workers and workers > 0,
+    )
+
+
+def micro_batches(loader: DataLoader, epoch: int, start: int) -> Iterator[dict]:
+    """Micro-batches from (epoch, start) on, epoch after epoch, for as long as asked."""
+    while True:
+        loader.sampler.set_epoch(epoch, start)
+        yield from loader
+        epoch, start = epoch + 1, 0
