@@ -325,3 +325,53 @@ def test_dataloader_workers_keep_the_order_and_drop_last_false_adds_a_step(token
     _, filled = train_copy(tokenized, tmp_path / "f", {**common,
                                                        "training.dataloader_drop_last": False})
     assert f"({per_epoch + 1}/epoch)" in filled.stdout
+
+
+def _column(project, name: str, file: str = "train.csv") -> list[float]:
+    import csv
+
+    with open(project / "data/plots" / file) as fh:
+        return [float(r[name]) for r in csv.DictReader(fh)]
+
+
+BASE = {"training.max_steps": 4, "checkpoint.save_strategy": "no", "eval.eval_steps": 4,
+        "logging.logging_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def baseline(tokenized, tmp_path_factory):
+    project, _ = train_copy(tokenized, tmp_path_factory.mktemp("base") / "b", BASE)
+    return project
+
+
+@pytest.mark.parametrize("overrides, check", [
+    ({"training.mixed_precision": "bf16"},  # autocast: close to fp32, not equal
+     lambda run, base: losses(run) != losses(base)
+     and losses(run) == pytest.approx(losses(base), abs=0.1)),
+    ({"training.max_grad_norm": 1e-4},  # same first forward, then tiny clipped steps
+     lambda run, base: losses(run)[0] == losses(base)[0] and losses(run)[1:] != losses(base)[1:]),
+    ({"training.seed": 7},  # another data order: another first batch
+     lambda run, base: losses(run)[0] != losses(base)[0]),
+    ({"optimizer.weight_decay": 0.5},
+     lambda run, base: losses(run)[0] == losses(base)[0] and adapter(run).keys() == adapter(
+         base).keys() and any(not torch.equal(a, b) for a, b in zip(adapter(run).values(),
+                                                                     adapter(base).values()))),
+    ({"optimizer.name": "SGD", "optimizer.kwargs": {"momentum": 0.9}},  # step 1 is warmup (lr 0)
+     lambda run, base: losses(run)[:2] == losses(base)[:2] and losses(run)[2] != losses(base)[2]),
+    ({"scheduler.name": "constant", "scheduler.warmup_steps": 0},
+     lambda run, base: set(_column(run, "learning_rate")) == {0.005}
+     and len(set(_column(base, "learning_rate"))) > 1),
+    ({"scheduler.warmup_steps": 0, "scheduler.warmup_ratio": 0.5},  # 2 of 4 steps warm up
+     lambda run, base: _column(run, "learning_rate")[0] == pytest.approx(0.0025)),
+    ({"logging.logging_steps": 2, "logging.logging_first_step": False},
+     lambda run, base: _column(run, "step") == [2, 4] and _column(base, "step") == [1, 2, 3, 4]),
+    ({"eval.eval_batches": 2},  # more of the test split: another eval loss
+     lambda run, base: _column(run, "eval_loss", "eval.csv") != _column(base, "eval_loss",
+                                                                        "eval.csv")),
+    ({"training.num_train_epochs": 5},  # max_steps > 0 wins over epochs
+     lambda run, base: train_metrics(run)["global_step"] == 4),
+], ids=["bf16", "max_grad_norm", "seed", "weight_decay", "optimizer", "scheduler", "warmup_ratio",
+        "logging_steps", "eval_batches", "max_steps_wins"])
+def test_each_loop_option_changes_the_run(tokenized, tmp_path, baseline, overrides, check):
+    run, _ = train_copy(tokenized, tmp_path / "r", {**BASE, **overrides})
+    assert check(run, baseline)
