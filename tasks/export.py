@@ -29,7 +29,7 @@ def export(ws: Workspace) -> dict[str, Path]:
         raise PipelineError(f"{ws.layout.trained} missing; run the train stage first")
     metrics_file = ws.layout.metrics / "eval.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
-    gate_value = _gate_value(ws, metrics)  # before anything is written
+    gate_value = _gate_value(ws, metrics)
     model = load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained)
     tok = load_tokenizer(cfg.model, ws.root)
     run_id = tracking.run_id_of(ws)
@@ -60,19 +60,14 @@ def export(ws: Workspace) -> dict[str, Path]:
 
 
 def _gate_value(ws: Workspace, metrics: dict) -> float | None:
-    if not ws.config.registry.register_model:
-        return None
+    """The new model's gate metric; None (never promoted) when evaluate has not produced it,
+    e.g. `finetune stage export` run straight after train."""
     key = ws.config.registry.gate_metric.removeprefix("eval.")
     value = (metrics.get("finetuned") or {}).get(key)
-    if value is None:
-        raise PipelineError(
-            f"registry.gate_metric {ws.config.registry.gate_metric}: no '{key}' for the "
-            f"fine-tuned model in {ws.layout.metrics / 'eval.json'}; rerun the evaluate stage"
-        )
-    return float(value)
+    return None if value is None else float(value)
 
 
-def _register(ws: Workspace, run_id: str, model, tok, gate_value: float,
+def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
               lineage: dict[str, str]) -> dict:
     cfg = ws.config
     name = cfg.registry.registered_model_name or cfg.logging.experiment_name

@@ -8,6 +8,8 @@ nightly retrain therefore never replaces a better model with a worse one.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import asdict, dataclass
 from importlib.metadata import version as installed_version
 from typing import Any
@@ -37,7 +39,7 @@ class Decision:
     promoted: bool
     reason: str
     gate_metric: str
-    value: float
+    value: float | None
     champion_version: str | None = None
     champion_value: float | None = None
 
@@ -64,13 +66,20 @@ def _metric_of(client, mv, metric: str) -> float | None:
     return None
 
 
-def promote(client, name: str, version: str, value: float, cfg: RegistryConfig) -> Decision:
-    """Alias the new version as candidate; make it champion if it wins the gate."""
+def promote(client, name: str, version: str, value: float | None,
+            cfg: RegistryConfig) -> Decision:
+    """Alias the new version as candidate; make it champion if it wins the gate. Without a
+    value (no evaluation ran) it stays a candidate: nothing unmeasured goes into service."""
     metric = cfg.gate_metric
-    client.set_model_version_tag(name, version, gate_tag(metric), repr(float(value)))
     client.set_registered_model_alias(name, cfg.candidate_alias, version)
-    decision = Decision(name, str(version), False, "", metric, float(value))
+    decision = Decision(name, str(version), False, "", metric, value)
     champion = _by_alias(client, name, cfg.champion_alias)
+    if value is None:
+        decision.reason = (f"no {metric} for this model (run the evaluate stage first); "
+                           "kept as candidate")
+        decision.champion_version = str(champion.version) if champion else None
+        return decision
+    client.set_model_version_tag(name, version, gate_tag(metric), repr(float(value)))
     if champion is None:
         decision.promoted, decision.reason = True, "first model: no champion yet"
     else:
@@ -93,6 +102,25 @@ def promote(client, name: str, version: str, value: float, cfg: RegistryConfig) 
     return decision
 
 
+@contextlib.contextmanager
+def use_tracking_uri(uri: str):
+    """MLflow's fluent API (log_model, models:/ URIs) reads a process-global tracking URI, and
+    mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI to every later subprocess: set it
+    for this block only."""
+    import mlflow
+
+    env_before, before = os.environ.get("MLFLOW_TRACKING_URI"), mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)
+        if env_before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env_before
+
+
 def log_and_register(tracking_uri: str, run_id: str, model, tokenizer, name: str,
                      max_new_tokens: int, card: str) -> str:
     """Log `model` (a merged transformers model) into the run and register it; the version.
@@ -102,10 +130,9 @@ def log_and_register(tracking_uri: str, run_id: str, model, tokenizer, name: str
     from huggingface_hub import ModelCard
     from mlflow.models import infer_signature
 
-    mlflow.set_tracking_uri(tracking_uri)
     signature = infer_signature(["prompt"], ["generated text"],
                                 params={"max_new_tokens": max_new_tokens})
-    with mlflow.start_run(run_id=run_id):
+    with use_tracking_uri(tracking_uri), mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
             {"model": model, "tokenizer": tokenizer},
             name="model",

@@ -162,3 +162,24 @@ def test_promotion_gate_follows_direction(registry_client):
     lower = RegistryConfig(gate_metric="eval.exact_match", greater_is_better=False)
     v4 = new_version("eval.exact_match", 0.10)
     assert promote(client, "m", v4, 0.10, lower).promoted
+
+
+def test_unmeasured_model_stays_candidate(registry_client):
+    from tasks.registry import promote
+
+    client, new_version = registry_client
+    v1 = new_version("eval.loss", 2.0)
+    decision = promote(client, "m", v1, None, RegistryConfig())
+    assert not decision.promoted and "run the evaluate stage" in decision.reason
+    assert aliases(client) == {"candidate": v1}
+
+
+def test_tracking_uri_block_leaves_no_env_behind(monkeypatch):
+    import os
+
+    from tasks.registry import use_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with use_tracking_uri("sqlite:////tmp/somewhere.db"):
+        assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:////tmp/somewhere.db"
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # later stage subprocesses see no leak

@@ -117,11 +117,13 @@ def test_export_has_adapter_and_registered_model_reloads(repro):
     record = json.loads((project / "data/lineage/model_version.json").read_text())
     assert record["promoted"] and record["aliases"] == ["candidate", "champion"]
     assert "first model" in record["reason"]
-    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
-    pyfunc = mlflow.pyfunc.load_model(f"models:/{record['name']}@champion")
-    out = pyfunc.predict(["Question: Tom has 3 apples and buys 2 more. How many?\nAnswer:"])
+    from tasks.registry import use_tracking_uri
+
+    with use_tracking_uri(f"sqlite:///{project / 'mlflow.db'}"):
+        pyfunc = mlflow.pyfunc.load_model(f"models:/{record['name']}@champion")
+        out = pyfunc.predict(["Question: Tom has 3 apples and buys 2 more. How many?\nAnswer:"])
+        requirements = mlflow.pyfunc.get_model_dependencies(f"models:/{record['name']}@champion")
     assert len(out) == 1 and isinstance(out[0], str) and len(out[0]) > 0
-    requirements = mlflow.pyfunc.get_model_dependencies(f"models:/{record['name']}@champion")
     pins = open(requirements).read()
     assert "transformers==" in pins and "torch==" in pins and "torchvision" not in pins
 
