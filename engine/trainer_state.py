@@ -60,13 +60,19 @@ def check_resumable(meta: dict, path: Path, world_size: int, strategy: str) -> N
         )
 
 
-def load_best(directory, strategy: Strategy, optimizer, monitor: Monitor, d) -> int | None:
-    """load_best_model_at_end: the best kept checkpoint's weights become the trained model."""
-    path = ckpt.best(directory, monitor.best_by) if d.is_main else None
+def _main_decides(choose, d):
+    """One process hashes the checkpoint files and tells the others which one to load."""
+    path = choose() if d.is_main else None
     if d.world_size > 1:
         chosen = [path]
         torch.distributed.broadcast_object_list(chosen, src=d.main_rank)
         path = chosen[0]
+    return path
+
+
+def load_best(directory, strategy: Strategy, optimizer, monitor: Monitor, d) -> int | None:
+    """load_best_model_at_end: the best kept checkpoint's weights become the trained model."""
+    path = _main_decides(lambda: ckpt.best(directory, monitor.best_by), d)
     if path is None:
         if d.is_main:
             print("[train] load_best_model_at_end: no checkpoint with a metric; keeping the "
@@ -82,12 +88,7 @@ def load_best(directory, strategy: Strategy, optimizer, monitor: Monitor, d) -> 
 
 def resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d,
            monitor: Monitor) -> tuple[Position, list]:
-    # One process hashes the checkpoint files and tells the others which one to load.
-    path = ckpt.latest(directory) if d.is_main else None
-    if d.world_size > 1:
-        chosen = [path]
-        torch.distributed.broadcast_object_list(chosen, src=d.main_rank)
-        path = chosen[0]
+    path = _main_decides(lambda: ckpt.latest(directory), d)
     if path is None:
         if d.is_main:
             print(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "

@@ -181,3 +181,25 @@ def kill_after_first_checkpoint(project) -> str:
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
     return "".join(seen)
+
+
+def interrupt_then_resume(tokenized: Path, tmp_path: Path, params: dict):
+    """Train `params` uninterrupted; train it again, SIGKILL the run right after its first
+    checkpoint and resume it. Asserts the two end bitwise equal; returns (full, cut, resume
+    stdout)."""
+    import torch
+
+    full, _ = train_copy(tokenized, tmp_path / "full", params)
+    cut = tmp_path / "cut"
+    shutil.copytree(tokenized, cut, symlinks=True)
+    write_params(cut, params)
+    kill_after_first_checkpoint(cut)
+    assert not (cut / "data/trained").exists()
+    write_params(cut, {"checkpoint.resume_from_checkpoint": True})
+    proc = run_cli(cut, "stage", "train", check=True)
+    assert "resumed from" in proc.stdout
+    a, b = adapter(full), adapter(cut)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
+    assert losses(cut) == losses(full)
+    return full, cut, proc.stdout

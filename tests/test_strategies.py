@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import (BIN, adapter, assert_weights_close, error_line, kill_after_first_checkpoint,
+from conftest import (BIN, adapter, assert_weights_close, error_line, interrupt_then_resume,
                       losses, run_cli, train_copy, train_metrics, write_params)
 
 STEPS = {"training.max_steps": 10, "checkpoint.save_strategy": "no", "eval.eval_steps": 5}
@@ -113,21 +113,9 @@ def test_sigkill_after_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, st
               "checkpoint.save_total_limit": 10}
     if strategy["distributed.strategy"] != "diloco":
         common["training.max_steps"] = 12
-    full, _ = train_copy(tokenized, tmp_path / "full", common)
-    cut = tmp_path / "cut"
-    shutil.copytree(tokenized, cut, symlinks=True)
-    write_params(cut, common)
-    kill_after_first_checkpoint(cut)
-    assert not (cut / "data/trained").exists()
-    write_params(cut, {"checkpoint.resume_from_checkpoint": True})
-    proc = run_cli(cut, "stage", "train", check=True)
-    assert "resumed from" in proc.stdout
-    resumed_at = int(proc.stdout.split("resumed from")[1].split("at step ")[1].split()[0])
+    _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, common)
+    resumed_at = int(stdout.split("resumed from")[1].split("at step ")[1].split()[0])
     assert 3 <= resumed_at < 12
-    a, b = adapter(full), adapter(cut)
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
-    assert losses(cut) == losses(full)
     # a different world size cannot resume exactly: refused before any process starts
     world = common["distributed.nproc_per_node"]
     write_params(cut, {"distributed.nproc_per_node": 1, "distributed.strategy": "single"}
