@@ -24,6 +24,7 @@ from engine.comm import CommMeter
 from engine.data import (ShardedBatches, collate, collate_packed, count_targets, load_tokenized,
                          model_inputs, token_loss_sum)
 from engine.loader import make_loader, micro_batches
+from engine.stream import ExampleSource, StreamedBatches
 from engine.distributed import Dist, setup, teardown
 from engine.evaluation import evaluate_loss
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
@@ -64,16 +65,17 @@ def total_steps(cfg: FinetuneConfig, steps_per_epoch: int) -> int:
 
 
 def train(cfg: FinetuneConfig, root: Path, mlflow_uri: str | None = None,
-          run_id: str | None = None) -> dict[str, Any]:
-    """Run training on this rank; rank 0 writes the trained model and metrics."""
+          run_id: str | None = None, stream: ExampleSource | None = None) -> dict[str, Any]:
+    """Run training on this rank; rank 0 writes the trained model and metrics. `stream`:
+    the streamed train split (epoch -> examples); None reads `data/tokenized/train`."""
     d = setup(cfg.distributed)
     try:
-        return _train(cfg, root, d, mlflow_uri, run_id)
+        return _train(cfg, root, d, mlflow_uri, run_id, stream)
     finally:
         teardown()
 
 
-def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
+def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id, stream):
     layout = Layout(root)
     t = cfg.training
     amp = autocast_dtype(cfg, d.device)
@@ -88,21 +90,11 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     meter = CommMeter()
     strategy = build_strategy(cfg, d, meter)
     model = maybe_compile(strategy.wrap(model), t)
-    train_ds = load_tokenized(layout.tokenized / "train")
     eval_ds = None
     if (layout.tokenized / "test").exists():
         eval_ds = load_tokenized(layout.tokenized / "test")
     accum = t.gradient_accumulation_steps
-    lengths = tuple(len(x) for x in train_ds["input_ids"]) if t.group_by_length else None
-    batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
-                             t.seed, accum, lengths, t.dataloader_drop_last)
-    steps_per_epoch = len(batches) // accum
-    if steps_per_epoch == 0:
-        raise PipelineError(
-            f"train split has {len(train_ds)} rows, fewer than one optimizer step needs "
-            f"({batches.global_batch * accum}); lower per_device_train_batch_size or "
-            "gradient_accumulation_steps"
-        )
+    open_batches, steps_per_epoch, epoch_len = _train_batches(cfg, layout, d, collate_fn, stream)
     n_steps = total_steps(cfg, steps_per_epoch)
     optimizer = strategy.build_optimizer()
     scheduler = build_scheduler(optimizer, cfg.scheduler, n_steps)
@@ -116,14 +108,13 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
                  if d.is_main else None)
     state = TrainState(step=pos.step, max_steps=n_steps)
     if d.is_main:
+        per_epoch = f"{steps_per_epoch}/epoch" if steps_per_epoch else "streamed"
         print(f"[train] {trainable:,} trainable / {total:,} params; {n_steps} steps "
-              f"({steps_per_epoch}/epoch); strategy {strategy.name}, world size {d.world_size}; "
+              f"({per_epoch}); strategy {strategy.name}, world size {d.world_size}; "
               f"start step {pos.step}", flush=True)
 
     start_step = pos.step
-    epoch_len = len(batches)
-    stream = micro_batches(make_loader(train_ds, batches, collate_fn, t, d.device), pos.epoch,
-                           pos.batch_in_epoch)
+    batches = open_batches(pos.epoch, pos.batch_in_epoch)
     # The loss stays a device tensor until a logging step: no host sync per step.
     window = _new_window(d)
     # this rank's real tokens vs token slots computed (padding), examples vs rows (packing)
@@ -135,7 +126,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     while pos.step < n_steps:
         micro = []
         for _ in range(accum):
-            batch = next(stream)
+            batch = next(batches)
             epoch, index = batch.pop("key").tolist()
             pos.epoch, pos.batch_in_epoch = epoch, index + 1  # consumed, not just prefetched
             real, examples = int(batch.pop("real_tokens")), int(batch.pop("examples"))
@@ -213,7 +204,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
             break
 
     runtime = time.perf_counter() - started
-    del stream  # stops the loader's workers
+    del batches  # stops the loader's workers
     comm = meter.summary(pos.step - start_step)  # this process's steps (resume starts later)
     result = {
         # the last training row (an eval row may come after it at the final step)
@@ -247,6 +238,31 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id):
     if d.world_size > 1:
         torch.distributed.barrier()
     return result
+
+
+def _train_batches(cfg: FinetuneConfig, layout: Layout, d: Dist, collate_fn,
+                   stream: ExampleSource | None):
+    """(open(epoch, start) -> micro-batches, optimizer steps per epoch, micro-batches per
+    epoch); a stream's epoch length is unknown (None, inf)."""
+    t = cfg.training
+    if stream is not None:
+        streamed = StreamedBatches(stream, t.per_device_train_batch_size, d.rank, d.world_size,
+                                   collate_fn)
+        return streamed.micro_batches, None, math.inf
+    train_ds = load_tokenized(layout.tokenized / "train")
+    accum = t.gradient_accumulation_steps
+    lengths = tuple(len(x) for x in train_ds["input_ids"]) if t.group_by_length else None
+    batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
+                             t.seed, accum, lengths, t.dataloader_drop_last)
+    if len(batches) == 0:
+        raise PipelineError(
+            f"train split has {len(train_ds)} rows, fewer than one optimizer step needs "
+            f"({batches.global_batch * accum}); lower per_device_train_batch_size or "
+            "gradient_accumulation_steps"
+        )
+    loader = make_loader(train_ds, batches, collate_fn, t, d.device)
+    return (lambda epoch, start: micro_batches(loader, epoch, start),
+            len(batches) // accum, len(batches))
 
 
 def _collate_fn(cfg: FinetuneConfig, model, tok, d: Dist, amp):

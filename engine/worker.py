@@ -2,12 +2,15 @@
 
 The job file carries the already-validated config (so every rank trains on exactly what the
 stage validated, even if the params file changes meanwhile), the project root and the MLflow
-run. A `PipelineError` on any rank is written to the job's error file so the launching stage
-can re-raise the same one-line message instead of torchrun's failure dump.
+run, and, when the train split is streamed, the recipe function that opens the stream (the
+engine takes an example source; it knows nothing of formats and tokenizers). A `PipelineError`
+on any rank is written to the job's error file so the launching stage can re-raise the same
+one-line message instead of torchrun's failure dump.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -24,7 +27,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = validate_raw(job["config"], source="train job")
-        train(cfg, Path(job["root"]), job.get("mlflow_uri"), job.get("run_id"))
+        root = Path(job["root"])
+        stream = None
+        if job.get("train_stream"):  # 'module:function' (cfg, root) -> epoch -> examples
+            module, _, name = job["train_stream"].partition(":")
+            stream = getattr(importlib.import_module(module), name)(cfg, root)
+        train(cfg, root, job.get("mlflow_uri"), job.get("run_id"), stream)
         return 0
     except PipelineError as exc:
         _report(job, str(exc))

@@ -30,6 +30,8 @@ READERS = {
 def download(ws: Workspace) -> dict[str, Path]:
     """Run the stage; returns the written split files."""
     data = ws.config.data
+    if data.streaming:
+        return _download_streamed(ws)
     splits = _load_splits(ws)
     splits = _ensure_test_split(splits, ws)
     if data.max_train_samples:
@@ -47,6 +49,27 @@ def download(ws: Workspace) -> dict[str, Path]:
             validate_raw_split(frame, required, f"{_source_label(ws)} split '{name}'")
             frame.to_parquet(staging / f"{role}.parquet", index=False)
             out[role] = ws.layout.raw / f"{role}.parquet"
+    return out
+
+
+def _download_streamed(ws: Workspace) -> dict[str, Path]:
+    """Streaming: only the test split is written; the train split's first rows are checked
+    against the same contract, and `stream.json` records what the trainer will read."""
+    from tasks import stream
+
+    data = ws.config.data
+    source = stream.open_source(data, ws.root)
+    required = template_columns(data)
+    validate_raw_split(stream.head(data, source), required,
+                       f"{_source_label(ws)} split '{data.train_split}' (first streamed rows)")
+    test = stream.materialise_test(data, source)
+    out: dict[str, Path] = {}
+    with atomic_dir(ws.layout.raw) as staging:
+        if test is not None:
+            validate_raw_split(test, required, f"{_source_label(ws)} split '{data.test_split}'")
+            test.to_parquet(staging / "test.parquet", index=False)
+            out["test"] = ws.layout.raw / "test.parquet"
+        stream.write_manifest(staging, stream.source_manifest(data, source, ws.root))
     return out
 
 

@@ -13,6 +13,7 @@ import pandas as pd
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace, atomic_dir
 from tasks.contracts import validate_formatted
+from tasks.stream import carry_manifest
 from tasks.templates import builder
 
 
@@ -30,19 +31,25 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
                 prompts = [""] * len(frame)
                 completions = frame[column].astype(str).tolist()
             else:
-                prompts, completions = _render(frame, prompt_fn, completion_fn, role)
+                prompts, completions = render(frame, prompt_fn, completion_fn, role)
             result = pd.DataFrame({"prompt": prompts, "completion": completions})
             validate_formatted(result, f"format split '{role}'", allow_empty_prompt=data.text_mode)
             result.to_parquet(staging / f"{role}.parquet", index=False)
             out[role] = ws.layout.formatted / f"{role}.parquet"
-    if not out:
+        carry_manifest(ws.layout.raw, staging, **{
+            k: getattr(data, k) for k in ("prompt_template", "prompt_func", "completion_template",
+                                          "completion_func", "text_field")})
+    if not out and not data.streaming:  # streaming without a test split: nothing to format
         raise PipelineError(f"{ws.layout.raw}: no raw splits; run the download stage first")
     return out
 
 
-def _render(frame: pd.DataFrame, prompt_fn, completion_fn, role: str) -> tuple[list, list]:
+def render(frame: pd.DataFrame, prompt_fn, completion_fn, role: str,
+           first_row: int = 0) -> tuple[list, list]:
+    """Prompt and completion strings for each row (the streamed train split calls this per
+    chunk; `first_row` keeps error messages' row numbers absolute)."""
     prompts, completions = [], []
-    for i, row in enumerate(frame.to_dict("records")):
+    for i, row in enumerate(frame.to_dict("records"), start=first_row):
         for part, fn, sink in (("prompt", prompt_fn, prompts), ("completion", completion_fn, completions)):
             try:
                 value = fn(row)

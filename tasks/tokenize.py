@@ -19,6 +19,7 @@ from engine.model import bos_prefix_id, load_tokenizer, max_positions
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace, atomic_dir, write_json_atomic
 from tasks.contracts import validate_tokenized
+from tasks.stream import carry_manifest
 
 IGNORE_INDEX = -100
 
@@ -68,7 +69,9 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
             ds.save_to_disk(str(staging / role))
             stats[role] = _stats(counts, dropped)
             out[role] = ws.layout.tokenized / role
-    if not out:
+        carry_manifest(ws.layout.formatted, staging, max_seq_length=data.max_seq_length,
+                       model=ws.config.model.name_or_path, revision=ws.config.model.revision)
+    if not out and not data.streaming:  # streaming without a test split: nothing to tokenize
         raise PipelineError(f"{ws.layout.formatted}: no formatted splits; run format first")
     write_json_atomic(ws.layout.metrics / "tokenize.json", stats)
     return out

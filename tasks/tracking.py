@@ -73,12 +73,13 @@ def dvc_out_hashes(root: Path) -> dict[str, str]:
 
 def data_hashes(raw_dir: Path) -> dict[str, str]:
     """SHA-256 of each raw split file and of all of them together (`data_sha256`): the data
-    identity recorded in the model card, the MLflow run and every registered version."""
+    identity recorded in the model card, the MLflow run and every registered version. A
+    streamed train split is identified by `stream.json` (its source files' hashes)."""
     import hashlib
 
     whole = hashlib.sha256()
     tags = {}
-    for path in sorted(raw_dir.glob("*.parquet")):
+    for path in sorted([*raw_dir.glob("*.parquet"), *raw_dir.glob("stream.json")]):
         content = path.read_bytes()
         whole.update(path.name.encode())
         whole.update(content)

@@ -50,7 +50,11 @@ def preflight(ws: Workspace) -> None:
     autocast_dtype(cfg, torch.device("cuda" if cuda else "cpu"))  # refuses fp16 on CPU
     if cfg.distributed.backend == "nccl" and not cuda:
         raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
-    if not (ws.layout.tokenized / "train").exists():
+    if cfg.data.streaming:
+        from tasks.stream import holdout_rows, open_source
+
+        holdout_rows(cfg.data, open_source(cfg.data, ws.root))  # the train split exists
+    elif not (ws.layout.tokenized / "train").exists():
         raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
     if cfg.training.mixed_precision == "fp16" and cfg.distributed.strategy == "fsdp2":
         raise PipelineError(
@@ -68,6 +72,7 @@ def preflight(ws: Workspace) -> None:
 
 
 RESUME_ENV = "FINETUNE_RESUME"
+STREAM_SOURCE = "tasks.stream:open_train_stream"
 
 
 def train(ws: Workspace) -> dict[str, Path]:
@@ -123,6 +128,8 @@ def _launch(ws: Workspace, run_id: str | None) -> None:
             "mlflow_uri": ws.mlflow_uri() if run_id else None,
             "run_id": run_id,
             "error_file": str(error_file),
+            # streaming: the recipe's example source, resolved by the worker on every rank
+            "train_stream": STREAM_SOURCE if ws.config.data.streaming else None,
         }))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}

@@ -95,6 +95,18 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"eval.generation_metrics": ["bleu"]}, "eval.generation_metrics"),
         ({"registry.gate_metric": "eval.exact_match", "eval.generation_metrics": []},
          "needs 'exact_match' in eval.generation_metrics"),
+        ({"data.streaming": True, "training.max_steps": -1}, "set training.max_steps > 0"),
+        ({"data.streaming": True, "training.group_by_length": True},
+         "data.streaming does not combine with training.group_by_length: True"),
+        ({"data.streaming": True, "training.dataloader_num_workers": 2},
+         "data.streaming does not combine with training.dataloader_num_workers: 2"),
+        ({"data.streaming": True, "training.dataloader_drop_last": False},
+         "data.streaming does not combine with training.dataloader_drop_last: False"),
+        ({"data.streaming": True, "eval.eval_strategy": "epoch"},
+         "data.streaming does not combine with eval.eval_strategy: epoch"),
+        ({"data.streaming": True, "checkpoint.save_strategy": "epoch"},
+         "data.streaming does not combine with checkpoint.save_strategy: epoch"),
+        ({"data.shuffle_buffer": 0}, "data.shuffle_buffer"),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path, overrides, expected):

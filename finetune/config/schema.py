@@ -120,7 +120,17 @@ class DataConfig(Section):
         description="Fail tokenize when more than this fraction of rows has no trainable token.",
     )
     num_proc: int = Field(1, gt=0, description="Worker processes for tokenization.")
-    seed: int = Field(42, description="Seed for the train/test split.")
+    seed: int = Field(42, description="Seed for the train/test split and the stream shuffle.")
+    streaming: bool = Field(
+        False,
+        description="Stream the train split (datasets IterableDataset, hub or local files) and "
+        "format/tokenize it on the fly in the train stage: for corpora that do not fit on disk. "
+        "Needs training.max_steps > 0.",
+    )
+    shuffle_buffer: int = Field(
+        10_000, ge=1, description="Streaming: examples in the shuffle buffer (1: stream order); "
+        "reshuffled per epoch with seed + epoch.",
+    )
 
     @model_validator(mode="after")
     def _sources_and_templates(self) -> "DataConfig":
@@ -410,7 +420,31 @@ class FinetuneConfig(Section):
             self._check_diloco()
         self.registry.check_against(self.eval)
         self._check_best_model()
+        if self.data.streaming:
+            self._check_streaming()
         return self
+
+    def _check_streaming(self) -> None:
+        """A stream has no length and cannot be indexed: what needs either is refused."""
+        t = self.training
+        if t.max_steps <= 0:
+            raise ValueError("data.streaming: a stream has no length, so epochs cannot size the "
+                             "run; set training.max_steps > 0")
+        refused = (
+            ("training.group_by_length", t.group_by_length, "needs every example's length"),
+            ("training.dataloader_num_workers", t.dataloader_num_workers,
+             "streamed batches are built in the main process"),
+            ("training.dataloader_drop_last", not t.dataloader_drop_last,
+             "false refills from the epoch start, which a stream cannot revisit"),
+            ("eval.eval_strategy", self.eval.eval_strategy == "epoch", "epoch ends are unknown"),
+            ("checkpoint.save_strategy", self.checkpoint.save_strategy == "epoch",
+             "epoch ends are unknown"),
+        )
+        for key, hit, why in refused:
+            if hit:
+                section, name = key.split(".")
+                value = getattr(getattr(self, section), name)
+                raise ValueError(f"data.streaming does not combine with {key}: {value} ({why})")
 
     def _check_best_model(self) -> None:
         """HF's rules: the best model needs an eval at every checkpoint it could be."""

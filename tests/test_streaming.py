@@ -1,0 +1,135 @@
+"""Streaming (`data.streaming`): the train split is read as a datasets IterableDataset and
+formatted/tokenized on the fly; nothing of it is written to disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pandas as pd
+import pytest
+
+from conftest import (adapter, assert_weights_close, copy_project, error_line,
+                      interrupt_then_resume, losses, run_cli, train_copy, train_metrics,
+                      write_params)
+from finetune.config import load_config
+
+STREAM = {"data.streaming": True, "data.shuffle_buffer": 16}
+
+
+def _examples(project, overrides: dict, epoch: int = 0) -> list[dict]:
+    from tasks.stream import open_train_stream
+
+    write_params(project, overrides)
+    cfg = load_config(project / "params/default.yaml")
+    return list(open_train_stream(cfg, project)(epoch))
+
+
+def test_streamed_examples_are_the_tokenize_stages_and_the_buffer_shuffles(tokenized, tmp_path):
+    import datasets
+
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    stage_rows = datasets.load_from_disk(str(project / "data/tokenized/train"))
+    expected = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in stage_rows]
+
+    in_order = _examples(project, {**STREAM, "data.shuffle_buffer": 1})
+    assert in_order == expected  # same rows, same tokens, same dropped rows, file order
+
+    shuffled = _examples(project, STREAM)
+    assert shuffled != in_order and sorted(map(str, shuffled)) == sorted(map(str, in_order))
+    assert _examples(project, STREAM) == shuffled  # seeded
+    assert _examples(project, STREAM, epoch=1) != shuffled  # reshuffled per epoch
+    assert _examples(project, {**STREAM, "data.seed": 7}) != shuffled
+    # the buffer bounds how far an example can move: a small buffer keeps the head near the head
+    head = {str(x) for x in in_order[:4]}
+    small = _examples(project, {**STREAM, "data.shuffle_buffer": 4})
+    assert {str(x) for x in small[:1]} <= head
+    assert _examples(project, {**STREAM, "data.max_train_samples": 20}) != shuffled
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory):
+    """A streaming project after download/format/tokenize: only the test split on disk."""
+    project = copy_project(tmp_path_factory.mktemp("stream") / "p",
+                           {**STREAM, "logging.logging_steps": 1})
+    for name in ("download", "format", "tokenize"):
+        run_cli(project, "stage", name, check=True)
+    return project
+
+
+def test_download_writes_only_the_test_split(streamed):
+    assert sorted(p.name for p in (streamed / "data/raw").iterdir()) == [
+        "stream.json", "test.parquet"]
+    assert sorted(p.name for p in (streamed / "data/tokenized").iterdir()) == [
+        "stream.json", "test"]
+    manifest = json.loads((streamed / "data/raw/stream.json").read_text())
+    assert manifest["shuffle_buffer"] == 16 and manifest["holdout_rows"] == 0
+    source = (streamed / "data/source/gsm8k/train.jsonl").read_bytes()
+    assert manifest["sha256"]["train"] == hashlib.sha256(source).hexdigest()
+    # each stage passes it on with what it applies: data/tokenized (train's DVC dependency)
+    # changes whenever the streamed examples would
+    carried = json.loads((streamed / "data/tokenized/stream.json").read_text())
+    assert carried["prompt_template"] == "Question: {question}\nAnswer:"
+    assert carried["max_seq_length"] == 256 and carried["seed"] == 42
+    assert {k: carried[k] for k in manifest} == manifest
+    assert len(pd.read_parquet(streamed / "data/raw/test.parquet")) == 16  # max_eval_samples
+
+
+def test_streamed_training_ddp_equals_single_and_differs_from_map_style(streamed, tokenized,
+                                                                        tmp_path):
+    common = {"training.max_steps": 4, "checkpoint.save_strategy": "no"}
+    single, proc = train_copy(streamed, tmp_path / "single", {
+        **common, "training.per_device_train_batch_size": 8})
+    assert "4 steps (streamed)" in proc.stdout
+    ddp, _ = train_copy(streamed, tmp_path / "ddp", {
+        **common, "training.per_device_train_batch_size": 4, "distributed.strategy": "ddp",
+        "distributed.nproc_per_node": 2})
+    assert_weights_close(adapter(single), adapter(ddp))
+    assert losses(single) == pytest.approx(losses(ddp), abs=1e-5)
+    # the streamed order is not the map-style permutation: the option really switches the source
+    mapped, _ = train_copy(tokenized, tmp_path / "mapped", {
+        **common, "training.per_device_train_batch_size": 8})
+    assert losses(mapped) != pytest.approx(losses(single), abs=1e-4)
+    assert train_metrics(single)["num_input_tokens_seen"] > 0
+
+
+def test_streamed_training_sigkill_then_resume_is_bitwise(streamed, tmp_path):
+    """Epochs of 46 examples / 8 per step: 8 steps cross an epoch end and a reshuffle."""
+    params = {"training.max_steps": 8, "training.per_device_train_batch_size": 4,
+              "training.gradient_accumulation_steps": 2, "checkpoint.save_steps": 6,
+              "eval.eval_steps": 6, "checkpoint.save_total_limit": 10}
+    full, _, stdout = interrupt_then_resume(streamed, tmp_path, params)
+    assert "at step 6" in stdout
+    assert train_metrics(full)["epoch"] == 1.0
+
+
+def test_holdout_when_the_source_has_no_test_split(tmp_path):
+    source = {"data.data_files": None, "data.json_file_path": "data/source/gsm8k/train.jsonl",
+              "data.max_train_samples": 30, "data.max_eval_samples": 5}
+    project = copy_project(tmp_path / "p", {**STREAM, **source})
+    run_cli(project, "stage", "download", check=True)
+    rows = pd.read_json(project / "data/source/gsm8k/train.jsonl", lines=True)
+    test = pd.read_parquet(project / "data/raw/test.parquet")
+    assert test["question"].tolist() == rows["question"][:5].tolist()
+    for name in ("format", "tokenize"):
+        run_cli(project, "stage", name, check=True)
+    first = _examples(project, {"data.shuffle_buffer": 1})
+    from engine.model import load_tokenizer
+
+    tok = load_tokenizer(load_config(project / "params/default.yaml").model, project)
+    assert rows["question"][5] in tok.decode(first[0]["input_ids"])  # starts after the holdout
+    assert len(first) <= 30
+
+    no_cap = copy_project(tmp_path / "q", {**STREAM, **source, "data.max_eval_samples": None})
+    proc = run_cli(no_cap, "stage", "download")
+    assert proc.returncode != 0
+    assert "set data.max_eval_samples to hold out the first N streamed rows" in error_line(proc)
+    assert not (no_cap / "data/raw").exists()
+
+
+def test_streamed_bad_source_fails_in_download_naming_the_column(tmp_path):
+    project = copy_project(tmp_path / "p", {**STREAM, "data.prompt_template": "Q: {questoin}"})
+    proc = run_cli(project, "stage", "download")
+    assert proc.returncode != 0 and "questoin" in error_line(proc)
