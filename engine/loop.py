@@ -119,7 +119,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id, stream):
     window = _new_window(d)
     # this rank's real tokens vs token slots computed (padding), examples vs rows (packing)
     fill = {"real": 0, "slots": 0, "examples": 0, "rows": 0}
-    started = time.perf_counter()
+    started, first_step_at = time.perf_counter(), None
     model.train()
     if reporters:
         reporters.on_train_begin(_sync(state, pos, epoch_len))
@@ -159,6 +159,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id, stream):
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         pos.step += 1
+        first_step_at = first_step_at or time.time()
         window["targets"] += local_targets
         window["steps"] += 1
         outer = strategy.after_optimizer_step(pos.step)
@@ -215,6 +216,7 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id, stream):
         **({"num_input_tokens_seen": pos.tokens_seen}
            if cfg.logging.include_num_input_tokens_seen else {}),
         "train_runtime": round(runtime, 3),
+        "first_step_unix": first_step_at,  # benchmarks: launch to first step
         "trainable_params": trainable,
         "total_params": total,
         "world_size": d.world_size,

@@ -1,0 +1,83 @@
+"""The baseline: `transformers.Trainer` set up the way its users do SFT, on our examples.
+
+Run as its own process (so its peak RSS is its own):
+
+    python bench/hf_trainer.py SPEC.json OUT.json
+
+SPEC names the tokenized train split (completion-only labels, made by our tokenize stage, so
+both trainers see identical token ids), the model folder, precision, batch, steps and optimiser
+settings, and `order`: the example order our trainer uses (its seeded permutation). The
+dataset is put in that order and read sequentially, so step k of both trainers sees the same
+examples and the final losses must agree; with Trainer's own RandomSampler they would differ
+by sampling noise and the comparison would say nothing about correctness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+
+def main(spec_path: str, out_path: str) -> None:
+    import datasets
+    import torch
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq,
+                              Trainer, TrainerCallback, TrainingArguments)
+
+    spec = json.loads(open(spec_path).read())
+    torch.set_num_threads(spec["threads"])
+    rows = datasets.load_from_disk(spec["train"]).select_columns(["input_ids", "labels"])
+    rows = rows.select(spec["order"])
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    torch.manual_seed(spec["seed"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    args = TrainingArguments(
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"],
+        gradient_accumulation_steps=1, max_steps=spec["steps"],
+        learning_rate=spec["learning_rate"], weight_decay=spec["weight_decay"],
+        lr_scheduler_type="cosine", warmup_steps=spec["warmup_steps"], max_grad_norm=1.0,
+        optim="adamw_torch_fused", bf16=spec["precision"] == "bf16", use_cpu=True,
+        logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
+        seed=spec["seed"], train_sampling_strategy="sequential", dataloader_drop_last=True,
+        disable_tqdm=True, remove_unused_columns=False,
+    )
+    losses: list[float] = []
+    slots = {"real": 0, "total": 0}
+
+    class Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    collator = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
+
+    def counting_collator(features):
+        batch = collator(features)
+        slots["real"] += int(batch["attention_mask"].sum())
+        slots["total"] += batch["attention_mask"].numel()
+        return batch
+
+    trainer = Trainer(model=model, args=args, train_dataset=rows,
+                      data_collator=counting_collator, callbacks=[Record()])
+    started = time.perf_counter()
+    result = trainer.train()
+    wall = time.perf_counter() - started
+    real = slots["real"]  # collated batches = trained batches (max_steps, accumulation 1)
+    json.dump({
+        "train_runtime": result.metrics["train_runtime"], "train_wall": wall,
+        "useful_tokens": real, "token_slots": slots["total"],
+        "padding_fraction": 1 - real / max(slots["total"], 1),
+        "losses": losses,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "pid": os.getpid(),
+    }, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,99 @@
+"""The benchmark suite, one command (README "Benchmarks"):
+
+    .venv/bin/python bench/suite.py            # everything, ~35 min on 2 cores
+    .venv/bin/python bench/suite.py --quick    # smoke run: 1 model, 1 dataset, 6 steps
+
+1. matmul ceiling (fp32, bf16) at each model's shapes; 2. training throughput, ours (padded and
+packed) vs transformers.Trainer, Alpaca (../shared, by path) and GSM8K, three models, fp32 and
+bf16; 3. tokenize stage vs bare tokenizer; 4. pipeline overheads; 5. the strategy table
+(bench/strategies.py). Prints markdown tables and writes bench/results/suite-<device>.json.
+Every ratio compares numbers measured in this run, in throwaway copies of the project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from stages import pipeline_overheads, tokenize_throughput
+from throughput import (DATASETS, MODELS, build_model, compare, matmul_ceiling, n_params,
+                        prepare_data)
+from workdir import ROOT, copy_project, machine, markdown_table, set_params
+
+COLUMNS = ["dataset", "model", "params_M", "precision", "hf_tok_s", "ours_padded_tok_s",
+           "ours_packed_tok_s", "ratio_packed_vs_hf", "ratio_padded_vs_hf", "hf_padding",
+           "ours_packed_padding", "mfu_hf", "mfu_ours_packed", "hf_loss", "ours_padded_loss",
+           "ours_packed_loss", "hf_rss_mb", "ours_packed_rss_mb", "train_startup_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run (stories260K, GSM8K, 6 steps)")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per training run")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="sections to skip: throughput tokenize overheads strategies")
+    args = ap.parse_args()
+    steps = 6 if args.quick else args.steps
+    datasets = ["gsm8k"] if args.quick else list(DATASETS)
+    models = ["stories260K"] if args.quick else list(MODELS)
+    work = Path(tempfile.mkdtemp(prefix="bench-suite-"))
+    out = {"machine": machine(), "steps": steps, "batch": 8}
+    print(f"# Benchmark suite ({out['machine']['cpu']}, {out['machine']['cores']} cores, "
+          f"torch {out['machine']['torch']}, device {out['machine']['device']})\n", flush=True)
+
+    if "throughput" not in args.skip:
+        model_dirs = {m: build_model(m, work / "models" / m) for m in models}
+        rows = []
+        for dataset in datasets:
+            project = copy_project(work / f"data-{dataset}")
+            prepare_data(project, dataset, max_len=512)
+            for model in models:
+                from transformers import AutoConfig
+
+                cfg = AutoConfig.from_pretrained(model_dirs[model])
+                params = n_params(model_dirs[model])
+                for precision in ("fp32", "bf16"):
+                    ceiling = matmul_ceiling(cfg.hidden_size, cfg.intermediate_size, precision)
+                    rows.append(compare(project, dataset, model, model_dirs[model], precision,
+                                        steps, ceiling, params))
+                    print(markdown_table(rows[-1:], COLUMNS), flush=True)
+        out["throughput"] = rows
+        print("\n## Training throughput (useful = non-pad tokens/s)\n")
+        print(markdown_table(rows, COLUMNS), flush=True)
+
+    if "tokenize" not in args.skip:
+        project = copy_project(work / "tokenize")
+        prepare_data(project, "alpaca", max_len=512)
+        out["tokenize"] = tokenize_throughput(project, repeats=2 if args.quick else 10)
+        print("\n## Tokenize stage vs bare tokenizer (GPT-2 tokenizer, Alpaca)\n")
+        print(markdown_table([out["tokenize"]], list(out["tokenize"])), flush=True)
+
+    if "overheads" not in args.skip:
+        project = copy_project(work / "pipeline")
+        if args.quick:
+            set_params(project, {"training.max_steps": 10, "eval.max_generation_samples": 8})
+        out["overheads"] = pipeline_overheads(project)
+        print("\n## Pipeline overheads (the default run through dvc repro)\n")
+        print(markdown_table([out["overheads"]], list(out["overheads"])), flush=True)
+
+    if "strategies" not in args.skip:
+        cmd = [sys.executable, str(ROOT / "bench/strategies.py"), "--steps",
+               "10" if args.quick else "50", "--out", "strategies-suite"]
+        subprocess.run(cmd, check=True)
+        device = "cpu" if out["machine"]["device"] == "cpu" else "gpu"
+        out["strategies"] = json.loads(
+            (ROOT / f"bench/results/strategies-suite-{device}.json").read_text())
+
+    device = "cpu" if out["machine"]["device"] == "cpu" else "gpu"
+    name = f"suite{'-quick' if args.quick else ''}-{device}.json"
+    path = ROOT / "bench/results" / name
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

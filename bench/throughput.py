@@ -1,0 +1,177 @@
+"""Training throughput: our train stage vs `transformers.Trainer`, same model, data, precision,
+batch, steps and example order (see bench/hf_trainer.py), plus the matmul ceiling for MFU.
+
+Our stage runs twice: padded (the same work HF does, which checks the loops are equally fast)
+and packed (`training.packing`, the lever: no padding compute). Useful tokens are the non-pad
+tokens; MFU = 6 x params x useful tokens/s / the matmul GFLOP/s measured at the model's shapes
+in this same run (attention FLOPs ignored, embeddings counted: roughly cancelling).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from workdir import ROOT, read_json, set_params, stage
+
+SHARED = ROOT.parent / "shared"
+ALPACA = {
+    "data.data_files": {"train": str(SHARED / "data/alpaca_2k.json")},
+    "data.prompt_template": "Below is an instruction that describes a task. Write a response "
+                            "that appropriately completes the request.\n\n### Instruction:\n"
+                            "{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+    "data.completion_template": "{output}",
+}
+DATASETS = {"alpaca": ALPACA, "gsm8k": {}}
+#: Llama shapes; vocabulary and tokenizer are stories260K's (512 tokens), so every model reads
+#: the same tokenized data
+MODELS = {
+    "stories260K": None,
+    "llama-4M": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6,
+                 "num_attention_heads": 8, "num_key_value_heads": 8},
+    "llama-20M": {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 6,
+                  "num_attention_heads": 8, "num_key_value_heads": 8},
+}
+COMMON = {"peft.use_peft": False, "checkpoint.save_strategy": "no", "eval.eval_strategy": "no",
+          "logging.logging_steps": 1, "optimizer.learning_rate": 1e-3,
+          "optimizer.weight_decay": 0.0, "scheduler.name": "cosine",
+          "scheduler.warmup_steps": 2, "training.per_device_train_batch_size": 8,
+          "training.gradient_accumulation_steps": 1, "training.seed": 42,
+          "registry.register_model": False}
+
+
+def build_model(name: str, dest: Path) -> Path:
+    """stories260K as shipped, or a randomly initialised Llama of the given shape."""
+    source = ROOT / "data/models/stories260K"
+    if MODELS[name] is None:
+        return source
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source)
+    for key, value in MODELS[name].items():
+        setattr(config, key, value)
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    config.max_position_embeddings = 1024
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(dest)
+    for f in source.iterdir():
+        if "token" in f.name:
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def n_params(model_dir: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+
+
+def matmul_ceiling(hidden: int, inter: int, dtype: str, tokens: int = 2048) -> float:
+    """Best-of-5 GFLOP/s of the MLP's up projection at this model's shape."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a, b = torch.randn(tokens, hidden, dtype=dt), torch.randn(hidden, inter, dtype=dt)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(5):
+        reps = max(1, int(2e9 / (2 * tokens * hidden * inter)))
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = min(best, (time.perf_counter() - t) / reps)
+    return 2 * tokens * hidden * inter / best / 1e9
+
+
+def prepare_data(project: Path, dataset: str, max_len: int) -> Path:
+    set_params(project, {**DATASETS[dataset], "data.max_seq_length": max_len,
+                         "data.max_dropped_fraction": 0.5})
+    for name in ("download", "format", "tokenize"):
+        stage(project, name)
+    return project / "data/tokenized/train"
+
+
+def our_order(n_rows: int, batch: int, steps: int, seed: int) -> list[int]:
+    from engine.data import ShardedBatches
+
+    per_epoch = ShardedBatches(n_rows, batch, 0, 1, seed).epoch(0)
+    if steps > len(per_epoch):
+        raise SystemExit(f"{steps} steps exceed one epoch ({len(per_epoch)}); lower --steps")
+    return [i for b in per_epoch[:steps] for i in b]
+
+
+def run_ours(project: Path, model_dir: Path, precision: str, steps: int, packed: bool) -> dict:
+    set_params(project, {**COMMON, "model.name_or_path": str(model_dir),
+                         "training.mixed_precision": precision, "training.max_steps": steps,
+                         "training.packing": packed})
+    launched = time.time()
+    wall = stage(project, "train")
+    m = read_json(project, "data/metrics/train.json")
+    import csv
+
+    with open(project / "data/plots/train.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    return {"tokens_per_s": m["num_input_tokens_seen"] / m["train_runtime"],
+            "padding_fraction": m["padding_fraction"], "final_loss": float(rows[-1]["loss"]),
+            "peak_rss_mb": float(rows[-1]["memory_rss_mb"]), "stage_wall_s": wall,
+            "train_runtime_s": m["train_runtime"],
+            "startup_s": m["first_step_unix"] - launched}  # launch to first optimizer step
+
+
+def run_hf(project: Path, model_dir: Path, precision: str, steps: int, order: list[int]) -> dict:
+    spec = {"train": str(project / "data/tokenized/train"), "model": str(model_dir),
+            "precision": precision, "batch": COMMON["training.per_device_train_batch_size"],
+            "steps": steps, "learning_rate": COMMON["optimizer.learning_rate"],
+            "weight_decay": 0.0, "warmup_steps": COMMON["scheduler.warmup_steps"],
+            "seed": 42, "order": order, "threads": os.cpu_count() or 1,
+            "output_dir": str(project / "hf-out")}
+    spec_file, out_file = project / "hf-spec.json", project / "hf-result.json"
+    spec_file.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/hf_trainer.py"), str(spec_file),
+                           str(out_file)], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"HF Trainer failed:\n{proc.stderr[-3000:]}")
+    r = json.loads(out_file.read_text())
+    return {"tokens_per_s": r["useful_tokens"] / r["train_runtime"],
+            "padding_fraction": r["padding_fraction"], "final_loss": r["losses"][-1],
+            "peak_rss_mb": r["peak_rss_mb"], "train_runtime_s": r["train_runtime"]}
+
+
+def compare(project: Path, dataset: str, model: str, model_dir: Path, precision: str,
+            steps: int, ceiling: float, params: int) -> dict:
+    import datasets
+
+    n_rows = len(datasets.load_from_disk(str(project / "data/tokenized/train")))
+    order = our_order(n_rows, COMMON["training.per_device_train_batch_size"], steps, 42)
+    hf = run_hf(project, model_dir, precision, steps, order)
+    padded = run_ours(project, model_dir, precision, steps, packed=False)
+    packed = run_ours(project, model_dir, precision, steps, packed=True)
+
+    def mfu(tps):
+        return 6 * params * tps / (ceiling * 1e9)
+
+    return {
+        "dataset": dataset, "model": model, "params_M": params / 1e6, "precision": precision,
+        "hf_tok_s": hf["tokens_per_s"], "ours_padded_tok_s": padded["tokens_per_s"],
+        "ours_packed_tok_s": packed["tokens_per_s"],
+        "ratio_packed_vs_hf": packed["tokens_per_s"] / hf["tokens_per_s"],
+        "ratio_padded_vs_hf": padded["tokens_per_s"] / hf["tokens_per_s"],
+        "hf_padding": hf["padding_fraction"], "ours_packed_padding": packed["padding_fraction"],
+        "mfu_hf": mfu(hf["tokens_per_s"]), "mfu_ours_packed": mfu(packed["tokens_per_s"]),
+        "ceiling_gflops": ceiling,
+        "hf_loss": hf["final_loss"], "ours_padded_loss": padded["final_loss"],
+        "ours_packed_loss": packed["final_loss"],
+        "hf_rss_mb": hf["peak_rss_mb"], "ours_packed_rss_mb": packed["peak_rss_mb"],
+        "ours_padded_rss_mb": padded["peak_rss_mb"],
+        "train_startup_s": packed["startup_s"],
+    }
+
