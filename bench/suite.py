@@ -36,10 +36,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per training run")
     ap.add_argument("--skip", nargs="*", default=[],
                     help="sections to skip: throughput tokenize overheads strategies")
+    ap.add_argument("--models", nargs="*", choices=list(MODELS), help="default: all")
+    ap.add_argument("--datasets", nargs="*", choices=list(DATASETS), help="default: all")
     args = ap.parse_args()
     steps = 6 if args.quick else args.steps
-    datasets = ["gsm8k"] if args.quick else list(DATASETS)
-    models = ["stories260K"] if args.quick else list(MODELS)
+    datasets = ["gsm8k"] if args.quick else (args.datasets or list(DATASETS))
+    models = ["stories260K"] if args.quick else (args.models or list(MODELS))
     work = Path(tempfile.mkdtemp(prefix="bench-suite-"))
     out = {"machine": machine(), "steps": steps, "batch": 8}
     print(f"# Benchmark suite ({out['machine']['cpu']}, {out['machine']['cores']} cores, "
@@ -90,6 +92,7 @@ def main() -> None:
 
     device = "cpu" if out["machine"]["device"] == "cpu" else "gpu"
     name = f"suite{'-quick' if args.quick else ''}-{device}.json"
+    out["selection"] = {"models": models, "datasets": datasets, "skipped": args.skip}
     path = ROOT / "bench/results" / name
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {path}")
