@@ -13,7 +13,7 @@ from tasks.download import download
 from tasks.format import format_prompts
 from tasks.tokenize import IGNORE_INDEX, tokenize
 
-from conftest import copy_project, error_line, run_cli, write_params
+from conftest import ROOT, copy_project, error_line, run_cli, write_params
 
 
 def ws_for(project, overrides=None):
@@ -185,3 +185,50 @@ def test_format_names_row_of_failing_func(project, monkeypatch):
     download(ws)
     with pytest.raises(PipelineError, match="returned NoneType on split 'train' row 7"):
         format_prompts(ws)
+
+
+TRICKY_TEXTS = ["", " ", "Hello world", "  two  spaces\tand\ttabs\n\nnewlines", "naïve café 😀 日本語",
+                "ends with eos</s>", "<s>bos inside</s> and <unk>", "1,234.50 $ #### 42",
+                "a" * 300, "<|endoftext|> gpt2 special", "<|pad|>x"]
+
+
+def _byte_bpe():
+    """A byte-level BPE fast tokenizer (the GPT-2 family), trained here on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(TRICKY_TEXTS * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>")
+
+
+@pytest.mark.parametrize("kind", ["stories260K", "byte-bpe", "split-special-tokens"])
+def test_token_ids_equal_the_tokenizer_call(kind):
+    """The stage's fast path must give exactly what `tok(texts)` gives, whatever state the
+    Rust backend was left in (truncation, special-token splitting)."""
+    from transformers import AutoTokenizer
+
+    from tasks.tokenize import token_ids
+
+    if kind == "stories260K":
+        tok = AutoTokenizer.from_pretrained(ROOT / "data/models/stories260K")
+    else:
+        tok = _byte_bpe()
+    if kind == "split-special-tokens":
+        tok.split_special_tokens = True
+    assert tok.is_fast
+    expected = tok(TRICKY_TEXTS, add_special_tokens=False)["input_ids"]
+    backend = tok.backend_tokenizer  # leave it in the other state than the call expects
+    backend.enable_truncation(max_length=3)
+    backend.encode_special_tokens = not tok.split_special_tokens
+    assert token_ids(tok, TRICKY_TEXTS) == expected
+    assert any(len(ids) > 3 for ids in expected)
+    if kind == "split-special-tokens":
+        assert token_ids(tok, ["<|endoftext|>"]) != [[tok.eos_token_id]]
+    elif kind == "byte-bpe":
+        assert token_ids(tok, ["<|endoftext|>"]) == [[tok.eos_token_id]]
