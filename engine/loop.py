@@ -14,7 +14,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,8 +31,8 @@ from engine.model import (apply_peft, count_parameters, load_base_model, load_to
                           make_adapter_config_reproducible)
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
-from engine.runtime import (compile_stats, configure_torch, enable_gradient_checkpointing,
-                            maybe_compile)
+from engine.runtime import (autocast_dtype, compile_stats, configure_torch,
+                            enable_gradient_checkpointing, maybe_compile)
 from engine.packing import POSITION_IDS, probe_packing
 from engine.reporters import build_reporters
 from engine.strategies import Strategy, build_strategy
@@ -48,37 +48,30 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast_dtype(cfg: FinetuneConfig, device: torch.device) -> torch.dtype | None:
-    mp = cfg.training.mixed_precision
-    if mp == "fp16" and device.type != "cuda":
-        raise PipelineError(
-            "training.mixed_precision: fp16 on CPU is refused (about 100x slower than fp32 "
-            "here); use bf16 or fp32"
-        )
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
-
-
 def total_steps(cfg: FinetuneConfig, steps_per_epoch: int) -> int:
     if cfg.total_steps_hint:
         return cfg.total_steps_hint
     return max(1, math.ceil(cfg.training.num_train_epochs * steps_per_epoch))
 
 
-def train(cfg: FinetuneConfig, root: Path, mlflow_uri: str | None = None,
-          run_id: str | None = None, stream: ExampleSource | None = None) -> dict[str, Any]:
-    """Run training on this rank; rank 0 writes the trained model and metrics. `stream`:
-    the streamed train split (epoch -> examples); None reads `data/tokenized/train`."""
+def train(cfg: FinetuneConfig, root: Path,
+          go: Callable[[], Path | None] | None = None,
+          stream: ExampleSource | None = None) -> dict[str, Any]:
+    """Run training on this rank; rank 0 writes the trained model and metrics. `go`: called
+    by rank 0 before it writes anything (the launcher's confirmation); returns the file to
+    stream logged rows to (the launcher forwards them to MLflow), or None. `stream`: the streamed train split (epoch -> examples);
+    None reads `data/tokenized/train`."""
     d = setup(cfg.distributed)
     try:
-        return _train(cfg, root, d, mlflow_uri, run_id, stream)
+        return _train(cfg, root, d, go or (lambda: None), stream)
     finally:
         teardown()
 
 
-def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id, stream):
+def _train(cfg, root: Path, d: Dist, go, stream):
     layout = Layout(root)
     t = cfg.training
-    amp = autocast_dtype(cfg, d.device)
+    amp = autocast_dtype(t, d.device)
     configure_torch(t)
     seed_everything(t.seed)
     tok = load_tokenizer(cfg.model, root)
@@ -104,8 +97,10 @@ def _train(cfg, root: Path, d: Dist, mlflow_uri, run_id, stream):
     if cfg.checkpoint.resume_from_checkpoint:
         pos, history = resume(layout.checkpoints, strategy, optimizer, scheduler, scaler, d,
                                monitor)
-    reporters = (build_reporters(cfg.logging, layout.plots, root, mlflow_uri, run_id, history)
-                 if d.is_main else None)
+    reporters = None
+    if d.is_main:
+        relay = go()  # the launcher's checks passed: from here on we may write
+        reporters = build_reporters(cfg.logging, layout.plots, root, relay, history)
     state = TrainState(step=pos.step, max_steps=n_steps)
     if d.is_main:
         per_epoch = f"{steps_per_epoch}/epoch" if steps_per_epoch else "streamed"

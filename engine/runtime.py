@@ -15,6 +15,18 @@ from finetune.config.schema import TrainingConfig
 from finetune.errors import PipelineError
 
 
+def autocast_dtype(t: TrainingConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `mixed_precision`; fp16 off CUDA is refused (the stage calls
+    this before launching, so the refusal comes before any process starts)."""
+    mp = t.mixed_precision
+    if mp == "fp16" and device.type != "cuda":
+        raise PipelineError(
+            "training.mixed_precision: fp16 on CPU is refused (about 100x slower than fp32 "
+            "here); use bf16 or fp32"
+        )
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
+
+
 def configure_torch(t: TrainingConfig) -> None:
     """Global flags, set before the model is built."""
     torch.set_float32_matmul_precision(t.float32_matmul_precision)

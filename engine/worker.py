@@ -1,8 +1,9 @@
 """torchrun entry point: `python -m torch.distributed.run ... -m engine.worker JOB.json`.
 
 The job file carries the already-validated config (so every rank trains on exactly what the
-stage validated, even if the params file changes meanwhile), the project root and the MLflow
-run, and, when the train split is streamed, the recipe function that opens the stream (the
+stage validated, even if the params file changes meanwhile), the project root, the go file
+through which the stage confirms the job (and names the file rank 0 streams its logged rows
+to: the stage forwards them to MLflow), and, when the train split is streamed, the recipe function that opens the stream (the
 engine takes an example source; it knows nothing of formats and tokenizers). A `PipelineError`
 on any rank is written to the job's error file so the launching stage can re-raise the same
 one-line message instead of torchrun's failure dump.
@@ -14,8 +15,12 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
+from typing import Callable
+
+from finetune.errors import PipelineError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(Path(argv[0]).read_text())
     from engine.loop import train
     from finetune.config import validate_raw
-    from finetune.errors import PipelineError
 
     try:
         cfg = validate_raw(job["config"], source="train job")
@@ -32,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if job.get("train_stream"):  # 'module:function' (cfg, root) -> epoch -> examples
             module, _, name = job["train_stream"].partition(":")
             stream = getattr(importlib.import_module(module), name)(cfg, root)
-        train(cfg, root, job.get("mlflow_uri"), job.get("run_id"), stream)
+        train(cfg, root, launcher_go(job), stream)
         return 0
     except PipelineError as exc:
         _report(job, str(exc))
@@ -41,6 +45,34 @@ def main(argv: list[str] | None = None) -> int:
         _report(job, f"training crashed: {type(exc).__name__}: {exc}")
         traceback.print_exc()
         return 1
+
+
+GO_TIMEOUT_S = 600
+
+
+def launcher_go(job: dict) -> Callable[[], Path | None]:
+    """What rank 0 calls before it writes anything: waits for the launching stage's go file
+    (its checks passed, its MLflow run is open) and returns the file the stage wants the
+    logged rows streamed to (None: it does not). The
+    launcher starts torchrun before those checks so that start-up overlaps them; "abort" in
+    the file means a check failed and the stage reports it: exit without a word."""
+    go_file = job.get("go_file")
+    if not go_file:
+        return lambda: None
+
+    def wait() -> Path | None:
+        path, deadline = Path(go_file), time.monotonic() + GO_TIMEOUT_S
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise PipelineError(f"the train stage never confirmed the job ({go_file} "
+                                    f"missing after {GO_TIMEOUT_S}s)")
+            time.sleep(0.02)
+        go = json.loads(path.read_text())
+        if "abort" in go:
+            raise SystemExit(3)
+        return Path(go["relay_file"]) if go.get("relay_file") else None
+
+    return wait
 
 
 def _report(job: dict, message: str) -> None:

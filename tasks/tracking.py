@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,30 @@ def run_id_of(ws: Workspace) -> str | None:
     return json.loads(path.read_text()).get("mlflow_run_id")
 
 
-def log_metrics(ws: Workspace, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-    from engine.reporters import log_batch
+def log_batch(mlflow_client, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """All metrics of one step in one MLflow request."""
+    from mlflow.entities import Metric
 
+    now = int(time.time() * 1000)
+    mlflow_client.log_batch(run_id, metrics=[Metric(k, float(v), now, step)
+                                             for k, v in metrics.items()])
+
+
+def log_metrics(ws: Workspace, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     log_batch(client(ws), run_id, metrics, step)
+
+
+def step_logger(ws: Workspace, run_id: str):
+    """row -> None: logs one training row ({"step": n, metric: value, ...}) to the run; one
+    client for the whole training (the stage relays the worker's rows through it)."""
+    c = client(ws)
+
+    def log(row: dict) -> None:
+        row = dict(row)
+        step = int(row.pop("step"))
+        log_batch(c, run_id, row, step)
+
+    return log
 
 
 def set_tags(ws: Workspace, run_id: str, tags: dict[str, str]) -> None:

@@ -3,51 +3,36 @@
 Single-process runs go through torchrun too (nproc_per_node 1), so the code a user tests on a
 laptop is the code that runs on 8 GPUs. The stage opens the MLflow run, hands its id to the
 worker (rank 0 logs per-step metrics into it), and records it next to the trained model.
+torchrun is started before the checks and the MLflow run so its start-up overlaps them
+(tasks/launch.py: rank 0 waits for the stage's go before it writes anything).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace, write_json_atomic
 from tasks import tracking
 from tasks.curves import render_curves
-
-
-def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
-    dist = ws.config.distributed
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dist.nproc_per_node}"]
-    if dist.nnodes == 1:
-        cmd.append("--standalone")
-    else:
-        cmd += [
-            f"--nnodes={dist.nnodes}",
-            f"--node_rank={dist.node_rank}",
-            f"--rdzv_backend={dist.rdzv_backend}",
-            f"--rdzv_endpoint={dist.rdzv_endpoint}",
-            f"--rdzv_id={dist.rdzv_id}",
-        ]
-    return cmd + ["-m", "engine.worker", str(job_file)]
+from tasks.launch import TorchrunJob
 
 
 def preflight(ws: Workspace) -> None:
-    """Checks that need the machine, done before any process starts."""
+    """Checks that need the machine; they run while torchrun starts, and rank 0 writes
+    nothing until they passed (tasks/launch.py)."""
     import torch
 
-    from engine.loop import autocast_dtype
     from engine.model import check_quantization, model_class
+    from engine.runtime import autocast_dtype
 
     cfg = ws.config
     cuda = torch.cuda.is_available()
     model_class(cfg.model.auto_class_name)  # an unknown class fails here, not in every rank
     check_quantization(cfg.model)
-    autocast_dtype(cfg, torch.device("cuda" if cuda else "cpu"))  # refuses fp16 on CPU
+    autocast_dtype(cfg.training, torch.device("cuda" if cuda else "cpu"))  # refuses fp16 on CPU
     if cfg.distributed.backend == "nccl" and not cuda:
         raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
     if cfg.data.streaming:
@@ -72,7 +57,6 @@ def preflight(ws: Workspace) -> None:
 
 
 RESUME_ENV = "FINETUNE_RESUME"
-STREAM_SOURCE = "tasks.stream:open_train_stream"
 
 
 def train(ws: Workspace) -> dict[str, Path]:
@@ -83,21 +67,24 @@ def train(ws: Workspace) -> dict[str, Path]:
         cfg.checkpoint.resume_from_checkpoint = True
         ws = Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
         print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint", flush=True)
-    preflight(ws)
     if ws.config.distributed.node_rank > 0:
+        preflight(ws)
         return _train_worker_node(ws)
-    run_id = tracking.start_run(ws)
-    tokenize_stats = ws.layout.metrics / "tokenize.json"
-    if tokenize_stats.exists():
-        stats = json.loads(tokenize_stats.read_text())
-        flat = {f"data.{split}.{k}": v for split, s in stats.items() for k, v in s.items()
-                if isinstance(v, (int, float))}
-        tracking.log_metrics(ws, run_id, flat)
-    try:
-        _launch(ws, run_id)
-    except PipelineError:
-        tracking.finish_run(ws, run_id, "FAILED")
-        raise
+    with TorchrunJob(ws) as job:  # starts now: worker start-up overlaps the checks below
+        try:
+            preflight(ws)
+            run_id = tracking.start_run(ws)
+        except BaseException as exc:
+            job.abort(str(exc))
+            raise
+        try:
+            _log_tokenize_stats(ws, run_id)
+            report = "mlflow" in ws.config.logging.report_to
+            job.go(tracking.step_logger(ws, run_id) if report else None)
+            job.wait()
+        except BaseException:
+            tracking.finish_run(ws, run_id, "FAILED")
+            raise
     metrics = json.loads((ws.layout.metrics / "train.json").read_text())
     tracking.log_metrics(ws, run_id, {k: v for k, v in metrics.items()
                                       if isinstance(v, (int, float)) and v is not None})
@@ -108,40 +95,19 @@ def train(ws: Workspace) -> dict[str, Path]:
     return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}
 
 
+def _log_tokenize_stats(ws: Workspace, run_id: str) -> None:
+    stats_file = ws.layout.metrics / "tokenize.json"
+    if stats_file.exists():
+        stats = json.loads(stats_file.read_text())
+        tracking.log_metrics(ws, run_id, {f"data.{split}.{k}": v for split, s in stats.items()
+                                          for k, v in s.items() if isinstance(v, (int, float))})
+
+
 def _train_worker_node(ws: Workspace) -> dict[str, Path]:
     """node_rank > 0 of a multi-node job: run this node's ranks; node 0 (global rank 0) owns
     the MLflow run and writes the trained model, metrics and checkpoints (shared storage)."""
-    _launch(ws, run_id=None)
+    with TorchrunJob(ws, handshake=False) as job:
+        job.wait()
     print(f"[train] node {ws.config.distributed.node_rank} finished; node 0 writes the outputs",
           flush=True)
     return {}
-
-
-def _launch(ws: Workspace, run_id: str | None) -> None:
-    """Run torchrun on the worker; a failure becomes one PipelineError line."""
-    with tempfile.TemporaryDirectory(prefix="finetune-job-") as tmp:
-        job_file = Path(tmp) / "job.json"
-        error_file = Path(tmp) / "error.txt"
-        job_file.write_text(json.dumps({
-            "config": ws.config.model_dump(mode="json"),
-            "root": str(ws.root),
-            "mlflow_uri": ws.mlflow_uri() if run_id else None,
-            "run_id": run_id,
-            "error_file": str(error_file),
-            # streaming: the recipe's example source, resolved by the worker on every rank
-            "train_stream": STREAM_SOURCE if ws.config.data.streaming else None,
-        }))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
-        stderr_file = Path(tmp) / "stderr.txt"
-        with open(stderr_file, "w") as err:
-            # stdout (the training log) streams live; stderr is held back so that a clean
-            # one-line error is not buried under torchrun's failure dump.
-            proc = subprocess.run(torchrun_command(ws, job_file), cwd=ws.root, env=env, stderr=err)
-        if proc.returncode != 0:
-            if error_file.exists():
-                raise PipelineError(error_file.read_text())
-            sys.stderr.write(stderr_file.read_text())
-            raise PipelineError(f"training failed: torchrun exited {proc.returncode} (see log above)")
-        sys.stderr.write(stderr_file.read_text())

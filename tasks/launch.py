@@ -1,0 +1,162 @@
+"""The torchrun job of the train stage: job file, process, and the launch handshake.
+
+torchrun starts first, before the stage's own checks and before the MLflow run is opened, so
+the workers' start-up (torch/transformers/peft imports, model and data loading: ~6 s of the
+~15 s it took to reach the first step) overlaps the launcher's work (~4 s) on another core.
+Nothing is lost by starting early: rank 0 writes nothing until the launcher "confirms" the job
+through the go file (checks passed, MLflow run open: its id is in the file). When a check
+fails, the launcher writes "abort" there, stops torchrun and raises the check's own one-line
+error, so bad input still fails before any output is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+from finetune.errors import PipelineError
+from finetune.workspace import Workspace, write_json_atomic
+
+STREAM_SOURCE = "tasks.stream:open_train_stream"
+
+
+def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
+    dist = ws.config.distributed
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dist.nproc_per_node}"]
+    if dist.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={dist.nnodes}",
+            f"--node_rank={dist.node_rank}",
+            f"--rdzv_backend={dist.rdzv_backend}",
+            f"--rdzv_endpoint={dist.rdzv_endpoint}",
+            f"--rdzv_id={dist.rdzv_id}",
+        ]
+    return cmd + ["-m", "engine.worker", str(job_file)]
+
+
+class TorchrunJob:
+    """`with TorchrunJob(ws, handshake=True) as job:` starts torchrun; then exactly one of
+    `job.go(uri, run_id)` + `job.wait()`, or `job.abort(why)`. A failure of the workers
+    becomes one PipelineError line (the worker's own message when it wrote one)."""
+
+    def __init__(self, ws: Workspace, handshake: bool = True):
+        self.ws, self.handshake = ws, handshake
+        self.proc: subprocess.Popen | None = None
+        self._relay: _RowTail | None = None
+
+    def __enter__(self) -> "TorchrunJob":
+        self._tmp = tempfile.TemporaryDirectory(prefix="finetune-job-")
+        tmp = Path(self._tmp.name)
+        self.job_file, self.error_file = tmp / "job.json", tmp / "error.txt"
+        self.go_file, self.stderr_file = tmp / "go.json", tmp / "stderr.txt"
+        self.job_file.write_text(json.dumps({
+            "config": self.ws.config.model_dump(mode="json"),
+            "root": str(self.ws.root),
+            "error_file": str(self.error_file),
+            # rank 0 waits for this before writing anything; None: no MLflow run, no wait
+            "go_file": str(self.go_file) if self.handshake else None,
+            # streaming: the recipe's example source, resolved by the worker on every rank
+            "train_stream": STREAM_SOURCE if self.ws.config.data.streaming else None,
+        }))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(self.ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
+        self._stderr = open(self.stderr_file, "w")
+        # stdout (the training log) streams live; stderr is held back so that a clean one-line
+        # error is not buried under torchrun's failure dump. Same process group as the stage,
+        # so killing the stage's group kills the workers too.
+        self.proc = subprocess.Popen(torchrun_command(self.ws, self.job_file), cwd=self.ws.root,
+                                     env=env, stderr=self._stderr)
+        return self
+
+    def go(self, relay: Callable[[dict], None] | None = None) -> None:
+        """Confirm the job. `relay`: called here, in a thread, with every row rank 0 logs
+        (the stage passes its MLflow logger), so the workers never talk to trackers."""
+        relay_file = None
+        if relay is not None:
+            relay_file = Path(self._tmp.name) / "rows.jsonl"
+            relay_file.touch()
+            self._relay = _RowTail(relay_file, relay)
+        write_json_atomic(self.go_file, {"relay_file": str(relay_file) if relay_file else None})
+
+    def abort(self, why: str) -> None:
+        """Stop the job before it wrote anything (rank 0 is still waiting for go)."""
+        if self.handshake:
+            write_json_atomic(self.go_file, {"abort": why})
+        self._stop()
+
+    def wait(self) -> None:
+        code = self.proc.wait()
+        self._stderr.flush()
+        relay_error = self._relay.finish() if self._relay else None
+        if code != 0:
+            if self.error_file.exists():
+                raise PipelineError(self.error_file.read_text())
+            sys.stderr.write(self.stderr_file.read_text())
+            raise PipelineError(f"training failed: torchrun exited {code} (see log above)")
+        sys.stderr.write(self.stderr_file.read_text())
+        if relay_error is not None:
+            raise PipelineError(f"training finished but logging its rows failed: "
+                                f"{type(relay_error).__name__}: {relay_error}")
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # torchrun forwards it to the workers
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is not None and self.proc is not None:
+                self._stop()  # an exception in the launcher (Ctrl-C included) ends the job
+            if self._relay is not None:
+                self._relay.finish()
+        finally:
+            self._stderr.close()
+            self._tmp.cleanup()
+
+
+class _RowTail:
+    """Follows the rows file rank 0 appends to and hands each complete line to `relay`, in a
+    thread, while training runs; `finish()` (after the workers exited) reads the rest and
+    returns the first relay error, if any (rows after an error are not relayed)."""
+
+    def __init__(self, path: Path, relay: Callable[[dict], None]):
+        self.path, self.relay = path, relay
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="row-relay", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        with open(self.path) as fh:
+            pending = ""
+            while True:
+                done = self._done.is_set()  # read once more after the workers are gone
+                pending += fh.read()
+                *lines, pending = pending.split("\n")
+                for line in lines:
+                    if line and self.error is None:
+                        try:
+                            self.relay(json.loads(line))
+                        except BaseException as exc:  # reported by finish()
+                            self.error = exc
+                if done:
+                    return
+                self._done.wait(0.2)
+
+    def finish(self) -> BaseException | None:
+        self._done.set()
+        self._thread.join()
+        return self.error

@@ -1,0 +1,80 @@
+"""The train stage's launch handshake (tasks/launch.py): torchrun starts before the stage's
+checks, so a failing check must stop it before rank 0 wrote anything; rank 0's logged rows
+reach the stage through the row relay."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import psutil
+import pytest
+
+from finetune.errors import PipelineError
+from finetune.workspace import Workspace
+from tasks.launch import _RowTail
+
+
+def test_row_tail_relays_whole_lines_in_order_and_keeps_the_first_error(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("")
+    seen = []
+    tail = _RowTail(path, seen.append)
+    with open(path, "a") as fh:
+        fh.write('{"step": 1, "loss": 2.5}\n{"step": 2, ')  # a row cut mid-write
+        fh.flush()
+        time.sleep(0.5)
+        fh.write('"loss": 2.25}\n{"step": 3, "loss": 2.0}\n')
+    assert tail.finish() is None
+    assert seen == [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 2.25}, {"step": 3, "loss": 2.0}]
+
+    def failing(row):
+        if row["step"] == 2:
+            raise ConnectionError("tracking server down")
+        seen.append(row)
+
+    seen.clear()
+    tail = _RowTail(path, failing)
+    error = tail.finish()
+    assert isinstance(error, ConnectionError) and seen == [{"step": 1, "loss": 2.5}]
+
+
+def test_failing_check_stops_the_started_job_before_it_writes(tokenized, tmp_path, monkeypatch):
+    """The check fails long after the worker reached the point where it would start writing
+    (it gets there in ~8 s here): no file under data/ may change or appear, the error is the
+    check's own, and no torchrun process is left."""
+    import tasks.train as train_stage
+
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    before = {p: p.read_bytes() for p in (project / "data").rglob("*") if p.is_file()}
+    seen_worker = threading.Event()
+
+    def slow_failing_check(ws):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not seen_worker.is_set():
+            kids = psutil.Process().children(recursive=True)
+            if any(_is_job(k) and "torch.distributed.run" not in " ".join(k.cmdline())
+                   for k in kids):
+                seen_worker.set()
+            time.sleep(0.2)
+        time.sleep(20)  # the worker's imports, model and data loading are done by now
+        raise PipelineError("training.example: the check failed")
+
+    monkeypatch.setattr(train_stage, "preflight", slow_failing_check)
+    ws = Workspace.load(project / "params/default.yaml")
+    with pytest.raises(PipelineError, match="training.example: the check failed"):
+        train_stage.train(ws)
+    assert seen_worker.is_set(), "the worker never started: the test proves nothing"
+    after = {p: p.read_bytes() for p in (project / "data").rglob("*") if p.is_file()}
+    assert after == before, "the aborted job wrote or changed files"
+    left = [k for k in psutil.Process().children(recursive=True) if _is_job(k)]
+    assert not left, f"processes of the aborted job still running: {left}"
+
+
+def _is_job(proc: psutil.Process) -> bool:
+    try:
+        return "engine.worker" in " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:
+        return False
