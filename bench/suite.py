@@ -3,9 +3,9 @@
     .venv/bin/python bench/suite.py            # everything, ~35 min on 2 cores
     .venv/bin/python bench/suite.py --quick    # smoke run: 1 model, 1 dataset, 6 steps
 
-1. matmul ceiling (fp32, bf16) at each model's shapes; 2. training throughput, ours (padded and
-packed) vs transformers.Trainer, Alpaca (../shared, by path) and GSM8K, three models, fp32 and
-bf16; 3. tokenize stage vs bare tokenizer; 4. pipeline overheads; 5. the strategy table
+1. matmul ceiling (fp32, bf16) at each model's shapes; 2. training throughput, ours (padded,
+packed rows, padding-free) vs transformers.Trainer, Alpaca (../shared, by path) and GSM8K, three
+models, fp32 and bf16; 3. tokenize stage vs bare tokenizer; 4. pipeline overheads; 5. the strategy table
 (bench/strategies.py). Prints markdown tables and writes bench/results/suite-<device>.json.
 Every ratio compares numbers measured in this run, in throwaway copies of the project.
 """
@@ -25,9 +25,10 @@ from throughput import (DATASETS, MODELS, build_model, compare, matmul_ceiling, 
 from workdir import ROOT, copy_project, machine, markdown_table, set_params
 
 COLUMNS = ["dataset", "model", "params_M", "precision", "hf_tok_s", "ours_padded_tok_s",
-           "ours_packed_tok_s", "ratio_packed_vs_hf", "ratio_padded_vs_hf", "hf_padding",
-           "ours_packed_padding", "mfu_hf", "mfu_ours_packed", "hf_loss", "ours_padded_loss",
-           "ours_packed_loss", "hf_rss_mb", "ours_packed_rss_mb", "train_startup_s"]
+           "ours_packed_tok_s", "ours_padfree_tok_s", "ratio_padfree_vs_hf",
+           "ratio_padded_vs_hf", "hf_padding", "ours_packed_padding", "ours_padfree_padding",
+           "mfu_hf", "mfu_ours_padfree", "hf_loss", "ours_padded_loss", "ours_packed_loss",
+           "ours_padfree_loss", "hf_rss_mb", "ours_padfree_rss_mb", "train_startup_s"]
 
 
 def main() -> None:

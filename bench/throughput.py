@@ -1,8 +1,9 @@
 """Training throughput: our train stage vs `transformers.Trainer`, same model, data, precision,
 batch, steps and example order (see bench/hf_trainer.py), plus the matmul ceiling for MFU.
 
-Our stage runs twice: padded (the same work HF does, which checks the loops are equally fast)
-and packed (`training.packing`, the lever: no padding compute). Useful tokens are the non-pad
+Our stage runs three times: padded (the same work HF does, which checks the loops are equally
+fast), packed rows (`training.packing`) and padding-free (`training.padding_free`, the lever: no
+padding compute at all, attention per example). Useful tokens are the non-pad
 tokens; MFU = 6 x params x useful tokens/s / the matmul GFLOP/s measured at the model's shapes
 in this same run (attention FLOPs ignored, embeddings counted: roughly cancelling).
 """
@@ -118,10 +119,16 @@ def our_order(n_rows: int, batch: int, steps: int, seed: int) -> list[int]:
     return [i for b in per_epoch[:steps] for i in b]
 
 
-def run_ours(project: Path, model_dir: Path, precision: str, steps: int, packed: bool) -> dict:
+#: our train stage's batch layouts: the same padding HF does, packed rows, one padding-free row
+LAYOUTS = {"padded": {}, "packed": {"training.packing": True},
+           "padfree": {"training.padding_free": True}}
+
+
+def run_ours(project: Path, model_dir: Path, precision: str, steps: int, layout: str) -> dict:
     set_params(project, {**COMMON, "model.name_or_path": str(model_dir),
                          "training.mixed_precision": precision, "training.max_steps": steps,
-                         "training.packing": packed})
+                         "training.packing": False, "training.padding_free": False,
+                         **LAYOUTS[layout]})
     launched = time.time()
     wall = stage(project, "train")
     m = read_json(project, "data/metrics/train.json")
@@ -162,25 +169,22 @@ def compare(project: Path, dataset: str, model: str, model_dir: Path, precision:
     n_rows = len(datasets.load_from_disk(str(project / "data/tokenized/train")))
     order = our_order(n_rows, COMMON["training.per_device_train_batch_size"], steps, 42)
     hf = run_hf(project, model_dir, precision, steps, order)
-    padded = run_ours(project, model_dir, precision, steps, packed=False)
-    packed = run_ours(project, model_dir, precision, steps, packed=True)
+    ours = {name: run_ours(project, model_dir, precision, steps, name) for name in LAYOUTS}
+    best = ours["padfree"]
 
     def mfu(tps):
         return 6 * params * tps / (ceiling * 1e9)
 
-    return {
-        "dataset": dataset, "model": model, "params_M": params / 1e6, "precision": precision,
-        "hf_tok_s": hf["tokens_per_s"], "ours_padded_tok_s": padded["tokens_per_s"],
-        "ours_packed_tok_s": packed["tokens_per_s"],
-        "ratio_packed_vs_hf": packed["tokens_per_s"] / hf["tokens_per_s"],
-        "ratio_padded_vs_hf": padded["tokens_per_s"] / hf["tokens_per_s"],
-        "hf_padding": hf["padding_fraction"], "ours_packed_padding": packed["padding_fraction"],
-        "mfu_hf": mfu(hf["tokens_per_s"]), "mfu_ours_packed": mfu(packed["tokens_per_s"]),
-        "ceiling_gflops": ceiling,
-        "hf_loss": hf["final_loss"], "ours_padded_loss": padded["final_loss"],
-        "ours_packed_loss": packed["final_loss"],
-        "hf_rss_mb": hf["peak_rss_mb"], "ours_packed_rss_mb": packed["peak_rss_mb"],
-        "ours_padded_rss_mb": padded["peak_rss_mb"],
-        "train_startup_s": packed["startup_s"],
-    }
-
+    row = {"dataset": dataset, "model": model, "params_M": params / 1e6, "precision": precision,
+           "hf_tok_s": hf["tokens_per_s"], "hf_padding": hf["padding_fraction"],
+           "hf_loss": hf["final_loss"], "hf_rss_mb": hf["peak_rss_mb"],
+           "mfu_hf": mfu(hf["tokens_per_s"]), "ceiling_gflops": ceiling}
+    for name, r in ours.items():
+        row.update({f"ours_{name}_tok_s": r["tokens_per_s"],
+                    f"ratio_{name}_vs_hf": r["tokens_per_s"] / hf["tokens_per_s"],
+                    f"ours_{name}_padding": r["padding_fraction"],
+                    f"ours_{name}_loss": r["final_loss"],
+                    f"ours_{name}_rss_mb": r["peak_rss_mb"]})
+    row.update({"mfu_ours_padfree": mfu(best["tokens_per_s"]),
+                "train_startup_s": best["startup_s"]})
+    return row

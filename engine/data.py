@@ -173,7 +173,34 @@ def collate_packed(rows: list[dict], pad_id: int, capacity: int,
     return batch
 
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+def collate_flat(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Padding-free: the micro-batch as one row with no padding at all (see engine.attention).
+
+    position_ids restart per example and `cu_seq_lens_q/k` mark where each example starts, so
+    the varlen attention keeps examples apart; the all-ones attention_mask tells transformers
+    no mask is needed (it would otherwise build a row x row block mask from the positions).
+    Each example's first label is ignored, as in collate_packed, so the targets equal the
+    padded batch's. `pad_id` is unused (nothing is padded); kept for one collate signature.
+    """
+    lengths = [len(r["input_ids"]) for r in rows]
+    ids = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
+    labels = torch.as_tensor([t for r in rows for t in r["labels"]], dtype=torch.long)
+    starts = torch.as_tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    labels[starts[:-1].long()] = IGNORE_INDEX
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None],
+            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+            "cu_seq_lens_q": starts, "cu_seq_lens_k": starts}
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")
+#: read on the host (example boundaries, sliced with Python ints): never copied to a device
+HOST_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True)
+            for k, v in batch.items()}
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,8 +21,8 @@ import torch
 
 from engine.callbacks import TrainState
 from engine.comm import CommMeter
-from engine.data import (ShardedBatches, collate, collate_packed, count_targets, load_tokenized,
-                         model_inputs, token_loss_sum)
+from engine.data import (ShardedBatches, collate, collate_flat, collate_packed, count_targets,
+                         load_tokenized, model_inputs, to_device, token_loss_sum)
 from engine.loader import make_loader, micro_batches
 from engine.stream import ExampleSource, StreamedBatches
 from engine.distributed import Dist, setup, teardown
@@ -33,7 +33,7 @@ from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
 from engine.runtime import (autocast_dtype, compile_stats, configure_torch,
                             enable_gradient_checkpointing, maybe_compile)
-from engine.packing import POSITION_IDS, probe_packing
+from engine.packing import POSITION_IDS, enable_padding_free, probe_packing
 from engine.reporters import build_reporters
 from engine.strategies import Strategy, build_strategy
 from engine.trainer_state import Position, history_rows, load_best, resume, save
@@ -134,7 +134,7 @@ def _train(cfg, root: Path, d: Dist, go, stream):
         local_targets = sum(count_targets(b) for b in micro)
         divisor = strategy.loss_divisor(local_targets, pos.step)
         for i, batch in enumerate(micro):
-            batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
+            batch = to_device(batch, d.device)
             with strategy.sync_context(last_micro_batch=i == accum - 1):
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(**model_inputs(batch), use_cache=False).logits
@@ -263,8 +263,15 @@ def _train_batches(cfg: FinetuneConfig, layout: Layout, d: Dist, collate_fn,
 
 
 def _collate_fn(cfg: FinetuneConfig, model, tok, d: Dist, amp):
-    """Padded batches, or packed rows fed the way the probe found this model needs."""
+    """Padded batches, one padding-free row, or packed rows fed the way the probe found this
+    model needs."""
     pad = tok.pad_token_id
+    if cfg.training.padding_free:
+        enable_padding_free(model, model.config.vocab_size, d.device)
+        if d.is_main:
+            print("[train] padding-free: each micro-batch is one row, attention per example",
+                  flush=True)
+        return functools.partial(collate_flat, pad_id=pad)
     if not cfg.training.packing:
         return functools.partial(collate, pad_id=pad)
     mask_dtype = amp or next(model.parameters()).dtype

@@ -6,6 +6,8 @@ its masking utilities. Rather than trusting a model list, the probe packs two sh
 sequences into one row and compares the logits with two separate forwards: equal means the
 model keeps packed examples apart. If position_ids alone are not enough, an explicit 4D
 block-diagonal mask is tried; if that fails too, packing is refused with one line.
+Padding-free training (one row per micro-batch, engine.attention) is probed the same way: the
+model is switched to the varlen attention and must give the separate forwards' logits.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import inspect
 
 import torch
 
-from engine.data import collate_packed, model_inputs
+from engine.attention import restore_attention, use_varlen_attention
+from engine.data import collate_flat, collate_packed, model_inputs, to_device
 from finetune.errors import PipelineError
 
 POSITION_IDS = "position_ids"
@@ -23,7 +26,7 @@ BLOCK_MASK = "block_mask"
 
 def _max_diff(model, packed: dict, rows: list[dict], device) -> float:
     with torch.no_grad():
-        out = model(**{k: v.to(device) for k, v in model_inputs(packed).items()},
+        out = model(**to_device(model_inputs(packed), device),
                     use_cache=False).logits[0]
         at, worst = 0, 0.0
         for r in rows:
@@ -36,18 +39,50 @@ def _max_diff(model, packed: dict, rows: list[dict], device) -> float:
     return worst
 
 
-def probe_packing(model, vocab_size: int, device: torch.device,
-                  mask_dtype: torch.dtype = torch.float32) -> str:
-    """POSITION_IDS or BLOCK_MASK: how packed rows must be fed to `model`."""
+def _probe_rows(vocab_size: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(3, vocab_size, (n,), generator=g).tolist(),
+             "labels": [0] * n} for n in (7, 5)]
+
+
+def _takes_positions(model, key: str) -> None:
     forward = getattr(model, "get_base_model", lambda: model)().forward
     if POSITION_IDS not in inspect.signature(forward).parameters:
         raise PipelineError(
-            f"training.packing: {type(model).__name__}.forward takes no position_ids, so packed "
-            "examples cannot restart their positions; set training.packing: false"
+            f"{key}: {type(model).__name__}.forward takes no position_ids, so examples sharing "
+            f"a row cannot restart their positions; set {key}: false"
         )
-    g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(3, vocab_size, (n,), generator=g).tolist(),
-             "labels": [0] * n} for n in (7, 5)]
+
+
+def enable_padding_free(model, vocab_size: int, device: torch.device) -> None:
+    """Switch `model` to per-example varlen attention (engine.attention) and check that a
+    flattened micro-batch gives the separate forwards' logits; else one line and no switch."""
+    _takes_positions(model, "training.padding_free")
+    before = use_varlen_attention(model)
+    why = "its attention does not go through transformers' AttentionInterface"
+    if before is not None:
+        rows = _probe_rows(vocab_size)
+        was_training = model.training
+        model.eval()
+        try:
+            if _max_diff(model, collate_flat(rows, 0), rows, device) < 1e-3:
+                return
+        finally:
+            model.train(was_training)
+        restore_attention(model, before)
+        why = "its outputs for a flattened batch differ from separate forwards"
+    raise PipelineError(
+        f"training.padding_free: {type(model).__name__} cannot train padding-free ({why}); "
+        "set training.padding_free: false (training.packing: true packs rows with a block "
+        "mask instead)"
+    )
+
+
+def probe_packing(model, vocab_size: int, device: torch.device,
+                  mask_dtype: torch.dtype = torch.float32) -> str:
+    """POSITION_IDS or BLOCK_MASK: how packed rows must be fed to `model`."""
+    _takes_positions(model, "training.packing")
+    rows = _probe_rows(vocab_size)
     was_training = model.training
     model.eval()
     try:

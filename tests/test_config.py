@@ -107,6 +107,8 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"data.streaming": True, "checkpoint.save_strategy": "epoch"},
          "data.streaming does not combine with checkpoint.save_strategy: epoch"),
         ({"data.shuffle_buffer": 0}, "data.shuffle_buffer"),
+        ({"training.padding_free": True, "training.packing": True},
+         "training: padding_free and packing are alternatives"),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path, overrides, expected):

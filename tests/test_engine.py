@@ -153,10 +153,58 @@ def test_collate_packed_restarts_positions_and_drops_boundary_targets():
     assert allowed[5, 4] and not allowed[4, 3] and not allowed[0, 1]  # causal, per example
 
 
+def test_collate_flat_is_one_unpadded_row_with_example_boundaries():
+    from engine.data import HOST_KEYS, collate_flat, count_targets, to_device
+
+    rows = [{"input_ids": [1, 2, 3, 4], "labels": [5, 6, 7, 8]},
+            {"input_ids": [9, 10], "labels": [11, 12]},
+            {"input_ids": [13, 14, 15], "labels": [16, 17, 18]}]
+    b = collate_flat(rows, 0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 9, 10, 13, 14, 15]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2]]
+    assert b["labels"].tolist() == [[IGNORE_INDEX, 6, 7, 8, IGNORE_INDEX, 12,
+                                     IGNORE_INDEX, 17, 18]]
+    assert b["cu_seq_lens_q"].tolist() == b["cu_seq_lens_k"].tolist() == [0, 4, 6, 9]
+    assert b["attention_mask"].tolist() == [[1] * 9]
+    assert count_targets(b) == count_targets(collate(rows, 0))  # same targets as padded
+    moved = to_device(b, torch.device("meta"))
+    assert all(moved[k].device.type == "cpu" for k in HOST_KEYS)
+    assert moved["input_ids"].device.type == "meta"
+
+
+def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alone():
+    """The padding-free row gives each example's own logits (one shared causal attention
+    would not: checked by comparing with the stock SDPA run on the same row), and padded
+    batches through the switched model still give the stock model's logits."""
+    from engine.attention import VARLEN_SDPA
+    from engine.data import collate_flat, model_inputs
+    from engine.packing import enable_padding_free
+
+    model = _stories().eval()
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(3, 500, (n,), generator=g).tolist(), "labels": [0] * n}
+            for n in (11, 4, 23)]
+    flat, padded = collate_flat(rows, 0), collate(rows, 0)
+    with torch.no_grad():
+        stock_flat = model(**model_inputs(flat)).logits[0]
+        stock_padded = model(**model_inputs(padded)).logits
+        enable_padding_free(model, 512, torch.device("cpu"))
+        assert model.config._attn_implementation == VARLEN_SDPA
+        out = model(**model_inputs(flat)).logits[0]
+        assert torch.equal(model(**model_inputs(padded)).logits, stock_padded)
+    at = 0
+    for r in rows:
+        n = len(r["input_ids"])
+        alone = model(input_ids=torch.tensor([r["input_ids"]])).logits[0]
+        torch.testing.assert_close(out[at:at + n], alone, atol=1e-5, rtol=1e-5)
+        at += n
+    assert not torch.allclose(stock_flat[11:], out[11:], atol=1e-3)
+
+
 def test_packing_probe_refuses_models_that_cannot_separate_examples():
     from types import SimpleNamespace
 
-    from engine.packing import probe_packing
+    from engine.packing import enable_padding_free, probe_packing
     from finetune.errors import PipelineError
 
     class Leaky(torch.nn.Module):  # takes position_ids but mixes every earlier token in
@@ -172,6 +220,9 @@ def test_packing_probe_refuses_models_that_cannot_separate_examples():
         probe_packing(Leaky(), 32, torch.device("cpu"))
     with pytest.raises(PipelineError, match="NoPositions.forward takes no position_ids"):
         probe_packing(NoPositions(), 32, torch.device("cpu"))
+    with pytest.raises(PipelineError, match="training.padding_free: Leaky cannot train "
+                       "padding-free .its attention does not go through"):
+        enable_padding_free(Leaky(), 32, torch.device("cpu"))
 
 
 def test_group_by_length_batches_similar_lengths_and_keeps_the_epoch():

@@ -94,20 +94,28 @@ def test_optimizer_groups_reach_the_training_loop(tokenized, tmp_path):
     assert "optimizer.optimizer_groups['mlp\\.nope']: matches no trainable parameter" in line
 
 
-def test_packing_trains_exactly_like_padding(tokenized, tmp_path):
-    """Same examples per step, packed into shared rows with restarted position_ids instead of
-    padded: same losses and weights (cross-example attention or a leaked boundary target
-    would change both), fewer rows."""
+@pytest.mark.parametrize("layout, says", [
+    ({"training.packing": True, "training.packed_sequence_length": 1024},
+     ["[train] packing: rows of up to 1024 tokens", "restarted position_ids"]),
+    ({"training.padding_free": True},
+     ["[train] padding-free: each micro-batch is one row, attention per example"]),
+], ids=["packing", "padding-free"])
+def test_packing_trains_exactly_like_padding(tokenized, tmp_path, layout, says):
+    """Same examples per step, packed into shared rows (or one padding-free row) with
+    restarted position_ids instead of padded: same losses and weights (cross-example
+    attention or a leaked boundary target would change both), fewer rows."""
     common = {"training.max_steps": 4, "checkpoint.save_strategy": "no",
               "training.per_device_train_batch_size": 8}
     padded, _ = train_copy(tokenized, tmp_path / "pad", common)
-    packed, proc = train_copy(tokenized, tmp_path / "pack", {
-        **common, "training.packing": True, "training.packed_sequence_length": 1024})
-    assert "[train] packing: rows of up to 1024 tokens" in proc.stdout
-    assert "restarted position_ids" in proc.stdout
+    packed, proc = train_copy(tokenized, tmp_path / "pack", {**common, **layout})
+    for line in says:
+        assert line in proc.stdout
     # really packed: several examples share a row (so cross-example attention would show)
     assert train_metrics(padded)["examples_per_row"] == 1.0
     assert train_metrics(packed)["examples_per_row"] >= 3
+    if "training.padding_free" in layout:
+        assert train_metrics(packed)["examples_per_row"] == 8.0
+        assert train_metrics(packed)["padding_fraction"] == 0.0
     assert losses(packed) == pytest.approx(losses(padded), abs=1e-5)
     assert_weights_close(adapter(padded), adapter(packed))
     assert train_metrics(packed)["num_input_tokens_seen"] == train_metrics(padded)[
@@ -118,7 +126,8 @@ def test_packing_trains_exactly_like_padding(tokenized, tmp_path):
     {"training.packing": True, "training.packed_sequence_length": 1024},
     {"training.packing": True, "training.packed_sequence_length": 1024,
      "training.gradient_accumulation_steps": 2, "training.per_device_train_batch_size": 2},
-], ids=["packing", "packing-accumulation"])
+    {"training.padding_free": True},
+], ids=["packing", "packing-accumulation", "padding-free"])
 def test_sigkill_at_a_random_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, overrides):
     import random
 

@@ -210,6 +210,13 @@ class TrainingConfig(Section):
         "packed_sequence_length tokens, position_ids restarting per example (no attention across examples; no "
         "padding compute). Alias: dynamic_batch.",
     )
+    padding_free: bool = Field(
+        False,
+        description="Each micro-batch as one row with no padding at all: position_ids restart "
+        "per example and attention runs per example (varlen SDPA), so compute follows the real "
+        "tokens (TRL's padding_free, without needing flash-attn). Checked by a probe at start-up; "
+        "the fastest layout. Exclusive with packing.",
+    )
     packed_sequence_length: int | None = Field(
         None, gt=0,
         description="Packing: tokens per packed row (None: data.max_seq_length). Positions "
@@ -263,6 +270,15 @@ class TrainingConfig(Section):
                 "torch_compile_mode max-autotune captures CUDA graphs, which replay stale "
                 "gradients under gradient_accumulation_steps > 1; use "
                 "max-autotune-no-cudagraphs or accumulation 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_row_layout(self) -> "TrainingConfig":
+        if self.padding_free and self.packing:
+            raise ValueError(
+                "padding_free and packing are alternatives: padding_free puts each micro-batch "
+                "in one row without padding, packing in rows of packed_sequence_length; set one"
             )
         return self
 
