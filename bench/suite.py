@@ -20,14 +20,14 @@ import tempfile
 from pathlib import Path
 
 from stages import pipeline_overheads, tokenize_throughput
-from throughput import (DATASETS, MODELS, build_model, compare, matmul_ceiling, n_params,
-                        prepare_data)
+from throughput import (DATASETS, LAYOUTS, MODELS, build_model, compare, matmul_ceiling,
+                        n_params, prepare_data)
 from workdir import ROOT, copy_project, machine, markdown_table, set_params
 
 COLUMNS = ["dataset", "model", "params_M", "precision", "hf_tok_s", "ours_padded_tok_s",
            "ours_packed_tok_s", "ours_padfree_tok_s", "ratio_padfree_vs_hf",
            "ratio_padded_vs_hf", "hf_padding", "ours_packed_padding", "ours_padfree_padding",
-           "mfu_hf", "mfu_ours_padfree", "hf_loss", "ours_padded_loss", "ours_packed_loss",
+           "mfu_hf", "mfu_ours_best", "hf_loss", "ours_padded_loss", "ours_packed_loss",
            "ours_padfree_loss", "hf_rss_mb", "ours_padfree_rss_mb", "train_startup_s"]
 
 
@@ -42,6 +42,10 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="*", choices=["fp32", "bf16"],
                     help="default: both (bf16 on a CPU without bf16 matmul units is ~25x "
                          "slower than fp32: skip it for the 20M model there)")
+    ap.add_argument("--layouts", nargs="*", choices=list(LAYOUTS),
+                    help="our batch layouts to run (default: padded packed padfree)")
+    ap.add_argument("--out", default="suite",
+                    help="results file stem: bench/results/<out>-<device>.json")
     args = ap.parse_args()
     steps = 6 if args.quick else args.steps
     datasets = ["gsm8k"] if args.quick else (args.datasets or list(DATASETS))
@@ -65,7 +69,7 @@ def main() -> None:
                 for precision in args.precisions or ("fp32", "bf16"):
                     ceiling = matmul_ceiling(cfg.hidden_size, cfg.intermediate_size, precision)
                     rows.append(compare(project, dataset, model, model_dirs[model], precision,
-                                        steps, ceiling, params))
+                                        steps, ceiling, params, args.layouts or tuple(LAYOUTS)))
                     print(markdown_table(rows[-1:], COLUMNS), flush=True)
         out["throughput"] = rows
         print("\n## Training throughput (useful = non-pad tokens/s)\n")
@@ -95,8 +99,9 @@ def main() -> None:
             (ROOT / f"bench/results/strategies-suite-{device}.json").read_text())
 
     device = "cpu" if out["machine"]["device"] == "cpu" else "gpu"
-    name = f"suite{'-quick' if args.quick else ''}-{device}.json"
+    name = f"{args.out}{'-quick' if args.quick else ''}-{device}.json"
     out["selection"] = {"models": models, "datasets": datasets, "skipped": args.skip,
+                        "layouts": args.layouts or list(LAYOUTS),
                         "precisions": args.precisions or ["fp32", "bf16"]}
     path = ROOT / "bench/results" / name
     path.write_text(json.dumps(out, indent=2) + "\n")
