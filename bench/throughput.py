@@ -79,9 +79,10 @@ def n_params(model_dir: Path) -> int:
 def matmul_ceiling(hidden: int, inter: int, dtype: str, tokens: int = 2048) -> float:
     """Best GFLOP/s torch reaches on this machine for the GEMMs a training step of this model
     runs: the MLP projection's forward (T x h @ h x i), input gradient (T x i @ i x h) and
-    weight gradient (h x T @ T x i). One forward shape alone under-reads the ceiling at small
-    hidden sizes (the weight-gradient GEMM, with K = tokens, runs faster), which made MFU
-    read above 100%."""
+    weight gradient (h x T @ T x i), each with both operands contiguous (NN) and with one
+    transposed (NT, TN). One forward shape alone under-reads the ceiling at small hidden sizes,
+    and on CPUs without bf16 matmul units bf16 NN runs 10-20x slower than NT/TN (see
+    engine/cpu_linear.py): the best of all of them is what the hardware can do."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -89,16 +90,21 @@ def matmul_ceiling(hidden: int, inter: int, dtype: str, tokens: int = 2048) -> f
     shapes = [(tokens, hidden, inter), (tokens, inter, hidden), (hidden, tokens, inter)]
     best = 0.0
     for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)
         flops = 2 * m * k * n
-        for _ in range(3):
-            a @ b
-        for _ in range(5):
-            reps = max(3, int(2e9 / flops))
+        for a, b in ((torch.randn(m, k, dtype=dt), torch.randn(k, n, dtype=dt)),  # NN
+                     (torch.randn(m, k, dtype=dt), torch.randn(n, k, dtype=dt).t()),  # NT
+                     (torch.randn(k, m, dtype=dt).t(), torch.randn(k, n, dtype=dt))):  # TN
             t = time.perf_counter()
-            for _ in range(reps):
-                a @ b
-            best = max(best, flops * reps / (time.perf_counter() - t) / 1e9)
+            a @ b  # warm-up, and the measurement of a slow layout (no point repeating it)
+            best = max(best, flops / (time.perf_counter() - t) / 1e9)
+            if time.perf_counter() - t > 0.2:
+                continue
+            reps = max(3, int(5e8 / flops))
+            for _ in range(4):
+                t = time.perf_counter()
+                for _ in range(reps):
+                    a @ b
+                best = max(best, flops * reps / (time.perf_counter() - t) / 1e9)
     return best
 
 

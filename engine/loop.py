@@ -32,7 +32,8 @@ from engine.model import (apply_peft, count_parameters, load_base_model, load_to
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
 from engine.runtime import (autocast_dtype, compile_stats, configure_torch,
-                            enable_gradient_checkpointing, maybe_compile)
+                            enable_gradient_checkpointing, maybe_compile,
+                            use_fast_bf16_cpu_kernels)
 from engine.packing import POSITION_IDS, enable_padding_free, probe_packing
 from engine.reporters import build_reporters
 from engine.strategies import Strategy, build_strategy
@@ -79,6 +80,10 @@ def _train(cfg, root: Path, d: Dist, go, stream):
     enable_gradient_checkpointing(base, t)
     model = apply_peft(base, cfg.peft).to(d.device)
     trainable, total = count_parameters(model)
+    fast_linears = use_fast_bf16_cpu_kernels(model, d.device, amp, cfg.distributed)
+    if fast_linears and d.is_main:
+        print(f"[train] bf16 on CPU: {fast_linears} linear layers use layout-aware GEMMs",
+              flush=True)
     collate_fn = _collate_fn(cfg, model, tok, d, amp)
     meter = CommMeter()
     strategy = build_strategy(cfg, d, meter)

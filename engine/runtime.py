@@ -1,5 +1,5 @@
 """Process-wide torch settings and model transforms chosen in `training`: determinism, matmul
-precision, anomaly detection, gradient checkpointing, torch.compile.
+precision, anomaly detection, gradient checkpointing, torch.compile, bf16 CPU kernels.
 
 Each is one call here so the loop reads as a recipe and tests can apply exactly what a training
 run applies.
@@ -11,6 +11,9 @@ import os
 
 import torch
 
+from engine.cpu_linear import computes_in_bf16_on_cpu, use_layout_aware_linear
+from engine.model import DTYPES
+from finetune.config.distributed import DistributedConfig
 from finetune.config.schema import TrainingConfig
 from finetune.errors import PipelineError
 
@@ -57,6 +60,16 @@ def enable_gradient_checkpointing(model, t: TrainingConfig) -> None:
         # reentrant checkpointing only backpropagates into blocks whose *inputs* need grad;
         # with frozen embeddings (adapters) that is never, so make the embeddings' output need it
         model.enable_input_require_grads()
+
+
+def use_fast_bf16_cpu_kernels(model, device: torch.device, amp: torch.dtype | None,
+                              dist: DistributedConfig) -> int:
+    """bf16 on a CPU: linear layers whose backward avoids the slow GEMM layout (see
+    engine/cpu_linear.py); returns how many layers were switched (0: not a bf16 CPU run)."""
+    fsdp_param = dist.fsdp.param_dtype if dist.strategy == "fsdp2" and dist.fsdp else None
+    if not computes_in_bf16_on_cpu(model, device, {amp, DTYPES.get(fsdp_param)}):
+        return 0
+    return use_layout_aware_linear(model)
 
 
 def maybe_compile(model, t: TrainingConfig):

@@ -201,6 +201,64 @@ def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alo
     assert not torch.allclose(stock_flat[11:], out[11:], atol=1e-3)
 
 
+def test_layout_aware_linear_computes_the_same_products_as_autograd_in_bf16():
+    """Forward is bitwise autocast's; input, weight and bias gradients match the exact
+    products of the bf16-rounded operands (as stock autograd's do), with and without a frozen
+    weight; `restore_linear` gives the class forward back."""
+    from engine.cpu_linear import restore_linear, use_layout_aware_linear
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 5, 16, generator=g)
+    upstream = torch.randn(2, 5, 24, generator=g)
+
+    def run(layer, patched):
+        x = x0.clone().requires_grad_()
+        if patched:
+            assert use_layout_aware_linear(layer) == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(upstream.to(y.dtype))
+        restore_linear(layer)
+        assert "forward" not in layer.__dict__
+        return y, x.grad, layer.weight.grad, layer.bias.grad
+
+    for frozen in (False, True):
+        torch.manual_seed(3)
+        layer = torch.nn.Linear(16, 24)
+        layer.weight.requires_grad_(not frozen)
+        stock = run(layer, False)
+        layer.zero_grad()
+        ours = run(layer, True)
+        assert torch.equal(ours[0], stock[0])
+        xb, wb = x0.bfloat16().double(), layer.weight.bfloat16().double()
+        gb = upstream.bfloat16().double()
+        exact = (gb @ wb, None if frozen else (gb.reshape(-1, 24).t() @ xb.reshape(-1, 16)),
+                 gb.reshape(-1, 24).sum(0))
+        for got, want, theirs in zip(ours[1:], exact, stock[1:]):
+            if want is None:
+                assert got is None and theirs is None
+                continue
+            torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(theirs.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_fast_bf16_kernels_switch_on_only_for_bf16_on_cpu():
+    from engine.runtime import use_fast_bf16_cpu_kernels
+    from finetune.config.distributed import DistributedConfig, FsdpConfig
+
+    model = _stories()
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    cpu, single = torch.device("cpu"), DistributedConfig()
+    assert use_fast_bf16_cpu_kernels(model, cpu, None, single) == 0
+    assert use_fast_bf16_cpu_kernels(model, torch.device("cuda"), torch.bfloat16, single) == 0
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    fsdp = DistributedConfig(strategy="fsdp2", nproc_per_node=2,
+                             fsdp=FsdpConfig(param_dtype="bfloat16"))
+    assert use_fast_bf16_cpu_kernels(model, cpu, None, fsdp) == n_linear > 0
+    assert use_fast_bf16_cpu_kernels(_stories(), cpu, torch.bfloat16, single) == n_linear
+    assert use_fast_bf16_cpu_kernels(_stories().bfloat16(), cpu, None, single) == n_linear
+
+
 def test_packing_probe_refuses_models_that_cannot_separate_examples():
     from types import SimpleNamespace
 
