@@ -66,7 +66,8 @@ def use_fast_bf16_cpu_kernels(model, device: torch.device, amp: torch.dtype | No
                               dist: DistributedConfig) -> int:
     """bf16 on a CPU: linear layers whose backward avoids the slow GEMM layout (see
     engine/cpu_linear.py); returns how many layers were switched (0: not a bf16 CPU run)."""
-    fsdp_param = dist.fsdp.param_dtype if dist.strategy == "fsdp2" and dist.fsdp else None
+    # the config admits a `fsdp` section only where it applies (fsdp2, sharded DiLoCo)
+    fsdp_param = dist.fsdp.param_dtype if dist.fsdp else None
     if not computes_in_bf16_on_cpu(model, device, {amp, DTYPES.get(fsdp_param)}):
         return 0
     return use_layout_aware_linear(model)
