@@ -23,6 +23,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from engine.model import base_model
+
 VARLEN_SDPA = "finetune_varlen_sdpa"
 
 
@@ -52,7 +54,7 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, sdpa_mask)
 def use_varlen_attention(model) -> str | None:
     """Switch a transformers model (or a PEFT model around one) to VARLEN_SDPA; returns the
     implementation it had (to switch back), or None when it cannot be switched."""
-    base = getattr(model, "get_base_model", lambda: model)()
+    base = base_model(model)
     config = getattr(base, "config", None)
     if not hasattr(base, "set_attn_implementation") or config is None:
         return None
@@ -64,4 +66,4 @@ def use_varlen_attention(model) -> str | None:
 
 
 def restore_attention(model, implementation: str) -> None:
-    getattr(model, "get_base_model", lambda: model)().set_attn_implementation(implementation)
+    base_model(model).set_attn_implementation(implementation)

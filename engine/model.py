@@ -235,6 +235,11 @@ def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_di
     return load_base_model(cfg, root, ref=str(trained_dir))
 
 
+def base_model(model):
+    """The transformers model inside a PEFT wrapper (the model itself when not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def count_parameters(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -18,6 +18,7 @@ import torch
 
 from engine.attention import restore_attention, use_varlen_attention
 from engine.data import collate_flat, collate_packed, model_inputs, to_device
+from engine.model import base_model
 from finetune.errors import PipelineError
 
 POSITION_IDS = "position_ids"
@@ -46,7 +47,7 @@ def _probe_rows(vocab_size: int) -> list[dict]:
 
 
 def _takes_positions(model, key: str) -> None:
-    forward = getattr(model, "get_base_model", lambda: model)().forward
+    forward = base_model(model).forward
     if POSITION_IDS not in inspect.signature(forward).parameters:
         raise PipelineError(
             f"{key}: {type(model).__name__}.forward takes no position_ids, so examples sharing "

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor
 
 from engine.comm import install_fsdp_counters
-from engine.model import DTYPES
+from engine.model import DTYPES, base_model
 from engine.strategies.base import Strategy
 from finetune.config.distributed import FsdpConfig
 from finetune.errors import PipelineError
@@ -37,7 +37,7 @@ def shard_units(model: torch.nn.Module, paths: list[str] | None) -> list[torch.n
             is_list = isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
             units.extend(module if is_list else [module])
         return units
-    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf = base_model(model)
     block_names = set(getattr(hf, "_no_split_modules", None) or [])
     units = [m for m in model.modules() if type(m).__name__ in block_names]
     if not units:
