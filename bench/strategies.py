@@ -31,8 +31,9 @@ def runs(steps: int, outer: dict) -> list[tuple[str, dict]]:
     for h in (10, 50):
         if steps % h == 0:
             out.append((f"diloco H={h}", {
-                **quiet, **TWO, "distributed.strategy": "diloco", "training.max_steps": h,
-                "distributed.diloco.diloco_loops": steps // h, **outer}))
+                **quiet, **TWO, "distributed.strategy": "diloco", "training.max_steps": steps,
+                "distributed.diloco.inner_steps": h, "distributed.diloco.diloco_loops": steps // h,
+                **outer}))
     return out
 
 

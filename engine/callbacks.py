@@ -17,12 +17,12 @@ arguments. Callbacks observe; stopping is the monitor's job (eval.early_stopping
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune.errors import PipelineError
+from finetune.imports import load_object
 
 HOOKS = ("on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
 
@@ -75,12 +75,7 @@ class CallbackList:
 
 def load_user_callback(spec: str):
     """'module:Class' -> an instance (what logging.callbacks names)."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise PipelineError(f"logging.callbacks: cannot import '{spec}' ({exc})") from None
-    callback = factory()
+    callback = load_object(spec, "logging.callbacks")()
     if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
         raise PipelineError(f"logging.callbacks: '{spec}' has none of the hooks {', '.join(HOOKS)}")
     return callback

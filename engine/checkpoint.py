@@ -16,7 +16,6 @@ the newest `save_total_limit` by save time, or, with a metric, the newest plus t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -31,19 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from finetune.workspace import replace_dir
+from finetune.files import file_sha256, replace_dir
 
 PREFIX = "step-"
 META = "meta.json"
 TRAINER = "trainer.pt"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
@@ -101,7 +92,7 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
     _barrier()
     if rank == 0:
         torch.save(trainer_state, staging / TRAINER)
-        files = {p.name: _sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+        files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
         meta = {**meta, "step": step, "saved_at_ns": time.time_ns(), "files": files}
         (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
         _fsync_dir(staging)
@@ -159,7 +150,7 @@ def is_valid(path: Path) -> bool:
     files = (meta or {}).get("files")
     if not files:
         return False
-    return all((path / name).is_file() and _sha256(path / name) == digest
+    return all((path / name).is_file() and file_sha256(path / name) == digest
                for name, digest in files.items())
 
 

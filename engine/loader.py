@@ -76,3 +76,36 @@ def micro_batches(loader: DataLoader, epoch: int, start: int) -> Iterator[dict]:
         loader.sampler.set_epoch(epoch, start)
         yield from loader
         epoch, start = epoch + 1, 0
+
+
+def open_train_batches(t, train_data, d, collate_fn: Callable,
+                       stream=None) -> tuple[Callable[[int, int], Iterator[dict]], int | None,
+                                             float]:
+    """This rank's training micro-batches for `t` (the training section): (open(epoch,
+    start) -> micro-batches, optimizer steps per epoch, micro-batches per epoch). From the
+    tokenized split at `train_data`, or from `stream` (epoch -> examples), whose epoch length
+    is unknown (None, inf)."""
+    import math
+
+    from engine.data import load_tokenized
+    from engine.stream import StreamedBatches
+    from finetune.errors import PipelineError
+
+    if stream is not None:
+        streamed = StreamedBatches(stream, t.per_device_train_batch_size, d.rank, d.world_size,
+                                   collate_fn)
+        return streamed.micro_batches, None, math.inf
+    train_ds = load_tokenized(train_data)
+    accum = t.gradient_accumulation_steps
+    lengths = tuple(len(x) for x in train_ds["input_ids"]) if t.group_by_length else None
+    batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
+                             t.seed, accum, lengths, t.dataloader_drop_last)
+    if len(batches) == 0:
+        raise PipelineError(
+            f"train split has {len(train_ds)} rows, fewer than one optimizer step needs "
+            f"({batches.global_batch * accum}); lower per_device_train_batch_size or "
+            "gradient_accumulation_steps"
+        )
+    loader = make_loader(train_ds, batches, collate_fn, t, d.device)
+    return (lambda epoch, start: micro_batches(loader, epoch, start),
+            len(batches) // accum, len(batches))

@@ -138,18 +138,14 @@ def register_model_class(key: str, cls: Any = None):
 
 def model_class(name: str):
     """Resolve model.auto_class_name (registry key, transformers Auto class, module:Class)."""
-    import importlib
-
     import transformers
+
+    from finetune.imports import load_object
 
     if name in MODEL_CLASSES:
         return MODEL_CLASSES[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            klass = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise PipelineError(f"model.auto_class_name: cannot import '{name}' ({exc})") from None
+        klass = load_object(name, "model.auto_class_name")
         return MODEL_CLASSES.get(name) or register_model_class(name, klass)
     if name.startswith("AutoModel") and hasattr(transformers, name):
         return getattr(transformers, name)

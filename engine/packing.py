@@ -12,12 +12,14 @@ model is switched to the varlen attention and must give the separate forwards' l
 
 from __future__ import annotations
 
+import functools
 import inspect
+from typing import Callable
 
 import torch
 
 from engine.attention import restore_attention, use_varlen_attention
-from engine.data import collate_flat, collate_packed, model_inputs, to_device
+from engine.data import collate, collate_flat, collate_packed, model_inputs, to_device
 from engine.model import base_model
 from finetune.errors import PipelineError
 
@@ -97,3 +99,24 @@ def probe_packing(model, vocab_size: int, device: torch.device,
         f"training.packing: {type(model).__name__} lets packed examples attend to each other "
         "even with restarted position_ids and a block-diagonal mask; set training.packing: false"
     )
+
+
+def prepare_batch_layout(t, max_seq_length: int, model, pad_id: int, device: torch.device,
+                         amp: torch.dtype | None, log) -> Callable[[list[dict]], dict]:
+    """The micro-batch layout `t` (the training section) asks for, made real: padded rows as
+    they come; padding-free switches the model's attention to the varlen function and probes
+    it; packing probes how the model keeps packed examples apart. Returns the collate function
+    that feeds the model the way the probe found it needs. `log`: a line for the run's log."""
+    if t.padding_free:
+        enable_padding_free(model, model.config.vocab_size, device)
+        log("[train] padding-free: each micro-batch is one row, attention per example")
+        return functools.partial(collate_flat, pad_id=pad_id)
+    if not t.packing:
+        return functools.partial(collate, pad_id=pad_id)
+    mask_dtype = amp or next(model.parameters()).dtype
+    mode = probe_packing(model, model.config.vocab_size, device, mask_dtype)
+    capacity = t.packed_sequence_length or max_seq_length
+    log(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by "
+        f"{'restarted position_ids' if mode == POSITION_IDS else 'a block mask'}")
+    return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity,
+                             block_mask=None if mode == POSITION_IDS else mask_dtype)

@@ -1,61 +1,55 @@
-"""What the loop puts in a checkpoint and takes back: position, scheduler, scaler, strategy
-extras, monitor, metric history; resume, and load_best_model_at_end.
+"""What a run puts in a checkpoint and takes back: position, scheduler, scaler, strategy
+extras, monitor, metric history; resume, and load_best_model_at_end. Each takes the run
+(engine.run.TrainingRun) and reads the components it needs from it.
 
 The storage format (DCP folders, hashes, rotation) is engine.checkpoint; this module decides
-the contents, so exact resume is one reviewable place.
+the contents, so exact resume is one reviewable place, and `check_resumable` is the one rule
+for "can this checkpoint continue this run" (the train stage's preflight calls it too).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine import checkpoint as ckpt
-from engine.monitor import Monitor
 from engine.reporters import History
-from engine.strategies import Strategy
+from finetune.config.distributed import DistributedConfig
 from finetune.errors import PipelineError
-
-
-@dataclass
-class Position:
-    """Where the data stream is: resume restores exactly this."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    tokens_seen: int = 0
 
 
 def history_rows(reporters) -> list[dict]:
     return reporters.find(History).rows if reporters else []
 
 
-def save(directory, cfg, strategy: Strategy, optimizer, scheduler, scaler, pos, d,
-         reporters, monitor: Monitor, evaluated: dict) -> Path:
+def save(run, evaluated: dict) -> Path:
+    """Collective: checkpoint the run at its current step."""
     trainer_state = {
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler else None,
-        "strategy": strategy.trainer_state(),
-        "history": history_rows(reporters),
-        "monitor": monitor.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict() if run.scaler else None,
+        "strategy": run.strategy.trainer_state(),
+        "history": history_rows(run.reporters),
+        "monitor": run.monitor.state_dict(),
     }
-    meta = {**pos.__dict__, "world_size": d.world_size, "strategy": strategy.name, **evaluated}
-    path = ckpt.save(directory, pos.step, strategy.dcp_state(optimizer), trainer_state, meta,
-                     cfg.checkpoint.save_total_limit, monitor.best_by)
-    if d.is_main:
-        print(f"[train] checkpoint {path}", flush=True)
+    dist_cfg = run.cfg.distributed
+    meta = {**run.progress.position(), "world_size": dist_cfg.world_size,
+            "strategy": dist_cfg.resolved_strategy, **evaluated}
+    path = ckpt.save(run.paths.checkpoints, run.progress.step,
+                     run.strategy.dcp_state(run.optimizer), trainer_state, meta,
+                     run.cfg.checkpoint.save_total_limit, run.monitor.best_by)
+    run.log(f"[train] checkpoint {path}")
     return path
 
 
-def check_resumable(meta: dict, path: Path, world_size: int, strategy: str) -> None:
-    """Exact resume needs the same world size (data shards, per-rank RNG) and strategy."""
-    if meta.get("world_size") != world_size or meta.get("strategy", strategy) != strategy:
+def check_resumable(meta: dict, path: Path, dist: DistributedConfig) -> None:
+    """Exact resume needs the same world size (data shards, per-rank RNG) and the same
+    strategy that actually ran (`resolved_strategy`: ddp with one process is single)."""
+    world, strategy = dist.world_size, dist.resolved_strategy
+    if meta.get("world_size") != world or meta.get("strategy", strategy) != strategy:
         raise PipelineError(
             f"checkpoint {path} was written by strategy {meta.get('strategy')} with world size "
-            f"{meta.get('world_size')} but this run is {strategy} with world size {world_size}; "
+            f"{meta.get('world_size')} but this run is {strategy} with world size {world}; "
             "resume with the same distributed.strategy and nproc_per_node x nnodes"
         )
 
@@ -70,40 +64,41 @@ def _main_decides(choose, d):
     return path
 
 
-def load_best(directory, strategy: Strategy, optimizer, monitor: Monitor, d) -> int | None:
+def _load(run, path: Path) -> tuple[dict, dict]:
+    optimizer, strategy = run.optimizer, run.strategy
+    return ckpt.load(path, strategy.dcp_state(optimizer),
+                     lambda state: strategy.load_dcp_state(optimizer, state))
+
+
+def load_best(run) -> int | None:
     """load_best_model_at_end: the best kept checkpoint's weights become the trained model."""
-    path = _main_decides(lambda: ckpt.best(directory, monitor.best_by), d)
+    monitor = run.monitor
+    path = _main_decides(lambda: ckpt.best(run.paths.checkpoints, monitor.best_by), run.dist)
     if path is None:
-        if d.is_main:
-            print("[train] load_best_model_at_end: no checkpoint with a metric; keeping the "
-                  "final weights", flush=True)
+        run.log("[train] load_best_model_at_end: no checkpoint with a metric; keeping the "
+                "final weights")
         return None
-    _, meta = ckpt.load(path, strategy.dcp_state(optimizer),
-                        lambda state: strategy.load_dcp_state(optimizer, state))
-    if d.is_main:
-        print(f"[train] load_best_model_at_end: {path.name} ({monitor.metric} "
-              f"{meta.get(monitor.metric):.6g})", flush=True)
+    _, meta = _load(run, path)
+    run.log(f"[train] load_best_model_at_end: {path.name} ({monitor.metric} "
+            f"{meta.get(monitor.metric):.6g})")
     return meta.get("step")
 
 
-def resume(directory, strategy: Strategy, optimizer, scheduler, scaler, d,
-           monitor: Monitor) -> tuple[Position, list]:
-    path = _main_decides(lambda: ckpt.latest(directory), d)
+def resume(run) -> list[dict]:
+    """Restore the run from its latest valid checkpoint; returns the logged rows it held."""
+    directory = run.paths.checkpoints
+    path = _main_decides(lambda: ckpt.latest(directory), run.dist)
     if path is None:
-        if d.is_main:
-            print(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
-                  "starting from scratch", flush=True)
-        return Position(), []
-    meta = ckpt.read_meta(path) or {}
-    check_resumable(meta, path, d.world_size, strategy.name)
-    trainer_state, meta = ckpt.load(path, strategy.dcp_state(optimizer),
-                                    lambda state: strategy.load_dcp_state(optimizer, state))
-    scheduler.load_state_dict(trainer_state["scheduler"])
-    if scaler and trainer_state.get("scaler"):
-        scaler.load_state_dict(trainer_state["scaler"])
-    strategy.load_trainer_state(trainer_state.get("strategy", {}))
-    monitor.load_state_dict(trainer_state.get("monitor", {}))
-    pos = Position(**{k: meta[k] for k in ("step", "epoch", "batch_in_epoch", "tokens_seen")})
-    if d.is_main:
-        print(f"[train] resumed from {path} at step {pos.step}", flush=True)
-    return pos, trainer_state.get("history", [])
+        run.log(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
+                "starting from scratch")
+        return []
+    check_resumable(ckpt.read_meta(path) or {}, path, run.cfg.distributed)
+    trainer_state, meta = _load(run, path)
+    run.scheduler.load_state_dict(trainer_state["scheduler"])
+    if run.scaler and trainer_state.get("scaler"):
+        run.scaler.load_state_dict(trainer_state["scaler"])
+    run.strategy.load_trainer_state(trainer_state.get("strategy", {}))
+    run.monitor.load_state_dict(trainer_state.get("monitor", {}))
+    run.progress.restore(meta)
+    run.log(f"[train] resumed from {path} at step {run.progress.step}")
+    return trainer_state.get("history", [])

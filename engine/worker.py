@@ -1,17 +1,17 @@
 """torchrun entry point: `python -m torch.distributed.run ... -m engine.worker JOB.json`.
 
-The job file carries the already-validated config (so every rank trains on exactly what the
-stage validated, even if the params file changes meanwhile), the project root, the go file
-through which the stage confirms the job (and names the file rank 0 streams its logged rows
-to: the stage forwards them to MLflow), and, when the train split is streamed, the recipe function that opens the stream (the
-engine takes an example source; it knows nothing of formats and tokenizers). A `PipelineError`
-on any rank is written to the job's error file so the launching stage can re-raise the same
-one-line message instead of torchrun's failure dump.
+The job file (engine.job.JobSpec) carries the already-validated config (so every rank trains
+on exactly what the stage validated, even if the params file changes meanwhile), the run's
+input and output paths, the go file through which the stage confirms the job (and names the
+file rank 0 streams its logged rows to: the stage forwards them to MLflow), and, when the
+train split is streamed, the recipe function that opens the stream (the engine takes an
+example source; it knows nothing of formats and tokenizers). A `PipelineError` on any rank is
+written to the job's error file so the launching stage can re-raise the same one-line message
+instead of torchrun's failure dump.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import sys
@@ -20,23 +20,24 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from engine.job import JobSpec
 from finetune.errors import PipelineError
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    job = json.loads(Path(argv[0]).read_text())
-    from engine.loop import train
+    job = JobSpec.read(Path(argv[0]))
+    from engine.run import train
     from finetune.config import validate_raw
+    from finetune.imports import load_object
 
     try:
-        cfg = validate_raw(job["config"], source="train job")
-        root = Path(job["root"])
+        cfg = validate_raw(job.config, source="train job")
         stream = None
-        if job.get("train_stream"):  # 'module:function' (cfg, root) -> epoch -> examples
-            module, _, name = job["train_stream"].partition(":")
-            stream = getattr(importlib.import_module(module), name)(cfg, root)
-        train(cfg, root, launcher_go(job), stream)
+        if job.train_stream:  # 'module:function' (cfg, root) -> epoch -> examples
+            stream = load_object(job.train_stream, "train job stream")(
+                cfg, job.paths.project_root)
+        train(cfg, job.paths, launcher_go(job), stream)
         return 0
     except PipelineError as exc:
         _report(job, str(exc))
@@ -50,21 +51,20 @@ def main(argv: list[str] | None = None) -> int:
 GO_TIMEOUT_S = 600
 
 
-def launcher_go(job: dict) -> Callable[[], Path | None]:
+def launcher_go(job: JobSpec) -> Callable[[], Path | None]:
     """What rank 0 calls before it writes anything: waits for the launching stage's go file
     (its checks passed, its MLflow run is open) and returns the file the stage wants the
-    logged rows streamed to (None: it does not). The
-    launcher starts torchrun before those checks so that start-up overlaps them; "abort" in
-    the file means a check failed and the stage reports it: exit without a word."""
-    go_file = job.get("go_file")
-    if not go_file:
+    logged rows streamed to (None: it does not). The launcher starts torchrun before those
+    checks so that start-up overlaps them; "abort" in the file means a check failed and the
+    stage reports it: exit without a word."""
+    if not job.go_file:
         return lambda: None
 
     def wait() -> Path | None:
-        path, deadline = Path(go_file), time.monotonic() + GO_TIMEOUT_S
+        path, deadline = Path(job.go_file), time.monotonic() + GO_TIMEOUT_S
         while not path.exists():
             if time.monotonic() > deadline:
-                raise PipelineError(f"the train stage never confirmed the job ({go_file} "
+                raise PipelineError(f"the train stage never confirmed the job ({job.go_file} "
                                     f"missing after {GO_TIMEOUT_S}s)")
             time.sleep(0.02)
         go = json.loads(path.read_text())
@@ -75,12 +75,11 @@ def launcher_go(job: dict) -> Callable[[], Path | None]:
     return wait
 
 
-def _report(job: dict, message: str) -> None:
+def _report(job: JobSpec, message: str) -> None:
     rank = os.environ.get("RANK", "0")
     print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
-    error_file = job.get("error_file")
-    if error_file and not Path(error_file).exists():
-        Path(error_file).write_text(message)
+    if job.error_file and not Path(job.error_file).exists():
+        Path(job.error_file).write_text(message)
 
 
 if __name__ == "__main__":

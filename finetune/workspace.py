@@ -8,10 +8,7 @@ and these paths in step.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -108,45 +105,6 @@ class Workspace:
     def mlflow_uri(self) -> str:
         uri = self.config.logging.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         return uri or f"sqlite:///{self.root / 'mlflow.db'}"
-
-
-@contextlib.contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty staging folder that replaces `final` only if the block succeeds.
-
-    A failing stage leaves the previous successful output untouched (DVC outs are `persist`
-    so DVC does not delete them first either).
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; outputs should look like any dir
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    replace_dir(staging, final)
-
-
-def replace_dir(src: Path, final: Path) -> None:
-    """Swap `src` into `final` with renames (the old copy is removed last)."""
-    old = final.with_name(f".{final.name}.old-{os.getpid()}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(src, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def write_json_atomic(path: Path, data: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-    os.replace(tmp, path)
-    return path
 
 
 class WorkspaceBusy(PipelineError):

@@ -23,7 +23,6 @@ _FUNCTIONS = {
 
 def stage_function(name: str) -> Callable:
     """Import lazily: `finetune validate` should not pay for torch/datasets imports."""
-    import importlib
+    from finetune.imports import load_object
 
-    module, _, attr = _FUNCTIONS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return load_object(_FUNCTIONS[name], f"stage {name}")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from finetune.errors import PipelineError, TransientError
-from finetune.workspace import Workspace, atomic_dir
+from finetune.files import atomic_dir
+from finetune.workspace import Workspace
 from tasks.contracts import validate_raw_split
 from tasks.templates import template_columns
 

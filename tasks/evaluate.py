@@ -19,7 +19,8 @@ from engine.evaluation import evaluate_loss
 from engine.generation import encode_prompts, greedy_generate
 from engine.model import load_base_model, load_tokenizer, load_trained, max_positions
 from finetune.errors import PipelineError
-from finetune.workspace import Workspace, write_json_atomic
+from finetune.files import write_json_atomic
+from finetune.workspace import Workspace
 from tasks import tracking
 from tasks.metrics import generation_metrics
 

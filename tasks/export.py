@@ -17,7 +17,8 @@ import yaml
 
 from engine.model import load_tokenizer, load_trained, resolve_model_ref
 from finetune.errors import PipelineError
-from finetune.workspace import Workspace, atomic_dir, write_json_atomic
+from finetune.files import atomic_dir, write_json_atomic
+from finetune.workspace import Workspace
 from tasks import registry, tracking
 
 ADAPTER_DIR = "adapter"

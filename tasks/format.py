@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 
 from finetune.errors import PipelineError
-from finetune.workspace import Workspace, atomic_dir
+from finetune.files import atomic_dir
+from finetune.workspace import Workspace
 from tasks.contracts import validate_formatted
 from tasks.stream import carry_manifest
 from tasks.templates import builder

@@ -20,10 +20,26 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from engine.job import JobSpec, RunPaths
 from finetune.errors import PipelineError
-from finetune.workspace import Workspace, write_json_atomic
+from finetune.files import write_json_atomic
+from finetune.workspace import Workspace
 
 STREAM_SOURCE = "tasks.stream:open_train_stream"
+
+
+def run_paths(ws: Workspace) -> RunPaths:
+    """The pipeline's layout, handed to the engine as explicit paths."""
+    layout = ws.layout
+    return RunPaths(
+        project_root=ws.root,
+        train_data=None if ws.config.data.streaming else layout.tokenized / "train",
+        eval_data=layout.tokenized / "test",
+        checkpoints=layout.checkpoints,
+        trained=layout.trained,
+        metrics_file=layout.metrics / "train.json",
+        plots_dir=layout.plots,
+    )
 
 
 def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
@@ -57,15 +73,15 @@ class TorchrunJob:
         tmp = Path(self._tmp.name)
         self.job_file, self.error_file = tmp / "job.json", tmp / "error.txt"
         self.go_file, self.stderr_file = tmp / "go.json", tmp / "stderr.txt"
-        self.job_file.write_text(json.dumps({
-            "config": self.ws.config.model_dump(mode="json"),
-            "root": str(self.ws.root),
-            "error_file": str(self.error_file),
+        JobSpec(
+            config=self.ws.config.model_dump(mode="json"),
+            paths=run_paths(self.ws),
+            error_file=str(self.error_file),
             # rank 0 waits for this before writing anything; None: no MLflow run, no wait
-            "go_file": str(self.go_file) if self.handshake else None,
+            go_file=str(self.go_file) if self.handshake else None,
             # streaming: the recipe's example source, resolved by the worker on every rank
-            "train_stream": STREAM_SOURCE if self.ws.config.data.streaming else None,
-        }))
+            train_stream=STREAM_SOURCE if self.ws.config.data.streaming else None,
+        ).write(self.job_file)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(self.ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
         env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count

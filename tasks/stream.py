@@ -21,7 +21,7 @@ import pandas as pd
 
 from finetune.config.schema import DataConfig, FinetuneConfig
 from finetune.errors import PipelineError, TransientError
-from finetune.workspace import write_json_atomic
+from finetune.files import file_sha256, write_json_atomic
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 #: rows formatted and tokenized per call (the tokenizer is fast on batches, slow row by row)
@@ -112,16 +112,10 @@ def head(data: DataConfig, source: dict[str, Any], n: int = HEAD_ROWS) -> pd.Dat
 def source_manifest(data: DataConfig, source: dict[str, Any], root: Path) -> dict[str, Any]:
     """What the download stage decided about the train stream, and the local files' hashes:
     the streamed split is no DVC output, so this manifest is what changes when it does."""
-    import hashlib
-
     files = {}
     if not data.dataset_name:
         for split, ref in (data.data_files or {data.train_split: data.json_file_path}).items():
-            h = hashlib.sha256()
-            with open(root / ref, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-            files[split] = h.hexdigest()
+            files[split] = file_sha256(root / ref)
     return {"train_split": data.train_split, "dataset_name": data.dataset_name,
             "subset": data.subset, "sha256": files, "holdout_rows": holdout_rows(data, source),
             "max_train_samples": data.max_train_samples, "shuffle_buffer": data.shuffle_buffer,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import string
 from typing import Any, Callable
 
 from finetune.config.schema import DataConfig
 from finetune.errors import PipelineError
+from finetune.imports import load_object
 
 RowFn = Callable[[dict[str, Any]], str]
 
@@ -49,14 +49,7 @@ def builder(data: DataConfig, part: str) -> RowFn:
 
 
 def load_callable(ref: str, key: str) -> RowFn:
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        raise PipelineError(f"{key} '{ref}' must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PipelineError(f"{key} '{ref}': cannot import module '{module_name}' ({exc})")
-    fn = getattr(module, attr, None)
+    fn = load_object(ref, key)
     if not callable(fn):
-        raise PipelineError(f"{key} '{ref}': module '{module_name}' has no function '{attr}'")
+        raise PipelineError(f"{key}: '{ref}' is not a function")
     return fn

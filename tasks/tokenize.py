@@ -17,7 +17,8 @@ import pandas as pd
 
 from engine.model import bos_prefix_id, load_tokenizer, max_positions
 from finetune.errors import PipelineError
-from finetune.workspace import Workspace, atomic_dir, write_json_atomic
+from finetune.files import atomic_dir, write_json_atomic
+from finetune.workspace import Workspace
 from tasks.contracts import validate_tokenized
 from tasks.stream import carry_manifest
 

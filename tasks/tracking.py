@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from finetune.config import config_fingerprint
+from finetune.files import file_sha256
 from finetune.workspace import Workspace
 
 
@@ -81,10 +82,8 @@ def data_hashes(raw_dir: Path) -> dict[str, str]:
     whole = hashlib.sha256()
     tags = {}
     for path in sorted([*raw_dir.glob("*.parquet"), *raw_dir.glob("stream.json")]):
-        content = path.read_bytes()
         whole.update(path.name.encode())
-        whole.update(content)
-        tags[f"data_sha256.{path.name}"] = hashlib.sha256(content).hexdigest()
+        tags[f"data_sha256.{path.name}"] = file_sha256(path, into=whole)
     return {"data_sha256": whole.hexdigest(), **tags}
 
 

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 from finetune.errors import PipelineError
-from finetune.workspace import Workspace, write_json_atomic
+from finetune.files import write_json_atomic
+from finetune.workspace import Workspace
 from tasks import tracking
 from tasks.curves import render_curves
 from tasks.launch import TorchrunJob
@@ -41,19 +42,13 @@ def preflight(ws: Workspace) -> None:
         holdout_rows(cfg.data, open_source(cfg.data, ws.root))  # the train split exists
     elif not (ws.layout.tokenized / "train").exists():
         raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
-    if cfg.training.mixed_precision == "fp16" and cfg.distributed.strategy == "fsdp2":
-        raise PipelineError(
-            "training.mixed_precision: fp16 with strategy fsdp2 needs a sharded GradScaler, "
-            "which this trainer does not use; use bf16 (distributed.fsdp.param_dtype: bfloat16)"
-        )
     if cfg.checkpoint.resume_from_checkpoint:
         from engine import checkpoint as ckpt
         from engine.trainer_state import check_resumable
 
         path = ckpt.latest(ws.layout.checkpoints)
         if path is not None:  # no checkpoint: the worker says so and starts from scratch
-            check_resumable(ckpt.read_meta(path) or {}, path, cfg.distributed.world_size,
-                            cfg.distributed.strategy)
+            check_resumable(ckpt.read_meta(path) or {}, path, cfg.distributed)
 
 
 RESUME_ENV = "FINETUNE_RESUME"

@@ -64,15 +64,27 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"distributed.nproc_per_node": 2}, "strategy 'single' runs one process"),
         ({"distributed.strategy": "diloco"}, "strategy 'diloco' needs its outer-loop settings"),
         ({"distributed.fsdp.cpu_offload": True}, "distributed.fsdp is set but strategy is 'single'"),
-        ({"distributed.strategy": "diloco", "distributed.diloco.diloco_loops": 2,
-          "eval.eval_steps": 45}, "eval.eval_steps 45 must be a multiple of training.max_steps"),
-        ({"distributed.strategy": "diloco", "distributed.diloco.diloco_loops": 2,
-          "training.max_steps": 10, "checkpoint.save_steps": 15}, "checkpoint.save_steps 15 must be a multiple"),
-        ({"distributed.strategy": "diloco", "distributed.diloco.diloco_loops": 2,
+        ({"distributed.strategy": "diloco", "distributed.diloco.diloco_loops": 2},
+         "distributed.diloco.inner_steps: required key is missing"),
+        ({"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 50,
+          "distributed.diloco.diloco_loops": 2},
+         "training.max_steps 150 != distributed.diloco.inner_steps 50 x diloco_loops 2 = 100"),
+        ({"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+          "distributed.diloco.diloco_loops": 2, "eval.eval_steps": 45},
+         "eval.eval_steps 45 must be a multiple of distributed.diloco.inner_steps 75"),
+        ({"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 10,
+          "distributed.diloco.diloco_loops": 2, "training.max_steps": 20, "eval.eval_steps": 10,
+          "checkpoint.save_steps": 15}, "checkpoint.save_steps 15 must be a multiple"),
+        ({"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+          "distributed.diloco.diloco_loops": 2,
           "distributed.diloco.local_sgd_start_step": 300, "eval.eval_strategy": "no",
           "checkpoint.save_strategy": "no"}, "the run would never go local"),
-        ({"distributed.strategy": "diloco", "distributed.diloco.outer_optimizer": "Nesterov"},
+        ({"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+          "distributed.diloco.diloco_loops": 2, "distributed.diloco.outer_optimizer": "Nesterov"},
          "'Nesterov' is not a torch.optim optimizer class"),
+        ({"distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2,
+          "training.mixed_precision": "fp16"},
+         "training.mixed_precision: fp16 with FSDP2 sharding needs a sharded GradScaler"),
         ({"distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2,
           "distributed.fsdp.param_dtype": "bf16"}, "distributed.fsdp.param_dtype"),
         ({"scheduler.name": "cosine_annealing"}, "scheduler.name"),
@@ -89,8 +101,9 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"checkpoint.metric_for_best_model": "eval_loss", "eval.early_stopping_patience": 3,
           "eval.eval_strategy": "no"}, "set eval.eval_strategy to steps or epoch"),
         ({"checkpoint.metric_for_best_model": "train_loss"}, "checkpoint.metric_for_best_model"),
-        ({"distributed.strategy": "diloco", "distributed.diloco.diloco_loops": 2,
-          "eval.eval_strategy": "epoch"}, "eval.eval_strategy epoch is not supported under diloco"),
+        ({"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+          "distributed.diloco.diloco_loops": 2, "eval.eval_strategy": "epoch"},
+         "eval.eval_strategy epoch is not supported under diloco"),
         ({"optimizer.optimizer_groups": {"(": {}}}, "not a valid regular expression"),
         ({"eval.generation_metrics": ["bleu"]}, "eval.generation_metrics"),
         ({"registry.gate_metric": "eval.exact_match", "eval.generation_metrics": []},
@@ -113,6 +126,30 @@ def _error(tmp_path: Path, overrides: dict) -> str:
 )
 def test_bad_values_are_one_line_errors(tmp_path, overrides, expected):
     assert expected in _error(tmp_path, overrides)
+
+
+def test_a_hub_dataset_alone_is_a_valid_data_section():
+    """The demo files live in params/default.yaml, not in the schema's defaults."""
+    from finetune.config import validate_raw
+
+    cfg = validate_raw({"data": {"dataset_name": "openai/gsm8k"}})
+    assert cfg.data.dataset_name == "openai/gsm8k" and cfg.data.json_file_path is None
+
+
+def test_resolved_strategy_is_what_runs():
+    from finetune.config import validate_raw
+
+    def resolved(**dist):
+        return validate_raw({"data": {"dataset_name": "x"}, "distributed": dist}
+                            ).distributed.resolved_strategy
+
+    assert resolved(strategy="ddp") == "single" and resolved(strategy="fsdp2") == "single"
+    assert resolved(strategy="ddp", nproc_per_node=2) == "ddp"
+    assert resolved(strategy="fsdp2", nnodes=2) == "fsdp2"
+    assert resolved(strategy="diloco", diloco={"inner_steps": 2}) == "diloco"
+    # fp16 is refused only where FSDP2 really shards (one process runs single-device)
+    assert validate_raw({"data": {"dataset_name": "x"}, "training": {"mixed_precision": "fp16"},
+                         "distributed": {"strategy": "fsdp2"}})
 
 
 def test_global_batch_consistent_is_accepted(tmp_path):

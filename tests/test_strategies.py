@@ -71,11 +71,13 @@ def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(token
     outer_sgd = {"distributed.strategy": "diloco", "distributed.diloco.outer_lr": 1.0,
                  "distributed.diloco.outer_momentum": 0.0}
     h1, _ = train_copy(tokenized, tmp_path / "h1", {
-        **SGD, **TWO, **outer_sgd, "training.max_steps": 1, "distributed.diloco.diloco_loops": 6})
+        **SGD, **TWO, **outer_sgd, "distributed.diloco.inner_steps": 1,
+        "distributed.diloco.diloco_loops": 6})
     assert losses(h1) == pytest.approx(losses(ddp), abs=1e-5)
     assert_weights_close(adapter(h1), adapter(ddp))
     h3, proc = train_copy(tokenized, tmp_path / "h3", {
-        **SGD, **TWO, **outer_sgd, "training.max_steps": 3, "distributed.diloco.diloco_loops": 2})
+        **SGD, **TWO, **outer_sgd, "distributed.diloco.inner_steps": 3,
+        "distributed.diloco.diloco_loops": 2})
     assert "outer_step=2" in proc.stdout
     per_step = {name: train_metrics(p)["comm_bytes_per_step"] for name, p in
                 (("ddp", ddp), ("h1", h1), ("h3", h3))}
@@ -84,8 +86,8 @@ def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(token
     export_loads(h3)
     # post-local SGD: DDP-style gradient averaging for 3 steps, then 3 local steps + averaging
     post, proc = train_copy(tokenized, tmp_path / "post", {
-        **SGD, **TWO, **outer_sgd, "training.max_steps": 3, "distributed.diloco.diloco_loops": 2,
-        "distributed.diloco.local_sgd_start_step": 3})
+        **SGD, **TWO, **outer_sgd, "distributed.diloco.inner_steps": 3,
+        "distributed.diloco.diloco_loops": 2, "distributed.diloco.local_sgd_start_step": 3})
     assert losses(post)[:3] == pytest.approx(losses(ddp)[:3], abs=1e-5)
     assert losses(post)[3:] != pytest.approx(losses(ddp)[3:], abs=1e-5)
     m, trainable = train_metrics(post), train_metrics(post)["trainable_params"]
@@ -103,8 +105,10 @@ def _free_port() -> int:
 @pytest.mark.parametrize("strategy", [
     {"distributed.strategy": "fsdp2", "training.per_device_train_batch_size": 2,
      "training.gradient_accumulation_steps": 2},
-    {"distributed.strategy": "diloco", "training.max_steps": 3, "distributed.diloco.diloco_loops": 4},
-    {"distributed.strategy": "diloco", "training.max_steps": 3, "distributed.diloco.diloco_loops": 4,
+    {"distributed.strategy": "diloco", "training.max_steps": 12,
+     "distributed.diloco.inner_steps": 3, "distributed.diloco.diloco_loops": 4},
+    {"distributed.strategy": "diloco", "training.max_steps": 12,
+     "distributed.diloco.inner_steps": 3, "distributed.diloco.diloco_loops": 4,
      "distributed.nproc_per_node": 4, "distributed.diloco.fsdp_group_size": 2,
      "training.per_device_train_batch_size": 2},
 ], ids=["fsdp2", "diloco", "diloco-fsdp2-workers"])
@@ -158,8 +162,8 @@ def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, tm
     """OpenDiLoCo's layout: 4 processes = 2 DiLoCo workers x FSDP2 groups of 2 (batch 2 each)
     trains like 2 unsharded workers with batch 4 (the same examples per worker and step); each
     rank then sends only its shard of the pseudo-gradient."""
-    common = {"distributed.strategy": "diloco", "training.max_steps": 3,
-              "distributed.diloco.diloco_loops": 2, "eval.eval_steps": 3,
+    common = {"distributed.strategy": "diloco", "training.max_steps": 6,
+              "distributed.diloco.inner_steps": 3, "distributed.diloco.diloco_loops": 2, "eval.eval_steps": 3,
               "checkpoint.save_strategy": "no"}
     plain, _ = train_copy(tokenized, tmp_path / "plain", {**common, **TWO})
     sharded, proc = train_copy(tokenized, tmp_path / "sharded", {

@@ -6,20 +6,25 @@ from engine.comm import CommMeter
 from engine.distributed import Dist
 from engine.strategies.base import Strategy
 from finetune.config import FinetuneConfig
+from finetune.errors import PipelineError
 
 
 def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
-    """The configured strategy; DDP and FSDP2 with one process degrade to single-device."""
-    name = cfg.distributed.strategy
+    """The strategy that runs: `distributed.resolved_strategy` (DDP and FSDP2 with one
+    process are single-device), for the world size the job was launched with."""
+    dist = cfg.distributed
+    if d.world_size != dist.world_size:
+        raise PipelineError(
+            f"the job runs {d.world_size} processes but distributed.nproc_per_node x nnodes "
+            f"is {dist.world_size}; launch it with the configured sizes")
+    name = dist.resolved_strategy
+    if name != dist.strategy and d.is_main:
+        print(f"[train] strategy {dist.strategy} with world size 1: training single-device",
+              flush=True)
     if name == "diloco":
         from engine.strategies.diloco import DiLoCoStrategy
 
         return DiLoCoStrategy(cfg, d, meter)
-    if d.world_size == 1:
-        if name != "single" and d.is_main:
-            print(f"[train] strategy {name} with world size 1: training single-device",
-                  flush=True)
-        return Strategy(cfg, d, meter)
     if name == "ddp":
         from engine.strategies.ddp import DDPStrategy
 
@@ -28,4 +33,4 @@ def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
         from engine.strategies.fsdp2 import FSDP2Strategy
 
         return FSDP2Strategy(cfg, d, meter)
-    raise AssertionError(f"strategy {name} with world size {d.world_size}")
+    return Strategy(cfg, d, meter)

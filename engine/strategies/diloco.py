@@ -51,7 +51,7 @@ class DiLoCoStrategy(Strategy):
 
     def wrap(self, model):
         c = self.cfg.distributed.diloco
-        self.h = self.cfg.training.max_steps
+        self.h = c.inner_steps
         self.start = c.local_sgd_start_step
         self.group_size = c.fsdp_group_size
         self.workers = self.d.world_size // self.group_size

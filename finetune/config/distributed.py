@@ -46,15 +46,18 @@ class FsdpConfig(Section):
 
 
 class DilocoConfig(Section):
-    """DiLoCo: `training.max_steps` local (inner) steps per outer loop, then one sync.
+    """DiLoCo: `inner_steps` (H) local steps per outer loop, then one sync.
 
-    Each worker trains alone for H = training.max_steps steps with the `optimizer` section (the
+    Each worker trains alone for H = inner_steps steps with the `optimizer` section (the
     inner optimizer); then the token-weighted mean of (global - local) is the pseudo-gradient
     that the outer optimizer applies to the global parameters. Only trainable parameters are
     synchronised (LoRA: the adapter). Outer SGD with lr 1 and no momentum is plain model
     averaging, i.e. (post-)local SGD.
     """
 
+    inner_steps: int = Field(
+        ..., gt=0, description="H: local optimizer steps per outer loop (required); a worker "
+        "trains inner_steps x diloco_loops steps, which training.max_steps may repeat.")
     diloco_loops: int = Field(1, gt=0, description="Outer loops (syncs); total steps = H x loops.")
     outer_optimizer: str = Field("SGD", description="torch.optim class for the outer step.")
     outer_lr: float = Field(0.7, gt=0, description="Outer learning rate.")
@@ -156,3 +159,18 @@ class DistributedConfig(Section):
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def resolved_strategy(self) -> str:
+        """The strategy that actually runs: DDP and FSDP2 with one process have nothing to
+        communicate and run single-device. The worker builds this one, checkpoints record it
+        and resume compares it, so one value decides everywhere."""
+        if self.strategy in ("ddp", "fsdp2") and self.world_size == 1:
+            return "single"
+        return self.strategy
+
+    @property
+    def shards_with_fsdp(self) -> bool:
+        """Does the run shard parameters with FSDP2 (strategy fsdp2, or sharded DiLoCo)?"""
+        return self.resolved_strategy == "fsdp2" or (
+            self.diloco is not None and self.diloco.fsdp_group_size > 1)

@@ -86,8 +86,7 @@ class DataConfig(Section):
     dataset_name: str | None = Field(None, description="Hub dataset id (datasets.load_dataset).")
     subset: str | None = Field(None, description="Hub dataset configuration name.")
     json_file_path: str | None = Field(
-        "data/source/gsm8k/train.jsonl",
-        description="Local json/jsonl/csv/parquet file used as the train split.",
+        None, description="Local json/jsonl/csv/parquet file used as the train split."
     )
     data_files: dict[str, str] | None = Field(
         None, description="Local files per split, e.g. {train: a.jsonl, test: b.jsonl}."
@@ -434,6 +433,12 @@ class FinetuneConfig(Section):
                 )
         if self.distributed.strategy == "diloco":
             self._check_diloco()
+        if t.mixed_precision == "fp16" and self.distributed.shards_with_fsdp:
+            raise ValueError(
+                "training.mixed_precision: fp16 with FSDP2 sharding needs a sharded GradScaler, "
+                "which this trainer does not use; use bf16 (distributed.fsdp.param_dtype: "
+                "bfloat16)"
+            )
         self.registry.check_against(self.eval)
         self._check_best_model()
         if self.data.streaming:
@@ -487,49 +492,49 @@ class FinetuneConfig(Section):
                 )
 
     def _check_diloco(self) -> None:
-        """Under DiLoCo, training.max_steps is H (inner steps per outer loop); evaluation and
+        """H = distributed.diloco.inner_steps; a worker trains H x diloco_loops steps, which
+        training.max_steps may state too (it keeps its one meaning). Evaluation and
         checkpoints happen at sync points, where every worker holds the global model."""
-        h = self.training.max_steps
+        diloco = self.distributed.diloco
+        h, total = diloco.inner_steps, diloco.inner_steps * diloco.diloco_loops
+        if self.training.max_steps > 0 and self.training.max_steps != total:
+            raise ValueError(
+                f"training.max_steps {self.training.max_steps} != distributed.diloco.inner_steps "
+                f"{h} x diloco_loops {diloco.diloco_loops} = {total} (a worker's total optimizer "
+                "steps); fix one of them, or set training.max_steps: -1"
+            )
         for key, value in (("eval.eval_strategy", self.eval.eval_strategy),
                            ("checkpoint.save_strategy", self.checkpoint.save_strategy)):
             if value == "epoch":
                 raise ValueError(f"{key} epoch is not supported under diloco (epoch ends are "
                                  "not sync points); use steps with a multiple of H")
-        if h <= 0:
-            raise ValueError(
-                "strategy diloco: training.max_steps is the inner steps per outer loop (H); "
-                "set it > 0 (epochs do not apply)"
-            )
         if self.eval.eval_strategy == "steps" and self.eval.eval_steps % h:
             raise ValueError(
-                f"eval.eval_steps {self.eval.eval_steps} must be a multiple of training.max_steps "
-                f"{h} under diloco (evaluate the global model, at an outer-loop end)"
+                f"eval.eval_steps {self.eval.eval_steps} must be a multiple of "
+                f"distributed.diloco.inner_steps {h} under diloco (evaluate the global model, "
+                "at an outer-loop end)"
             )
         if self.checkpoint.save_strategy == "steps" and self.checkpoint.save_steps % h:
             raise ValueError(
                 f"checkpoint.save_steps {self.checkpoint.save_steps} must be a multiple of "
-                f"training.max_steps {h} under diloco (checkpoints are taken at sync points)"
+                f"distributed.diloco.inner_steps {h} under diloco (checkpoints are taken at "
+                "sync points)"
             )
-        total = h * self.distributed.diloco.diloco_loops
-        start = self.distributed.diloco.local_sgd_start_step
+        start = diloco.local_sgd_start_step
         if start % h:
             raise ValueError(
                 f"distributed.diloco.local_sgd_start_step {start} must be a multiple of "
-                f"training.max_steps {h} (outer syncs fall on multiples of H)"
+                f"distributed.diloco.inner_steps {h} (outer syncs fall on multiples of H)"
             )
         if start >= total:
             raise ValueError(
-                f"distributed.diloco.local_sgd_start_step "
-                f"{self.distributed.diloco.local_sgd_start_step} >= total steps {total}: "
+                f"distributed.diloco.local_sgd_start_step {start} >= total steps {total}: "
                 "the run would never go local"
             )
 
     @property
     def total_steps_hint(self) -> int | None:
         """Total optimizer steps when known from the config alone (max_steps based)."""
-        t = self.training
-        if t.max_steps <= 0:
-            return None
         if self.distributed.strategy == "diloco":
-            return t.max_steps * self.distributed.diloco.diloco_loops
-        return t.max_steps
+            return self.distributed.diloco.inner_steps * self.distributed.diloco.diloco_loops
+        return self.training.max_steps if self.training.max_steps > 0 else None

@@ -1,0 +1,344 @@
+"""The training recipe: one run object that owns every component and one progress record.
+
+`TrainingRun(cfg, paths, dist).fit()` is the whole of training on one rank (torchtitan's
+Trainer, torchtune's recipe classes): `setup()` builds the components in a fixed order,
+`train_step()` runs one optimizer step, `maybe_log()`, `maybe_evaluate_and_save()` and
+`finish()` do the rest. The torchrun worker drives it through `train()`; tests can drive it
+in-process.
+
+Loss is token-weighted across micro-batches *and* ranks: each step's summed loss is divided by
+the number of target tokens in the whole global batch (counted before the backward passes), so
+gradient accumulation and world size do not change the objective (HF's accumulation bug).
+The strategy (engine.strategies) decides everything about communication; the loop is the same
+for single, DDP, FSDP2 and DiLoCo.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from engine import trainer_state
+from engine.comm import CommMeter
+from engine.data import count_targets, load_tokenized, model_inputs, to_device, token_loss_sum
+from engine.distributed import Dist, setup, teardown
+from engine.evaluation import evaluate_loss
+from engine.job import RunPaths
+from engine.loader import open_train_batches
+from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
+                          make_adapter_config_reproducible)
+from engine.monitor import Monitor, due
+from engine.optim import build_scheduler
+from engine.packing import prepare_batch_layout
+from engine.progress import Progress
+from engine.reporters import build_reporters
+from engine.runtime import (autocast_dtype, compile_stats, configure_torch,
+                            enable_gradient_checkpointing, maybe_compile,
+                            use_fast_bf16_cpu_kernels)
+from engine.stream import ExampleSource
+from engine.strategies import build_strategy
+from finetune.config import FinetuneConfig
+from finetune.files import atomic_dir, write_json_atomic
+
+Go = Callable[[], Any]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def total_steps(cfg: FinetuneConfig, steps_per_epoch: int | None) -> int:
+    if cfg.total_steps_hint:
+        return cfg.total_steps_hint
+    return max(1, math.ceil(cfg.training.num_train_epochs * steps_per_epoch))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
+          stream: ExampleSource | None = None) -> dict[str, Any]:
+    """Run training on this rank (process group set up and torn down here); the main rank
+    writes the trained model and metrics. `go`: called by the main rank before it writes
+    anything (the launcher's confirmation); returns the file to stream logged rows to, or None.
+    `stream`: the streamed train split (epoch -> examples), else `paths.train_data` is read."""
+    d = setup(cfg.distributed)
+    try:
+        return TrainingRun(cfg, paths, d, go, stream).fit()
+    finally:
+        teardown()
+
+
+class TrainingRun:
+    """Model, strategy, optimizer, scheduler, scaler, monitor, reporters and the progress
+    record of one training run on one rank."""
+
+    def __init__(self, cfg: FinetuneConfig, paths: RunPaths, dist: Dist, go: Go | None = None,
+                 stream: ExampleSource | None = None):
+        self.cfg, self.paths, self.dist = cfg, paths, dist
+        self.go, self.stream = go or (lambda: None), stream
+        self.amp = autocast_dtype(cfg.training, dist.device)
+        self.meter = CommMeter()
+        self.progress = Progress(dist.device)
+        self.monitor = Monitor.from_config(cfg)
+        self.reporters = None
+        self.history: list[dict] = []  # rows restored from a checkpoint
+
+    def log(self, line: str) -> None:
+        if self.dist.is_main:
+            print(line, flush=True)
+
+    # -- building ------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Everything, in the order that fixes the random streams (init, LoRA, data)."""
+        t, d = self.cfg.training, self.dist
+        configure_torch(t)
+        seed_everything(t.seed)
+        self.tokenizer = load_tokenizer(self.cfg.model, self.paths.project_root)
+        self.prepare_model()
+        eval_path = self.paths.eval_data
+        self.eval_data = load_tokenized(eval_path) if eval_path and eval_path.exists() else None
+        self.open_batches, self.steps_per_epoch, self.epoch_len = open_train_batches(
+            t, self.paths.train_data, d, self.collate_fn, self.stream)
+        self.max_steps = total_steps(self.cfg, self.steps_per_epoch)
+        self.optimizer = self.strategy.build_optimizer()
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.max_steps)
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp == torch.float16 else None
+        if self.cfg.checkpoint.resume_from_checkpoint:
+            self.history = trainer_state.resume(self)
+        self.start_step = self.progress.step
+
+    def prepare_model(self) -> None:
+        """Every model transform, in one order: load (model.dtype), gradient checkpointing
+        (HF's hooks go on the base model, before the adapter wraps it), PEFT, device, bf16
+        CPU kernels, the batch layout (attention switch and probe), the strategy's wrap
+        (DDP/FSDP2/DiLoCo), torch.compile (of the wrapped module)."""
+        cfg, d = self.cfg, self.dist
+        base = load_base_model(cfg.model, self.paths.project_root)
+        enable_gradient_checkpointing(base, cfg.training)
+        model = apply_peft(base, cfg.peft).to(d.device)
+        self.trainable, self.total = count_parameters(model)
+        fast_linears = use_fast_bf16_cpu_kernels(model, d.device, self.amp, cfg.distributed)
+        if fast_linears:
+            self.log(f"[train] bf16 on CPU: {fast_linears} linear layers use layout-aware GEMMs")
+        self.collate_fn = prepare_batch_layout(
+            cfg.training, cfg.data.max_seq_length, model, self.tokenizer.pad_token_id, d.device,
+            self.amp, self.log)
+        self.strategy = build_strategy(cfg, d, self.meter)
+        self.model = maybe_compile(self.strategy.wrap(model), cfg.training)
+
+    def open_reporters(self) -> None:
+        """On the main rank, once the launcher confirmed the job: from here on we may write."""
+        if not self.dist.is_main:
+            return
+        relay = self.go()
+        self.reporters = build_reporters(self.cfg.logging, self.paths.plots_dir,
+                                         self.paths.project_root, relay, self.history)
+        per_epoch = f"{self.steps_per_epoch}/epoch" if self.steps_per_epoch else "streamed"
+        self.log(f"[train] {self.trainable:,} trainable / {self.total:,} params; "
+                 f"{self.max_steps} steps ({per_epoch}); strategy {self.strategy.name}, world "
+                 f"size {self.dist.world_size}; start step {self.progress.step}")
+
+    @property
+    def state(self):
+        """The callbacks' view of where training is."""
+        return self.progress.view(self.max_steps, self.epoch_len)
+
+    # -- the loop ------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        self.setup()
+        self.open_reporters()
+        self.batches = self.open_batches(self.progress.epoch, self.progress.batch_in_epoch)
+        self.started, self.first_step_at = time.perf_counter(), None
+        self.model.train()
+        if self.reporters:
+            self.reporters.on_train_begin(self.state)
+        while self.progress.step < self.max_steps:
+            grad_norm = self.train_step()
+            self.maybe_log(grad_norm)
+            if self.maybe_evaluate_and_save():
+                break
+        return self.finish()
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the
+        gradient norm (a device tensor: read only when logged)."""
+        t, d, progress = self.cfg.training, self.dist, self.progress
+        micro = [progress.consume(next(self.batches))
+                 for _ in range(t.gradient_accumulation_steps)]
+        local_targets = sum(count_targets(b) for b in micro)
+        divisor = max(self.strategy.loss_divisor(local_targets, progress.step), 1e-9)
+        for i, batch in enumerate(micro):
+            batch = to_device(batch, d.device)
+            with self.strategy.sync_context(last_micro_batch=i == len(micro) - 1):
+                with torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None):
+                    logits = self.model(**model_inputs(batch), use_cache=False).logits
+                loss_sum = token_loss_sum(logits, batch["labels"])
+                loss = loss_sum / divisor
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            progress.add_loss(loss_sum)
+        grad_norm = self._optimizer_step()
+        progress.step_done(local_targets)
+        self.first_step_at = self.first_step_at or time.time()
+        outer = self.strategy.after_optimizer_step(progress.step)
+        if self.reporters:
+            self.reporters.on_step_end(self.state)
+            if outer:
+                self.reporters.on_log(self.state, outer)
+        return grad_norm
+
+    def _optimizer_step(self) -> torch.Tensor:
+        self.strategy.before_optimizer_step(self.progress.step)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = self.strategy.clip_grad_norm(self.cfg.training.max_grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def maybe_log(self, grad_norm: torch.Tensor) -> None:
+        """At a logging step: one reduction for the whole window, then one row."""
+        step, log_cfg = self.progress.step, self.cfg.logging
+        if not (step % log_cfg.logging_steps == 0 or step == self.max_steps
+                or (step == 1 and log_cfg.logging_first_step)):
+            return
+        window, d = self.progress.window, self.dist
+        totals = torch.stack([window.loss_sum, *(torch.tensor(
+            float(x), dtype=torch.float64, device=d.device) for x in (window.targets,
+                                                                       window.tokens))])
+        if d.world_size > 1:  # metrics, not training traffic: not metered
+            torch.distributed.all_reduce(totals)
+        loss_sum, targets, tokens = totals.tolist()
+        self.progress.tokens_seen += int(tokens)
+        elapsed = time.perf_counter() - window.started
+        comm = self.meter.take_window()
+        if self.reporters:
+            logs = {
+                "loss": loss_sum / max(targets, 1),
+                "learning_rate": float(self.scheduler.get_last_lr()[0]),
+                "grad_norm": float(grad_norm),
+                "tokens_per_second": tokens / max(elapsed, 1e-9),
+                "comm_bytes_per_step": comm / max(window.steps, 1),
+                "epoch": self.progress.fractional_epoch(self.epoch_len),
+                "memory_rss_mb": peak_rss_mb(),
+            }
+            if log_cfg.include_num_input_tokens_seen:
+                logs["num_input_tokens_seen"] = self.progress.tokens_seen
+            if d.device.type == "cuda":
+                logs["cuda_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            self.reporters.on_log(self.state, logs)
+        self.progress.new_window()
+
+    def maybe_evaluate_and_save(self) -> bool:
+        """Evaluate and checkpoint when due; True when early stopping ends the run here."""
+        step, c, e = self.progress.step, self.cfg.checkpoint, self.cfg.eval
+        epoch_end = self.progress.batch_in_epoch >= self.epoch_len
+        last = step == self.max_steps
+        save_now = due(c.save_strategy, c.save_steps, step, epoch_end, last)
+        evaluated = {}
+        if self.eval_data is not None and (
+                due(e.eval_strategy, e.eval_steps, step, epoch_end, last)
+                or (save_now and e.eval_on_save)):
+            evaluated = self.evaluate()
+        stop = self.monitor.should_stop and not last
+        if save_now or (stop and c.save_strategy != "no"):
+            path = trainer_state.save(self, evaluated)
+            if self.reporters:
+                self.reporters.on_save(self.state, path)
+        if stop:
+            m = self.monitor
+            self.log(f"[train] early stopping at step {step}: {m.metric} has not improved by "
+                     f"more than {m.threshold:g} for {m.bad_evals} evaluations (best "
+                     f"{m.best:.6g} at step {m.best_step})")
+        return stop
+
+    def evaluate(self) -> dict[str, float]:
+        with self.meter.pause():
+            ev = evaluate_loss(self.strategy.module, self.eval_data,
+                               self.cfg.training.per_device_eval_batch_size,
+                               self.tokenizer.pad_token_id, self.dist, self.cfg.eval.eval_batches,
+                               self.amp, lockstep=self.strategy.eval_lockstep)
+        evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
+        self.monitor.update(evaluated, self.progress.step)
+        if self.reporters:
+            self.reporters.on_log(self.state, {"eval_loss": ev["loss"]})
+            self.reporters.on_evaluate(self.state, evaluated)
+        return evaluated
+
+    # -- the end -------------------------------------------------------------------------
+    def finish(self) -> dict[str, Any]:
+        """Final metrics, the best checkpoint if asked, the trained model, the reporters' end."""
+        runtime = time.perf_counter() - self.started
+        del self.batches  # stops the loader's workers
+        result = self.metrics(runtime)
+        if self.cfg.checkpoint.load_best_model_at_end:
+            result["loaded_best_step"] = trainer_state.load_best(self)
+        self.write_trained()
+        if self.dist.is_main:
+            self.log(f"[train] communication ({self.strategy.name}): "
+                     f"{result['comm_bytes_total'] / 1e6:.3f} MB sent per rank, "
+                     f"{result['comm_bytes_per_step'] / 1e3:.1f} KB per optimizer step")
+            self.reporters.on_train_end(self.state)
+            write_json_atomic(self.paths.metrics_file, result)
+        if self.dist.world_size > 1:
+            torch.distributed.barrier()
+        return result
+
+    def metrics(self, runtime: float) -> dict[str, Any]:
+        progress, cfg = self.progress, self.cfg
+        rows = trainer_state.history_rows(self.reporters)
+        result = {
+            # the last training row (an eval row may come after it at the final step)
+            "train_loss": next((r["loss"] for r in reversed(rows) if "loss" in r), None),
+            "global_step": progress.step,
+            "epoch": progress.fractional_epoch(self.epoch_len),
+            **({"num_input_tokens_seen": progress.tokens_seen}
+               if cfg.logging.include_num_input_tokens_seen else {}),
+            "train_runtime": round(runtime, 3),
+            "first_step_unix": self.first_step_at,  # benchmarks: launch to first step
+            "trainable_params": self.trainable,
+            "total_params": self.total,
+            "world_size": self.dist.world_size,
+            "strategy": self.strategy.name,
+            **progress.fill_metrics(),
+            **(compile_stats() if cfg.training.torch_compile else {}),
+            # this process's steps (a resumed run starts later)
+            **self.meter.summary(progress.step - self.start_step),
+        }
+        if self.monitor.best is not None:
+            result.update({f"best_{self.monitor.metric}": self.monitor.best,
+                           "best_step": self.monitor.best_step})
+        return result
+
+    def write_trained(self) -> None:
+        """The main rank writes a normal HF/PEFT folder; FSDP2 first gathers the full
+        weights (a collective on every rank)."""
+        full = self.strategy.full_state_dict()
+        if not self.dist.is_main:
+            return
+        module = self.strategy.module
+        make_adapter_config_reproducible(module, self.cfg.model)
+        with atomic_dir(self.paths.trained) as staging:
+            if full is None:
+                module.save_pretrained(staging, safe_serialization=True)
+            else:
+                module.save_pretrained(staging, state_dict=full, safe_serialization=True)
+            self.tokenizer.save_pretrained(staging)
