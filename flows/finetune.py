@@ -22,8 +22,8 @@ from prefect.tasks import exponential_backoff
 from finetune.errors import PipelineError
 from finetune.workspace import DEFAULT_PARAMS, Workspace, find_project_root, workspace_lock
 from tasks import STAGES
-from tasks.dvc_runner import OverrideSession, StageFailed, repro_stage
-from tasks.report import markdown, summary
+from flows.dvc_runner import OverrideSession, StageFailed, repro_stage
+from flows.report import markdown, summary
 from tasks.train import RESUME_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -57,6 +57,7 @@ def _download_streamed(ws: Workspace) -> dict[str, Path]:
     """Streaming: only the test split is written; the train split's first rows are checked
     against the same contract, and `stream.json` records what the trainer will read."""
     from tasks import stream
+    from tasks.stream_manifest import write_manifest
 
     data = ws.config.data
     source = stream.open_source(data, ws.root)
@@ -70,7 +71,7 @@ def _download_streamed(ws: Workspace) -> dict[str, Path]:
             validate_raw_split(test, required, f"{_source_label(ws)} split '{data.test_split}'")
             test.to_parquet(staging / "test.parquet", index=False)
             out["test"] = ws.layout.raw / "test.parquet"
-        stream.write_manifest(staging, stream.source_manifest(data, source, ws.root))
+        write_manifest(staging, stream.source_manifest(data, source, ws.root))
     return out
 
 

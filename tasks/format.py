@@ -14,7 +14,7 @@ from finetune.errors import PipelineError
 from finetune.files import atomic_dir
 from finetune.workspace import Workspace
 from tasks.contracts import validate_formatted
-from tasks.stream import carry_manifest
+from tasks.stream_manifest import carry_manifest
 from tasks.templates import builder
 
 

@@ -11,7 +11,6 @@ example is token for token what the materialised pipeline would have produced.
 
 from __future__ import annotations
 
-import json
 import os
 from itertools import islice
 from pathlib import Path
@@ -21,7 +20,7 @@ import pandas as pd
 
 from finetune.config.schema import DataConfig, FinetuneConfig
 from finetune.errors import PipelineError, TransientError
-from finetune.files import file_sha256, write_json_atomic
+from finetune.files import file_sha256
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 #: rows formatted and tokenized per call (the tokenizer is fast on batches, slow row by row)
@@ -120,21 +119,6 @@ def source_manifest(data: DataConfig, source: dict[str, Any], root: Path) -> dic
             "subset": data.subset, "sha256": files, "holdout_rows": holdout_rows(data, source),
             "max_train_samples": data.max_train_samples, "shuffle_buffer": data.shuffle_buffer,
             "seed": data.seed}
-
-
-MANIFEST = "stream.json"
-
-
-def write_manifest(staging: Path, manifest: dict[str, Any]) -> None:
-    write_json_atomic(staging / MANIFEST, manifest)
-
-
-def carry_manifest(previous: Path, staging: Path, **applied: Any) -> None:
-    """Format and tokenize pass the manifest on with the settings they apply to the stream, so
-    `data/tokenized` (the train stage's DVC dependency) changes whenever the stream would."""
-    src = previous / MANIFEST
-    if src.exists():
-        write_manifest(staging, {**json.loads(src.read_text()), **applied})
 
 
 def open_train_stream(cfg: FinetuneConfig, root: Path) -> Callable[[int], Iterator[dict]]:

@@ -20,7 +20,7 @@ from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
 from tasks.contracts import validate_tokenized
-from tasks.stream import carry_manifest
+from tasks.stream_manifest import carry_manifest
 
 IGNORE_INDEX = -100
 

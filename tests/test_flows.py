@@ -46,7 +46,7 @@ def test_retry_conditions():
     from prefect.states import Failed
 
     from flows.finetune import retry_if_transient, retry_unless_bad_input
-    from tasks.dvc_runner import StageFailed
+    from flows.dvc_runner import StageFailed
 
     def failed(code):
         return Failed(data=StageFailed("x", code))

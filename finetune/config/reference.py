@@ -47,8 +47,11 @@ def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> No
             lines.append(f"| `{prefix}.{name}` | {kind} | `{shown}` | {f.description or ''} "
                          f"(keys below) |")
             continue
-        default = f.default_factory() if f.default_factory else f.default
-        shown = json.dumps(default).replace("|", "\\|")
+        if f.is_required():
+            shown = "required"
+        else:
+            default = f.default_factory() if f.default_factory else f.default
+            shown = json.dumps(default).replace("|", "\\|")
         lines.append(f"| `{prefix}.{name}` | {_type_name(f.annotation)} | `{shown}` | "
                      f"{f.description or ''} |")
     for sub_prefix, sub in nested:

@@ -114,7 +114,7 @@ def cmd_run(args) -> int:
             "single stages with 'finetune stage NAME -p FILE -s KEY=VALUE'"
         )
     from finetune.workspace import workspace_lock
-    from tasks.dvc_runner import dvc_env, dvc_exe
+    from flows.dvc_runner import dvc_env, dvc_exe
 
     started = time.perf_counter()
     cmd = dvc_exe() + ["repro"] + (["--force"] if args.force else [])
@@ -128,7 +128,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_summary(args) -> int:
-    from tasks.report import markdown, summary
+    from flows.report import markdown, summary
 
     ws = Workspace.load(args.params, [])
     info = summary(ws)
