@@ -53,6 +53,8 @@ class JobSpec:
     error_file: str | None = None
     #: rank 0 waits for this file before it writes anything (None: no handshake)
     go_file: str | None = None
+    #: rank 0 creates this when it is ready and starts waiting for the go file
+    ready_file: str | None = None
     #: 'module:function' (cfg, project_root) -> epoch -> examples, for a streamed train split
     train_stream: str | None = None
 

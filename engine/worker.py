@@ -61,6 +61,8 @@ def launcher_go(job: JobSpec) -> Callable[[], Path | None]:
         return lambda: None
 
     def wait() -> Path | None:
+        if job.ready_file:
+            Path(job.ready_file).touch()
         path, deadline = Path(job.go_file), time.monotonic() + GO_TIMEOUT_S
         while not path.exists():
             if time.monotonic() > deadline:

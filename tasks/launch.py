@@ -79,6 +79,7 @@ class TorchrunJob:
             error_file=str(self.error_file),
             # rank 0 waits for this before writing anything; None: no MLflow run, no wait
             go_file=str(self.go_file) if self.handshake else None,
+            ready_file=str(tmp / "ready") if self.handshake else None,
             # streaming: the recipe's example source, resolved by the worker on every rank
             train_stream=STREAM_SOURCE if self.ws.config.data.streaming else None,
         ).write(self.job_file)

@@ -184,12 +184,13 @@ def kill_after_first_checkpoint(project) -> str:
 
 
 def interrupt_then_resume(tokenized: Path, tmp_path: Path, params: dict):
-    """Train `params` uninterrupted; train it again, SIGKILL the run right after its first
-    checkpoint and resume it. Asserts the two end bitwise equal; returns (full, cut, resume
+    """Train `params` uninterrupted (in-process unless it needs several processes); train it
+    again through the stage, SIGKILL the run right after its first checkpoint and resume it. Asserts the two end bitwise equal; returns (full, cut, resume
     stdout)."""
     import torch
 
-    full, _ = train_copy(tokenized, tmp_path / "full", params)
+    several = params.get("distributed.nproc_per_node", 1) > 1
+    full, _ = (train_copy if several else train_here)(tokenized, tmp_path / "full", params)
     cut = tmp_path / "cut"
     shutil.copytree(tokenized, cut, symlinks=True)
     write_params(cut, params)
@@ -203,3 +204,56 @@ def interrupt_then_resume(tokenized: Path, tmp_path: Path, params: dict):
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
     assert losses(cut) == losses(full)
     return full, cut, proc.stdout
+
+
+# -- the engine in-process: options that need no process boundary ---------------------------
+
+class InProcess:
+    """What a train run printed, in the shape tests read from a CLI run (`.stdout`)."""
+
+    def __init__(self, stdout: str):
+        self.stdout = stdout
+
+
+def train_here(src: Path, dest: Path, overrides: dict | None = None):
+    """Train a copy of `src` with the engine's run object in this process, on the paths the
+    train stage hands torchrun (tasks.launch.run_paths): the same code as `finetune stage
+    train` minus the process boundary and MLflow, seconds faster per run. Process-wide torch
+    settings a run may change (determinism, anomaly mode, matmul precision) are restored."""
+    shutil.copytree(src, dest, symlinks=True)
+    if overrides:
+        write_params(dest, overrides)
+    return dest, train_in_place(dest)
+
+
+def train_in_place(dest: Path) -> InProcess:
+    """`train_here` on a project as it is (e.g. to resume it)."""
+    import contextlib
+    import io
+
+    import torch
+
+    from engine.run import train
+    from finetune.workspace import Workspace
+    from tasks.launch import run_paths
+
+    ws = Workspace.load(dest / "params/default.yaml")
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled(),
+             torch.get_float32_matmul_precision(), torch.get_num_threads())
+    before = set(sys.modules)
+    sys.path.insert(0, str(dest))  # 'module:Class' from the project, as the workers see it
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            train(ws.config, run_paths(ws))
+    finally:
+        sys.path.remove(str(dest))
+        for name in set(sys.modules) - before:  # the project's own modules, if any
+            if getattr(sys.modules[name], "__file__", "") and str(dest) in (
+                    sys.modules[name].__file__ or ""):
+                del sys.modules[name]
+        torch.use_deterministic_algorithms(saved[0])
+        torch.autograd.set_detect_anomaly(saved[1])
+        torch.set_float32_matmul_precision(saved[2])
+        torch.set_num_threads(saved[3])
+    return InProcess(out.getvalue())

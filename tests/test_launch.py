@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -41,8 +42,8 @@ def test_row_tail_relays_whole_lines_in_order_and_keeps_the_first_error(tmp_path
 
 
 def test_failing_check_stops_the_started_job_before_it_writes(tokenized, tmp_path, monkeypatch):
-    """The check fails long after the worker reached the point where it would start writing
-    (it gets there in ~8 s here): no file under data/ may change or appear, the error is the
+    """The check fails only after the worker reached the point where it would start writing
+    (its ready file): no file under data/ may change or appear, the error is the
     check's own, and no torchrun process is left."""
     import tasks.train as train_stage
 
@@ -52,29 +53,36 @@ def test_failing_check_stops_the_started_job_before_it_writes(tokenized, tmp_pat
     seen_worker = threading.Event()
 
     def slow_failing_check(ws):
+        """Fails only once rank 0 is ready to write: it loaded model and data and now waits
+        for the stage's go (the job's ready file)."""
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not seen_worker.is_set():
-            kids = psutil.Process().children(recursive=True)
-            if any(_is_job(k) and "torch.distributed.run" not in " ".join(k.cmdline())
-                   for k in kids):
-                seen_worker.set()
-            time.sleep(0.2)
-        time.sleep(20)  # the worker's imports, model and data loading are done by now
+            for kid in psutil.Process().children(recursive=True):
+                cmd = _cmdline(kid)
+                if "engine.worker" in cmd and "torch.distributed.run" not in cmd:
+                    ready = Path(cmd[-1]).with_name("ready")
+                    if ready.exists():
+                        seen_worker.set()
+            time.sleep(0.1)
         raise PipelineError("training.example: the check failed")
 
     monkeypatch.setattr(train_stage, "preflight", slow_failing_check)
     ws = Workspace.load(project / "params/default.yaml")
     with pytest.raises(PipelineError, match="training.example: the check failed"):
         train_stage.train(ws)
-    assert seen_worker.is_set(), "the worker never started: the test proves nothing"
+    assert seen_worker.is_set(), "the worker never got ready: the test proves nothing"
     after = {p: p.read_bytes() for p in (project / "data").rglob("*") if p.is_file()}
     assert after == before, "the aborted job wrote or changed files"
     left = [k for k in psutil.Process().children(recursive=True) if _is_job(k)]
     assert not left, f"processes of the aborted job still running: {left}"
 
 
-def _is_job(proc: psutil.Process) -> bool:
+def _cmdline(proc: psutil.Process) -> list[str]:
     try:
-        return "engine.worker" in " ".join(proc.cmdline())
+        return proc.cmdline()
     except psutil.NoSuchProcess:
-        return False
+        return []
+
+
+def _is_job(proc: psutil.Process) -> bool:
+    return "engine.worker" in " ".join(_cmdline(proc))

@@ -1,4 +1,9 @@
-"""The train stage under real torchrun (gloo on CPU): outputs, loss invariances, exact resume."""
+"""The train stage: outputs and tracking, loss invariances, exact resume, every loop option.
+
+What crosses a process boundary (the stage's torchrun launch, MLflow relay, SIGKILL, DDP,
+project modules imported by the workers) runs through `finetune stage train`; the options of
+the loop itself run the engine's run object in-process (conftest.train_here), which is the
+same code minus ~8 s of process start-up per run."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import pytest
 import torch
 
 from conftest import (adapter, assert_weights_close, error_line, interrupt_then_resume, losses,
-                      run_cli, train_copy, train_metrics, write_params)
+                      run_cli, train_copy, train_here, train_in_place, train_metrics, write_params)
+from finetune.errors import PipelineError
 
 
 def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
@@ -39,8 +45,8 @@ def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
 def test_gradient_accumulation_is_token_weighted(tokenized, tmp_path):
     """batch 4 x accumulation 2 trains exactly like batch 8 (HF's accumulation bug absent)."""
     common = {"training.max_steps": 4, "checkpoint.save_strategy": "no"}
-    a, _ = train_copy(tokenized, tmp_path / "a", {**common, "training.per_device_train_batch_size": 8})
-    b, _ = train_copy(tokenized, tmp_path / "b", {**common, "training.per_device_train_batch_size": 4,
+    a, _ = train_here(tokenized, tmp_path / "a", {**common, "training.per_device_train_batch_size": 8})
+    b, _ = train_here(tokenized, tmp_path / "b", {**common, "training.per_device_train_batch_size": 4,
                                                   "training.gradient_accumulation_steps": 2})
     assert losses(a) == pytest.approx(losses(b), abs=1e-5)
     assert_weights_close(adapter(a), adapter(b))
@@ -48,7 +54,7 @@ def test_gradient_accumulation_is_token_weighted(tokenized, tmp_path):
 
 def test_ddp_two_ranks_matches_single_rank_double_batch(tokenized, tmp_path):
     common = {"training.max_steps": 10, "checkpoint.save_strategy": "no"}
-    single, _ = train_copy(tokenized, tmp_path / "s", {**common, "training.per_device_train_batch_size": 8})
+    single, _ = train_here(tokenized, tmp_path / "s", {**common, "training.per_device_train_batch_size": 8})
     ddp, proc = train_copy(tokenized, tmp_path / "d", {
         **common, "training.per_device_train_batch_size": 4,
         "distributed.strategy": "ddp", "distributed.nproc_per_node": 2})
@@ -58,7 +64,7 @@ def test_ddp_two_ranks_matches_single_rank_double_batch(tokenized, tmp_path):
 
 
 def test_resume_from_checkpoint_is_bitwise_exact(tokenized, tmp_path):
-    full, _ = train_copy(tokenized, tmp_path / "full")
+    full, _ = train_here(tokenized, tmp_path / "full")
     # The same run, interrupted after the step-3 checkpoint: drop what came later.
     cut = tmp_path / "cut"
     shutil.copytree(full, cut, symlinks=True)
@@ -66,7 +72,7 @@ def test_resume_from_checkpoint_is_bitwise_exact(tokenized, tmp_path):
     shutil.rmtree(cut / "data/trained")
     (cut / "data/plots/train.csv").unlink()
     write_params(cut, {"checkpoint.resume_from_checkpoint": True})
-    proc = run_cli(cut, "stage", "train", check=True)
+    proc = train_in_place(cut)
     assert "resumed from" in proc.stdout and "step-0000003 at step 3" in proc.stdout
     wf, wc = adapter(full), adapter(cut)
     assert wf.keys() == wc.keys()
@@ -78,20 +84,21 @@ def test_optimizer_groups_reach_the_training_loop(tokenized, tmp_path):
     """lr 0 for lora_B keeps it at its zero init (and so the adapter inert); without the group
     it trains. A regex that matches nothing stops the run with one line."""
     common = {"training.max_steps": 3, "checkpoint.save_strategy": "no"}
-    frozen, proc = train_copy(tokenized, tmp_path / "g", {
+    frozen, proc = train_here(tokenized, tmp_path / "g", {
         **common, "optimizer.optimizer_groups": {"lora_B": {"lr": 0.0}},
         "optimizer.log_param_groups": True})
     assert "[optimizer] group 'lora_B' {'lr': 0.0}:" in proc.stdout
     assert "[optimizer] group default:" in proc.stdout
     b_frozen = {k: v for k, v in adapter(frozen).items() if "lora_B" in k}
     assert b_frozen and all(float(v.abs().max()) == 0.0 for v in b_frozen.values())
-    plain, _ = train_copy(tokenized, tmp_path / "p", common)
+    plain, _ = train_here(tokenized, tmp_path / "p", common)
     assert any(float(v.abs().max()) > 0 for k, v in adapter(plain).items() if "lora_B" in k)
 
-    shutil.copytree(tokenized, tmp_path / "bad", symlinks=True)
-    write_params(tmp_path / "bad", {**common, "optimizer.optimizer_groups": {"mlp\\.nope": {}}})
-    line = error_line(run_cli(tmp_path / "bad", "stage", "train"))
-    assert "optimizer.optimizer_groups['mlp\\.nope']: matches no trainable parameter" in line
+    with pytest.raises(PipelineError) as bad:
+        train_here(tokenized, tmp_path / "bad", {
+            **common, "optimizer.optimizer_groups": {"mlp\\.nope": {}}})
+    assert "optimizer.optimizer_groups['mlp\\.nope']: matches no trainable parameter" in str(
+        bad.value)
 
 
 @pytest.mark.parametrize("layout, says", [
@@ -106,8 +113,8 @@ def test_packing_trains_exactly_like_padding(tokenized, tmp_path, layout, says):
     attention or a leaked boundary target would change both), fewer rows."""
     common = {"training.max_steps": 4, "checkpoint.save_strategy": "no",
               "training.per_device_train_batch_size": 8}
-    padded, _ = train_copy(tokenized, tmp_path / "pad", common)
-    packed, proc = train_copy(tokenized, tmp_path / "pack", {**common, **layout})
+    padded, _ = train_here(tokenized, tmp_path / "pad", common)
+    packed, proc = train_here(tokenized, tmp_path / "pack", {**common, **layout})
     for line in says:
         assert line in proc.stdout
     # really packed: several examples share a row (so cross-example attention would show)
@@ -138,6 +145,18 @@ def test_sigkill_at_a_random_checkpoint_then_resume_is_bitwise(tokenized, tmp_pa
     assert f"at step {save_steps}" in stdout
 
 
+def test_ddp_with_one_process_resumes_after_sigkill(tokenized, tmp_path):
+    """strategy ddp with one process runs single-device: its checkpoints record the strategy
+    that ran, so preflight and the worker (one rule) accept them on resume."""
+    _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, {
+        "distributed.strategy": "ddp", "distributed.nproc_per_node": 1,
+        "checkpoint.save_steps": 2, "eval.eval_steps": 2})
+    assert "at step 2" in stdout
+    from engine.checkpoint import read_meta
+
+    assert read_meta(cut / "data/checkpoints/step-0000006")["strategy"] == "single"
+
+
 def _checkpoints(project) -> list[str]:
     return sorted(p.name for p in (project / "data/checkpoints").iterdir())
 
@@ -153,7 +172,7 @@ def test_epoch_strategies_and_group_by_length(tokenized, tmp_path):
     """Two epochs of E steps: eval and checkpoints at each epoch end, nowhere else."""
     import re
 
-    project, proc = train_copy(tokenized, tmp_path / "e", {
+    project, proc = train_here(tokenized, tmp_path / "e", {
         "training.max_steps": -1, "training.num_train_epochs": 2,
         "eval.eval_strategy": "epoch", "checkpoint.save_strategy": "epoch",
         "checkpoint.save_total_limit": 5, "training.group_by_length": True})
@@ -161,7 +180,7 @@ def test_epoch_strategies_and_group_by_length(tokenized, tmp_path):
     assert per_epoch > 5 and train_metrics(project)["global_step"] == 2 * per_epoch
     assert _checkpoints(project) == [f"step-{per_epoch:07d}", f"step-{2 * per_epoch:07d}"]
     assert _eval_steps(project) == [per_epoch, 2 * per_epoch]
-    plain, _ = train_copy(tokenized, tmp_path / "p", {"training.max_steps": 12,
+    plain, _ = train_here(tokenized, tmp_path / "p", {"training.max_steps": 12,
                                                       "checkpoint.save_strategy": "no"})
     grouped, plain_pad = train_metrics(project)["padding_fraction"], train_metrics(plain)[
         "padding_fraction"]
@@ -170,7 +189,7 @@ def test_epoch_strategies_and_group_by_length(tokenized, tmp_path):
 
 def test_early_stopping_stops_on_a_stalled_metric(tokenized, tmp_path):
     """threshold 10: no eval can improve enough, so patience 2 stops after eval 3 (step 6)."""
-    project, proc = train_copy(tokenized, tmp_path / "s", {
+    project, proc = train_here(tokenized, tmp_path / "s", {
         "training.max_steps": 12, "checkpoint.save_strategy": "no",
         "eval.eval_strategy": "steps", "eval.eval_steps": 2,
         "checkpoint.metric_for_best_model": "eval_loss",
@@ -186,7 +205,7 @@ def test_best_checkpoints_kept_and_loaded_at_end(tokenized, tmp_path):
     survives rotation next to the newest, and its weights become the trained model."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    project, proc = train_copy(tokenized, tmp_path / "b", {
+    project, proc = train_here(tokenized, tmp_path / "b", {
         "training.max_steps": 8, "eval.eval_strategy": "steps", "eval.eval_steps": 2,
         "checkpoint.save_steps": 2, "checkpoint.save_total_limit": 2,
         "checkpoint.metric_for_best_model": "eval_loss", "checkpoint.greater_is_better": True,
@@ -207,8 +226,8 @@ def test_checkpointing_compile_determinism_anomaly_train_like_plain(tokenized, t
     """Activation checkpointing, torch.compile (aot_eager: dynamo + AOT autograd, no C++
     toolchain), full determinism and anomaly detection change how, not what, is computed."""
     common = {"training.max_steps": 3, "checkpoint.save_strategy": "no"}
-    plain, _ = train_copy(tokenized, tmp_path / "p", common)
-    tuned, proc = train_copy(tokenized, tmp_path / "t", {
+    plain, _ = train_here(tokenized, tmp_path / "p", common)
+    tuned, proc = train_here(tokenized, tmp_path / "t", {
         **common, "training.gradient_checkpointing": True, "training.torch_compile": True,
         "training.torch_compile_backend": "aot_eager", "training.full_determinism": True,
         "training.detect_anomaly": True, "training.float32_matmul_precision": "high"})
@@ -311,8 +330,8 @@ def test_dataloader_workers_keep_the_order_and_drop_last_false_adds_a_step(token
     like collating in the main process; drop_last false gives each epoch one more step."""
     common = {"training.max_steps": 7, "checkpoint.save_strategy": "no",
               "training.per_device_train_batch_size": 8}
-    plain, proc = train_copy(tokenized, tmp_path / "p", common)
-    workers, _ = train_copy(tokenized, tmp_path / "w", {
+    plain, proc = train_here(tokenized, tmp_path / "p", common)
+    workers, _ = train_here(tokenized, tmp_path / "w", {
         **common, "training.dataloader_num_workers": 2, "training.dataloader_prefetch_factor": 2,
         "training.dataloader_persistent_workers": True})
     per_epoch = int(proc.stdout.split("/epoch)")[0].rsplit("(", 1)[1])
@@ -320,7 +339,7 @@ def test_dataloader_workers_keep_the_order_and_drop_last_false_adds_a_step(token
     assert losses(workers) == losses(plain)
     assert all(torch.equal(a, b) for a, b in zip(adapter(plain).values(),
                                                  adapter(workers).values()))
-    _, filled = train_copy(tokenized, tmp_path / "f", {**common,
+    _, filled = train_here(tokenized, tmp_path / "f", {**common,
                                                        "training.dataloader_drop_last": False})
     assert f"({per_epoch + 1}/epoch)" in filled.stdout
 
@@ -338,7 +357,7 @@ BASE = {"training.max_steps": 4, "checkpoint.save_strategy": "no", "eval.eval_st
 
 @pytest.fixture(scope="module")
 def baseline(tokenized, tmp_path_factory):
-    project, _ = train_copy(tokenized, tmp_path_factory.mktemp("base") / "b", BASE)
+    project, _ = train_here(tokenized, tmp_path_factory.mktemp("base") / "b", BASE)
     return project
 
 
@@ -371,5 +390,5 @@ def baseline(tokenized, tmp_path_factory):
 ], ids=["bf16", "max_grad_norm", "seed", "weight_decay", "optimizer", "scheduler", "warmup_ratio",
         "logging_steps", "eval_batches", "max_steps_wins"])
 def test_each_loop_option_changes_the_run(tokenized, tmp_path, baseline, overrides, check):
-    run, _ = train_copy(tokenized, tmp_path / "r", {**BASE, **overrides})
+    run, _ = train_here(tokenized, tmp_path / "r", {**BASE, **overrides})
     assert check(run, baseline)
