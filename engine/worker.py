@@ -27,17 +27,8 @@ from finetune.errors import PipelineError
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     job = JobSpec.read(Path(argv[0]))
-    from engine.run import train
-    from finetune.config import validate_raw
-    from finetune.imports import load_object
-
     try:
-        cfg = validate_raw(job.config, source="train job")
-        stream = None
-        if job.train_stream:  # 'module:function' (cfg, root) -> epoch -> examples
-            stream = load_object(job.train_stream, "train job stream")(
-                cfg, job.paths.project_root)
-        train(cfg, job.paths, launcher_go(job), stream)
+        run_job(job)
         return 0
     except PipelineError as exc:
         _report(job, str(exc))
@@ -46,6 +37,21 @@ def main(argv: list[str] | None = None) -> int:
         _report(job, f"training crashed: {type(exc).__name__}: {exc}")
         traceback.print_exc()
         return 1
+
+
+def run_job(job: JobSpec) -> dict:
+    """What every rank does with a job: validate its config, open the stream it names, train.
+    Tests call it in-process with the job the train stage would write."""
+    from engine.run import train
+    from finetune.config import reads, validate_raw
+    from finetune.imports import load_object
+
+    cfg = validate_raw(job.config, source="train job")
+    reads.start()  # FINETUNE_CONFIG_READS: the train stage's keys include the engine's
+    stream = None
+    if job.train_stream:  # 'module:function' (cfg, root) -> epoch -> examples
+        stream = load_object(job.train_stream, "train job stream")(cfg, job.paths.project_root)
+    return train(cfg, job.paths, launcher_go(job), stream)
 
 
 GO_TIMEOUT_S = 600

@@ -85,6 +85,9 @@ def cmd_stage(args) -> int:
     # project root in every stage, as they do in the torchrun workers (PYTHONPATH)
     if str(ws.root) not in sys.path:
         sys.path.insert(0, str(ws.root))
+    from finetune.config import reads
+
+    reads.start(args.name)  # only with FINETUNE_CONFIG_READS set (tests/test_pipeline.py)
     started = time.perf_counter()
     outputs = stage_function(args.name)(ws)
     shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())

@@ -22,6 +22,10 @@ from finetune.workspace import Workspace
 from tasks import registry, tracking
 
 ADAPTER_DIR = "adapter"
+#: the params the model card records: what made the model and its export. dvc.yaml lists each
+#: of them for the export stage, so a change to any of them rewrites the card.
+CARD_SECTIONS = ("model", "peft", "data", "training", "optimizer", "scheduler", "distributed",
+                 "export", "registry")
 
 
 def export(ws: Workspace) -> dict[str, Path]:
@@ -141,5 +145,5 @@ tokenizer = AutoTokenizer.from_pretrained("{export_dir}")
 {adapter}
 ## Params
 ```yaml
-{yaml.safe_dump(cfg.model_dump(mode='json'), sort_keys=False)}```
+{yaml.safe_dump(cfg.model_dump(mode='json', include=set(CARD_SECTIONS)), sort_keys=False)}```
 """

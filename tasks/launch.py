@@ -58,6 +58,14 @@ def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
     return cmd + ["-m", "engine.worker", str(job_file)]
 
 
+def job_spec(ws: Workspace, **handshake: str | None) -> JobSpec:
+    """The job every rank runs: the validated config, the run's paths, and for a streamed
+    train split the recipe's example source (resolved by the worker on every rank)."""
+    return JobSpec(config=ws.config.model_dump(mode="json"), paths=run_paths(ws),
+                   train_stream=STREAM_SOURCE if ws.config.data.streaming else None,
+                   **handshake)
+
+
 class TorchrunJob:
     """`with TorchrunJob(ws, handshake=True) as job:` starts torchrun; then exactly one of
     `job.go(uri, run_id)` + `job.wait()`, or `job.abort(why)`. A failure of the workers
@@ -73,16 +81,11 @@ class TorchrunJob:
         tmp = Path(self._tmp.name)
         self.job_file, self.error_file = tmp / "job.json", tmp / "error.txt"
         self.go_file, self.stderr_file = tmp / "go.json", tmp / "stderr.txt"
-        JobSpec(
-            config=self.ws.config.model_dump(mode="json"),
-            paths=run_paths(self.ws),
-            error_file=str(self.error_file),
-            # rank 0 waits for this before writing anything; None: no MLflow run, no wait
-            go_file=str(self.go_file) if self.handshake else None,
-            ready_file=str(tmp / "ready") if self.handshake else None,
-            # streaming: the recipe's example source, resolved by the worker on every rank
-            train_stream=STREAM_SOURCE if self.ws.config.data.streaming else None,
-        ).write(self.job_file)
+        job_spec(self.ws, error_file=str(self.error_file),
+                 # rank 0 waits for this before writing anything; None: no MLflow run, no wait
+                 go_file=str(self.go_file) if self.handshake else None,
+                 ready_file=str(tmp / "ready") if self.handshake else None,
+                 ).write(self.job_file)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(self.ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
         env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count

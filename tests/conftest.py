@@ -183,14 +183,17 @@ def kill_after_first_checkpoint(project) -> str:
     return "".join(seen)
 
 
-def interrupt_then_resume(tokenized: Path, tmp_path: Path, params: dict):
-    """Train `params` uninterrupted (in-process unless it needs several processes); train it
-    again through the stage, SIGKILL the run right after its first checkpoint and resume it. Asserts the two end bitwise equal; returns (full, cut, resume
-    stdout)."""
+def interrupt_then_resume(tokenized: Path, tmp_path: Path, params: dict,
+                          full: Path | None = None):
+    """Train `params` uninterrupted (`full`: a run of `params` done already; else in-process,
+    or through the stage when it needs several processes); train it again through the stage,
+    SIGKILL the run right after its first checkpoint and resume it. Asserts the two end
+    bitwise equal; returns (full, cut, resume stdout)."""
     import torch
 
-    several = params.get("distributed.nproc_per_node", 1) > 1
-    full, _ = (train_copy if several else train_here)(tokenized, tmp_path / "full", params)
+    if full is None:
+        several = params.get("distributed.nproc_per_node", 1) > 1
+        full, _ = (train_copy if several else train_here)(tokenized, tmp_path / "full", params)
     cut = tmp_path / "cut"
     shutil.copytree(tokenized, cut, symlinks=True)
     write_params(cut, params)
@@ -216,9 +219,9 @@ class InProcess:
 
 
 def train_here(src: Path, dest: Path, overrides: dict | None = None):
-    """Train a copy of `src` with the engine's run object in this process, on the paths the
-    train stage hands torchrun (tasks.launch.run_paths): the same code as `finetune stage
-    train` minus the process boundary and MLflow, seconds faster per run. Process-wide torch
+    """Train a copy of `src` in this process with the job the train stage hands torchrun
+    (tasks.launch.job_spec -> engine.worker.run_job): the same code as `finetune stage train`
+    minus the process boundary and MLflow, seconds faster per run. Process-wide torch
     settings a run may change (determinism, anomaly mode, matmul precision) are restored."""
     shutil.copytree(src, dest, symlinks=True)
     if overrides:
@@ -233,9 +236,9 @@ def train_in_place(dest: Path) -> InProcess:
 
     import torch
 
-    from engine.run import train
+    from engine.worker import run_job
     from finetune.workspace import Workspace
-    from tasks.launch import run_paths
+    from tasks.launch import job_spec
 
     ws = Workspace.load(dest / "params/default.yaml")
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled(),
@@ -245,7 +248,7 @@ def train_in_place(dest: Path) -> InProcess:
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            train(ws.config, run_paths(ws))
+            run_job(job_spec(ws))
     finally:
         sys.path.remove(str(dest))
         for name in set(sys.modules) - before:  # the project's own modules, if any
@@ -257,3 +260,28 @@ def train_in_place(dest: Path) -> InProcess:
         torch.set_float32_matmul_precision(saved[2])
         torch.set_num_threads(saved[3])
     return InProcess(out.getvalue())
+
+
+def resume_from_checkpoint_in_process(src: Path, tmp_path: Path, params: dict, at: int) -> str:
+    """Train `params` in-process; cut a copy back to what a crash right after the step-`at`
+    checkpoint leaves (later checkpoints, the trained model and the curves gone) and resume
+    it in-process. Asserts bitwise equal weights and equal losses; returns the resume's log."""
+    import torch
+
+    full, _ = train_here(src, tmp_path / "full", params)
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut, symlinks=True)
+    for checkpoint in (cut / "data/checkpoints").glob("step-*"):
+        if int(checkpoint.name.removeprefix("step-")) > at:
+            shutil.rmtree(checkpoint)
+    shutil.rmtree(cut / "data/trained")
+    for curve in ("train.csv", "eval.csv"):
+        (cut / "data/plots" / curve).unlink(missing_ok=True)
+    write_params(cut, {"checkpoint.resume_from_checkpoint": True})
+    out = train_in_place(cut).stdout
+    assert f"step-{at:07d} at step {at}" in out, out
+    a, b = adapter(full), adapter(cut)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
+    assert losses(cut) == losses(full)
+    return out

@@ -88,11 +88,13 @@ def test_batched_left_padded_generation_equals_one_by_one():
 
 
 def test_gate_metric_needs_its_generation_metric():
+    data = {"dataset_name": "openai/gsm8k"}
     with pytest.raises(ValueError, match="registry.gate_metric eval.rouge1 needs 'rouge'"):
-        FinetuneConfig.model_validate({"registry": {"gate_metric": "eval.rouge1"}})
+        FinetuneConfig.model_validate({"data": data, "registry": {"gate_metric": "eval.rouge1"}})
     with pytest.raises(ValueError, match="one capture group"):
-        FinetuneConfig.model_validate({"eval": {"answer_regex": "####"}})
-    ok = FinetuneConfig.model_validate({"registry": {"gate_metric": "eval.exact_match"},
+        FinetuneConfig.model_validate({"data": data, "eval": {"answer_regex": "####"}})
+    ok = FinetuneConfig.model_validate({"data": data,
+                                        "registry": {"gate_metric": "eval.exact_match"},
                                         "eval": {"generation_metrics": ["exact_match"]}})
     assert ok.registry.higher_wins and not RegistryConfig().higher_wins
 

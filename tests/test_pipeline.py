@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 
@@ -14,8 +15,9 @@ from conftest import BIN, copy_project, write_params
 STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]
 
 
-def dvc(project, *args, check=True):
-    proc = subprocess.run([str(BIN / "dvc"), *args], cwd=project, capture_output=True, text=True)
+def dvc(project, *args, check=True, env=None):
+    proc = subprocess.run([str(BIN / "dvc"), *args], cwd=project, capture_output=True, text=True,
+                          env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"dvc {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -28,8 +30,44 @@ def ran(proc) -> list[str]:
 @pytest.fixture(scope="module")
 def repro(tmp_path_factory):
     project = copy_project(tmp_path_factory.mktemp("pipe") / "p")
-    first = dvc(project, "repro")
+    # every stage also records which params keys it reads (finetune.config.reads)
+    first = dvc(project, "repro", env={**os.environ, READS_ENV: str(_reads_dir(project))})
     return project, first
+
+
+READS_ENV = "FINETUNE_CONFIG_READS"
+#: keys a stage may read without listing them in dvc.yaml: they cannot change its outputs
+NOT_OUTPUT_KEYS = {
+    "logging.mlflow_tracking_uri": "where the MLflow store is; no DVC output records it",
+    "data.num_proc": "tokenizer worker processes: the same tokens either way",
+}
+
+
+def _reads_dir(project):
+    return project.parent / "config-reads"
+
+
+def test_dvc_params_cover_every_key_each_stage_reads(repro):
+    """DVC reruns a stage only when a listed key changes, so each key a stage (and, for
+    train, every torchrun worker) read during the first repro must be listed for that stage
+    in dvc.yaml: itself or its section."""
+    project, _ = repro
+    read = {}
+    for path in _reads_dir(project).glob("*.json"):
+        stage = path.name.rsplit("-", 1)[0]
+        read.setdefault(stage, set()).update(json.loads(path.read_text()))
+    assert sorted(read) == sorted(STAGES)
+    assert "training.max_steps" in read["train"] and "data.max_seq_length" in read["tokenize"]
+    stages = yaml.safe_load((project / "dvc.yaml").read_text())["stages"]
+    unlisted = {}
+    for stage in STAGES:
+        listed = [key for entry in stages[stage].get("params", [])
+                  for key in entry["params/default.yaml"]]
+        gaps = sorted(k for k in read[stage] - set(NOT_OUTPUT_KEYS)
+                      if not any(k == key or k.startswith(key + ".") for key in listed))
+        if gaps:
+            unlisted[stage] = gaps
+    assert unlisted == {}, f"keys read but not in dvc.yaml's params: {unlisted}"
 
 
 def test_first_repro_runs_all_stages_and_finetuning_helps(repro):

@@ -15,19 +15,32 @@ import torch
 from conftest import (BIN, adapter, assert_weights_close, error_line, interrupt_then_resume,
                       losses, run_cli, train_copy, train_metrics, write_params)
 
-STEPS = {"training.max_steps": 10, "checkpoint.save_strategy": "no", "eval.eval_steps": 5}
 TWO = {"distributed.nproc_per_node": 2}
 # SGD without clipping: the DiLoCo H=1 identity is exact only when nothing is nonlinear in the
-# gradient (clipping by the local vs the global norm would differ).
+# gradient (clipping by the local vs the global norm would differ). Checkpoints every 3 steps:
+# every reference run below is also the uninterrupted run a SIGKILL + resume must reproduce.
 SGD = {"optimizer.name": "SGD", "optimizer.learning_rate": 0.05, "training.max_grad_norm": 1e9,
-       "training.max_steps": 6, "checkpoint.save_strategy": "no", "eval.eval_steps": 3}
+       "training.max_steps": 6, "eval.eval_steps": 3, "checkpoint.save_steps": 3,
+       "checkpoint.save_total_limit": 10}
+OUTER_SGD = {"distributed.strategy": "diloco", "distributed.diloco.outer_lr": 1.0,
+             "distributed.diloco.outer_momentum": 0.0}
+H3 = {**SGD, **TWO, **OUTER_SGD, "distributed.diloco.inner_steps": 3,
+      "distributed.diloco.diloco_loops": 2}
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tokenized, tmp_path_factory):
-    """The reference: DDP, 2 ranks x batch 4, AdamW, 10 steps."""
+    """The reference: DDP, 2 ranks x batch 4, SGD, 6 steps."""
     project, proc = train_copy(tokenized, tmp_path_factory.mktemp("ddp") / "p",
-                               {**STEPS, **TWO, "distributed.strategy": "ddp"})
+                               {**SGD, **TWO, "distributed.strategy": "ddp"})
+    return project
+
+
+@pytest.fixture(scope="module")
+def diloco_run(tokenized, tmp_path_factory):
+    """DiLoCo, 2 workers x batch 4, H=3, 2 outer loops of outer SGD(lr 1) = model averaging."""
+    project, proc = train_copy(tokenized, tmp_path_factory.mktemp("diloco") / "p", H3)
+    assert "outer_step=2" in proc.stdout
     return project
 
 
@@ -42,92 +55,80 @@ def export_loads(project) -> None:
     assert torch.isfinite(out).all()
 
 
+def refuses_another_world_size(project, world: int, overrides: dict) -> None:
+    """A different world size cannot resume exactly: one line, before any training step."""
+    write_params(project, {**overrides, "checkpoint.resume_from_checkpoint": True})
+    err = run_cli(project, "stage", "train")
+    assert f"world size {world} but this run" in error_line(err)
+    assert "[train] step" not in err.stdout
+
+
 def test_ddp_counts_exactly_its_gradient_bytes(ddp_run):
     m = train_metrics(ddp_run)
     trainable = m["trainable_params"]
     # per step: one fp32 gradient all-reduce of every trainable parameter, plus the float64
     # target-token count that makes the loss token-weighted across ranks
-    assert m["comm_bytes_ddp_grad_all_reduce"] == 10 * trainable * 4
+    assert m["comm_bytes_ddp_grad_all_reduce"] == 6 * trainable * 4
     assert m["comm_bytes_per_step"] == trainable * 4 + 8
     export_loads(ddp_run)
 
 
-def test_fsdp2_with_accumulation_matches_ddp(ddp_run, tmp_path):
+def test_fsdp2_with_accumulation_matches_ddp_and_resumes_after_sigkill(tokenized, ddp_run,
+                                                                      tmp_path):
     """FSDP2, 2 ranks x batch 2 x accumulation 2 (reduce-scatter skipped on the first micro-batch)
-    sees the same examples per step as DDP 2 x 4: equal losses in fp32."""
-    project, proc = train_copy(ddp_run, tmp_path / "f", {
-        "distributed.strategy": "fsdp2", "distributed.fsdp.reshard_after_forward": True,
-        "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2})
+    sees the same examples per step as DDP 2 x 4: equal losses in fp32. Killed after its first
+    (sharded) checkpoint, it resumes bitwise."""
+    params = {**SGD, **TWO, "distributed.strategy": "fsdp2",
+              "distributed.fsdp.reshard_after_forward": True,
+              "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2}
+    project, proc = train_copy(tokenized, tmp_path / "f", params)
     assert "strategy fsdp2, world size 2" in proc.stdout
     assert losses(project) == pytest.approx(losses(ddp_run), abs=1e-5)
     assert_weights_close(adapter(project), adapter(ddp_run))
     m = train_metrics(project)
     assert m["comm_bytes_fsdp_all_gather"] > 0 and m["comm_bytes_fsdp_reduce_scatter"] > 0
+    _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, params, full=project)
+    assert "at step 3" in stdout
     export_loads(project)
+    refuses_another_world_size(cut, 2, {"distributed.nproc_per_node": 1,
+                                        "distributed.strategy": "single",
+                                        "distributed.fsdp": None})
 
 
-def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(tokenized, tmp_path):
-    ddp, _ = train_copy(tokenized, tmp_path / "ddp", {**SGD, **TWO, "distributed.strategy": "ddp"})
-    outer_sgd = {"distributed.strategy": "diloco", "distributed.diloco.outer_lr": 1.0,
-                 "distributed.diloco.outer_momentum": 0.0}
+def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(
+        tokenized, ddp_run, diloco_run, tmp_path):
     h1, _ = train_copy(tokenized, tmp_path / "h1", {
-        **SGD, **TWO, **outer_sgd, "distributed.diloco.inner_steps": 1,
-        "distributed.diloco.diloco_loops": 6})
-    assert losses(h1) == pytest.approx(losses(ddp), abs=1e-5)
-    assert_weights_close(adapter(h1), adapter(ddp))
-    h3, proc = train_copy(tokenized, tmp_path / "h3", {
-        **SGD, **TWO, **outer_sgd, "distributed.diloco.inner_steps": 3,
-        "distributed.diloco.diloco_loops": 2})
-    assert "outer_step=2" in proc.stdout
+        **H3, "distributed.diloco.inner_steps": 1, "distributed.diloco.diloco_loops": 6})
+    assert losses(h1) == pytest.approx(losses(ddp_run), abs=1e-5)
+    assert_weights_close(adapter(h1), adapter(ddp_run))
     per_step = {name: train_metrics(p)["comm_bytes_per_step"] for name, p in
-                (("ddp", ddp), ("h1", h1), ("h3", h3))}
+                (("ddp", ddp_run), ("h1", h1), ("h3", diloco_run))}
     assert per_step["h1"] == per_step["ddp"]
     assert per_step["h3"] * 3 == per_step["ddp"]
-    export_loads(h3)
+    export_loads(diloco_run)
     # post-local SGD: DDP-style gradient averaging for 3 steps, then 3 local steps + averaging
     post, proc = train_copy(tokenized, tmp_path / "post", {
-        **SGD, **TWO, **outer_sgd, "distributed.diloco.inner_steps": 3,
-        "distributed.diloco.diloco_loops": 2, "distributed.diloco.local_sgd_start_step": 3})
-    assert losses(post)[:3] == pytest.approx(losses(ddp)[:3], abs=1e-5)
-    assert losses(post)[3:] != pytest.approx(losses(ddp)[3:], abs=1e-5)
+        **H3, "distributed.diloco.local_sgd_start_step": 3})
+    assert losses(post)[:3] == pytest.approx(losses(ddp_run)[:3], abs=1e-5)
+    assert losses(post)[3:] != pytest.approx(losses(ddp_run)[3:], abs=1e-5)
     m, trainable = train_metrics(post), train_metrics(post)["trainable_params"]
     assert m["comm_bytes_grad_all_reduce"] == 3 * trainable * 4
     assert m["comm_bytes_diloco_pseudo_grad"] == 1 * trainable * 4
     assert "outer_step=1" in proc.stdout and "outer_step=2" not in proc.stdout
 
 
+def test_diloco_resumes_after_sigkill(tokenized, diloco_run, tmp_path):
+    """Killed after the first outer loop's checkpoint, DiLoCo resumes bitwise (inner and
+    outer optimizer state, the global copy)."""
+    _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, H3, full=diloco_run)
+    assert "at step 3" in stdout
+    refuses_another_world_size(cut, 2, {"distributed.nproc_per_node": 1})
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.mark.parametrize("strategy", [
-    {"distributed.strategy": "fsdp2", "training.per_device_train_batch_size": 2,
-     "training.gradient_accumulation_steps": 2},
-    {"distributed.strategy": "diloco", "training.max_steps": 12,
-     "distributed.diloco.inner_steps": 3, "distributed.diloco.diloco_loops": 4},
-    {"distributed.strategy": "diloco", "training.max_steps": 12,
-     "distributed.diloco.inner_steps": 3, "distributed.diloco.diloco_loops": 4,
-     "distributed.nproc_per_node": 4, "distributed.diloco.fsdp_group_size": 2,
-     "training.per_device_train_batch_size": 2},
-], ids=["fsdp2", "diloco", "diloco-fsdp2-workers"])
-def test_sigkill_after_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, strategy):
-    common = {**TWO, **strategy, "checkpoint.save_steps": 3, "eval.eval_steps": 3,
-              "checkpoint.save_total_limit": 10}
-    if strategy["distributed.strategy"] != "diloco":
-        common["training.max_steps"] = 12
-    _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, common)
-    resumed_at = int(stdout.split("resumed from")[1].split("at step ")[1].split()[0])
-    assert 3 <= resumed_at < 12
-    # a different world size cannot resume exactly: refused before any process starts
-    world = common["distributed.nproc_per_node"]
-    write_params(cut, {"distributed.nproc_per_node": 1, "distributed.strategy": "single"}
-                 if strategy["distributed.strategy"] != "diloco" else
-                 {"distributed.nproc_per_node": 1, "distributed.diloco.fsdp_group_size": 1})
-    err = run_cli(cut, "stage", "train")
-    assert f"world size {world} but this run" in error_line(err)
-    assert "[train] step" not in err.stdout
 
 
 def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
@@ -158,20 +159,22 @@ def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
     assert train_metrics(nodes[0])["world_size"] == 2
 
 
-def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, tmp_path):
+def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, diloco_run,
+                                                                    tmp_path):
     """OpenDiLoCo's layout: 4 processes = 2 DiLoCo workers x FSDP2 groups of 2 (batch 2 each)
     trains like 2 unsharded workers with batch 4 (the same examples per worker and step); each
-    rank then sends only its shard of the pseudo-gradient."""
-    common = {"distributed.strategy": "diloco", "training.max_steps": 6,
-              "distributed.diloco.inner_steps": 3, "distributed.diloco.diloco_loops": 2, "eval.eval_steps": 3,
-              "checkpoint.save_strategy": "no"}
-    plain, _ = train_copy(tokenized, tmp_path / "plain", {**common, **TWO})
-    sharded, proc = train_copy(tokenized, tmp_path / "sharded", {
-        **common, "distributed.nproc_per_node": 4, "training.per_device_train_batch_size": 2,
-        "distributed.diloco.fsdp_group_size": 2})
+    rank then sends only its shard of the pseudo-gradient. Killed after a checkpoint, the
+    sharded workers resume bitwise."""
+    params = {**H3, "distributed.nproc_per_node": 4, "training.per_device_train_batch_size": 2,
+              "distributed.diloco.fsdp_group_size": 2}
+    sharded, proc = train_copy(tokenized, tmp_path / "sharded", params)
     assert "strategy diloco, world size 4" in proc.stdout
-    assert losses(sharded) == pytest.approx(losses(plain), abs=1e-5)
-    assert_weights_close(adapter(sharded), adapter(plain))
-    m, p = train_metrics(sharded), train_metrics(plain)
+    assert losses(sharded) == pytest.approx(losses(diloco_run), abs=1e-5)
+    assert_weights_close(adapter(sharded), adapter(diloco_run))
+    m, p = train_metrics(sharded), train_metrics(diloco_run)
     assert 0 < m["comm_bytes_diloco_pseudo_grad"] < p["comm_bytes_diloco_pseudo_grad"]
     assert m["comm_bytes_fsdp_all_gather"] > 0
+    _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, params, full=sharded)
+    assert "at step 3" in stdout
+    refuses_another_world_size(cut, 4, {"distributed.nproc_per_node": 1,
+                                        "distributed.diloco.fsdp_group_size": 1})

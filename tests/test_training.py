@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import (adapter, assert_weights_close, error_line, interrupt_then_resume, losses,
-                      run_cli, train_copy, train_here, train_in_place, train_metrics, write_params)
+                      resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
+                      train_metrics, write_params)
 from finetune.errors import PipelineError
 
 
@@ -64,20 +65,9 @@ def test_ddp_two_ranks_matches_single_rank_double_batch(tokenized, tmp_path):
 
 
 def test_resume_from_checkpoint_is_bitwise_exact(tokenized, tmp_path):
-    full, _ = train_here(tokenized, tmp_path / "full")
-    # The same run, interrupted after the step-3 checkpoint: drop what came later.
-    cut = tmp_path / "cut"
-    shutil.copytree(full, cut, symlinks=True)
-    shutil.rmtree(cut / "data/checkpoints/step-0000006")
-    shutil.rmtree(cut / "data/trained")
-    (cut / "data/plots/train.csv").unlink()
-    write_params(cut, {"checkpoint.resume_from_checkpoint": True})
-    proc = train_in_place(cut)
-    assert "resumed from" in proc.stdout and "step-0000003 at step 3" in proc.stdout
-    wf, wc = adapter(full), adapter(cut)
-    assert wf.keys() == wc.keys()
-    assert all(torch.equal(wf[k], wc[k]) for k in wf), "resumed weights differ from uninterrupted"
-    assert losses(cut) == losses(full)  # the plot history survives the resume too
+    """The same run, interrupted after the step-3 checkpoint, continues exactly (the curves'
+    history survives the resume too)."""
+    resume_from_checkpoint_in_process(tokenized, tmp_path, {}, at=3)
 
 
 def test_optimizer_groups_reach_the_training_loop(tokenized, tmp_path):
@@ -135,26 +125,31 @@ def test_packing_trains_exactly_like_padding(tokenized, tmp_path, layout, says):
      "training.gradient_accumulation_steps": 2, "training.per_device_train_batch_size": 2},
     {"training.padding_free": True},
 ], ids=["packing", "packing-accumulation", "padding-free"])
-def test_sigkill_at_a_random_checkpoint_then_resume_is_bitwise(tokenized, tmp_path, overrides):
+def test_resume_at_a_random_checkpoint_is_bitwise(tokenized, tmp_path, overrides):
+    """Each batch layout resumes exactly from any checkpoint (a crash at a random step); the
+    SIGKILL itself is tested through the stage below and in test_strategies."""
     import random
 
     save_steps = random.Random(str(overrides)).randint(2, 5)
-    common = {**overrides, "training.max_steps": 8, "checkpoint.save_steps": save_steps,
-              "eval.eval_steps": save_steps, "checkpoint.save_total_limit": 10}
-    _, _, stdout = interrupt_then_resume(tokenized, tmp_path, common)
-    assert f"at step {save_steps}" in stdout
+    resume_from_checkpoint_in_process(tokenized, tmp_path, {
+        **overrides, "training.max_steps": 8, "checkpoint.save_steps": save_steps,
+        "eval.eval_steps": save_steps, "checkpoint.save_total_limit": 10}, at=save_steps)
 
 
 def test_ddp_with_one_process_resumes_after_sigkill(tokenized, tmp_path):
     """strategy ddp with one process runs single-device: its checkpoints record the strategy
-    that ran, so preflight and the worker (one rule) accept them on resume."""
+    that ran, so preflight and the worker (one rule) accept them on resume. SIGKILLed through
+    the stage right after a checkpoint, with packing and accumulation (the most state)."""
     _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, {
         "distributed.strategy": "ddp", "distributed.nproc_per_node": 1,
-        "checkpoint.save_steps": 2, "eval.eval_steps": 2})
-    assert "at step 2" in stdout
+        "training.packing": True, "training.packed_sequence_length": 1024,
+        "training.gradient_accumulation_steps": 2, "training.per_device_train_batch_size": 2,
+        "training.max_steps": 8, "checkpoint.save_steps": 3, "eval.eval_steps": 3,
+        "checkpoint.save_total_limit": 10})
+    assert "at step 3" in stdout
     from engine.checkpoint import read_meta
 
-    assert read_meta(cut / "data/checkpoints/step-0000006")["strategy"] == "single"
+    assert read_meta(cut / "data/checkpoints/step-0000003")["strategy"] == "single"
 
 
 def _checkpoints(project) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from finetune.config import reads
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
 from finetune.config.section import Section
@@ -538,3 +539,6 @@ class FinetuneConfig(Section):
         if self.distributed.strategy == "diloco":
             return self.distributed.diloco.inner_steps * self.distributed.diloco.diloco_loops
         return self.training.max_steps if self.training.max_steps > 0 else None
+
+
+reads.register_root(FinetuneConfig)

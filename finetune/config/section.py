@@ -4,11 +4,20 @@ import typing
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from finetune.config import reads
+
 
 class Section(BaseModel):
     """Base for every section: unknown keys are rejected, assignments re-validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __getattribute__(self, name: str):
+        value = super().__getattribute__(name)
+        if reads.recording() and not isinstance(value, Section) and name in type(
+                self).model_fields:
+            reads.note(type(self), name)  # which keys a stage reads (dvc.yaml completeness)
+        return value
 
     @model_validator(mode="before")
     @classmethod
