@@ -42,18 +42,27 @@ def main(spec_path: str, out_path: str) -> None:
         gradient_accumulation_steps=1, max_steps=spec["steps"],
         learning_rate=spec["learning_rate"], weight_decay=spec["weight_decay"],
         lr_scheduler_type="cosine", warmup_steps=spec["warmup_steps"], max_grad_norm=1.0,
-        optim="adamw_torch_fused", bf16=spec["precision"] == "bf16", use_cpu=True,
+        optim="adamw_torch_fused", bf16=spec["precision"] == "bf16",
+        use_cpu=spec.get("device", "cpu") == "cpu",
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
         seed=spec["seed"], train_sampling_strategy="sequential", dataloader_drop_last=True,
         disable_tqdm=True, remove_unused_columns=False,
     )
     losses: list[float] = []
     slots = {"real": 0, "total": 0}
+    per_batch: list[int] = []  # useful tokens of each collated batch (= each step here)
+    step_ends: list[float] = []
+    cuda = torch.cuda.is_available() and not args.use_cpu
 
     class Record(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            step_ends.append(time.perf_counter())
 
     collator = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
 
@@ -61,6 +70,7 @@ def main(spec_path: str, out_path: str) -> None:
         batch = collator(features)
         slots["real"] += int(batch["attention_mask"].sum())
         slots["total"] += batch["attention_mask"].numel()
+        per_batch.append(int(batch["attention_mask"].sum()))
         return batch
 
     trainer = Trainer(model=model, args=args, train_dataset=rows,
@@ -69,7 +79,12 @@ def main(spec_path: str, out_path: str) -> None:
     result = trainer.train()
     wall = time.perf_counter() - started
     real = slots["real"]  # collated batches = trained batches (max_steps, accumulation 1)
+    skip = spec.get("warmup_window", 0)  # steps left out of the timed window
     json.dump({
+        # steps skip+1..N: batches skip..N-1, from the end of step `skip` to the end of N
+        "window_tokens": sum(per_batch[skip : len(step_ends)]) if skip else real,
+        "window_seconds": step_ends[-1] - step_ends[skip - 1] if skip else wall,
+        "cuda_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "train_runtime": result.metrics["train_runtime"], "train_wall": wall,
         "useful_tokens": real, "token_slots": slots["total"],
         "padding_fraction": 1 - real / max(slots["total"], 1),

@@ -266,9 +266,16 @@ def resume_from_checkpoint_in_process(src: Path, tmp_path: Path, params: dict, a
     """Train `params` in-process; cut a copy back to what a crash right after the step-`at`
     checkpoint leaves (later checkpoints, the trained model and the curves gone) and resume
     it in-process. Asserts bitwise equal weights and equal losses; returns the resume's log."""
+    full, _ = train_here(src, tmp_path / "full", params)
+    return resume_cut_back(full, tmp_path, at, train_in_place)
+
+
+def resume_cut_back(full: Path, tmp_path: Path, at: int, resume=None) -> str:
+    """A copy of the finished run `full` cut back to its step-`at` checkpoint, resumed with
+    `resume(project)` (default: through the stage); asserts it ends exactly as `full`."""
     import torch
 
-    full, _ = train_here(src, tmp_path / "full", params)
+    resume = resume or (lambda project: run_cli(project, "stage", "train", check=True))
     cut = tmp_path / "cut"
     shutil.copytree(full, cut, symlinks=True)
     for checkpoint in (cut / "data/checkpoints").glob("step-*"):
@@ -278,7 +285,7 @@ def resume_from_checkpoint_in_process(src: Path, tmp_path: Path, params: dict, a
     for curve in ("train.csv", "eval.csv"):
         (cut / "data/plots" / curve).unlink(missing_ok=True)
     write_params(cut, {"checkpoint.resume_from_checkpoint": True})
-    out = train_in_place(cut).stdout
+    out = resume(cut).stdout
     assert f"step-{at:07d} at step {at}" in out, out
     a, b = adapter(full), adapter(cut)
     assert a.keys() == b.keys()

@@ -52,7 +52,8 @@ def test_stack_deployment_run_schedule_and_clean_stop(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), FINETUNE_ROOT=str(project),
                PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5")
+               PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
+               PREFECT_RUNNER_POLL_FREQUENCY="2")  # the serve process picks the run up sooner
     log = open(tmp_path / "stack.log", "w")
     stack = subprocess.Popen([str(BIN / "finetune-stack"), "--port", str(port)], cwd=project,
                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import (BIN, adapter, assert_weights_close, error_line, interrupt_then_resume,
-                      losses, run_cli, train_copy, train_metrics, write_params)
+                      losses, resume_cut_back, run_cli, train_copy, train_here, train_metrics,
+                      write_params)
 
 TWO = {"distributed.nproc_per_node": 2}
 # SGD without clipping: the DiLoCo H=1 identity is exact only when nothing is nonlinear in the
@@ -61,6 +62,14 @@ def refuses_another_world_size(project, world: int, overrides: dict) -> None:
     err = run_cli(project, "stage", "train")
     assert f"world size {world} but this run" in error_line(err)
     assert "[train] step" not in err.stdout
+
+
+def test_ddp_two_ranks_match_one_rank_with_double_batch(tokenized, ddp_run, tmp_path):
+    single, _ = train_here(tokenized, tmp_path / "s", {
+        **SGD, "training.per_device_train_batch_size": 8})
+    assert train_metrics(ddp_run)["world_size"] == 2 and train_metrics(single)["world_size"] == 1
+    assert losses(ddp_run) == pytest.approx(losses(single), abs=1e-5)
+    assert_weights_close(adapter(single), adapter(ddp_run))
 
 
 def test_ddp_counts_exactly_its_gradient_bytes(ddp_run):
@@ -163,8 +172,10 @@ def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, di
                                                                     tmp_path):
     """OpenDiLoCo's layout: 4 processes = 2 DiLoCo workers x FSDP2 groups of 2 (batch 2 each)
     trains like 2 unsharded workers with batch 4 (the same examples per worker and step); each
-    rank then sends only its shard of the pseudo-gradient. Killed after a checkpoint, the
-    sharded workers resume bitwise."""
+    rank then sends only its shard of the pseudo-gradient. Resumed through the stage from the
+    first outer loop's checkpoint (each worker's sharded inner optimizer state), the sharded
+    workers end bitwise where the uninterrupted run did (the SIGKILL itself: the two tests
+    above)."""
     params = {**H3, "distributed.nproc_per_node": 4, "training.per_device_train_batch_size": 2,
               "distributed.diloco.fsdp_group_size": 2}
     sharded, proc = train_copy(tokenized, tmp_path / "sharded", params)
@@ -174,7 +185,6 @@ def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, di
     m, p = train_metrics(sharded), train_metrics(diloco_run)
     assert 0 < m["comm_bytes_diloco_pseudo_grad"] < p["comm_bytes_diloco_pseudo_grad"]
     assert m["comm_bytes_fsdp_all_gather"] > 0
-    _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, params, full=sharded)
-    assert "at step 3" in stdout
-    refuses_another_world_size(cut, 4, {"distributed.nproc_per_node": 1,
+    resume_cut_back(sharded, tmp_path, at=3)
+    refuses_another_world_size(tmp_path / "cut", 4, {"distributed.nproc_per_node": 1,
                                         "distributed.diloco.fsdp_group_size": 1})

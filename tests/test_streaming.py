@@ -10,8 +10,9 @@ import shutil
 import pandas as pd
 import pytest
 
-from conftest import (adapter, assert_weights_close, copy_project, error_line,
-                      interrupt_then_resume, losses, run_cli, train_copy, train_metrics,
+from conftest import (adapter, assert_weights_close, copy_project, error_line, losses,
+                      resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
+                      train_metrics,
                       write_params)
 from finetune.config import load_config
 
@@ -80,7 +81,7 @@ def test_download_writes_only_the_test_split(streamed):
 def test_streamed_training_ddp_equals_single_and_differs_from_map_style(streamed, tokenized,
                                                                         tmp_path):
     common = {"training.max_steps": 4, "checkpoint.save_strategy": "no"}
-    single, proc = train_copy(streamed, tmp_path / "single", {
+    single, proc = train_here(streamed, tmp_path / "single", {
         **common, "training.per_device_train_batch_size": 8})
     assert "4 steps (streamed)" in proc.stdout
     ddp, _ = train_copy(streamed, tmp_path / "ddp", {
@@ -89,20 +90,20 @@ def test_streamed_training_ddp_equals_single_and_differs_from_map_style(streamed
     assert_weights_close(adapter(single), adapter(ddp))
     assert losses(single) == pytest.approx(losses(ddp), abs=1e-5)
     # the streamed order is not the map-style permutation: the option really switches the source
-    mapped, _ = train_copy(tokenized, tmp_path / "mapped", {
+    mapped, _ = train_here(tokenized, tmp_path / "mapped", {
         **common, "training.per_device_train_batch_size": 8})
     assert losses(mapped) != pytest.approx(losses(single), abs=1e-4)
     assert train_metrics(single)["num_input_tokens_seen"] > 0
 
 
-def test_streamed_training_sigkill_then_resume_is_bitwise(streamed, tmp_path):
-    """Epochs of 46 examples / 8 per step: 8 steps cross an epoch end and a reshuffle."""
+def test_streamed_training_resumes_bitwise(streamed, tmp_path):
+    """Epochs of 46 examples / 8 per step: 8 steps cross an epoch end and a reshuffle; the
+    resumed run re-reads the stream to the checkpoint's position."""
     params = {"training.max_steps": 8, "training.per_device_train_batch_size": 4,
               "training.gradient_accumulation_steps": 2, "checkpoint.save_steps": 6,
               "eval.eval_steps": 6, "checkpoint.save_total_limit": 10}
-    full, _, stdout = interrupt_then_resume(streamed, tmp_path, params)
-    assert "at step 6" in stdout
-    assert train_metrics(full)["epoch"] == 1.0
+    resume_from_checkpoint_in_process(streamed, tmp_path, params, at=6)
+    assert train_metrics(tmp_path / "full")["epoch"] == 1.0
 
 
 def test_holdout_when_the_source_has_no_test_split(tmp_path):
