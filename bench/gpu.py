@@ -90,8 +90,8 @@ def run_ours(name: str, layout: dict, args, model: Path, out: Path) -> dict:
         "training.per_device_train_batch_size": args.batch, "training.max_grad_norm": 1.0,
         "optimizer.learning_rate": 1e-3, "optimizer.kwargs": {"fused": True},
         "scheduler.warmup_steps": 2, "checkpoint.save_strategy": "no",
-        "eval.eval_strategy": "no", "logging.logging_steps": 1, "logging.report_to": [],
-        "data.max_seq_length": 1024, **layout}
+        "eval.eval_strategy": "no", "logging.logging_steps": 1, "logging.report_to": ["jsonl"],
+        "logging.logging_dir": str(out / name / "logs"), "data.max_seq_length": 1024, **layout}
     cfg = load_config(ROOT / "params/default.yaml", overrides)
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
@@ -115,11 +115,13 @@ def run_ours(name: str, layout: dict, args, model: Path, out: Path) -> dict:
     seconds = sum((float(r["num_input_tokens_seen"]) - float(p["num_input_tokens_seen"]))
                   / float(r["tokens_per_second"]) for p, r in zip(rows[WARMUP - 1:], timed))
     metrics = json.loads((work / "train.json").read_text())
+    logged = [json.loads(x) for x in (work / "logs/train_log.jsonl").read_text().splitlines()]
+    peak_mb = max(r.get("cuda_max_memory_allocated_mb", 0) for r in logged)
     kernel = next((ln for ln in proc.stdout.splitlines() if "attention" in ln and "[train]" in ln),
                   "")
     return {"tokens_per_s": tokens / seconds, "final_loss": float(rows[-1]["loss"]),
             "losses": [float(r["loss"]) for r in rows],
-            "peak_gib": float(rows[-1].get("cuda_max_memory_allocated_mb") or 0) / 1024,
+            "peak_gib": peak_mb / 1024,
             "padding_fraction": metrics["padding_fraction"], "note": kernel.strip()}
 
 

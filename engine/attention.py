@@ -1,21 +1,29 @@
-"""Padding-free attention: one row per micro-batch, attention computed per example.
+"""Variable-length attention: one row per micro-batch (padding-free) or packed rows, each
+example attending only to itself, through the fastest kernel the machine has.
 
-Padded batches spend compute on pad slots (a third of it on Alpaca at batch 8) and packed rows
-of fixed width still pad the last row and run attention over the whole row behind a
-block-diagonal mask, which on CPU takes SDPA's slow masked path. Flattening the micro-batch
-into one row removes the padding entirely, and running SDPA once per example (causal, no mask:
-the fast kernel) keeps examples apart and makes attention cost the sum of the squares of the
-example lengths instead of the square of the row.
+Padded batches spend compute on pad slots (a third of it on Alpaca at batch 8), and packed rows
+behind a block-diagonal mask fall off the fast kernels. Here the example boundaries travel as
+`cu_seq_lens_q/k` (cumulative lengths over the flattened tokens: transformers' varlen keyword
+names, which its models pass from `forward(**kwargs)` down to the attention function) with
+`max_length_q/k`, and one kernel, chosen once at start-up, computes attention for them all:
 
-The boundaries travel as `cu_seq_lens_q`/`cu_seq_lens_k` (cumulative lengths, transformers'
-varlen keyword names, which its models pass from `forward(**kwargs)` down to the attention
-function) and stay on the host (engine.data.HOST_KEYS), so slicing needs no device sync. Registered with transformers'
-AttentionInterface under VARLEN_SDPA; any batch without boundaries (padded evaluation,
-generation) falls through to the stock SDPA function with the stock SDPA mask, so the model
-stays usable for everything else while it is switched.
+- `torch_varlen`: PyTorch's flash varlen kernel (`torch.nn.attention.varlen.varlen_attn`), one
+  call per layer over every example of the micro-batch; CUDA, bf16/fp16.
+- `flash_attn`: the flash-attn package's `flash_attn_varlen_func` when it is installed; CUDA.
+- `sdpa_per_example`: causal SDPA once per example (the fast unmasked kernel; cost = sum of
+  squared lengths). Right on a CPU, where one call per example costs microseconds; on a GPU
+  every call is a kernel launch (thousands per step), so it is the fallback there, with cuDNN
+  attention kept out (it plans every new shape on the host: ~3 ms per call measured on an H100).
+
+The boundaries stay on the host (engine.data.HOST_KEYS); a CUDA kernel gets one device copy per
+forward, shared by every layer. Registered with transformers' AttentionInterface under
+VARLEN_ATTENTION; a batch without boundaries (padded evaluation, generation) falls through to the
+stock SDPA function with the stock SDPA mask, so the model stays usable for everything else.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -25,35 +33,142 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from engine.model import base_model
 
-VARLEN_SDPA = "finetune_varlen_sdpa"
+VARLEN_ATTENTION = "finetune_varlen"
+KERNELS = ("torch_varlen", "flash_attn", "sdpa_per_example")
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def varlen_sdpa_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                        is_causal: bool | None = None, **kwargs):
-    """(batch 1, heads, tokens, dim) -> (1, tokens, heads, dim), attention per example."""
+class _Chosen:
+    kernel = "sdpa_per_example"
+    #: (host cu tensor, device) -> its device copy, for the layers of one forward
+    cached: tuple | None = None
+
+
+def _torch_varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _flash_attn_fn():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def available_kernels(device: torch.device) -> list[str]:
+    """The varlen kernels this machine can run, fastest first."""
+    found = []
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+        if _torch_varlen_fn() is not None:
+            found.append("torch_varlen")
+        if _flash_attn_fn() is not None:
+            found.append("flash_attn")
+    return found + ["sdpa_per_example"]
+
+
+def choose_kernel(device: torch.device, compute_dtype: torch.dtype, requested: str = "auto"
+                  ) -> str:
+    """`requested` if the machine has it, else (auto) the fastest one; the flash kernels need
+    bf16/fp16 compute (autocast or half weights)."""
+    usable = [k for k in available_kernels(device)
+              if k == "sdpa_per_example" or compute_dtype in _FAST_DTYPES]
+    if requested == "auto":
+        return usable[0]
+    if requested not in usable:
+        from finetune.errors import PipelineError
+
+        why = ("it needs bf16/fp16 compute (training.mixed_precision: bf16)"
+               if requested in available_kernels(device) else "this machine does not have it")
+        raise PipelineError(f"training.varlen_kernel: {requested} cannot run here ({why}); "
+                            f"usable: {', '.join(usable)} (or auto)")
+    return requested
+
+
+def _on_device(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host-to-device copy per forward: every layer gets the same host tensor."""
+    cached = _Chosen.cached
+    if cached is not None and cached[0] is cu and cached[1] == device:
+        return cached[2]
+    moved = cu.to(device=device, dtype=torch.int32, non_blocking=True)
+    _Chosen.cached = (cu, device, moved)
+    return moved
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, tokens, dim) -> (batch * tokens, heads, dim)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b * t, h, d)
+
+
+def _causal_kwargs(fn) -> dict:
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:  # torch >= 2.12
+        return {"window_size": (-1, 0)}
+    return {"is_causal": True}
+
+
+def _varlen_kernel(query, key, value, cu, max_len: int, scaling, dropout: float):
+    b, h, t, d = query.shape
+    q, k, v = _flat(query), _flat(key), _flat(value)
+    if k.shape[1] != h:  # grouped-query attention: repeat the kv heads
+        k = k.repeat_interleave(h // k.shape[1], dim=1)
+        v = v.repeat_interleave(h // v.shape[1], dim=1)
+    cu_dev = _on_device(cu, query.device)
+    if _Chosen.kernel == "flash_attn":
+        out = _flash_attn_fn()(q, k, v, cu_dev, cu_dev, max_len, max_len, dropout_p=dropout,
+                               softmax_scale=scaling, causal=True)
+    else:
+        fn = _torch_varlen_fn()
+        out = fn(q, k, v, cu_dev, cu_dev, max_len, max_len, scale=scaling, **_causal_kwargs(fn))
+    return out.view(b, t, h, d)
+
+
+def _per_example(query, key, value, cu, scaling, dropout: float):
+    """(1, heads, tokens, dim) -> (1, tokens, heads, dim), causal SDPA per example."""
+    if query.shape[0] != 1:
+        raise ValueError(f"{VARLEN_ATTENTION}: per-example attention needs one row, got "
+                         f"{query.shape[0]}")
+    bounds = cu.tolist()
+    gqa = query.shape[1] != key.shape[1]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends):  # never cuDNN: it plans every new shape on the host
+        outs = [F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
+            is_causal=True, scale=scaling, enable_gqa=gqa)
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, is_causal: bool | None = None,
+                             **kwargs):
+    """transformers' attention-function contract: returns ((batch, tokens, heads, dim), None)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    if query.shape[0] != 1:
-        raise ValueError(f"{VARLEN_SDPA}: cu_seq_lens need a batch of one row, got "
-                         f"{query.shape[0]}")
-    bounds = cu.tolist()
-    gqa = query.shape[1] != key.shape[1]
-    outs = [F.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout, is_causal=True,
-        scale=scaling, enable_gqa=gqa) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    dropout = dropout if module.training else 0.0
+    if _Chosen.kernel == "sdpa_per_example":
+        return _per_example(query, key, value, cu, scaling, dropout), None
+    max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
+    return _varlen_kernel(query, key, value, cu, max_len, scaling, dropout), None
 
 
-AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_forward)
-ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, sdpa_mask)
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_ATTENTION, sdpa_mask)
 
 
-def use_varlen_attention(model) -> str | None:
-    """Switch a transformers model (or a PEFT model around one) to VARLEN_SDPA; returns the
-    implementation it had (to switch back), or None when it cannot be switched."""
+def use_varlen_attention(model, kernel: str = "sdpa_per_example") -> str | None:
+    """Switch a transformers model (or a PEFT model around one) to VARLEN_ATTENTION with
+    `kernel`; returns the implementation it had (to switch back), or None when it cannot."""
     base = base_model(model)
     config = getattr(base, "config", None)
     if not hasattr(base, "set_attn_implementation") or config is None:
@@ -61,8 +176,9 @@ def use_varlen_attention(model) -> str | None:
     if not getattr(base, "_can_set_attn_implementation", lambda: False)():
         return None
     before = config._attn_implementation
-    base.set_attn_implementation(VARLEN_SDPA)
-    return before if config._attn_implementation == VARLEN_SDPA else None
+    base.set_attn_implementation(VARLEN_ATTENTION)
+    _Chosen.kernel = kernel
+    return before if config._attn_implementation == VARLEN_ATTENTION else None
 
 
 def restore_attention(model, implementation: str) -> None:

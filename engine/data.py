@@ -137,13 +137,15 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def collate_packed(rows: list[dict], pad_id: int, capacity: int,
-                   block_mask: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                   block_mask: torch.dtype | None = None,
+                   varlen: bool = False) -> dict[str, torch.Tensor]:
     """Packing: the micro-batch's examples share rows of up to `capacity` tokens.
 
     position_ids restart at 0 for every example; models that build their attention mask from
     position_ids (transformers' packed-sequence detection, or varlen flash attention) then keep
     examples apart. `block_mask` (a float dtype) adds an explicit block-diagonal causal mask for
-    models that do not. Each example's first label is ignored: in the unpacked batch nothing
+    models that do not; `varlen` adds the boundaries of every example (and of each row's padding
+    tail) over the flattened rows, for a varlen attention kernel (engine.attention). Each example's first label is ignored: in the unpacked batch nothing
     predicts it either, so packed and unpacked runs optimise exactly the same targets.
     """
     bins = pack_rows([len(r["input_ids"]) for r in rows], capacity)
@@ -165,6 +167,12 @@ def collate_packed(rows: list[dict], pad_id: int, capacity: int,
         positions[r, at:] = torch.arange(width - at)  # padding: its own (ignored) sequence
         segments[r, at:] = len(members)
     batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    if varlen:
+        pieces = []
+        for members in bins:
+            sizes = [len(rows[i]["input_ids"]) for i in members]
+            pieces += sizes + ([width - sum(sizes)] if width > sum(sizes) else [])
+        batch.update(varlen_boundaries(pieces))
     if block_mask is not None:
         causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
         allowed = (segments[:, :, None] == segments[:, None, :]) & causal
@@ -185,17 +193,28 @@ def collate_flat(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     lengths = [len(r["input_ids"]) for r in rows]
     ids = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
     labels = torch.as_tensor([t for r in rows for t in r["labels"]], dtype=torch.long)
-    starts = torch.as_tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    labels[starts[:-1].long()] = IGNORE_INDEX
+    starts = torch.as_tensor([0] + lengths[:-1], dtype=torch.long).cumsum(0)
+    labels[starts] = IGNORE_INDEX
     positions = torch.cat([torch.arange(n) for n in lengths])
     return {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None],
             "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-            "cu_seq_lens_q": starts, "cu_seq_lens_k": starts}
+            **varlen_boundaries(lengths)}
 
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")
-#: read on the host (example boundaries, sliced with Python ints): never copied to a device
-HOST_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+def varlen_boundaries(lengths: list[int]) -> dict[str, torch.Tensor]:
+    """What a varlen attention kernel needs: cumulative lengths of the sequences laid end to
+    end (int32) and the longest one, under transformers' keyword names (host tensors)."""
+    starts = torch.as_tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    longest = torch.tensor(max(lengths))
+    return {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest,
+            "max_length_k": longest}
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                "max_length_q", "max_length_k")
+#: read on the host (example boundaries, sliced with Python ints): never copied to a device by
+#: the loop (a CUDA kernel gets one copy per forward, engine.attention)
+HOST_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

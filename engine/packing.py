@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from engine.attention import restore_attention, use_varlen_attention
+from engine.attention import choose_kernel, restore_attention, use_varlen_attention
 from engine.data import collate, collate_flat, collate_packed, model_inputs, to_device
 from engine.model import base_model
 from finetune.errors import PipelineError
@@ -27,19 +27,29 @@ POSITION_IDS = "position_ids"
 BLOCK_MASK = "block_mask"
 
 
-def _max_diff(model, packed: dict, rows: list[dict], device) -> float:
-    with torch.no_grad():
+def _max_diff(model, packed: dict, rows: list[dict], device, amp=None,
+              alone=None) -> float:
+    """Largest |packed - separate| logit difference over the examples, relative to each
+    example's largest logit. `alone(row)`: the batch one example is fed as on its own (default:
+    its plain ids)."""
+    with torch.no_grad(), torch.autocast(device.type, dtype=amp, enabled=amp is not None):
         out = model(**to_device(model_inputs(packed), device),
-                    use_cache=False).logits[0]
+                    use_cache=False).logits[0].float()
         at, worst = 0, 0.0
         for r in rows:
-            ids = torch.tensor([r["input_ids"]], device=device)
-            alone = model(input_ids=ids, use_cache=False).logits[0]
-            n = ids.shape[1]
-            scale = float(alone.abs().max()) or 1.0
-            worst = max(worst, float((out[at : at + n] - alone).abs().max()) / scale)
+            single = alone(r) if alone else {"input_ids": torch.tensor([r["input_ids"]])}
+            single = model(**to_device(model_inputs(single), device), use_cache=False)
+            single = single.logits[0].float()
+            n = single.shape[0]
+            scale = float(single.abs().max()) or 1.0
+            worst = max(worst, float((out[at : at + n] - single).abs().max()) / scale)
             at += n
     return worst
+
+
+def _tolerance(amp) -> float:
+    """fp32 agrees to rounding; bf16/fp16 compute differs by GEMM shapes alone (~1e-2)."""
+    return 1e-3 if amp is None else 3e-2
 
 
 def _probe_rows(vocab_size: int) -> list[dict]:
@@ -57,27 +67,31 @@ def _takes_positions(model, key: str) -> None:
         )
 
 
-def enable_padding_free(model, vocab_size: int, device: torch.device) -> None:
-    """Switch `model` to per-example varlen attention (engine.attention) and check that a
-    flattened micro-batch gives the separate forwards' logits; else one line and no switch."""
-    _takes_positions(model, "training.padding_free")
-    before = use_varlen_attention(model)
+def enable_varlen(model, kernel: str, device: torch.device, amp=None, key: str =
+                  "training.padding_free", capacity: int | None = None) -> None:
+    """Switch `model` to the varlen attention with `kernel` (engine.attention) and check that a
+    flattened micro-batch (or, with `capacity`, packed rows) gives the separate forwards'
+    logits; else one line and no switch."""
+    _takes_positions(model, key)
+    before = use_varlen_attention(model, kernel)
     why = "its attention does not go through transformers' AttentionInterface"
     if before is not None:
-        rows = _probe_rows(vocab_size)
+        rows = _probe_rows(model.config.vocab_size)
+        batch = (collate_flat(rows, 0) if capacity is None
+                 else collate_packed(rows, 0, 12, varlen=True))
         was_training = model.training
         model.eval()
         try:
-            if _max_diff(model, collate_flat(rows, 0), rows, device) < 1e-3:
+            alone = lambda r: collate_flat([r], 0)  # noqa: E731 (the same kernel, one example)
+            if _max_diff(model, batch, rows, device, amp, alone) < _tolerance(amp):
                 return
         finally:
             model.train(was_training)
         restore_attention(model, before)
         why = "its outputs for a flattened batch differ from separate forwards"
     raise PipelineError(
-        f"training.padding_free: {type(model).__name__} cannot train padding-free ({why}); "
-        "set training.padding_free: false (training.packing: true packs rows with a block "
-        "mask instead)"
+        f"{key}: {type(model).__name__} cannot train on varlen attention ({why}); set {key}: "
+        "false (training.packing: true packs rows with a block mask instead)"
     )
 
 
@@ -104,18 +118,28 @@ def probe_packing(model, vocab_size: int, device: torch.device,
 def prepare_batch_layout(t, max_seq_length: int, model, pad_id: int, device: torch.device,
                          amp: torch.dtype | None, log) -> Callable[[list[dict]], dict]:
     """The micro-batch layout `t` (the training section) asks for, made real: padded rows as
-    they come; padding-free switches the model's attention to the varlen function and probes
-    it; packing probes how the model keeps packed examples apart. Returns the collate function
-    that feeds the model the way the probe found it needs. `log`: a line for the run's log."""
+    they come; padding-free switches the model's attention to the varlen function with the
+    kernel chosen for this machine and probes it; packing goes through the same varlen kernel
+    where the machine has a real one (a GPU), else probes how the model keeps packed examples
+    apart. Returns the collate function that feeds the model accordingly. `log`: a line for the
+    run's log (the chosen kernel is always named)."""
+    compute = amp or next(model.parameters()).dtype
     if t.padding_free:
-        enable_padding_free(model, model.config.vocab_size, device)
-        log("[train] padding-free: each micro-batch is one row, attention per example")
+        kernel = choose_kernel(device, compute, t.varlen_kernel)
+        enable_varlen(model, kernel, device, amp)
+        log(f"[train] padding-free: each micro-batch is one row, attention kernel {kernel}")
         return functools.partial(collate_flat, pad_id=pad_id)
     if not t.packing:
         return functools.partial(collate, pad_id=pad_id)
-    mask_dtype = amp or next(model.parameters()).dtype
-    mode = probe_packing(model, model.config.vocab_size, device, mask_dtype)
     capacity = t.packed_sequence_length or max_seq_length
+    kernel = choose_kernel(device, compute, t.varlen_kernel)
+    if kernel != "sdpa_per_example":
+        enable_varlen(model, kernel, device, amp, "training.packing", capacity)
+        log(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by the "
+            f"{kernel} varlen attention kernel")
+        return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity, varlen=True)
+    mask_dtype = compute
+    mode = probe_packing(model, model.config.vocab_size, device, mask_dtype)
     log(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by "
         f"{'restarted position_ids' if mode == POSITION_IDS else 'a block mask'}")
     return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity,

@@ -165,6 +165,7 @@ def test_collate_flat_is_one_unpadded_row_with_example_boundaries():
     assert b["labels"].tolist() == [[IGNORE_INDEX, 6, 7, 8, IGNORE_INDEX, 12,
                                      IGNORE_INDEX, 17, 18]]
     assert b["cu_seq_lens_q"].tolist() == b["cu_seq_lens_k"].tolist() == [0, 4, 6, 9]
+    assert b["cu_seq_lens_q"].dtype == torch.int32 and int(b["max_length_q"]) == 4
     assert b["attention_mask"].tolist() == [[1] * 9]
     assert count_targets(b) == count_targets(collate(rows, 0))  # same targets as padded
     moved = to_device(b, torch.device("meta"))
@@ -176,9 +177,9 @@ def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alo
     """The padding-free row gives each example's own logits (one shared causal attention
     would not: checked by comparing with the stock SDPA run on the same row), and padded
     batches through the switched model still give the stock model's logits."""
-    from engine.attention import VARLEN_SDPA
+    from engine.attention import VARLEN_ATTENTION
     from engine.data import collate_flat, model_inputs
-    from engine.packing import enable_padding_free
+    from engine.packing import enable_varlen
 
     model = _stories().eval()
     g = torch.Generator().manual_seed(1)
@@ -188,8 +189,8 @@ def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alo
     with torch.no_grad():
         stock_flat = model(**model_inputs(flat)).logits[0]
         stock_padded = model(**model_inputs(padded)).logits
-        enable_padding_free(model, 512, torch.device("cpu"))
-        assert model.config._attn_implementation == VARLEN_SDPA
+        enable_varlen(model, "sdpa_per_example", torch.device("cpu"))
+        assert model.config._attn_implementation == VARLEN_ATTENTION
         out = model(**model_inputs(flat)).logits[0]
         assert torch.equal(model(**model_inputs(padded)).logits, stock_padded)
     at = 0
@@ -199,6 +200,36 @@ def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alo
         torch.testing.assert_close(out[at:at + n], alone, atol=1e-5, rtol=1e-5)
         at += n
     assert not torch.allclose(stock_flat[11:], out[11:], atol=1e-3)
+
+
+def test_packed_rows_carry_varlen_boundaries_over_the_flattened_rows():
+    """For a varlen kernel, packed rows (width 6 here) are one flat sequence of segments:
+    each example, then each row's padding tail as a segment of its own (its labels ignored)."""
+    from engine.data import collate_packed
+
+    rows = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]},
+            {"input_ids": [5, 6], "labels": [5, 6]},
+            {"input_ids": [7, 8, 9], "labels": [7, 8, 9]}]
+    b = collate_packed(rows, 0, 6, varlen=True)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]]
+    assert b["cu_seq_lens_q"].tolist() == [0, 4, 6, 9, 12]
+    assert int(b["max_length_q"]) == 4
+    assert "cu_seq_lens_q" not in collate_packed(rows, 0, 6)
+
+
+def test_varlen_kernel_choice_follows_the_machine():
+    """On a CPU only per-example SDPA runs; asking for a flash kernel is one line naming the
+    key and what is usable (the CUDA kernels are exercised by bench/engine_smoke.py and
+    bench/gpu.py on a GPU)."""
+    from engine.attention import available_kernels, choose_kernel
+    from finetune.errors import PipelineError
+
+    cpu = torch.device("cpu")
+    assert available_kernels(cpu) == ["sdpa_per_example"]
+    assert choose_kernel(cpu, torch.bfloat16) == "sdpa_per_example"
+    with pytest.raises(PipelineError, match="training.varlen_kernel: torch_varlen cannot run "
+                       "here .this machine does not have it.; usable: sdpa_per_example"):
+        choose_kernel(cpu, torch.bfloat16, "torch_varlen")
 
 
 def test_layout_aware_linear_computes_the_same_products_as_autograd_in_bf16():
@@ -262,7 +293,7 @@ def test_fast_bf16_kernels_switch_on_only_for_bf16_on_cpu():
 def test_packing_probe_refuses_models_that_cannot_separate_examples():
     from types import SimpleNamespace
 
-    from engine.packing import enable_padding_free, probe_packing
+    from engine.packing import enable_varlen, probe_packing
     from finetune.errors import PipelineError
 
     class Leaky(torch.nn.Module):  # takes position_ids but mixes every earlier token in
@@ -278,9 +309,9 @@ def test_packing_probe_refuses_models_that_cannot_separate_examples():
         probe_packing(Leaky(), 32, torch.device("cpu"))
     with pytest.raises(PipelineError, match="NoPositions.forward takes no position_ids"):
         probe_packing(NoPositions(), 32, torch.device("cpu"))
-    with pytest.raises(PipelineError, match="training.padding_free: Leaky cannot train "
-                       "padding-free .its attention does not go through"):
-        enable_padding_free(Leaky(), 32, torch.device("cpu"))
+    with pytest.raises(PipelineError, match="training.padding_free: Leaky cannot train on "
+                       "varlen attention .its attention does not go through"):
+        enable_varlen(Leaky(), "sdpa_per_example", torch.device("cpu"))
 
 
 def test_group_by_length_batches_similar_lengths_and_keeps_the_epoch():

@@ -84,7 +84,7 @@ def test_optimizer_groups_reach_the_training_loop(tokenized, tmp_path):
     ({"training.packing": True, "training.packed_sequence_length": 1024},
      ["[train] packing: rows of up to 1024 tokens", "restarted position_ids"]),
     ({"training.padding_free": True},
-     ["[train] padding-free: each micro-batch is one row, attention per example"]),
+     ["[train] padding-free: each micro-batch is one row, attention kernel sdpa_per_example"]),
 ], ids=["packing", "padding-free"])
 def test_packing_trains_exactly_like_padding(tokenized, tmp_path, layout, says):
     """Same examples per step, packed into shared rows (or one padding-free row) with

@@ -213,9 +213,15 @@ class TrainingConfig(Section):
     padding_free: bool = Field(
         False,
         description="Each micro-batch as one row with no padding at all: position_ids restart "
-        "per example and attention runs per example (varlen SDPA), so compute follows the real "
-        "tokens (TRL's padding_free, without needing flash-attn). Checked by a probe at start-up; "
-        "the fastest layout. Exclusive with packing.",
+        "per example and a varlen attention kernel keeps examples apart (training."
+        "varlen_kernel), so compute follows the real tokens (TRL's padding_free). Checked by a "
+        "probe at start-up. Exclusive with packing.",
+    )
+    varlen_kernel: Literal["auto", "torch_varlen", "flash_attn", "sdpa_per_example"] = Field(
+        "auto",
+        description="Attention kernel for padding_free (and packing on a GPU): auto picks the "
+        "fastest the machine has (torch's flash varlen on CUDA with bf16/fp16 compute, then the "
+        "flash-attn package, else causal SDPA per example); the choice is printed at start-up.",
     )
     packed_sequence_length: int | None = Field(
         None, gt=0,
