@@ -115,6 +115,13 @@ def _causal_kwargs(fn) -> dict:
 def _varlen_kernel(query, key, value, cu, max_len: int, scaling, dropout: float):
     b, h, t, d = query.shape
     q, k, v = _flat(query), _flat(key), _flat(value)
+    if q.dtype not in _FAST_DTYPES:
+        # under autocast the rotary embedding hands fp32 q/k on (elementwise ops are not
+        # autocast); the flash kernels take the autocast dtype, as transformers' own do
+        if not torch.is_autocast_enabled(query.device.type):
+            raise RuntimeError(f"{VARLEN_ATTENTION}: {_Chosen.kernel} needs bf16/fp16 inputs")
+        fast = torch.get_autocast_dtype(query.device.type)
+        q, k, v = q.to(fast), k.to(fast), v.to(fast)
     if k.shape[1] != h:  # grouped-query attention: repeat the kv heads
         k = k.repeat_interleave(h // k.shape[1], dim=1)
         v = v.repeat_interleave(h // v.shape[1], dim=1)
