@@ -218,6 +218,16 @@ def make_adapter_config_reproducible(model, cfg: ModelConfig) -> None:
         peft_cfg.base_model_name_or_path = cfg.name_or_path
 
 
+def make_model_card_reproducible(folder: Path, cfg: ModelConfig, root: Path) -> None:
+    """peft's README.md in a saved adapter names the base model by the absolute path it was
+    loaded from, so the trained folder (and its DVC hash) differed between two clones of the
+    same project; name it as the params file does."""
+    card = folder / "README.md"
+    loaded_from = resolve_model_ref(cfg.name_or_path, root)
+    if card.exists() and loaded_from != cfg.name_or_path:
+        card.write_text(card.read_text().replace(loaded_from, cfg.name_or_path))
+
+
 def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_dir: Path,
                  base=None):
     """The fine-tuned model from the train stage's output (adapter on base, or full weights).

@@ -31,7 +31,7 @@ from engine.evaluation import evaluate_loss
 from engine.job import RunPaths
 from engine.loader import open_train_batches
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
-                          make_adapter_config_reproducible)
+                          make_adapter_config_reproducible, make_model_card_reproducible)
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
 from engine.packing import prepare_batch_layout
@@ -341,4 +341,5 @@ class TrainingRun:
                 module.save_pretrained(staging, safe_serialization=True)
             else:
                 module.save_pretrained(staging, state_dict=full, safe_serialization=True)
+            make_model_card_reproducible(staging, self.cfg.model, self.paths.project_root)
             self.tokenizer.save_pretrained(staging)
