@@ -253,10 +253,10 @@ class TrainingRun:
         epoch_end = self.progress.batch_in_epoch >= self.epoch_len
         last = step == self.max_steps
         save_now = due(c.save_strategy, c.save_steps, step, epoch_end, last)
+        on_save = e.eval_on_save  # read every step: dvc.yaml's completeness test sees it
+        eval_now = due(e.eval_strategy, e.eval_steps, step, epoch_end, last)
         evaluated = {}
-        if self.eval_data is not None and (
-                due(e.eval_strategy, e.eval_steps, step, epoch_end, last)
-                or (save_now and e.eval_on_save)):
+        if self.eval_data is not None and (eval_now or (save_now and on_save)):
             evaluated = self.evaluate()
         stop = self.monitor.should_stop and not last
         if save_now or (stop and c.save_strategy != "no"):

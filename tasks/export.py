@@ -75,7 +75,8 @@ def _gate_value(ws: Workspace, metrics: dict) -> float | None:
 def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
               lineage: dict[str, str]) -> dict:
     cfg = ws.config
-    name = cfg.registry.registered_model_name or cfg.logging.experiment_name
+    fallback = cfg.logging.experiment_name  # read either way: dvc.yaml must list it
+    name = cfg.registry.registered_model_name or fallback
     version = registry.log_and_register(ws.mlflow_uri(), run_id, model, tok, name,
                                         cfg.eval.generation_max_new_tokens,
                                         (ws.layout.export / "README.md").read_text())
