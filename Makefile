@@ -32,8 +32,10 @@ run: setup
 stack: setup
 	finetune-stack
 
+# Test files run side by side on the cores (pytest-xdist; a whole file per worker, so module
+# fixtures are built once); test runs use one torch thread per process (tests/conftest.py).
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
 
 clean-outputs:
 	rm -rf data/raw data/formatted data/tokenized data/trained data/checkpoints data/export

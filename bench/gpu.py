@@ -152,9 +152,11 @@ def _rows(path: Path) -> int:
     return len(datasets.load_from_disk(str(path)))
 
 
+COMPILE = {"training.torch_compile": True, "training.torch_compile_dynamic": True}
 LAYOUTS = {"padded": {}, "packing": {"training.packing": True,
                                      "training.packed_sequence_length": 2048},
            "padding_free": {"training.padding_free": True}}
+LAYOUTS.update({f"{name}+compile": {**layout, **COMPILE} for name, layout in list(LAYOUTS.items())})
 
 
 def main() -> None:
@@ -180,9 +182,11 @@ def main() -> None:
     results = {} if args.skip_hf else {"HF Trainer": run_hf(args, args.work / "model", args.work)}
     for name in args.layouts.split(","):
         started = time.perf_counter()
-        results[f"ours, {name}"] = run_ours(name, LAYOUTS[name], args, args.work / "model",
-                                            args.work)
-        print(f"{name}: {time.perf_counter() - started:.0f} s", flush=True)
+        r = results[f"ours, {name}"] = run_ours(name, LAYOUTS[name], args,
+                                                args.work / "model", args.work)
+        shown = (f"{r['tokens_per_s']:,.0f} useful tok/s, final loss {r['final_loss']:.5f}"
+                 if "error" not in r else "failed")
+        print(f"{name}: {time.perf_counter() - started:.0f} s, {shown}", flush=True)
     base = results.get("HF Trainer", {}).get("tokens_per_s")
     print(f"\n{device}, torch {torch.__version__}; {n_params / 1e6:.0f}M params, batch "
           f"{args.batch}, steps {WARMUP + 1}..{args.steps} timed; bf16 peak {peak:.0f} TFLOP/s\n")

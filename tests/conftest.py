@@ -34,6 +34,9 @@ TINY = {
     "eval.eval_batches": 1,
     "scheduler.warmup_steps": 1,
     "eval.generation_max_new_tokens": 32,
+    # one torch thread per process: a 260K-parameter model gains nothing from more, and
+    # test files run side by side (pytest-xdist) without oversubscribing the cores
+    "distributed.threads_per_process": 1,
 }
 
 
