@@ -5,7 +5,9 @@ Layout of `<dir>/step-0000050/`:
   FQN-keyed and sharded the way the model is (FSDP2 shards, DDP writes replicated tensors once);
 - `rank-<r>.pt`: each rank's RNG states (dropout differs per rank);
 - `trainer.pt`: scheduler, GradScaler, strategy extras and the metric history (rank 0);
-- `meta.json`, written last: data position, world size, strategy, SHA-256 of every file.
+- `meta.json`, written last: data position, world size, strategy, SHA-256 of every file, and
+  `meta_sha256`, the SHA-256 of the rest of meta.json itself (a flipped step or position is
+  detected like a corrupted shard).
 
 All ranks write into one hidden staging folder, which rank 0 renames into place once everything
 is on disk, so a crash mid-save leaves the previous checkpoint valid. A half-written or corrupted
@@ -16,6 +18,7 @@ the newest `save_total_limit` by save time, or, with a metric, the newest plus t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -94,6 +97,7 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
         torch.save(trainer_state, staging / TRAINER)
         files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
         meta = {**meta, "step": step, "saved_at_ns": time.time_ns(), "files": files}
+        meta[META_HASH] = _meta_digest(meta)
         (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
         _fsync_dir(staging)
         replace_dir(staging, final)
@@ -145,10 +149,21 @@ def read_meta(path: Path) -> dict[str, Any] | None:
         return None
 
 
+META_HASH = "meta_sha256"
+
+
+def _meta_digest(meta: dict[str, Any]) -> str:
+    body = {k: v for k, v in meta.items() if k != META_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def is_valid(path: Path) -> bool:
     meta = read_meta(path)
     files = (meta or {}).get("files")
     if not files:
+        return False
+    # checkpoints written before meta.json carried its own hash have no META_HASH
+    if META_HASH in meta and meta[META_HASH] != _meta_digest(meta):
         return False
     return all((path / name).is_file() and file_sha256(path / name) == digest
                for name, digest in files.items())

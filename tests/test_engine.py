@@ -77,6 +77,14 @@ def test_checkpoint_roundtrip_rotation_and_corruption(tmp_path):
         fh.truncate(10)
     with pytest.warns(UserWarning, match="incomplete or corrupt"):
         assert ckpt.latest(tmp_path).name == "step-0000002"
+    # one flipped bit in meta.json's step (valid JSON still): detected the same way
+    meta_file = tmp_path / "step-0000002/meta.json"
+    text = meta_file.read_text()
+    assert '"step": 2' in text
+    meta_file.write_text(text.replace('"step": 2', '"step": 3'))  # 2 ^ 1 = 3: one bit
+    with pytest.warns(UserWarning, match="step-0000002 is incomplete or corrupt"):
+        assert ckpt.latest(tmp_path) is None
+    meta_file.write_text(text)
     # leftover staging folder from a crash mid-save is ignored
     (tmp_path / ".step-0000004.tmp").mkdir()
     with warnings.catch_warnings():
