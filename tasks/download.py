@@ -136,6 +136,11 @@ def _ensure_test_split(splits: dict[str, pd.DataFrame], ws: Workspace) -> dict[s
         )
     if data.test_split is None or data.test_split in splits:
         return splits
+    if len(splits) > 1:  # the source has its own held-out split(s): a typo must not be carved
+        raise PipelineError(
+            f"data.test_split '{data.test_split}' not found (splits: {', '.join(splits)}); name "
+            "one of them, or null to carve data.split_ratio from the train split"
+        )
     train = splits[data.train_split]
     test = train.sample(frac=data.split_ratio, random_state=data.seed).sort_index()
     if test.empty or len(test) == len(train):

@@ -45,6 +45,9 @@ def _error(tmp_path: Path, overrides: dict) -> str:
     "overrides, expected",
     [
         ({"training.learning_rat": 1}, "unknown key 'training.learning_rat'"),
+        ({"training.learning_rate": 1}, "unknown key 'training.learning_rate' in section "
+         "'training' (did you mean 'optimizer.learning_rate'?)"),
+        ({"training.warmup_steps": 3}, "(did you mean 'scheduler.warmup_steps'?)"),
         ({"optimizer.learnin_rate": 1}, "did you mean 'optimizer.learning_rate'"),
         ({"trainng.max_steps": 1}, "did you mean 'training'"),
         ({"training.max_steps": "ten"}, "training.max_steps: Input should be a valid integer"),

@@ -134,6 +134,8 @@ BAD_INPUTS = [
     ({"distributed.nproc_per_node": 2}, "train", "strategy 'single' runs one process"),
     ({"training.mixed_precision": "fp16"}, "train", "fp16 on CPU is refused"),
     ({"model.load_in_4bit": True}, "train", "needs a CUDA GPU"),
+    ({"data.test_split": "validation"}, "download",
+     "data.test_split 'validation' not found (splits: train, test)"),
 ]
 
 

@@ -108,9 +108,11 @@ def explain(error: dict[str, Any]) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         parent, name = loc[:-1], loc[-1]
-        valid = _field_names(parent)
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        hint = f" (did you mean '{'.'.join(parent + close)}'?)" if close else ""
+        close = difflib.get_close_matches(name, _field_names(parent), n=1, cutoff=0.6)
+        # the exact name in another section beats a near name in this one
+        suggestion = _elsewhere(name, exact=True) or (
+            ".".join(parent + close) if close else _elsewhere(name))
+        hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
         where = f"in section '{'.'.join(parent)}'" if parent else "at the top level"
         return f"unknown key '{key}' {where}{hint}"
     msg = error["msg"].removeprefix("Value error, ")
@@ -121,6 +123,27 @@ def explain(error: dict[str, Any]) -> str:
     got = error.get("input")
     shown = f" (got {got!r})" if not isinstance(got, dict) and got is not None else ""
     return f"{key}: {msg}{shown}"
+
+
+def _all_keys(model: type[BaseModel] = FinetuneConfig, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema."""
+    keys = []
+    for name, field in model.model_fields.items():
+        sub = section_model(field.annotation)
+        keys += _all_keys(sub, f"{prefix}{name}.") if sub else [f"{prefix}{name}"]
+    return keys
+
+
+def _elsewhere(name: str, exact: bool = False) -> str | None:
+    """A key HF users put in one section that lives in another (training.learning_rate ->
+    optimizer.learning_rate): the same name anywhere, else (unless `exact`) the closest."""
+    keys = _all_keys()
+    same = [k for k in keys if k.rsplit(".", 1)[-1] == name]
+    if same or exact:
+        return same[0] if same else None
+    leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+    close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.8)
+    return leaves[close[0]] if close else None
 
 
 def _field_names(loc: list[str]) -> list[str]:
