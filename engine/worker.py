@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Callable
 
 from engine.job import JobSpec
+from engine.lifetime import die_with_parent
 from finetune.errors import PipelineError
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    die_with_parent()  # the torchrun agent gone (killed with the stage): so are we
     job = JobSpec.read(Path(argv[0]))
     try:
         run_job(job)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.job import JobSpec, RunPaths
+from engine.lifetime import child_dies_with_us
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -91,10 +92,12 @@ class TorchrunJob:
         env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
         self._stderr = open(self.stderr_file, "w")
         # stdout (the training log) streams live; stderr is held back so that a clean one-line
-        # error is not buried under torchrun's failure dump. Same process group as the stage,
-        # so killing the stage's group kills the workers too.
+        # error is not buried under torchrun's failure dump. The agent gets SIGTERM when this
+        # process dies however it dies (it then stops the workers, which also die with it:
+        # engine/lifetime.py), so no worker trains on without its stage.
         self.proc = subprocess.Popen(torchrun_command(self.ws, self.job_file), cwd=self.ws.root,
-                                     env=env, stderr=self._stderr)
+                                     env=env, stderr=self._stderr,
+                                     preexec_fn=child_dies_with_us())
         return self
 
     def go(self, relay: Callable[[dict], None] | None = None) -> None:

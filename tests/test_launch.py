@@ -86,3 +86,47 @@ def _cmdline(proc: psutil.Process) -> list[str]:
 
 def _is_job(proc: psutil.Process) -> bool:
     return "engine.worker" in " ".join(_cmdline(proc))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_killing_the_stage_process_group_stops_every_worker(tokenized, tmp_path, nproc):
+    """What a scheduler's cancel, a CI timeout or `kill -- -PGID` does: SIGKILL to the train
+    stage's process group mid-training. torchrun starts its workers in sessions of their own;
+    within 5 s none of them may be alive, and nothing under data/ may change afterwards."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import BIN, write_params
+
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    write_params(project, {"training.max_steps": 500, "checkpoint.save_total_limit": 500,
+                           "distributed.nproc_per_node": nproc,
+                           "distributed.strategy": "ddp" if nproc > 1 else "single"})
+    stage = subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=project,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             start_new_session=True)
+    for line in stage.stdout:
+        if line.startswith("[train] step="):  # training under way (logging every step)
+            break
+    workers = [k for k in psutil.Process(stage.pid).children(recursive=True)
+               if _is_job(k) and "torch.distributed.run" not in _cmdline(k)]
+    assert len(workers) == nproc, workers
+    os.killpg(stage.pid, signal.SIGKILL)
+    stage.wait(timeout=30)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers), "workers outlived their stage"
+    before = {p: p.stat().st_mtime_ns for p in (project / "data").rglob("*") if p.is_file()}
+    time.sleep(2)
+    after = {p: p.stat().st_mtime_ns for p in (project / "data").rglob("*") if p.is_file()}
+    assert after == before, "files under data/ changed after the stage was killed"
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
