@@ -26,21 +26,28 @@ from engine.job import JobSpec, RunPaths  # noqa: E402
 from finetune.config import load_config  # noqa: E402
 
 
-def run_job(name: str, overrides: dict, tokenized: Path, out: Path) -> Path:
+def launch(work: Path, overrides: dict, train_data: Path,
+           eval_data: Path | None) -> subprocess.CompletedProcess:
+    """One job of the default params with `overrides`, every output under `work`, run the way
+    the train stage runs it (torchrun -> engine.worker); the log goes to work/log.txt."""
     cfg = load_config(ROOT / "params/default.yaml", overrides)
-    work = out / name
     work.mkdir(parents=True, exist_ok=True)
-    paths = RunPaths(project_root=ROOT, train_data=tokenized / "train",
-                     eval_data=tokenized / "test", checkpoints=work / "checkpoints",
-                     trained=work / "trained", metrics_file=work / "train.json",
-                     plots_dir=work / "plots")
+    paths = RunPaths(project_root=ROOT, train_data=train_data, eval_data=eval_data,
+                     checkpoints=work / "checkpoints", trained=work / "trained",
+                     metrics_file=work / "train.json", plots_dir=work / "plots")
     job = JobSpec(config=cfg.model_dump(mode="json"), paths=paths,
                   error_file=str(work / "error.txt")).write(work / "job.json")
-    started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=1", "-m", "engine.worker", str(job)], cwd=ROOT,
                           capture_output=True, text=True)
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def run_job(name: str, overrides: dict, tokenized: Path, out: Path) -> Path:
+    work = out / name
+    started = time.perf_counter()
+    proc = launch(work, overrides, tokenized / "train", tokenized / "test")
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                          f"{proc.stderr[-3000:]}")

@@ -81,8 +81,7 @@ def order(n: int, batch: int, steps: int, seed: int = 42) -> list[int]:
 
 
 def run_ours(name: str, layout: dict, args, model: Path, out: Path) -> dict:
-    from engine.job import JobSpec, RunPaths
-    from finetune.config import load_config
+    from engine_smoke import launch
 
     overrides = {
         "model.name_or_path": str(model), "peft.use_peft": False,
@@ -92,25 +91,15 @@ def run_ours(name: str, layout: dict, args, model: Path, out: Path) -> dict:
         "scheduler.warmup_steps": 2, "checkpoint.save_strategy": "no",
         "eval.eval_strategy": "no", "logging.logging_steps": 1, "logging.report_to": ["jsonl"],
         "logging.logging_dir": str(out / name / "logs"), "data.max_seq_length": 1024, **layout}
-    cfg = load_config(ROOT / "params/default.yaml", overrides)
     work = out / name
-    work.mkdir(parents=True, exist_ok=True)
-    paths = RunPaths(project_root=ROOT, train_data=args.tokenized, eval_data=None,
-                     checkpoints=work / "checkpoints", trained=work / "trained",
-                     metrics_file=work / "train.json", plots_dir=work / "plots")
-    job = JobSpec(config=cfg.model_dump(mode="json"), paths=paths,
-                  error_file=str(work / "error.txt")).write(work / "job.json")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=1", "-m", "engine.worker", str(job)], cwd=ROOT,
-                          capture_output=True, text=True)
-    (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    proc = launch(work, overrides, args.tokenized, None)
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-1500:]}
     with open(work / "plots/train.csv") as fh:
         rows = list(csv.DictReader(fh))
     timed = rows[WARMUP:]
     # each row is one step (logging_steps 1): tokens / (tokens / tokens_per_second) = seconds
-    tokens = sum(float(r["num_input_tokens_seen"]) for r in timed[-1:]) - float(
+    tokens = float(rows[-1]["num_input_tokens_seen"]) - float(
         rows[WARMUP - 1]["num_input_tokens_seen"])
     seconds = sum((float(r["num_input_tokens_seen"]) - float(p["num_input_tokens_seen"]))
                   / float(r["tokens_per_second"]) for p, r in zip(rows[WARMUP - 1:], timed))

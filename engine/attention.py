@@ -34,12 +34,14 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from engine.model import base_model
 
 VARLEN_ATTENTION = "finetune_varlen"
-KERNELS = ("torch_varlen", "flash_attn", "sdpa_per_example")
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class _Chosen:
     kernel = "sdpa_per_example"
+    #: the flash kernel as one call (q, k, v, cu, max_len, scale, dropout) -> out, resolved
+    #: once when the kernel is chosen, not in every layer's forward
+    call = None
     #: (host cu tensor, device) -> its device copy, for the layers of one forward
     cached: tuple | None = None
 
@@ -105,11 +107,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(b * t, h, d)
 
 
-def _causal_kwargs(fn) -> dict:
-    params = inspect.signature(fn).parameters
-    if "window_size" in params:  # torch >= 2.12
-        return {"window_size": (-1, 0)}
-    return {"is_causal": True}
+def _flash_call(kernel: str):
+    """The chosen flash kernel with causal masking, in one signature."""
+    if kernel == "flash_attn":
+        fn = _flash_attn_fn()
+        return lambda q, k, v, cu, n, scale, dropout: fn(
+            q, k, v, cu, cu, n, n, dropout_p=dropout, softmax_scale=scale, causal=True)
+    fn = _torch_varlen_fn()
+    causal = ({"window_size": (-1, 0)} if "window_size" in inspect.signature(fn).parameters
+              else {"is_causal": True})  # torch >= 2.12 / older
+    return lambda q, k, v, cu, n, scale, dropout: fn(q, k, v, cu, cu, n, n, scale=scale,
+                                                      **causal)
 
 
 def _varlen_kernel(query, key, value, cu, max_len: int, scaling, dropout: float):
@@ -125,13 +133,7 @@ def _varlen_kernel(query, key, value, cu, max_len: int, scaling, dropout: float)
     if k.shape[1] != h:  # grouped-query attention: repeat the kv heads
         k = k.repeat_interleave(h // k.shape[1], dim=1)
         v = v.repeat_interleave(h // v.shape[1], dim=1)
-    cu_dev = _on_device(cu, query.device)
-    if _Chosen.kernel == "flash_attn":
-        out = _flash_attn_fn()(q, k, v, cu_dev, cu_dev, max_len, max_len, dropout_p=dropout,
-                               softmax_scale=scaling, causal=True)
-    else:
-        fn = _torch_varlen_fn()
-        out = fn(q, k, v, cu_dev, cu_dev, max_len, max_len, scale=scaling, **_causal_kwargs(fn))
+    out = _Chosen.call(q, k, v, _on_device(cu, query.device), max_len, scaling, dropout)
     return out.view(b, t, h, d)
 
 
@@ -185,6 +187,7 @@ def use_varlen_attention(model, kernel: str = "sdpa_per_example") -> str | None:
     before = config._attn_implementation
     base.set_attn_implementation(VARLEN_ATTENTION)
     _Chosen.kernel = kernel
+    _Chosen.call = None if kernel == "sdpa_per_example" else _flash_call(kernel)
     return before if config._attn_implementation == VARLEN_ATTENTION else None
 
 

@@ -145,7 +145,8 @@ def collate_packed(rows: list[dict], pad_id: int, capacity: int,
     position_ids (transformers' packed-sequence detection, or varlen flash attention) then keep
     examples apart. `block_mask` (a float dtype) adds an explicit block-diagonal causal mask for
     models that do not; `varlen` adds the boundaries of every example (and of each row's padding
-    tail) over the flattened rows, for a varlen attention kernel (engine.attention). Each example's first label is ignored: in the unpacked batch nothing
+    tail) over the flattened rows, for a varlen attention kernel (engine.attention). Each
+    example's first label is ignored: in the unpacked batch nothing
     predicts it either, so packed and unpacked runs optimise exactly the same targets.
     """
     bins = pack_rows([len(r["input_ids"]) for r in rows], capacity)

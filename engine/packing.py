@@ -138,9 +138,8 @@ def prepare_batch_layout(t, max_seq_length: int, model, pad_id: int, device: tor
         log(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by the "
             f"{kernel} varlen attention kernel")
         return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity, varlen=True)
-    mask_dtype = compute
-    mode = probe_packing(model, model.config.vocab_size, device, mask_dtype)
+    mode = probe_packing(model, model.config.vocab_size, device, compute)
     log(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by "
         f"{'restarted position_ids' if mode == POSITION_IDS else 'a block mask'}")
     return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity,
-                             block_mask=None if mode == POSITION_IDS else mask_dtype)
+                             block_mask=None if mode == POSITION_IDS else compute)
