@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from finetune.files import file_sha256, replace_dir
+from finetune.files import discard_on_failure, file_sha256, replace_dir
 
 PREFIX = "step-"
 META = "meta.json"
@@ -89,24 +89,33 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     _barrier()
-    with _single_process_ok():
-        dcp.save(dcp_state, checkpoint_id=str(staging))
-    torch.save(rng_state(), staging / f"rank-{rank:05d}.pt")
-    _barrier()
-    if rank == 0:
-        torch.save(trainer_state, staging / TRAINER)
-        files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        meta = {**meta, "step": step, "saved_at_ns": time.time_ns(), "files": files}
-        meta[META_HASH] = _meta_digest(meta)
-        (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        _fsync_dir(staging)
-        replace_dir(staging, final)
-        _fsync_dir(directory)
-        if keep:
-            for stale in stale_checkpoints(directory, keep, best_by):
-                shutil.rmtree(stale, ignore_errors=True)
+    # a half-written checkpoint must not keep the space; rank 0 owns the folder
+    with discard_on_failure(staging, remove=rank == 0):
+        with _single_process_ok():
+            dcp.save(dcp_state, checkpoint_id=str(staging))
+        _torch_save(rng_state(), staging / f"rank-{rank:05d}.pt")
+        _barrier()
+        if rank == 0:
+            _torch_save(trainer_state, staging / TRAINER)
+            files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
+            meta = {**meta, "step": step, "saved_at_ns": time.time_ns(), "files": files}
+            meta[META_HASH] = _meta_digest(meta)
+            (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+            _fsync_dir(staging)
+            replace_dir(staging, final)
+            _fsync_dir(directory)
+    if rank == 0 and keep:
+        for stale in stale_checkpoints(directory, keep, best_by):
+            shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a Python file: a full disk raises OSError(ENOSPC) (saving to a
+    path raises an opaque 'unexpected pos' RuntimeError instead)."""
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
 
 
 def _ranked(paths: list[Path], best_by: tuple[str, bool]) -> list[Path]:
@@ -157,13 +166,15 @@ def _meta_digest(meta: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def _meta_intact(meta: dict[str, Any]) -> bool:
+    # checkpoints written before meta.json carried its own hash have no META_HASH
+    return meta.get(META_HASH, _meta_digest(meta)) == _meta_digest(meta)
+
+
 def is_valid(path: Path) -> bool:
     meta = read_meta(path)
     files = (meta or {}).get("files")
-    if not files:
-        return False
-    # checkpoints written before meta.json carried its own hash have no META_HASH
-    if META_HASH in meta and meta[META_HASH] != _meta_digest(meta):
+    if not files or not _meta_intact(meta):
         return False
     return all((path / name).is_file() and file_sha256(path / name) == digest
                for name, digest in files.items())
@@ -193,6 +204,43 @@ def latest(directory: Path) -> Path | None:
             return path
         warnings.warn(f"checkpoint {path} is incomplete or corrupt; skipping it", stacklevel=2)
     return None
+
+
+def newest_meta(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint whose meta.json is intact, without hashing its files: what a
+    launcher may check before it starts any process (world size, strategy)."""
+    for path in reversed(list_checkpoints(directory, validate=False)):
+        meta = read_meta(path)
+        if meta and _meta_intact(meta):
+            return path, meta
+    return None
+
+
+PREVIOUS = ".previous"
+
+
+def set_aside(directory: Path, keep_runs: int) -> tuple[Path | None, list[Path]]:
+    """Move every checkpoint in `directory` (and staging leftovers) to
+    `<directory>.previous/<UTC time>` so a fresh run never mixes with an earlier run's;
+    delete all but the newest `keep_runs` such sets (0: nothing is kept). Returns (where they
+    went or None, the sets deleted)."""
+    entries = [p for p in directory.iterdir() if p.name.startswith((PREFIX, f".{PREFIX}"))] \
+        if directory.exists() else []
+    if not entries:
+        return None, []
+    parent = directory.with_name(directory.name + PREVIOUS)
+    target = parent / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    suffix = 1
+    while target.exists():
+        target, suffix = target.with_name(f"{target.name.split('-')[0]}-{suffix}"), suffix + 1
+    target.mkdir(parents=True)
+    for entry in entries:  # a move, not a rename: the folder may be a mount of its own
+        shutil.move(entry, target / entry.name)
+    sets = sorted(p for p in parent.iterdir() if p.is_dir())
+    doomed = sets[:-keep_runs] if keep_runs else sets
+    for old in doomed:
+        shutil.rmtree(old, ignore_errors=True)
+    return (None if keep_runs == 0 else target), doomed
 
 
 def load(path: Path, dcp_state: dict, apply: Callable[[dict], None]) -> tuple[dict, dict]:

@@ -33,13 +33,16 @@ class RunPaths:
     metrics_file: Path
     #: train.csv / eval.csv curves
     plots_dir: Path
+    #: what identifies the train examples in the checkpoint fingerprint (engine.fingerprint):
+    #: a tokenized split folder or a stream manifest file; None: `train_data`
+    train_identity: Path | None = None
 
     def to_json(self) -> dict[str, str | None]:
         return {k: None if v is None else str(v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_json(cls, data: dict[str, str | None]) -> "RunPaths":
-        return cls(**{f.name: None if data[f.name] is None else Path(data[f.name])
+        return cls(**{f.name: None if data.get(f.name) is None else Path(data[f.name])
                       for f in fields(cls)})
 
 
@@ -49,8 +52,9 @@ class JobSpec:
 
     config: dict[str, Any]
     paths: RunPaths
-    #: where a worker writes its one-line error, for the launcher to re-raise
-    error_file: str | None = None
+    #: a folder where each failing rank writes its report (engine.failures.Report: kind and
+    #: one line), from which the launcher explains the failure
+    error_dir: str | None = None
     #: rank 0 waits for this file before it writes anything (None: no handshake)
     go_file: str | None = None
     #: rank 0 creates this when it is ready and starts waiting for the go file

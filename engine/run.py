@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from engine import trainer_state
+from engine import fingerprint, trainer_state
 from engine.comm import CommMeter
 from engine.data import count_targets, load_tokenized, model_inputs, to_device, token_loss_sum
 from engine.distributed import Dist, setup, teardown
@@ -96,6 +96,7 @@ class TrainingRun:
         self.monitor = Monitor.from_config(cfg)
         self.reporters = None
         self.history: list[dict] = []  # rows restored from a checkpoint
+        self._fingerprint: dict[str, Any] | None = None
 
     def log(self, line: str) -> None:
         if self.dist.is_main:
@@ -117,8 +118,7 @@ class TrainingRun:
         self.optimizer = self.strategy.build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == torch.float16 else None
-        if self.cfg.checkpoint.resume_from_checkpoint:
-            self.history = trainer_state.resume(self)
+        self.start, self.history = trainer_state.start(self)
         self.start_step = self.progress.step
 
     def prepare_model(self) -> None:
@@ -141,16 +141,25 @@ class TrainingRun:
         self.model = maybe_compile(self.strategy.wrap(model), cfg.training)
 
     def open_reporters(self) -> None:
-        """On the main rank, once the launcher confirmed the job: from here on we may write."""
+        """On the main rank, once the launcher confirmed the job: from here on we may write
+        (first, a fresh run moves an earlier run's checkpoints aside)."""
         if not self.dist.is_main:
             return
         relay = self.go()
+        if self.start.set_aside:
+            trainer_state.set_aside(self)
         self.reporters = build_reporters(self.cfg.logging, self.paths.plots_dir,
                                          self.paths.project_root, relay, self.history)
         per_epoch = f"{self.steps_per_epoch}/epoch" if self.steps_per_epoch else "streamed"
         self.log(f"[train] {self.trainable:,} trainable / {self.total:,} params; "
                  f"{self.max_steps} steps ({per_epoch}); strategy {self.strategy.name}, world "
                  f"size {self.dist.world_size}; start step {self.progress.step}")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this run's trajectory (engine.fingerprint); hashed once, on demand."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint.of_run(self.cfg, self.paths)
+        return self._fingerprint
 
     @property
     def state(self):

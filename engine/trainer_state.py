@@ -3,19 +3,24 @@ extras, monitor, metric history; resume, and load_best_model_at_end. Each takes 
 (engine.run.TrainingRun) and reads the components it needs from it.
 
 The storage format (DCP folders, hashes, rotation) is engine.checkpoint; this module decides
-the contents, so exact resume is one reviewable place, and `check_resumable` is the one rule
-for "can this checkpoint continue this run" (the train stage's preflight calls it too).
+the contents, so exact resume is one reviewable place, and `plan_start` is the one rule for
+"does this run continue a checkpoint or start fresh" (the train stage's preflight calls it too,
+so a refusal comes before any process writes).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from engine import checkpoint as ckpt
+from engine.fingerprint import differences
 from engine.reporters import History
 from finetune.config.distributed import DistributedConfig
+from finetune.config.schema import CheckpointConfig
 from finetune.errors import PipelineError
 
 
@@ -34,7 +39,9 @@ def save(run, evaluated: dict) -> Path:
     }
     dist_cfg = run.cfg.distributed
     meta = {**run.progress.position(), "world_size": dist_cfg.world_size,
-            "strategy": dist_cfg.resolved_strategy, **evaluated}
+            "strategy": dist_cfg.resolved_strategy, **evaluated,
+            # only the main rank writes meta.json
+            "fingerprint": run.fingerprint() if run.dist.is_main else None}
     path = ckpt.save(run.paths.checkpoints, run.progress.step,
                      run.strategy.dcp_state(run.optimizer), trainer_state, meta,
                      run.cfg.checkpoint.save_total_limit, run.monitor.best_by)
@@ -55,13 +62,77 @@ def check_resumable(meta: dict, path: Path, dist: DistributedConfig) -> None:
 
 
 def _main_decides(choose, d):
-    """One process hashes the checkpoint files and tells the others which one to load."""
-    path = choose() if d.is_main else None
+    """One process decides (hashing the checkpoint files) and tells the others; a refusal
+    there is raised on every rank, so none waits for a partner that has already failed."""
+    if d.is_main:
+        try:
+            outcome = (choose(), None)
+        except PipelineError as exc:
+            outcome = (None, str(exc))
+    else:
+        outcome = (None, None)
     if d.world_size > 1:
-        chosen = [path]
-        torch.distributed.broadcast_object_list(chosen, src=d.main_rank)
-        path = chosen[0]
-    return path
+        box = [outcome]
+        torch.distributed.broadcast_object_list(box, src=d.main_rank)
+        outcome = box[0]
+    if outcome[1] is not None:
+        raise PipelineError(outcome[1])
+    return outcome[0]
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a run starts: from `resume` (a checkpoint of this same run) or fresh; a fresh run
+    first moves the checkpoints already in the folder aside (`set_aside`)."""
+
+    resume: Path | None
+    set_aside: bool
+
+
+def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
+               ckpt_cfg: CheckpointConfig, dist_cfg: DistributedConfig,
+               log: Callable[[str], None]) -> Start:
+    """resume_from_checkpoint false: fresh. true: the latest valid checkpoint if its
+    fingerprint matches this run's (keys in resume_ignore_changes may differ), else refuse
+    with the keys that differ. auto (an orchestrator's retry): the same, but a checkpoint of
+    another run means a fresh start. `fingerprint` is called only when a checkpoint is there."""
+    mode = ckpt_cfg.resume_from_checkpoint
+    existing = bool(ckpt.list_checkpoints(directory, validate=False))
+    if not mode:
+        return Start(None, existing)
+    path = ckpt.latest(directory)
+    if path is None:
+        log(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
+            "starting from scratch")
+        return Start(None, existing)
+    meta = ckpt.read_meta(path) or {}
+    if mode is True:
+        check_resumable(meta, path, dist_cfg)
+    changed = {k: v for k, v in differences(meta.get("fingerprint"), fingerprint()).items()
+               if k not in ckpt_cfg.resume_ignore_changes}
+    if not changed:
+        return Start(path, False)
+    what = "; ".join(f"{k}: {v}" for k, v in changed.items())
+    aside = directory.with_name(directory.name + ckpt.PREVIOUS)
+    if mode is True:
+        raise PipelineError(
+            f"checkpoint {path} belongs to another run ({what}); resuming it would continue "
+            "that run under these params: restore them, list the keys in "
+            "checkpoint.resume_ignore_changes, or set checkpoint.resume_from_checkpoint to "
+            f"false or auto to start fresh (its checkpoints then move to {aside})")
+    log(f"[train] resume_from_checkpoint auto: {path} belongs to another run ({what}); "
+        f"starting fresh (its checkpoints move to {aside})")
+    return Start(None, True)
+
+
+def set_aside(run) -> None:
+    """Main rank, once it may write: the earlier run's checkpoints leave the folder."""
+    moved, deleted = ckpt.set_aside(run.paths.checkpoints, run.cfg.checkpoint.keep_previous_runs)
+    for old in deleted:
+        run.log(f"[train] removed earlier checkpoints {old} (checkpoint.keep_previous_runs "
+                f"{run.cfg.checkpoint.keep_previous_runs})")
+    if moved is not None:
+        run.log(f"[train] fresh run: earlier checkpoints moved to {moved}")
 
 
 def _load(run, path: Path) -> tuple[dict, dict]:
@@ -84,15 +155,16 @@ def load_best(run) -> int | None:
     return meta.get("step")
 
 
-def resume(run) -> list[dict]:
-    """Restore the run from its latest valid checkpoint; returns the logged rows it held."""
-    directory = run.paths.checkpoints
-    path = _main_decides(lambda: ckpt.latest(directory), run.dist)
-    if path is None:
-        run.log(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
-                "starting from scratch")
-        return []
-    check_resumable(ckpt.read_meta(path) or {}, path, run.cfg.distributed)
+def start(run) -> tuple[Start, list[dict]]:
+    """Decide how the run starts (main rank, shared with the others) and restore the
+    checkpoint it continues; returns the plan and the logged rows the checkpoint held."""
+    cfg = run.cfg
+    plan = _main_decides(lambda: plan_start(run.paths.checkpoints, run.fingerprint,
+                                            cfg.checkpoint, cfg.distributed, run.log), run.dist)
+    return plan, (_restore(run, plan.resume) if plan.resume is not None else [])
+
+
+def _restore(run, path: Path) -> list[dict]:
     trainer_state, meta = _load(run, path)
     run.scheduler.load_state_dict(trainer_state["scheduler"])
     if run.scaler and trainer_state.get("scaler"):

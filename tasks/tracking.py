@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from finetune.config import config_fingerprint
+from finetune.config.section import flatten as dotted
 from finetune.files import file_sha256
 from finetune.workspace import Workspace
 
@@ -105,17 +106,11 @@ def lineage_tags(ws: Workspace) -> dict[str, str]:
 MLFLOW_KEY = re.compile(r"[\w\-. :/]+")
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+def flatten(data: dict[str, Any]) -> dict[str, str]:
     """Nested config -> MLflow params `a.b.c`; a mapping whose keys MLflow cannot take as
     names (e.g. optimizer_groups' regexes) stays one JSON value."""
-    flat: dict[str, str] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and all(MLFLOW_KEY.fullmatch(k) for k in value):
-            flat.update(flatten(value, f"{name}."))
-        else:
-            flat[name] = json.dumps(value) if not isinstance(value, str) else value
-    return flat
+    flat = dotted(data, descend=lambda mapping: all(MLFLOW_KEY.fullmatch(k) for k in mapping))
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in flat.items()}
 
 
 def start_run(ws: Workspace, extra_tags: dict[str, str] | None = None) -> str:

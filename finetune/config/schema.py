@@ -364,7 +364,22 @@ class CheckpointConfig(Section):
         description="Keep at most N checkpoints: the newest, plus the best by "
         "metric_for_best_model when set (else the newest N).",
     )
-    resume_from_checkpoint: bool = Field(False, description="Continue from the latest checkpoint.")
+    resume_from_checkpoint: bool | Literal["auto"] = Field(
+        False,
+        description="Continue from the latest checkpoint: true refuses one written by another "
+        "run (fingerprint: README, reliability); auto resumes it only when it is this run's, "
+        "else starts fresh (what an orchestrator retry uses).",
+    )
+    resume_ignore_changes: list[str] = Field(
+        default_factory=list,
+        description="Fingerprint keys allowed to differ on resume, as the refusal names them "
+        "(e.g. training.max_steps to train past the planned end; train_data, base_model).",
+    )
+    keep_previous_runs: int = Field(
+        1, ge=0,
+        description="A fresh run moves the checkpoints already in the folder to "
+        "<checkpoints>.previous/<time>; keep this many such sets (0: delete them).",
+    )
     metric_for_best_model: Literal["eval_loss", "eval_perplexity"] | None = Field(
         None, description="Metric that ranks checkpoints (best kept, best loaded at end)."
     )
@@ -448,9 +463,22 @@ class FinetuneConfig(Section):
             )
         self.registry.check_against(self.eval)
         self._check_best_model()
+        self._check_resume_ignore_changes()
         if self.data.streaming:
             self._check_streaming()
         return self
+
+    def _check_resume_ignore_changes(self) -> None:
+        from finetune.config.fingerprint import CONTENT_KEYS, config_part
+
+        known = set(config_part(self)) | set(CONTENT_KEYS)
+        for key in self.checkpoint.resume_ignore_changes:
+            if key not in known:
+                raise ValueError(
+                    f"checkpoint.resume_ignore_changes: '{key}' is not part of the checkpoint "
+                    "fingerprint (a dotted key such as training.max_steps, or train_data, "
+                    "base_model); keys outside it never block a resume"
+                )
 
     def _check_streaming(self) -> None:
         """A stream has no length and cannot be indexed: what needs either is refused."""

@@ -1,6 +1,7 @@
 """The base every config section shares."""
 
 import typing
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -37,3 +38,17 @@ def section_model(annotation) -> type[BaseModel] | None:
         if isinstance(c, type) and issubclass(c, BaseModel):
             return c
     return None
+
+
+def flatten(data: dict[str, Any], prefix: str = "",
+            descend: Callable[[dict], bool] = lambda mapping: True) -> dict[str, Any]:
+    """A dumped config as dotted keys (`training.max_steps`); a non-empty mapping is walked
+    into when `descend(mapping)`, else kept as one value (as an empty one always is)."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and descend(value):
+            flat.update(flatten(value, f"{name}.", descend))
+        else:
+            flat[name] = value
+    return flat

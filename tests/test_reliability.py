@@ -1,0 +1,152 @@
+"""Nothing stale resumes: a checkpoint continues only the run that wrote it (its fingerprint).
+
+Each test here failed on the code before checkpoints carried a fingerprint: a resume with a
+changed learning rate gave the old run's weights, and the retry of a new run that crashed
+before its first checkpoint resumed the previous run's last one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (adapter, error_line, kill_train_stage_when, losses, resume_cut_back,
+                      run_cli, stage_outputs, train_here, train_in_place,
+                      wait_until_no_process_in, write_params)
+from finetune.errors import PipelineError
+from tasks.train import RESUME_ENV
+
+NEW_LR = {"optimizer.learning_rate": 0.002}
+DDP2 = {"distributed.strategy": "ddp", "distributed.nproc_per_node": 2}
+
+
+def _bitwise_equal(a: Path, b: Path) -> bool:
+    x, y = adapter(a), adapter(b)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_explicit_resume_refuses_a_checkpoint_of_other_params(tokenized, tmp_path):
+    """A finished run, then a new learning rate with resume_from_checkpoint: true: one line
+    naming the key, the checkpoint and the ways out; nothing written. Listing the key in
+    resume_ignore_changes is the user's way to continue anyway."""
+    project, _ = train_here(tokenized, tmp_path / "p")
+    before = stage_outputs(project)
+    write_params(project, {**NEW_LR, "checkpoint.resume_from_checkpoint": True})
+    line = error_line(run_cli(project, "stage", "train"))
+    assert "step-0000006 belongs to another run" in line, line
+    assert "optimizer.learning_rate: 0.005 -> 0.002" in line, line
+    assert "resume_ignore_changes" in line and "auto" in line, line
+    assert stage_outputs(project) == before
+    write_params(project, {"checkpoint.resume_ignore_changes": ["optimizer.learning_rate"]})
+    assert "resumed from" in train_in_place(project).stdout
+
+
+def test_auto_resume_starts_fresh_on_another_runs_checkpoint(tokenized, tmp_path):
+    """resume_from_checkpoint: auto (what a retry uses) with the old run's checkpoints in the
+    folder trains the new params from scratch, exactly as a fresh run of them; the old
+    checkpoints are moved aside, not mixed with the new ones."""
+    expected, _ = train_here(tokenized, tmp_path / "expected", NEW_LR)
+    project, _ = train_here(tokenized, tmp_path / "p")
+    write_params(project, {**NEW_LR, "checkpoint.resume_from_checkpoint": "auto"})
+    out = train_in_place(project).stdout
+    assert "belongs to another run (optimizer.learning_rate: 0.005 -> 0.002)" in out, out
+    assert "resumed from" not in out
+    assert _bitwise_equal(project, expected) and losses(project) == losses(expected)
+    (moved,) = (project / "data/checkpoints.previous").iterdir()
+    assert sorted(p.name for p in moved.iterdir()) == ["step-0000003", "step-0000006"]
+    assert sorted(p.name for p in (project / "data/checkpoints").iterdir()) == [
+        "step-0000003", "step-0000006"]
+
+
+def test_a_new_run_killed_before_its_first_checkpoint_is_retried_fresh(tokenized, tmp_path):
+    """The old run finished (checkpoints at 3 and 6); the new run (new learning rate) is
+    killed at step 2, before it saved anything; the orchestrator's retry must not continue
+    the old run's step 6 but train the new run, ending bitwise like its uninterrupted run."""
+    expected, _ = train_here(tokenized, tmp_path / "expected", NEW_LR)
+    project, _ = train_here(tokenized, tmp_path / "p")
+    write_params(project, NEW_LR)
+    kill_train_stage_when(project, lambda line: line.startswith("[train] step=2 "))
+    wait_until_no_process_in(project)
+    assert not list((project / "data/checkpoints").glob("step-*"))  # moved aside at the start
+    proc = run_cli(project, "stage", "train", check=True, env={RESUME_ENV: "1"})
+    assert "resumed from" not in proc.stdout, proc.stdout
+    assert _bitwise_equal(project, expected) and losses(project) == losses(expected)
+
+
+def test_keys_outside_the_fingerprint_do_not_block_a_resume(tokenized, tmp_path):
+    """Bookkeeping and speed keys may change between a crash and its resume: still exact."""
+    full, _ = train_here(tokenized, tmp_path / "full")
+
+    def resume_with_other_bookkeeping(project: Path):
+        write_params(project, {"checkpoint.save_total_limit": 5, "eval.eval_batches": 2,
+                               "training.per_device_eval_batch_size": 4})
+        return train_in_place(project)
+
+    resume_cut_back(full, tmp_path, 3, resume_with_other_bookkeeping)
+
+
+def test_fingerprint_follows_data_and_model_content_not_their_paths(tokenized, tmp_path):
+    from engine import fingerprint
+    from finetune.config import load_config
+    from finetune.config.fingerprint import counts
+
+    cfg = load_config(tokenized / "params/default.yaml")
+    model = tokenized / cfg.model.name_or_path
+    data = tokenized / "data/tokenized/train"
+    base = fingerprint.compute(cfg, data, str(model))
+    moved_model, moved_data = tmp_path / "model", tmp_path / "train"
+    shutil.copytree(model, moved_model)
+    shutil.copytree(data, moved_data)
+    assert fingerprint.compute(cfg, moved_data, str(moved_model)) == base  # paths do not count
+    weights = next(moved_model.glob("*.safetensors"))
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 1
+    weights.write_bytes(bytes(blob))
+    arrow = next(moved_data.rglob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes() + b"\0")
+    changed = fingerprint.differences(base, fingerprint.compute(cfg, moved_data, str(moved_model)))
+    assert changed == {"train_data": "content changed", "base_model": "content changed"}
+    assert counts("optimizer.learning_rate") and counts("data.max_seq_length")
+    assert counts("distributed.fsdp.param_dtype")
+    assert not counts("training.torch_compile_mode") and not counts("data.dataset_name")
+    assert not counts("distributed.rdzv_endpoint") and not counts("logging.logging_steps")
+
+
+def test_resume_ignore_changes_names_only_fingerprint_keys():
+    from finetune.config import validate_raw
+    from finetune.errors import PipelineError
+
+    data = {"dataset_name": "gsm8k"}
+    validate_raw({"data": data, "checkpoint": {
+        "resume_ignore_changes": ["training.max_steps", "train_data"]}})
+    with pytest.raises(PipelineError, match="'logging.logging_steps' is not part of the checkpoint"):
+        validate_raw({"data": data,
+                      "checkpoint": {"resume_ignore_changes": ["logging.logging_steps"]}})
+
+
+def test_resume_at_another_world_size_is_refused_before_torchrun_starts(tokenized, tmp_path):
+    """The checkpoint's meta.json says world size 1; the params now say 2 processes: the stage
+    refuses before it starts any process (observed with an audit hook on subprocess.Popen)."""
+    import sys
+
+    from finetune.workspace import Workspace
+    from tasks.train import train
+
+    project, _ = train_here(tokenized, tmp_path / "p")
+    write_params(project, {**DDP2, "checkpoint.resume_from_checkpoint": True})
+    launched, watching = [], [True]
+
+    def audit(event, args):
+        if watching[0] and event == "subprocess.Popen":
+            launched.append(args[1])
+
+    sys.addaudithook(audit)
+    try:
+        with pytest.raises(PipelineError, match="world size 1 but this run is ddp with world size 2"):
+            train(Workspace.load(project / "params/default.yaml"))
+    finally:
+        watching[0] = False
+    assert launched == []
