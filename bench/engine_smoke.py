@@ -36,7 +36,7 @@ def launch(work: Path, overrides: dict, train_data: Path,
                      checkpoints=work / "checkpoints", trained=work / "trained",
                      metrics_file=work / "train.json", plots_dir=work / "plots")
     job = JobSpec(config=cfg.model_dump(mode="json"), paths=paths,
-                  error_file=str(work / "error.txt")).write(work / "job.json")
+                  error_dir=str(work)).write(work / "job.json")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=1", "-m", "engine.worker", str(job)], cwd=ROOT,
                           capture_output=True, text=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,8 @@ def setup(cfg: DistributedConfig) -> Dist:
     if world > 1:
         if not dist.is_initialized():
             backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend,
+                                    timeout=timedelta(seconds=cfg.ddp_timeout))
         where: list = [None] * world
         dist.all_gather_object(where, (cfg.node_rank, local_rank))
         main_rank = where.index((0, 0))

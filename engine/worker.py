@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from engine.failures import Report, describe
 from engine.job import JobSpec
 from engine.lifetime import die_with_parent
 from finetune.errors import PipelineError
@@ -32,13 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_job(job)
         return 0
-    except PipelineError as exc:
-        _report(job, str(exc))
-        return exc.exit_code
-    except Exception as exc:
-        _report(job, f"training crashed: {type(exc).__name__}: {exc}")
-        traceback.print_exc()
-        return 1
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        timeout = job.config.get("distributed", {}).get("ddp_timeout")
+        report = describe(exc, int(os.environ.get("RANK", "0")), timeout)
+        if report.kind == "crash":  # a bug: the traceback is what a maintainer needs
+            traceback.print_exc()
+        _report(job, report)
+        # Exit here, not by unwinding: freeing the failed run (its traceback holds the DDP
+        # reducer) can wait forever on a collective that a hung rank never joins, and every
+        # output is written atomically, so there is nothing left to clean up.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.exit_code if isinstance(exc, PipelineError) else 1)
 
 
 def run_job(job: JobSpec) -> dict:
@@ -85,11 +93,13 @@ def launcher_go(job: JobSpec) -> Callable[[], Path | None]:
     return wait
 
 
-def _report(job: JobSpec, message: str) -> None:
-    rank = os.environ.get("RANK", "0")
-    print(f"[rank {rank}] error: {message}", file=sys.stderr, flush=True)
-    if job.error_file and not Path(job.error_file).exists():
-        Path(job.error_file).write_text(message)
+def _report(job: JobSpec, report: Report) -> None:
+    print(f"[rank {report.rank}] error: {report.message}", file=sys.stderr, flush=True)
+    if job.error_dir:
+        try:
+            report.write(Path(job.error_dir))
+        except OSError:  # the disk the report goes to is full too: stderr still has the line
+            pass
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ one way everywhere (checkpoint integrity, lineage, stream manifests).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -28,6 +29,27 @@ def file_sha256(path: Path, into: "hashlib._Hash | None" = None) -> str:
     return h.hexdigest()
 
 
+#: below this many free bytes a failed write is taken for a full disk: some writers (torch's
+#: zip serializer, safetensors) report ENOSPC as an opaque error of their own
+NEARLY_FULL = 4 << 20
+
+
+def as_disk_full(exc: BaseException, folder: Path) -> BaseException:
+    """`exc`, or an OSError(ENOSPC) naming `folder` when the filesystem there is (nearly)
+    full, so that callers explain a full disk as such whatever the writer raised."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return exc
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return exc
+    if free >= NEARLY_FULL:
+        return exc
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+    full.__cause__ = exc
+    return full
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield an empty staging folder that replaces `final` only if the block succeeds.
@@ -40,12 +62,26 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes 0700; outputs should look like any dir
-    try:
+    with discard_on_failure(staging):
         yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     replace_dir(staging, final)
+
+
+@contextlib.contextmanager
+def discard_on_failure(staging: Path, remove: bool = True) -> Iterator[None]:
+    """A failing block leaves no half-written `staging` behind (`remove`: this process owns
+    it) and a failure on a full disk is raised as OSError(ENOSPC) whatever the writer raised.
+    Catches BaseException: torch's distributed checkpoint raises its own BaseException."""
+    try:
+        yield
+    except BaseException as exc:
+        error = exc if isinstance(exc, (KeyboardInterrupt, SystemExit)) else as_disk_full(
+            exc, staging)  # before the removal frees the space
+        if remove:
+            shutil.rmtree(staging, ignore_errors=True)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def replace_dir(src: Path, final: Path) -> None:

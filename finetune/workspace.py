@@ -59,6 +59,17 @@ class Layout:
         return self.root / "data/plots"
 
     @property
+    def params_valid(self) -> Path:
+        """Written by dvc.yaml's validate stage (`finetune validate --mark`); every step's
+        DVC dependency, so `dvc repro` checks the whole params file first."""
+        return self.root / "data/params-valid.txt"
+
+    @property
+    def logs(self) -> Path:
+        """Logs kept for a human (a failed training's worker stderr); no stage reads them."""
+        return self.root / "data/logs"
+
+    @property
     def eval_samples(self) -> Path:
         """Prompt / reference / generation rows written by the evaluate stage."""
         return self.root / "data/eval/samples.json"

@@ -20,11 +20,14 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from engine.failures import Report
 from engine.job import JobSpec, RunPaths
-from engine.lifetime import child_dies_with_us
+from engine.lifetime import WATCH_PID, child_dies_with_us
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
+from tasks.launch_failure import explain
+from tasks.stream_manifest import MANIFEST
 
 STREAM_SOURCE = "tasks.stream:open_train_stream"
 
@@ -32,14 +35,17 @@ STREAM_SOURCE = "tasks.stream:open_train_stream"
 def run_paths(ws: Workspace) -> RunPaths:
     """The pipeline's layout, handed to the engine as explicit paths."""
     layout = ws.layout
+    streamed = ws.config.data.streaming
     return RunPaths(
         project_root=ws.root,
-        train_data=None if ws.config.data.streaming else layout.tokenized / "train",
+        train_data=None if streamed else layout.tokenized / "train",
         eval_data=layout.tokenized / "test",
         checkpoints=layout.checkpoints,
         trained=layout.trained,
         metrics_file=layout.metrics / "train.json",
         plots_dir=layout.plots,
+        # a streamed split is identified by its manifest (source file hashes, sampling)
+        train_identity=layout.tokenized / MANIFEST if streamed else None,
     )
 
 
@@ -55,6 +61,8 @@ def torchrun_command(ws: Workspace, job_file: Path) -> list[str]:
             f"--rdzv_backend={dist.rdzv_backend}",
             f"--rdzv_endpoint={dist.rdzv_endpoint}",
             f"--rdzv_id={dist.rdzv_id}",
+            f"--rdzv_conf=join_timeout={dist.rdzv_timeout},"
+            f"read_timeout={min(dist.rdzv_timeout, 60)}",
         ]
     return cmd + ["-m", "engine.worker", str(job_file)]
 
@@ -80,9 +88,10 @@ class TorchrunJob:
     def __enter__(self) -> "TorchrunJob":
         self._tmp = tempfile.TemporaryDirectory(prefix="finetune-job-")
         tmp = Path(self._tmp.name)
-        self.job_file, self.error_file = tmp / "job.json", tmp / "error.txt"
+        self.job_file, self.error_dir = tmp / "job.json", tmp / "errors"
+        self.error_dir.mkdir()
         self.go_file, self.stderr_file = tmp / "go.json", tmp / "stderr.txt"
-        job_spec(self.ws, error_file=str(self.error_file),
+        job_spec(self.ws, error_dir=str(self.error_dir),
                  # rank 0 waits for this before writing anything; None: no MLflow run, no wait
                  go_file=str(self.go_file) if self.handshake else None,
                  ready_file=str(tmp / "ready") if self.handshake else None,
@@ -90,6 +99,7 @@ class TorchrunJob:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(self.ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
         env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
+        env[WATCH_PID] = str(os.getpid())  # where the kernel cannot: workers watch the stage
         self._stderr = open(self.stderr_file, "w")
         # stdout (the training log) streams live; stderr is held back so that a clean one-line
         # error is not buried under torchrun's failure dump. The agent gets SIGTERM when this
@@ -121,14 +131,29 @@ class TorchrunJob:
         self._stderr.flush()
         relay_error = self._relay.finish() if self._relay else None
         if code != 0:
-            if self.error_file.exists():
-                raise PipelineError(self.error_file.read_text())
-            sys.stderr.write(self.stderr_file.read_text())
-            raise PipelineError(f"training failed: torchrun exited {code} (see log above)")
+            self._explain_failure(code)
         sys.stderr.write(self.stderr_file.read_text())
         if relay_error is not None:
             raise PipelineError(f"training finished but logging its rows failed: "
                                 f"{type(relay_error).__name__}: {relay_error}")
+
+    def _explain_failure(self, code: int) -> None:
+        """Raise the one line that explains the failure; the workers' full stderr is kept in
+        data/logs/train-failure.log (held back from the terminal: torchrun's dump would bury
+        the line)."""
+        log = self.stderr_file.read_text()
+        log_file = self.ws.layout.logs / "train-failure.log"
+        try:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            log_file.write_text(log)
+        except OSError:  # that disk is full too: the line is what matters
+            pass
+        error = explain(Report.read_all(self.error_dir), log, self.ws.config.distributed,
+                        log_file.relative_to(self.ws.root))
+        if error is None:
+            sys.stderr.write(log)
+            error = PipelineError(f"training failed: torchrun exited {code} (see log above)")
+        raise error
 
     def _stop(self) -> None:
         if self.proc.poll() is None:

@@ -18,7 +18,7 @@ from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
 from tasks.curves import render_curves
-from tasks.launch import TorchrunJob
+from tasks.launch import TorchrunJob, run_paths
 
 
 def preflight(ws: Workspace) -> None:
@@ -43,12 +43,29 @@ def preflight(ws: Workspace) -> None:
     elif not (ws.layout.tokenized / "train").exists():
         raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
     if cfg.checkpoint.resume_from_checkpoint:
-        from engine import checkpoint as ckpt
-        from engine.trainer_state import check_resumable
+        check_resume(ws)
 
-        path = ckpt.latest(ws.layout.checkpoints)
-        if path is not None:  # no checkpoint: the worker says so and starts from scratch
-            check_resumable(ckpt.read_meta(path) or {}, path, cfg.distributed)
+
+def check_resume(ws: Workspace) -> None:
+    """The worker's own resume decision, taken here first, so a checkpoint of another run is
+    refused before rank 0 writes anything (the fingerprint hashes are cached for it)."""
+    from engine import fingerprint
+    from engine.trainer_state import plan_start
+
+    cfg, paths = ws.config, run_paths(ws)
+    plan_start(paths.checkpoints, lambda: fingerprint.of_run(cfg, paths), cfg.checkpoint,
+               cfg.distributed, log=lambda line: None)
+
+
+def check_world_size(ws: Workspace) -> None:
+    """Before any process starts: an explicit resume of a checkpoint written at another world
+    size or strategy is refused from its meta.json alone (no file hashing)."""
+    from engine import checkpoint as ckpt
+    from engine.trainer_state import check_resumable
+
+    newest = ckpt.newest_meta(ws.layout.checkpoints)
+    if newest is not None:
+        check_resumable(newest[1], newest[0], ws.config.distributed)
 
 
 RESUME_ENV = "FINETUNE_RESUME"
@@ -56,12 +73,16 @@ RESUME_ENV = "FINETUNE_RESUME"
 
 def train(ws: Workspace) -> dict[str, Path]:
     if os.environ.get(RESUME_ENV) == "1" and not ws.config.checkpoint.resume_from_checkpoint:
-        # An orchestrator retry: continue from the latest checkpoint, not from scratch. Exact
-        # resume gives the same weights, so this is not a change of params.
+        # An orchestrator retry: continue from the latest checkpoint if it is this run's (the
+        # fingerprint says), else start fresh. Exact resume gives the same weights, so this
+        # is not a change of params.
         cfg = ws.config.model_copy(deep=True)
-        cfg.checkpoint.resume_from_checkpoint = True
+        cfg.checkpoint.resume_from_checkpoint = "auto"
         ws = Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
-        print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint", flush=True)
+        print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint of this run, "
+              "if there is one", flush=True)
+    if ws.config.checkpoint.resume_from_checkpoint is True:
+        check_world_size(ws)
     if ws.config.distributed.node_rank > 0:
         preflight(ws)
         return _train_worker_node(ws)

@@ -125,6 +125,15 @@ class DistributedConfig(Section):
     threads_per_process: int | None = Field(
         None, gt=0, description="torch threads per rank (default: cores / nproc_per_node)."
     )
+    ddp_timeout: int = Field(
+        1800, gt=0,
+        description="Seconds a collective waits for the other ranks before the run fails "
+        "(HF's ddp_timeout; init_process_group timeout).",
+    )
+    rdzv_timeout: int = Field(
+        600, gt=0,
+        description="Seconds torchrun waits for all nodes to join the rendezvous (join_timeout).",
+    )
     bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size.")
     find_unused_parameters: bool = Field(False, description="DDP: tolerate unused params.")
     gradient_as_bucket_view: bool = Field(True, description="DDP: grads alias the buckets.")

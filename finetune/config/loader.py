@@ -71,8 +71,12 @@ def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str,
 def read_params_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise PipelineError(f"{path}: params file not found")
+    text = path.read_text()
+    if not text.strip():  # an empty file would fail on its first required key: say what it is
+        raise PipelineError(f"{path}: the params file is empty; restore it (git checkout "
+                            f"{path}) or start from the repository's params/default.yaml")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

@@ -1,0 +1,179 @@
+"""Failures that are not the user's input, each one line naming the cause and what to do.
+
+Real trials through `finetune stage train`: a full disk (a small tmpfs mounted over the
+checkpoint folder in a private mount namespace), a rank killed by SIGKILL (what the kernel's
+out-of-memory killer does), a rank that hangs past `distributed.ddp_timeout`, a rendezvous no
+other node joins. Before this, the first gave "training failed: torchrun exited 1 (see log
+above)" and a traceback, and the others torchrun's multi-screen failure dump.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import BIN, error_line, run_cli, stage_outputs, train_here, write_params
+
+DDP2 = {"distributed.strategy": "ddp", "distributed.nproc_per_node": 2}
+
+
+def _tmpfs_usage(folder: Path) -> int:
+    """Bytes `folder` takes on a tmpfs (whole 4 KiB pages per file and folder)."""
+    pages = sum(math.ceil(p.stat().st_size / 4096) or 1 for p in folder.rglob("*"))
+    return (pages + 1) * 4096
+
+
+def _can_mount_privately() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_what_was_written(
+        tokenized, tmp_path):
+    if not _can_mount_privately():
+        pytest.skip("unprivileged mount namespaces are disabled on this machine")
+    project, _ = train_here(tokenized, tmp_path / "p")  # checkpoints at 3 and 6, trained model
+    checkpoints = project / "data/checkpoints"
+    keep = tmp_path / "step-0000003"
+    shutil.move(checkpoints / "step-0000003", keep)
+    shutil.rmtree(checkpoints / "step-0000006")
+    before = {k: v for k, v in stage_outputs(project).items() if "/plots/" not in k}
+    write_params(project, {"checkpoint.resume_from_checkpoint": True})
+    # room for the step-3 checkpoint and half another: resuming, the step-6 save fills it
+    size = _tmpfs_usage(keep) * 3 // 2
+    script = (
+        f"mount -t tmpfs -o size={size} tmpfs data/checkpoints && "
+        f"cp -a {keep} data/checkpoints/ && "
+        f"{BIN / 'finetune'} stage train; echo \"rc=$?\" >&2; "
+        f"{BIN / 'python'} -c \"from pathlib import Path; from engine import checkpoint as c; "
+        f"print('latest', c.latest(Path('data/checkpoints')).name); "
+        f"print('entries', sorted(p.name for p in Path('data/checkpoints').iterdir()))\"")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
+                           script], cwd=project, capture_output=True, text=True)
+    rc_line = [ln for ln in proc.stderr.splitlines() if ln.startswith("rc=")]
+    assert rc_line == ["rc=1"], proc.stderr
+    stderr = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("rc="))
+    line = error_line(subprocess.CompletedProcess([], 1, proc.stdout, stderr), code=1)
+    assert line.startswith("error: disk full writing ") and "data/checkpoints" in line, line
+    assert "checkpoint.save_total_limit" in line and "intact" in line, line
+    # the step-3 checkpoint is still the valid latest, and the half-written one is gone
+    assert "latest step-0000003" in proc.stdout and "entries ['step-0000003']" in proc.stdout
+    assert {k: v for k, v in stage_outputs(project).items()
+            if "/plots/" not in k and "/checkpoints/" not in k} == {
+        k: v for k, v in before.items() if "/checkpoints/" not in k}
+    assert "[rank 0] error: disk full" in (project / "data/logs/train-failure.log").read_text()
+
+
+def _workers(stage: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The torchrun workers of a running stage, by RANK."""
+    found = {}
+    for proc in psutil.Process(stage.pid).children(recursive=True):
+        try:
+            if "engine.worker" in proc.cmdline():
+                found[int(proc.environ()["RANK"])] = proc
+        except (psutil.NoSuchProcess, KeyError):
+            continue
+    return found
+
+
+def _start_stage(project: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_line(stage: subprocess.Popen, prefix: str) -> None:
+    for line in stage.stdout:
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"the stage ended before printing {prefix!r}: {stage.stderr.read()}")
+
+
+def _finish(stage: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = stage.communicate(timeout=120)
+    return subprocess.CompletedProcess(stage.args, stage.returncode, out, err)
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_the_oom_killer(tokenized, tmp_path):
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    write_params(project, DDP2)
+    stage = _start_stage(project)
+    _wait_for_line(stage, "[train] step=2 ")
+    _workers(stage)[1].kill()
+    line = error_line(_finish(stage), code=1)
+    assert "rank 1 was killed by SIGKILL" in line and "out-of-memory killer" in line, line
+    assert "resume_from_checkpoint: true" in line, line
+    assert not (project / "data/trained").exists()
+    assert "Root Cause" in (project / "data/logs/train-failure.log").read_text()
+
+
+def test_a_hung_rank_times_out_after_ddp_timeout_in_one_line(tokenized, tmp_path):
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    write_params(project, {**DDP2, "distributed.ddp_timeout": 5})
+    stage = _start_stage(project)
+    _wait_for_line(stage, "[train] step=2 ")
+    workers = _workers(stage)
+    workers[1].suspend()  # SIGSTOP: alive, silent, like a rank stuck in a driver call
+    try:
+        workers[0].wait(timeout=60)  # rank 0 gives up after the timeout
+    finally:
+        workers[1].resume()  # so it can take torchrun's SIGTERM
+    proc = _finish(stage)
+    line = error_line(proc, code=75)  # transient: an orchestrator may retry it
+    assert "rank 0 timed out after distributed.ddp_timeout 5 s" in line, line
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_rendezvous_nobody_joins_is_one_line(tokenized, tmp_path, node_rank):
+    """node 0 waits for a node that never comes; node 1 finds nobody at the endpoint."""
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    write_params(project, {"distributed.strategy": "ddp", "distributed.nnodes": 2,
+                           "distributed.node_rank": node_rank, "distributed.rdzv_timeout": 5,
+                           "distributed.rdzv_endpoint": f"127.0.0.1:{_free_port()}"})
+    started = time.monotonic()
+    line = error_line(run_cli(project, "stage", "train"), code=75)
+    assert "the rendezvous at 127.0.0.1:" in line and "rdzv_id finetune" in line, line
+    assert "nothing was written" in line and time.monotonic() - started < 90
+    assert not (project / "data/trained").exists()
+
+
+def test_out_of_memory_and_disk_full_errors_are_described_by_cause():
+    """The worker's classification of real exceptions: a CPU allocation torch refuses, a
+    write to /dev/full (ENOSPC from the kernel), CUDA's OutOfMemoryError type."""
+    import torch
+
+    from engine.failures import describe
+
+    try:
+        torch.empty(2**62, dtype=torch.uint8)
+    except RuntimeError as exc:
+        cpu = describe(exc, rank=3)
+    assert cpu.kind == "memory" and cpu.message.startswith("out of CPU memory"), cpu
+    assert "on rank 3" in cpu.message and "per_device_train_batch_size" in cpu.message
+    try:
+        with open("/dev/full", "w") as fh:
+            fh.write("x")
+    except OSError as exc:
+        full = describe(exc, rank=0)
+    assert full.kind == "disk" and full.message.startswith("disk full (rank 0): "), full
+    cuda = describe(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1)
+    assert cuda.kind == "memory" and cuda.message.startswith("CUDA out of memory"), cuda
+    assert describe(ValueError("boom"), 0).message == "training crashed on rank 0: ValueError: boom"
