@@ -9,18 +9,22 @@ DVC experiment, and the workspace is put back exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import yaml
 
+from engine.lifetime import EXIT_WITH, child_dies_with_us
 from finetune.config.loader import apply_overrides, read_params_file, validate_raw
 from finetune.errors import PipelineError
 
@@ -60,16 +64,56 @@ def dvc_env() -> dict[str, str]:
 
 def stream(cmd: list[str], cwd: Path, on_line: Callable[[str], None] | None = None,
            env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run `cmd`, passing each output line to `on_line` as it comes; return (rc, output)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or dvc_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    """Run `cmd`, passing each output line to `on_line` as it comes; return (rc, output).
+
+    The command dies with this process however it dies (engine/lifetime.py; the stage under
+    it is started with FINETUNE_EXIT_WITH=<our pid> and dies with us in turn), and SIGINT or
+    SIGTERM sent to this process (Ctrl-C, an orchestrator's cancel) is passed on to the
+    command's whole process group before this process stops."""
+    env = {**(env or dvc_env()), EXIT_WITH: str(os.getpid())}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True, preexec_fn=child_dies_with_us())
     lines = []
     assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if on_line:
-            on_line(line.rstrip("\n"))
-    return proc.wait(), "".join(lines)
+    with forward_signals(proc):
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line:
+                on_line(line.rstrip("\n"))
+        return proc.wait(), "".join(lines)
+
+
+@contextlib.contextmanager
+def forward_signals(proc: subprocess.Popen):
+    """While the block runs, SIGINT/SIGTERM to this process go to `proc`'s process group
+    first, then take their usual course here. Signal handlers can only be set from the main
+    thread; elsewhere the parent-death signal alone ends the command."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def forward(signum, frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)  # the stage stops torchrun, which stops the workers
+        handler = previous.get(signum)
+        if callable(handler):
+            handler(signum, frame)
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        else:
+            raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        previous[signum] = signal.signal(signum, forward)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def stage_error(output: str) -> str | None:

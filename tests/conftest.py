@@ -52,6 +52,7 @@ def _offline_env(tmp_path_factory):
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HOME": str(cache / "hf"),
         "DVC_SITE_CACHE_DIR": str(cache / "dvc-site"),
+        "FINETUNE_CACHE_DIR": str(cache / "finetune"),
         "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com",
         "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.com",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -105,18 +106,20 @@ def project(tmp_path) -> Path:
     return copy_project(tmp_path / "proj")
 
 
-def run_cli(project: Path, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+def run_cli(project: Path, *args: str, check: bool = False,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(BIN / "finetune"), *args], cwd=project, capture_output=True,
-                          text=True)
+                          text=True, env={**os.environ, **(env or {})})
     if check and proc.returncode != 0:
         raise AssertionError(f"finetune {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The CLI's contract for bad input: exit 2 and exactly one `error:` line, no traceback."""
+def error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The CLI's contract for bad input: exit 2 (`code`: other failures) and exactly one
+    `error:` line, no traceback."""
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [ln for ln in lines if ln.startswith("error: ")]
     assert len(errors) == 1, proc.stderr
@@ -170,15 +173,56 @@ def assert_weights_close(a, b):
     assert worst < 2e-4, worst
 
 
+def stage_outputs(project: Path) -> dict[str, str]:
+    """Every file the train stage writes, by content (to show a failure changed nothing)."""
+    import hashlib
+
+    found = {}
+    for folder in ("checkpoints", "trained", "metrics", "plots", "lineage"):
+        for path in sorted((project / "data" / folder).rglob("*")):
+            if path.is_file():
+                found[str(path.relative_to(project))] = hashlib.sha256(
+                    path.read_bytes()).hexdigest()
+    return found
+
+
+def wait_until_no_process_in(project: Path, timeout: float = 10) -> None:
+    """Fails unless every process running in `project` (by cwd) is gone within `timeout`."""
+    import time
+
+    import psutil
+
+    def inside() -> list[psutil.Process]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if Path(proc.cwd()) == project:
+                    found.append(proc)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return found
+
+    deadline = time.monotonic() + timeout
+    while inside() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not inside(), "processes of the killed stage still run"
+
+
 def kill_after_first_checkpoint(project) -> str:
     """Start the train stage, SIGKILL its whole process tree once a checkpoint is written."""
+    return kill_train_stage_when(project, lambda line: line.startswith("[train] checkpoint"))
+
+
+def kill_train_stage_when(project, said) -> str:
+    """Start the train stage, SIGKILL its whole process group at the first line `said(line)`
+    is true of; returns what it printed."""
     proc = subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=project,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     seen = []
     for line in proc.stdout:
         seen.append(line)
-        if line.startswith("[train] checkpoint"):
+        if said(line):
             os.killpg(proc.pid, signal.SIGKILL)
             break
     proc.wait(timeout=60)

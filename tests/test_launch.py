@@ -4,7 +4,11 @@ reach the stage through the row relay."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import ROOT, wait_until_no_process_in, write_params
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace
 from tasks.launch import _RowTail
@@ -93,7 +98,6 @@ def test_killing_the_stage_process_group_stops_every_worker(tokenized, tmp_path,
     """What a scheduler's cancel, a CI timeout or `kill -- -PGID` does: SIGKILL to the train
     stage's process group mid-training. torchrun starts its workers in sessions of their own;
     within 5 s none of them may be alive, and nothing under data/ may change afterwards."""
-    import os
     import signal
     import subprocess
 
@@ -130,3 +134,47 @@ def _alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_orchestrator_task_takes_its_training_with_it(tokenized, tmp_path, sig):
+    """The Prefect task runs `dvc repro` (which runs the stage, which runs torchrun): SIGTERM
+    to the task's process (a cancel) is forwarded to the whole job, and SIGKILL ends it by the
+    chain of parent-death signals. Before, dvc and the stage under it trained on."""
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    # a run that prints nothing after its start, so no broken pipe ends it either
+    write_params(project, {"training.max_steps": 600, "logging.logging_steps": 1000,
+                           "logging.disable_tqdm": True, "checkpoint.save_strategy": "no",
+                           "eval.eval_strategy": "no"})
+    runner = subprocess.Popen(
+        [sys.executable, "-c", "from pathlib import Path; from flows.dvc_runner import "
+         "repro_stage; repro_stage(Path('.'), 'train', on_line=print)"],
+        cwd=project, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        # dvc runs a stage's cmd as `$SHELL -c cmd`; dash (Debian's /bin/sh, and the shell when
+        # SHELL is unset) stays as the stage's parent where bash execs: one more link
+        env={**os.environ, "SHELL": "/bin/sh"})
+    for line in runner.stdout:
+        if " trainable / " in line:  # training has started
+            break
+    else:
+        raise AssertionError("the stage ended before training started")
+    time.sleep(1.0)
+    runner.send_signal(sig)
+    runner.wait(timeout=60)
+    wait_until_no_process_in(project)
+    assert not (project / "data/trained").exists()
+
+
+def test_watchdog_ends_a_process_whose_watched_pid_is_gone(tmp_path):
+    """The parent-death fallback where the kernel has none (macOS, Windows), run here."""
+    watched = subprocess.Popen(["sleep", "60"])
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, time; from engine.lifetime import start_watchdog; "
+        f"start_watchdog(os.getppid(), [{watched.pid}], interval=0.1); time.sleep(60)")],
+        cwd=ROOT)
+    time.sleep(1.0)
+    assert child.poll() is None
+    watched.kill()
+    watched.wait()
+    assert child.wait(timeout=5) == -signal.SIGKILL
