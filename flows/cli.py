@@ -41,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the whole pipeline with dvc repro, then summarise")
     _common(run)
     run.add_argument("--force", action="store_true", help="rerun every stage")
-    for name, text in (("validate", "check a params file"), ("config", "print the resolved config")):
-        _common(sub.add_parser(name, help=text))
+    val = sub.add_parser("validate", help="check a params file")
+    _common(val)
+    val.add_argument("--mark", type=Path, default=None,
+                     help="when valid, write this file (dvc.yaml's validate stage: every other "
+                     "stage depends on it, so `dvc repro` checks the whole file first)")
+    _common(sub.add_parser("config", help="print the resolved config"))
     _common(sub.add_parser("summary", help="print the last run's results"))
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
     ref.add_argument("--write-readme", action="store_true", help="update README.md in place")
@@ -78,7 +82,10 @@ def _quiet_env() -> None:
 
 
 def cmd_stage(args) -> int:
+    from engine.lifetime import bind_to_orchestrator_if_asked
     from tasks import stage_function
+
+    bind_to_orchestrator_if_asked()  # under the orchestrator's dvc: a cancelled task ends us too
 
     ws = Workspace.load(args.params, args.overrides)
     # project modules named in params ('module:function' / 'module:Class') import from the
@@ -98,6 +105,9 @@ def cmd_stage(args) -> int:
 def cmd_validate(args) -> int:
     ws = Workspace.load(args.params, args.overrides)
     print(f"ok: {ws.params_path} is valid")
+    if args.mark:  # constant content: a valid edit reruns no stage that depends on it
+        args.mark.parent.mkdir(parents=True, exist_ok=True)
+        args.mark.write_text("the params file passed `finetune validate`\n")
     return 0
 
 

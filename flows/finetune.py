@@ -20,7 +20,8 @@ from prefect.states import Completed
 from prefect.tasks import exponential_backoff
 
 from finetune.errors import PipelineError
-from finetune.workspace import DEFAULT_PARAMS, Workspace, find_project_root, workspace_lock
+from finetune.workspace import (DEFAULT_PARAMS, Layout, Workspace, find_project_root,
+                                workspace_lock)
 from tasks import STAGES
 from flows.dvc_runner import OverrideSession, StageFailed, repro_stage
 from flows.report import markdown, summary
@@ -50,8 +51,13 @@ def _run_count() -> int:
         return 1
 
 
+VALIDATE = "validate"  # dvc.yaml's guard stage: every step depends on its marker file
+
+
 def _stage(stage: str, root: str, extra_env: dict[str, str] | None = None):
     logger = _logger()
+    if stage != VALIDATE and not Layout(Path(root)).params_valid.exists():
+        repro_stage(Path(root), VALIDATE, on_line=logger.info)  # a task run on its own
     result = repro_stage(Path(root), stage, on_line=logger.info, extra_env=extra_env)
     if not result.ran:
         return Completed(message="cached: up to date", data={"stage": stage, "ran": False})
@@ -101,8 +107,8 @@ def _plain_task(stage: str):
     return task(name=stage)(run)
 
 
-format_prompts, tokenize, evaluate, export = map(_plain_task, ("format", "tokenize", "evaluate",
-                                                                "export"))
+validate, format_prompts, tokenize, evaluate, export = map(
+    _plain_task, (VALIDATE, "format", "tokenize", "evaluate", "export"))
 TASKS = {"download": download, "format": format_prompts, "tokenize": tokenize, "train": train,
          "evaluate": evaluate, "export": export}
 assert tuple(TASKS) == STAGES
@@ -125,6 +131,7 @@ def finetune(params_file: str = DEFAULT_PARAMS, overrides: dict[str, Any] | None
     experiment = None
     overriding = OverrideSession(root, params, overrides) if overrides else contextlib.nullcontext()
     with workspace_lock(root, lock_wait_seconds), overriding as session:
+        validate(str(root))  # the whole params file, first, as `dvc repro` checks it
         results = {name: fn(str(root)) for name, fn in TASKS.items()}
         ran = [n for n, r in results.items() if isinstance(r, dict) and r.get("ran")]
         cached = [n for n in STAGES if n not in ran]

@@ -73,11 +73,11 @@ def test_dvc_params_cover_every_key_each_stage_reads(repro):
 
 def test_first_repro_runs_all_stages_and_finetuning_helps(repro):
     project, first = repro
-    assert ran(first) == STAGES
+    assert ran(first) == ["validate", *STAGES]
     ev = json.loads((project / "data/metrics/eval.json").read_text())
     assert ev["finetuned"]["loss"] < ev["base"]["loss"]
     lock = yaml.safe_load((project / "dvc.lock").read_text())
-    assert set(lock["stages"]) == set(STAGES)
+    assert set(lock["stages"]) == {"validate", *STAGES}
     shown = dvc(project, "metrics", "show", "--json").stdout
     assert "finetuned" in shown
 
@@ -222,7 +222,7 @@ def test_second_repro_is_noop_and_training_change_reruns_only_later_stages(repro
     assert ran(again) == [] and "up to date" in again.stdout
     write_params(project, {"training.max_steps": 4})
     changed = dvc(project, "repro")
-    assert ran(changed) == ["train", "evaluate", "export"]
+    assert ran(changed) == ["validate", "train", "evaluate", "export"]
     assert json.loads((project / "data/metrics/train.json").read_text())["global_step"] == 4
     # the shorter training is worse: registered, but the gate keeps the first one in service
     record = json.loads((project / "data/lineage/model_version.json").read_text())
@@ -243,3 +243,29 @@ def test_failing_repro_keeps_previous_outputs(repro):
     assert export.read_bytes() == weights
     assert (project / "data/trained/adapter_model.safetensors").exists()
     assert (project / "data/tokenized/train").exists()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("trainig:\n  max_steps: 3\n", "unknown key 'trainig'"),
+    ("", "is empty"),
+    ("training: [\n", "not valid YAML"),
+])
+def test_repro_checks_the_whole_params_file_before_any_stage(repro, tmp_path, text, says):
+    """A key no stage lists (a misspelt section), an empty file, broken YAML: `dvc repro`
+    runs our validation first and fails with its one line, not DVC's "up to date" or its own
+    parser or missing-parameter messages."""
+    project, _ = repro
+    clone = tmp_path / "c"
+    shutil.copytree(project, clone, symlinks=True)
+    params = clone / "params/default.yaml"
+    subprocess.run(["git", "checkout", "params/default.yaml"], cwd=clone, check=True)
+    if "trainig" in text:
+        text = params.read_text() + text
+    params.write_text(text)
+    failed = dvc(clone, "repro", check=False)
+    assert failed.returncode != 0
+    assert ran(failed) == ["validate"], failed.stdout
+    errors = [ln for ln in (failed.stdout + failed.stderr).splitlines()
+              if ln.startswith("error: ")]
+    assert len(errors) == 1 and says in errors[0], failed.stdout + failed.stderr
+    assert "missing" not in failed.stderr.replace(errors[0], "")
