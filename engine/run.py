@@ -25,7 +25,8 @@ import torch
 
 from engine import fingerprint, trainer_state
 from engine.comm import CommMeter
-from engine.data import count_targets, load_tokenized, model_inputs, to_device, token_loss_sum
+from engine.data import count_targets, load_tokenized, model_inputs, to_device
+from engine.loss import build_loss
 from engine.distributed import Dist, setup, teardown
 from engine.evaluation import evaluate_loss
 from engine.job import RunPaths
@@ -37,7 +38,7 @@ from engine.optim import build_scheduler
 from engine.packing import prepare_batch_layout
 from engine.progress import Progress
 from engine.reporters import build_reporters
-from engine.runtime import (autocast_dtype, compile_stats, configure_torch,
+from engine.runtime import (attention_backends, autocast_dtype, compile_stats, configure_torch,
                             enable_gradient_checkpointing, maybe_compile,
                             use_fast_bf16_cpu_kernels)
 from engine.stream import ExampleSource
@@ -77,7 +78,8 @@ def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
     `stream`: the streamed train split (epoch -> examples), else `paths.train_data` is read."""
     d = setup(cfg.distributed)
     try:
-        return TrainingRun(cfg, paths, d, go, stream).fit()
+        with attention_backends(cfg.training, d.device):
+            return TrainingRun(cfg, paths, d, go, stream).fit()
     finally:
         teardown()
 
@@ -137,15 +139,18 @@ class TrainingRun:
         self.collate_fn = prepare_batch_layout(
             cfg.training, cfg.data.max_seq_length, model, self.tokenizer.pad_token_id, d.device,
             self.amp, self.log)
+        self.loss = build_loss(model, cfg.training.loss_chunk_tokens, d.device, self.amp)
         self.strategy = build_strategy(cfg, d, self.meter)
         self.model = maybe_compile(self.strategy.wrap(model), cfg.training)
 
     def open_reporters(self) -> None:
         """On the main rank, once the launcher confirmed the job: from here on we may write
-        (first, a fresh run moves an earlier run's checkpoints aside)."""
+        (first, a fresh run moves an earlier run's checkpoints aside). The other ranks wait
+        for the confirmation too, on the file rather than in a collective, so none sits out
+        distributed.ddp_timeout while the launcher runs its checks."""
+        relay = self.go()
         if not self.dist.is_main:
             return
-        relay = self.go()
         if self.start.set_aside:
             trainer_state.set_aside(self)
         self.reporters = build_reporters(self.cfg.logging, self.paths.plots_dir,
@@ -190,12 +195,13 @@ class TrainingRun:
                  for _ in range(t.gradient_accumulation_steps)]
         local_targets = sum(count_targets(b) for b in micro)
         divisor = max(self.strategy.loss_divisor(local_targets, progress.step), 1e-9)
-        for i, batch in enumerate(micro):
-            batch = to_device(batch, d.device)
+        for i, host_batch in enumerate(micro):
+            batch = to_device(host_batch, d.device)
             with self.strategy.sync_context(last_micro_batch=i == len(micro) - 1):
-                with torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None):
-                    logits = self.model(**model_inputs(batch), use_cache=False).logits
-                loss_sum = token_loss_sum(logits, batch["labels"])
+                with (torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None),
+                      self.loss.computing(host_batch["labels"])):
+                    output = self.model(**model_inputs(batch), use_cache=False)
+                loss_sum = self.loss.loss_sum(output, batch["labels"])
                 loss = loss_sum / divisor
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             progress.add_loss(loss_sum)
@@ -329,6 +335,9 @@ class TrainingRun:
             "strategy": self.strategy.name,
             **progress.fill_metrics(),
             **(compile_stats() if cfg.training.torch_compile else {}),
+            "memory_rss_mb": peak_rss_mb(),
+            **({"cuda_max_memory_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}
+               if self.dist.device.type == "cuda" else {}),
             # this process's steps (a resumed run starts later)
             **self.meter.summary(progress.step - self.start_step),
         }

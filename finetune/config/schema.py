@@ -217,16 +217,45 @@ class TrainingConfig(Section):
         "varlen_kernel), so compute follows the real tokens (TRL's padding_free). Checked by a "
         "probe at start-up. Exclusive with packing.",
     )
-    varlen_kernel: Literal["auto", "torch_varlen", "flash_attn", "sdpa_per_example"] = Field(
+    varlen_kernel: Literal["auto", "torch_varlen", "flash_attn", "flex",
+                           "sdpa_per_example"] = Field(
         "auto",
         description="Attention kernel for padding_free (and packing on a GPU): auto picks the "
         "fastest the machine has (torch's flash varlen on CUDA with bf16/fp16 compute, then the "
-        "flash-attn package, else causal SDPA per example); the choice is printed at start-up.",
+        "flash-attn package, then FlexAttention with a document mask, any dtype; on a CPU "
+        "causal SDPA per example: torch has no FlexAttention backward there). The choice is "
+        "printed at start-up.",
     )
     packed_sequence_length: int | None = Field(
         None, gt=0,
         description="Packing: tokens per packed row (None: data.max_seq_length). Positions "
         "restart per example, so this may exceed the model's max_position_embeddings.",
+    )
+    loss_chunk_tokens: int | None = Field(
+        4096, gt=0,
+        description="Cross entropy without the full fp32 logits: the output layer runs only on "
+        "positions that predict a target, this many at a time (one chunk's logits in memory, "
+        "forward and backward); equal to the full loss up to summation order. null: the "
+        "model's full logits (needed for a model that transforms logits after its output "
+        "layer; a start-up probe refuses such a model with one line).",
+    )
+    pad_to_multiple_of: int | None = Field(
+        None, gt=0,
+        description="Pad each batch's rows (padded or packed) to a multiple of this many tokens "
+        "(HF's name): a few shapes instead of one per length, so torch.compile graphs and the "
+        "GPU attention kernels' per-shape plans are reused; packing with the packed length "
+        "here gives every batch one shape (CUDA graphs). Padding-free rows are never padded.",
+    )
+    sdpa_backend: list[Literal["flash_attention", "efficient_attention", "cudnn_attention",
+                               "math"]] | None = Field(
+        None,
+        description="SDPA kernels the model's attention may use (torch.nn.attention."
+        "sdpa_kernel). None: on CUDA flash, then memory-efficient, then cuDNN, then math, in "
+        "that priority (cuDNN plans every new shape on the host, ~3 ms per call on an H100); "
+        "on CPU torch's choice. The CPU has flash_attention and math only.",
+    )
+    sdpa_set_priority: bool = Field(
+        True, description="Try sdpa_backend in the order given (else torch's own order)."
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
@@ -245,6 +274,12 @@ class TrainingConfig(Section):
         description="torch.utils.checkpoint options.",
     )
     torch_compile: bool = Field(False, description="torch.compile the model for training.")
+    torch_compile_scope: Literal["blocks", "model"] = Field(
+        "blocks",
+        description="What torch_compile compiles: each decoder block in place (regional, as "
+        "torchtitan does: one block's compile time, hooks of DDP/FSDP2 outside the graphs) or "
+        "the whole wrapped model.",
+    )
     torch_compile_backend: str = Field("inductor", description="torch.compile backend.")
     torch_compile_mode: Literal[
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
@@ -280,7 +315,23 @@ class TrainingConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _fullgraph(self) -> "TrainingConfig":
+        if (self.torch_compile and self.torch_compile_fullgraph
+                and self.torch_compile_scope == "model" and self.loss_chunk_tokens):
+            raise ValueError(
+                "torch_compile_fullgraph with torch_compile_scope: model cannot hold the "
+                "chunked loss (it runs eager, a graph break); use torch_compile_scope: blocks "
+                "or loss_chunk_tokens: null"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_row_layout(self) -> "TrainingConfig":
+        if self.padding_free and self.pad_to_multiple_of:
+            raise ValueError(
+                "pad_to_multiple_of: padding_free rows are never padded; set it with packing "
+                "or padded batches, or remove it"
+            )
         if self.padding_free and self.packing:
             raise ValueError(
                 "padding_free and packing are alternatives: padding_free puts each micro-batch "
