@@ -142,8 +142,11 @@ def _rows(path: Path) -> int:
 
 
 COMPILE = {"training.torch_compile": True, "training.torch_compile_dynamic": True}
+# packed rows of one fixed shape (pad_to_multiple_of = the row length): one compiled graph,
+# one attention plan
 LAYOUTS = {"padded": {}, "packing": {"training.packing": True,
-                                     "training.packed_sequence_length": 2048},
+                                     "training.packed_sequence_length": 2048,
+                                     "training.pad_to_multiple_of": 2048},
            "padding_free": {"training.padding_free": True}}
 LAYOUTS.update({f"{name}+compile": {**layout, **COMPILE} for name, layout in list(LAYOUTS.items())})
 

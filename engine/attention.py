@@ -10,6 +10,11 @@ names, which its models pass from `forward(**kwargs)` down to the attention func
 - `torch_varlen`: PyTorch's flash varlen kernel (`torch.nn.attention.varlen.varlen_attn`), one
   call per layer over every example of the micro-batch; CUDA, bf16/fp16.
 - `flash_attn`: the flash-attn package's `flash_attn_varlen_func` when it is installed; CUDA.
+- `flex`: FlexAttention with a document mask (causal within each example), the portable
+  GPU fallback: any dtype (fp32 included), any GPU torch compiles for; compiled once (eager
+  FlexAttention materialises the scores). No attention dropout. torch has no FlexAttention
+  backward on a CPU, so it cannot train there (its forward, eager and compiled, is tested on
+  the CPU against separate forwards).
 - `sdpa_per_example`: causal SDPA once per example (the fast unmasked kernel; cost = sum of
   squared lengths). Right on a CPU, where one call per example costs microseconds; on a GPU
   every call is a kernel launch (thousands per step), so it is the fallback there, with cuDNN
@@ -62,14 +67,31 @@ def _flash_attn_fn():
     return flash_attn_varlen_func
 
 
+def _flex_fn():
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+#: kernels that take any compute dtype (the flash ones need bf16/fp16)
+_ANY_DTYPE = ("flex", "sdpa_per_example")
+
+
 def available_kernels(device: torch.device) -> list[str]:
-    """The varlen kernels this machine can run, fastest first."""
+    """The varlen kernels this machine can train with, fastest first: on a GPU the flash
+    kernels, then FlexAttention; per-example SDPA everywhere (on a CPU, where a call costs
+    microseconds, the only one: FlexAttention has no CPU backward)."""
     found = []
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
-        if _torch_varlen_fn() is not None:
-            found.append("torch_varlen")
-        if _flash_attn_fn() is not None:
-            found.append("flash_attn")
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] >= 8:
+            if _torch_varlen_fn() is not None:
+                found.append("torch_varlen")
+            if _flash_attn_fn() is not None:
+                found.append("flash_attn")
+        if _flex_fn() is not None:
+            found.append("flex")
     return found + ["sdpa_per_example"]
 
 
@@ -78,14 +100,17 @@ def choose_kernel(device: torch.device, compute_dtype: torch.dtype, requested: s
     """`requested` if the machine has it, else (auto) the fastest one; the flash kernels need
     bf16/fp16 compute (autocast or half weights)."""
     usable = [k for k in available_kernels(device)
-              if k == "sdpa_per_example" or compute_dtype in _FAST_DTYPES]
+              if k in _ANY_DTYPE or compute_dtype in _FAST_DTYPES]
     if requested == "auto":
         return usable[0]
     if requested not in usable:
         from finetune.errors import PipelineError
 
         why = ("it needs bf16/fp16 compute (training.mixed_precision: bf16)"
-               if requested in available_kernels(device) else "this machine does not have it")
+               if requested in available_kernels(device)
+               else "torch's FlexAttention has no backward on a CPU"
+               if requested == "flex" and device.type == "cpu"
+               else "this machine does not have it")
         raise PipelineError(f"training.varlen_kernel: {requested} cannot run here ({why}); "
                             f"usable: {', '.join(usable)} (or auto)")
     return requested
@@ -120,6 +145,13 @@ def _flash_call(kernel: str):
                                                       **causal)
 
 
+def _flex_call(device: torch.device):
+    """FlexAttention, compiled once on CUDA (where eager would materialise the scores);
+    eager on a CPU, where it is the reference (training.torch_compile compiles it there)."""
+    fn = _flex_fn()
+    return torch.compile(fn, dynamic=True) if device.type == "cuda" else fn
+
+
 def _varlen_kernel(query, key, value, cu, max_len: int, scaling, dropout: float):
     b, h, t, d = query.shape
     q, k, v = _flat(query), _flat(key), _flat(value)
@@ -135,6 +167,43 @@ def _varlen_kernel(query, key, value, cu, max_len: int, scaling, dropout: float)
         v = v.repeat_interleave(h // v.shape[1], dim=1)
     out = _Chosen.call(q, k, v, _on_device(cu, query.device), max_len, scaling, dropout)
     return out.view(b, t, h, d)
+
+
+def _document_mask(cu: torch.Tensor, device: torch.device):
+    """FlexAttention's block mask for the examples laid end to end at `cu` (causal within
+    each); built once per forward and shared by every layer, like the device copy of `cu`."""
+    cached = _Chosen.cached
+    if cached is not None and cached[0] is cu and cached[1] == device:
+        return cached[2]
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    total = int(cu[-1])
+    bounds = cu.to(device=device, dtype=torch.int64)
+    doc = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=device),
+                                  bounds[1:] - bounds[:-1], output_size=total)
+
+    def same_example_causal(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    mask = create_block_mask(same_example_causal, None, None, total, total, device=device)
+    _Chosen.cached = (cu, device, mask)
+    return mask
+
+
+def _flex_kernel(query, key, value, cu, scaling, dropout: float):
+    """(batch, heads, tokens, dim) -> (batch, tokens, heads, dim): the rows laid end to end as
+    one sequence, the document mask keeping every example to itself."""
+    if dropout:
+        raise RuntimeError(f"{VARLEN_ATTENTION}: flex has no attention dropout (the model's "
+                           f"is {dropout}); choose another training.varlen_kernel")
+    b, h, t, d = query.shape
+    q, k, v = (x.transpose(0, 1).reshape(1, x.shape[1], b * t, d) for x in (query, key, value))
+    if torch.is_autocast_enabled(query.device.type):  # rotary hands fp32 q/k on
+        fast = torch.get_autocast_dtype(query.device.type)
+        q, k, v = q.to(fast), k.to(fast), v.to(fast)
+    out = _Chosen.call(q, k, v, block_mask=_document_mask(cu, query.device), scale=scaling,
+                       enable_gqa=k.shape[1] != h)
+    return out.reshape(h, b, t, d).permute(1, 2, 0, 3)
 
 
 def _per_example(query, key, value, cu, scaling, dropout: float):
@@ -167,6 +236,8 @@ def varlen_attention_forward(module, query: torch.Tensor, key: torch.Tensor,
     dropout = dropout if module.training else 0.0
     if _Chosen.kernel == "sdpa_per_example":
         return _per_example(query, key, value, cu, scaling, dropout), None
+    if _Chosen.kernel == "flex":
+        return _flex_kernel(query, key, value, cu, scaling, dropout), None
     max_len = int(kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max()))
     return _varlen_kernel(query, key, value, cu, max_len, scaling, dropout), None
 
@@ -187,7 +258,8 @@ def use_varlen_attention(model, kernel: str = "sdpa_per_example") -> str | None:
     before = config._attn_implementation
     base.set_attn_implementation(VARLEN_ATTENTION)
     _Chosen.kernel = kernel
-    _Chosen.call = None if kernel == "sdpa_per_example" else _flash_call(kernel)
+    _Chosen.call = (None if kernel == "sdpa_per_example" else _flex_call(base.device)
+                    if kernel == "flex" else _flash_call(kernel))
     return before if config._attn_implementation == VARLEN_ATTENTION else None
 
 

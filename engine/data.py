@@ -87,9 +87,17 @@ def take_rows(dataset, indices) -> list[dict]:
     return [dict(zip(cols, values)) for values in zip(*cols.values())]
 
 
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Dynamic padding: pad to the longest row of this batch (right side)."""
-    longest = max(len(r["input_ids"]) for r in rows)
+def round_up(n: int, multiple: int | None) -> int:
+    """`n` up to a multiple of `multiple` (pad_to_multiple_of; None: `n`)."""
+    return n if not multiple else -(-n // multiple) * multiple
+
+
+def collate(rows: list[dict], pad_id: int, multiple: int | None = None
+            ) -> dict[str, torch.Tensor]:
+    """Dynamic padding: pad to the longest row of this batch (right side), rounded up to
+    `multiple` (HF's pad_to_multiple_of: a few shapes instead of one per length, so compiled
+    graphs and the attention kernels' per-shape plans are reused)."""
+    longest = round_up(max(len(r["input_ids"]) for r in rows), multiple)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
@@ -138,19 +146,21 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def collate_packed(rows: list[dict], pad_id: int, capacity: int,
                    block_mask: torch.dtype | None = None,
-                   varlen: bool = False) -> dict[str, torch.Tensor]:
+                   varlen: bool = False, multiple: int | None = None) -> dict[str, torch.Tensor]:
     """Packing: the micro-batch's examples share rows of up to `capacity` tokens.
 
     position_ids restart at 0 for every example; models that build their attention mask from
     position_ids (transformers' packed-sequence detection, or varlen flash attention) then keep
     examples apart. `block_mask` (a float dtype) adds an explicit block-diagonal causal mask for
     models that do not; `varlen` adds the boundaries of every example (and of each row's padding
-    tail) over the flattened rows, for a varlen attention kernel (engine.attention). Each
+    tail) over the flattened rows, for a varlen attention kernel (engine.attention). Rows are
+    as wide as the fullest one, rounded up to `multiple` (pad_to_multiple_of = the capacity
+    gives every batch one shape: what compile and CUDA graphs want). Each
     example's first label is ignored: in the unpacked batch nothing
     predicts it either, so packed and unpacked runs optimise exactly the same targets.
     """
     bins = pack_rows([len(r["input_ids"]) for r in rows], capacity)
-    width = max(sum(len(rows[i]["input_ids"]) for i in b) for b in bins)
+    width = round_up(max(sum(len(rows[i]["input_ids"]) for i in b) for b in bins), multiple)
     ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
     labels = torch.full((len(bins), width), IGNORE_INDEX, dtype=torch.long)
     positions = torch.zeros((len(bins), width), dtype=torch.long)

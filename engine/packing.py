@@ -130,16 +130,18 @@ def prepare_batch_layout(t, max_seq_length: int, model, pad_id: int, device: tor
         log(f"[train] padding-free: each micro-batch is one row, attention kernel {kernel}")
         return functools.partial(collate_flat, pad_id=pad_id)
     if not t.packing:
-        return functools.partial(collate, pad_id=pad_id)
+        return functools.partial(collate, pad_id=pad_id, multiple=t.pad_to_multiple_of)
     capacity = t.packed_sequence_length or max_seq_length
     kernel = choose_kernel(device, compute, t.varlen_kernel)
     if kernel != "sdpa_per_example":
         enable_varlen(model, kernel, device, amp, "training.packing", capacity)
         log(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by the "
             f"{kernel} varlen attention kernel")
-        return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity, varlen=True)
+        return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity, varlen=True,
+                                 multiple=t.pad_to_multiple_of)
     mode = probe_packing(model, model.config.vocab_size, device, compute)
     log(f"[train] packing: rows of up to {capacity} tokens, examples kept apart by "
         f"{'restarted position_ids' if mode == POSITION_IDS else 'a block mask'}")
     return functools.partial(collate_packed, pad_id=pad_id, capacity=capacity,
-                             block_mask=None if mode == POSITION_IDS else compute)
+                             block_mask=None if mode == POSITION_IDS else compute,
+                             multiple=t.pad_to_multiple_of)

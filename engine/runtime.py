@@ -1,5 +1,6 @@
 """Process-wide torch settings and model transforms chosen in `training`: determinism, matmul
-precision, anomaly detection, gradient checkpointing, torch.compile, bf16 CPU kernels.
+precision, anomaly detection, SDPA backends, gradient checkpointing, torch.compile, bf16 CPU
+kernels.
 
 Each is one call here so the loop reads as a recipe and tests can apply exactly what a training
 run applies.
@@ -7,12 +8,13 @@ run applies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from engine.cpu_linear import computes_in_bf16_on_cpu, use_layout_aware_linear
-from engine.model import DTYPES
+from engine.model import DTYPES, base_model
 from finetune.config.distributed import DistributedConfig
 from finetune.config.schema import TrainingConfig
 from finetune.errors import PipelineError
@@ -40,6 +42,40 @@ def configure_torch(t: TrainingConfig) -> None:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     torch.autograd.set_detect_anomaly(t.detect_anomaly, check_nan=True)
+
+
+#: the SDPA kernels a CPU has (the others need CUDA)
+CPU_SDPA = ("flash_attention", "math")
+#: on CUDA by default: never cuDNN while flash or memory-efficient attention can run, since
+#: cuDNN plans every new sequence length on the host (~3 ms per call measured on an H100)
+CUDA_SDPA = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
+
+
+def check_sdpa_backends(t: TrainingConfig, device: torch.device) -> list[str] | None:
+    """`t.sdpa_backend`, refused with one line where one of them cannot run on `device`."""
+    names = t.sdpa_backend
+    if names is not None and device.type != "cuda":
+        missing = [n for n in names if n not in CPU_SDPA]
+        if missing:
+            raise PipelineError(
+                f"training.sdpa_backend: {missing[0]} needs a CUDA GPU; on {device.type} use "
+                f"{' or '.join(CPU_SDPA)} (or null)")
+    return names
+
+
+@contextlib.contextmanager
+def attention_backends(t: TrainingConfig, device: torch.device):
+    """While open, SDPA may use only `t.sdpa_backend` (in that priority with
+    `sdpa_set_priority`); the default is CUDA_SDPA on CUDA and torch's choice elsewhere."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = check_sdpa_backends(t, device)
+    if names is None and device.type != "cuda":
+        yield
+        return
+    chosen = [getattr(SDPBackend, n.upper()) for n in (names or CUDA_SDPA)]
+    with sdpa_kernel(chosen, set_priority=t.sdpa_set_priority if names else True):
+        yield
 
 
 def enable_gradient_checkpointing(model, t: TrainingConfig) -> None:
@@ -74,11 +110,34 @@ def use_fast_bf16_cpu_kernels(model, device: torch.device, amp: torch.dtype | No
 
 
 def maybe_compile(model, t: TrainingConfig):
-    """The module the loop runs forward on; weights stay shared with the uncompiled one."""
+    """The module the loop runs forward on; weights stay shared with the uncompiled one.
+
+    `torch_compile_scope: blocks` (the default, torchtitan's regional compile) compiles each
+    decoder block's forward in place: identical blocks share one compiled graph (compile time
+    of one block, not of the model), the strategy's hooks (FSDP2's gathers, DDP) stay around
+    them uncompiled, and parameter names do not change. `model` compiles the whole wrapped
+    module (one graph per model, breaks at the chunked loss head)."""
     if not t.torch_compile:
         return model
-    return torch.compile(model, backend=t.torch_compile_backend, mode=t.torch_compile_mode,
-                         dynamic=t.torch_compile_dynamic, fullgraph=t.torch_compile_fullgraph)
+    options = dict(backend=t.torch_compile_backend, mode=t.torch_compile_mode,
+                   dynamic=t.torch_compile_dynamic, fullgraph=t.torch_compile_fullgraph)
+    if t.torch_compile_scope == "model":
+        return torch.compile(model, **options)
+    blocks = decoder_blocks(model)
+    if not blocks:
+        raise PipelineError(
+            f"training.torch_compile_scope: blocks: {type(base_model(model)).__name__} names no "
+            "decoder block class (_no_split_modules); set torch_compile_scope: model")
+    for block in blocks:
+        block.forward = torch.compile(block.forward, **options)
+    return model
+
+
+def decoder_blocks(model) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers model: the classes it names as never to be split
+    across devices (`_no_split_modules`, what HF's device maps and FSDP wrapping use)."""
+    names = set(getattr(base_model(model), "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def compile_stats() -> dict[str, int]:

@@ -27,13 +27,15 @@ def preflight(ws: Workspace) -> None:
     import torch
 
     from engine.model import check_quantization, model_class
-    from engine.runtime import autocast_dtype
+    from engine.runtime import autocast_dtype, check_sdpa_backends
 
     cfg = ws.config
     cuda = torch.cuda.is_available()
     model_class(cfg.model.auto_class_name)  # an unknown class fails here, not in every rank
     check_quantization(cfg.model)
-    autocast_dtype(cfg.training, torch.device("cuda" if cuda else "cpu"))  # refuses fp16 on CPU
+    device = torch.device("cuda" if cuda else "cpu")
+    autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
+    check_sdpa_backends(cfg.training, device)
     if cfg.distributed.backend == "nccl" and not cuda:
         raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
     if cfg.data.streaming:

@@ -226,9 +226,9 @@ def test_packed_rows_carry_varlen_boundaries_over_the_flattened_rows():
 
 
 def test_varlen_kernel_choice_follows_the_machine():
-    """On a CPU only per-example SDPA runs; asking for a flash kernel is one line naming the
-    key and what is usable (the CUDA kernels are exercised by bench/engine_smoke.py and
-    bench/gpu.py on a GPU)."""
+    """On a CPU only per-example SDPA trains; asking for a flash kernel or flex is one line
+    naming the key, why, and what is usable (the CUDA kernels are exercised by
+    bench/engine_smoke.py and bench/gpu.py on a GPU)."""
     from engine.attention import available_kernels, choose_kernel
     from finetune.errors import PipelineError
 
@@ -238,6 +238,40 @@ def test_varlen_kernel_choice_follows_the_machine():
     with pytest.raises(PipelineError, match="training.varlen_kernel: torch_varlen cannot run "
                        "here .this machine does not have it.; usable: sdpa_per_example"):
         choose_kernel(cpu, torch.bfloat16, "torch_varlen")
+    with pytest.raises(PipelineError, match="training.varlen_kernel: flex cannot run here "
+                       ".torch's FlexAttention has no backward on a CPU."):
+        choose_kernel(cpu, torch.float32, "flex")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_flex_document_mask_equals_separate_forwards(compiled):
+    """The GPU's portable varlen fallback, run here forward only (torch has no FlexAttention
+    backward on a CPU): packed rows laid end to end under the document mask give each
+    example's own logits, eager and compiled; a causal mask alone would not."""
+    from engine.attention import use_varlen_attention
+    from engine.data import collate_packed, model_inputs
+
+    model = _stories().eval()
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(3, 500, (n,), generator=g).tolist(), "labels": [0] * n}
+            for n in (11, 4, 23, 9)]
+    packed = model_inputs(collate_packed(rows, 0, 30, varlen=True))  # 2 rows of 30
+    with torch.no_grad():
+        stock = model(**{k: v for k, v in packed.items() if k == "input_ids"}).logits
+        use_varlen_attention(model, "flex")
+        forward = torch.compile(model) if compiled else model
+        out = forward(**packed, use_cache=False).logits.reshape(-1, stock.shape[-1])
+        alone = {n: model(input_ids=torch.tensor([r["input_ids"]])).logits[0]
+                 for n, r in zip((11, 4, 23, 9), rows)}
+    starts = collate_packed(rows, 0, 30, varlen=True)["cu_seq_lens_q"].tolist()
+    lengths = dict(zip(starts[:-1], (b - a for a, b in zip(starts[:-1], starts[1:]))))
+    seen = 0
+    for start, n in lengths.items():
+        if n in alone:  # an example (the rest are the rows' padding tails)
+            torch.testing.assert_close(out[start:start + n], alone[n], atol=1e-4, rtol=1e-4)
+            seen += 1
+    assert seen == 4
+    assert not torch.allclose(stock.reshape(-1, stock.shape[-1]), out, atol=1e-3)
 
 
 def test_layout_aware_linear_computes_the_same_products_as_autograd_in_bf16():
@@ -396,18 +430,29 @@ def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
 
 
 def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation():
-    from engine.runtime import compile_stats, maybe_compile
+    from engine.runtime import compile_stats, decoder_blocks, maybe_compile
     from finetune.config.schema import TrainingConfig
 
     torch._dynamo.reset()
     model = _stories()
     assert maybe_compile(model, TrainingConfig()) is model
+    ids = torch.tensor([[1, 40, 50, 60]])
+    plain = model(input_ids=ids, use_cache=False).logits
+    names = list(model.state_dict())
+    # regional (the default): every decoder block compiled in place, names unchanged
     compiled = maybe_compile(model, TrainingConfig(torch_compile=True,
                                                    torch_compile_backend="aot_eager"))
-    ids = torch.tensor([[1, 40, 50, 60]])
-    assert torch.allclose(compiled(input_ids=ids, use_cache=False).logits,
-                          model(input_ids=ids, use_cache=False).logits, atol=1e-5)
+    assert compiled is model and list(model.state_dict()) == names
+    assert all(hasattr(b.forward, "_torchdynamo_orig_callable")
+               for b in decoder_blocks(model)) and len(decoder_blocks(model)) == 5
+    assert torch.allclose(compiled(input_ids=ids, use_cache=False).logits, plain, atol=1e-5)
     assert compile_stats()["torch_compile_graphs"] >= 1
+    whole = maybe_compile(_stories(), TrainingConfig(
+        torch_compile=True, torch_compile_backend="aot_eager", torch_compile_scope="model"))
+    assert torch.allclose(whole(input_ids=ids, use_cache=False).logits, plain, atol=1e-5)
+    with pytest.raises(ValueError, match="cannot hold the chunked loss"):
+        TrainingConfig(torch_compile=True, torch_compile_fullgraph=True,
+                       torch_compile_scope="model")
     with pytest.raises(ValueError, match="max-autotune captures CUDA graphs"):
         TrainingConfig(torch_compile=True, torch_compile_mode="max-autotune",
                        gradient_accumulation_steps=2)
