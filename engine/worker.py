@@ -68,8 +68,8 @@ GO_TIMEOUT_S = 600
 
 
 def launcher_go(job: JobSpec) -> Callable[[], Path | None]:
-    """What rank 0 calls before it writes anything: waits for the launching stage's go file
-    (its checks passed, its MLflow run is open) and returns the file the stage wants the
+    """What every rank calls before rank 0 writes anything: waits for the launching stage's go
+    file (its checks passed, its MLflow run is open) and returns the file the stage wants the
     logged rows streamed to (None: it does not). The launcher starts torchrun before those
     checks so that start-up overlaps them; "abort" in the file means a check failed and the
     stage reports it: exit without a word."""
@@ -77,7 +77,7 @@ def launcher_go(job: JobSpec) -> Callable[[], Path | None]:
         return lambda: None
 
     def wait() -> Path | None:
-        if job.ready_file:
+        if job.ready_file and os.environ.get("RANK", "0") == "0":
             Path(job.ready_file).touch()
         path, deadline = Path(job.go_file), time.monotonic() + GO_TIMEOUT_S
         while not path.exists():
