@@ -22,27 +22,41 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
     data = ws.config.data
     prompt_fn = builder(data, "prompt")
     completion_fn = builder(data, "completion")
+    chat = _chat_renderer(ws) if data.dataset_type == "chat" else None
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.formatted) as staging:
         for raw_file in sorted(ws.layout.raw.glob("*.parquet")):
             role = raw_file.stem
             frame = pd.read_parquet(raw_file)
-            if data.text_mode:
+            if chat is not None:
+                result = chat(frame, role)
+            elif data.text_mode:
                 column = detect_text_field(frame, data.text_field, role)
-                prompts = [""] * len(frame)
-                completions = frame[column].astype(str).tolist()
+                result = pd.DataFrame({"prompt": [""] * len(frame),
+                                       "completion": frame[column].astype(str).tolist()})
             else:
                 prompts, completions = render(frame, prompt_fn, completion_fn, role)
-            result = pd.DataFrame({"prompt": prompts, "completion": completions})
+                result = pd.DataFrame({"prompt": prompts, "completion": completions})
             validate_formatted(result, f"format split '{role}'", allow_empty_prompt=data.text_mode)
             result.to_parquet(staging / f"{role}.parquet", index=False)
             out[role] = ws.layout.formatted / f"{role}.parquet"
         carry_manifest(ws.layout.raw, staging, **{
             k: getattr(data, k) for k in ("prompt_template", "prompt_func", "completion_template",
-                                          "completion_func", "text_field")})
+                                          "completion_func", "text_field", "dataset_type",
+                                          "messages_field", "chat_template", "system_prompt")})
     if not out and not data.streaming:  # streaming without a test split: nothing to format
         raise PipelineError(f"{ws.layout.raw}: no raw splits; run the download stage first")
     return out
+
+
+def _chat_renderer(ws: Workspace):
+    """(frame, split) -> formatted chat rows, with the model's tokenizer and chat template."""
+    from engine.model import load_tokenizer
+    from tasks.chat import chat_template, format_chat
+
+    tok = load_tokenizer(ws.config.model, ws.root)
+    template = chat_template(ws.config.data, tok, ws.root)
+    return lambda frame, split: format_chat(frame, ws.config.data, tok, template, split)
 
 
 def render(frame: pd.DataFrame, prompt_fn, completion_fn, role: str,

@@ -13,7 +13,12 @@ RowFn = Callable[[dict[str, Any]], str]
 
 
 def template_columns(data: DataConfig) -> list[str]:
-    """Columns the templates (or the text field) read; the raw contract requires them."""
+    """Columns the templates (or the text field, or the messages field) read; the raw contract
+    requires them."""
+    if data.dataset_type == "chat":
+        return [data.messages_field] if data.messages_field else []  # else found at format
+    if data.dataset_type == "text":
+        return [data.text_field] if data.text_field else []
     cols: list[str] = []
     for key in ("prompt_template", "completion_template"):
         template = getattr(data, key)

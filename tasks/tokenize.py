@@ -46,14 +46,15 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
         for file in sorted(ws.layout.formatted.glob("*.parquet")):
             role = file.stem
             ds = datasets.Dataset.from_pandas(pd.read_parquet(file), preserve_index=False)
+            fn, kwargs = encoder(ws, tok, bos)
             fingerprint = _fingerprint(file, tok, bos, data.max_seq_length,
-                                       ws.config.model.name_or_path)
+                                       ws.config.model.name_or_path, kwargs)
             ds = ds.map(
-                encode_batch,
+                fn,
                 batched=True,
                 num_proc=_pool_size(data.num_proc, len(ds)),
                 remove_columns=ds.column_names,
-                fn_kwargs={"tok": tok, "bos": bos, "max_len": data.max_seq_length},
+                fn_kwargs={"tok": tok, **kwargs},
                 desc=f"tokenize {role}",
                 load_from_cache_file=False,
                 new_fingerprint=fingerprint,
@@ -71,6 +72,19 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
         raise PipelineError(f"{ws.layout.formatted}: no formatted splits; run format first")
     write_json_atomic(ws.layout.metrics / "tokenize.json", stats)
     return out
+
+
+def encoder(ws: Workspace, tok, bos: int | None):
+    """The map function for this dataset type and its arguments (besides the tokenizer)."""
+    data = ws.config.data
+    if data.dataset_type != "chat":
+        return encode_batch, {"bos": bos, "max_len": data.max_seq_length}
+    from tasks.chat import chat_template, encode_chat_batch
+
+    return encode_chat_batch, {
+        "template": chat_template(data, tok, ws.root), "bos": bos,
+        "max_len": data.max_seq_length, "assistant_only": data.assistant_only_loss,
+        "last_only": data.last_turn_only}
 
 
 def encode_batch(batch: dict[str, list], tok, bos: int | None, max_len: int) -> dict[str, list]:
@@ -131,7 +145,8 @@ def _counts(ds) -> pd.DataFrame:
     })
 
 
-def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str) -> str:
+def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
+                 kwargs: dict) -> str:
     """A content-derived datasets fingerprint, so `state.json` (and the DVC hash of the
     tokenized folder) is identical when the same inputs are tokenized again, on any machine.
     datasets would otherwise draw a random one (it cannot hash the tokenizer object)."""
@@ -139,7 +154,9 @@ def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str)
 
     h = hashlib.sha256(file.read_bytes())
     h.update(json.dumps([max_len, bos, tok.eos_token_id, len(tok), model_ref]).encode())
+    h.update(json.dumps(kwargs, sort_keys=True).encode())
     h.update(Path(__file__).read_bytes())
+    h.update((Path(__file__).parent / "chat.py").read_bytes())
     return h.hexdigest()[:16]
 
 

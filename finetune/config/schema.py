@@ -110,6 +110,32 @@ class DataConfig(Section):
         description="Plain-text training column when no templates are set "
         "(auto-detected: 'text' or the only string column).",
     )
+    dataset_type: Literal["completion", "text", "chat"] = Field(
+        "completion",
+        description="completion: prompt/completion from the templates (loss on the completion); "
+        "text: every token of one text column (text_field); chat: conversations in a messages "
+        "column (role/content, or ShareGPT from/value) rendered with a chat template, loss on "
+        "the assistant turns.",
+    )
+    messages_field: str | None = Field(
+        None, description="chat: the conversation column (auto: messages, then conversations)."
+    )
+    chat_template: str | None = Field(
+        None,
+        description="chat: a Jinja chat template, or a file holding one (relative to the "
+        "project); None: the tokenizer's own.",
+    )
+    system_prompt: str | None = Field(
+        None, description="chat: a system message put first where a conversation has none."
+    )
+    assistant_only_loss: bool = Field(
+        True,
+        description="chat: train the assistant turns only, each with its end-of-turn marker "
+        "(false: every token of the conversation).",
+    )
+    last_turn_only: bool = Field(
+        False, description="chat: train only the last assistant turn of each conversation."
+    )
     max_seq_length: int = Field(512, gt=0, description="Tokens per example after truncation.")
     max_train_samples: int | None = Field(None, gt=0, description="Keep the first N train rows.")
     max_eval_samples: int | None = Field(None, gt=0, description="Keep the first N test rows.")
@@ -140,6 +166,9 @@ class DataConfig(Section):
                 "set exactly one of dataset_name, json_file_path, data_files "
                 f"(got {', '.join(sources) or 'none'})"
             )
+        self._check_type_keys()
+        if self.dataset_type != "completion":
+            return self
         for part in ("prompt", "completion"):
             if getattr(self, f"{part}_template") is not None and getattr(self, f"{part}_func"):
                 raise ValueError(
@@ -153,9 +182,32 @@ class DataConfig(Section):
             raise ValueError("a completion is set but no prompt_template/prompt_func")
         return self
 
+    def _check_type_keys(self) -> None:
+        """Keys of another dataset type, set in the params file, are a conflict, not ignored
+        (the template defaults belong to `completion` and are not used by the others)."""
+        templates = ("prompt_template", "prompt_func", "completion_template", "completion_func")
+        chat = ("messages_field", "chat_template", "system_prompt", "assistant_only_loss",
+                "last_turn_only")
+        foreign = {"completion": chat, "text": templates + chat,
+                   "chat": templates + ("text_field",)}[self.dataset_type]
+        fields = type(self).model_fields
+        clash = [k for k in foreign if k in self.model_fields_set
+                 and getattr(self, k) not in (None, fields[k].default)]
+        if clash:
+            raise ValueError(f"{clash[0]} does not apply to dataset_type {self.dataset_type}; "
+                             "remove it or change data.dataset_type")
+        if self.last_turn_only and not self.assistant_only_loss:
+            raise ValueError("last_turn_only needs assistant_only_loss: true")
+        if self.streaming and self.dataset_type == "chat":
+            raise ValueError("streaming reads completion and text datasets; a chat dataset is "
+                             "formatted and tokenized by its stages: set streaming: false")
+
     @property
     def text_mode(self) -> bool:
-        """No templates at all: train on every token of one text column."""
+        """Train on every token of one text column: dataset_type text, or no templates at
+        all."""
+        if self.dataset_type != "completion":
+            return self.dataset_type == "text"
         return not any(
             (self.prompt_template, self.prompt_func, self.completion_template, self.completion_func)
         )

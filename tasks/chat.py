@@ -1,0 +1,188 @@
+"""Chat conversations (`data.dataset_type: chat`): checked messages, rendered with a chat
+template, trained on the assistant turns.
+
+Rows hold a list of messages, OpenAI style (`role`/`content`, column `messages`) or ShareGPT
+(`from`/`value`, column `conversations`; `human` -> user, `gpt` -> assistant). The format stage
+checks and normalises them (roles, order, non-empty assistant turns, a conversation ending on
+an assistant turn) and renders, for evaluation, the prompt up to the last assistant turn with
+the template's generation prompt; the tokenize stage renders the whole conversation.
+
+The loss mask comes from the template's own rendering, not from searching for the response
+text: for each assistant turn the conversation is rendered up to the turn with the generation
+prompt and up to the end of the turn; the characters between are the turn, end-of-turn marker
+included (so the model learns to stop), and the tokens that overlap them are trained
+(character offsets of the fast tokenizer). A template whose rendering of a conversation does
+not start with its rendering of the conversation's first turns cannot mark the turns that way:
+one line, naming the row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from finetune.config.schema import DataConfig
+from finetune.errors import PipelineError
+
+IGNORE_INDEX = -100
+FIELDS = ("messages", "conversations")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "system": "system"}
+
+
+def messages_field(frame: pd.DataFrame, data: DataConfig, split: str) -> str:
+    """`data.messages_field`, else `messages`, else `conversations`."""
+    if data.messages_field:
+        if data.messages_field not in frame.columns:
+            raise PipelineError(f"data.messages_field '{data.messages_field}' is not a column of "
+                                f"split '{split}' (columns: {', '.join(frame.columns)})")
+        return data.messages_field
+    found = next((f for f in FIELDS if f in frame.columns), None)
+    if found is None:
+        raise PipelineError(f"dataset_type chat: split '{split}' has no 'messages' or "
+                            f"'conversations' column (columns: {', '.join(frame.columns)}); set "
+                            "data.messages_field")
+    return found
+
+
+def normalise(value: Any, system_prompt: str | None, where: str) -> list[dict[str, str]]:
+    """One row's conversation as [{role, content}], checked: an optional system message first,
+    then user and assistant alternating from a user turn, ending on a non-empty assistant turn."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise PipelineError(f"{where}: not a list of messages (a string that is not JSON)"
+                                ) from None
+    if hasattr(value, "tolist"):  # a numpy array from parquet
+        value = value.tolist()
+    if not isinstance(value, list) or not value:
+        raise PipelineError(f"{where}: not a non-empty list of messages")
+    out = []
+    for turn, m in enumerate(value):
+        m = dict(m) if hasattr(m, "keys") else m
+        if not isinstance(m, dict):
+            raise PipelineError(f"{where} message {turn}: not a mapping")
+        if "role" in m:
+            role, content = m.get("role"), m.get("content")
+        elif "from" in m:
+            role, content = SHAREGPT_ROLES.get(m.get("from"), m.get("from")), m.get("value")
+        else:
+            raise PipelineError(f"{where} message {turn}: has neither role/content nor "
+                                "from/value")
+        if role not in ("system", "user", "assistant"):
+            raise PipelineError(f"{where} message {turn}: unknown role {role!r} (system, user, "
+                                "assistant; ShareGPT: system, human, gpt)")
+        if not isinstance(content, str):
+            raise PipelineError(f"{where} message {turn}: content is not a string")
+        out.append({"role": role, "content": content})
+    if system_prompt is not None and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system_prompt})
+    body = out[1:] if out[0]["role"] == "system" else out
+    for turn, m in enumerate(body):
+        expected = "user" if turn % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            raise PipelineError(f"{where}: message {turn + len(out) - len(body)} is "
+                                f"{m['role']}, expected {expected} (user and assistant "
+                                "alternate from a user turn; a system message only first)")
+        if expected == "assistant" and not m["content"].strip():
+            raise PipelineError(f"{where}: message {turn + len(out) - len(body)} is an empty "
+                                "assistant turn")
+    if not body or body[-1]["role"] != "assistant":
+        raise PipelineError(f"{where}: the conversation does not end on an assistant turn")
+    return out
+
+
+def chat_template(data: DataConfig, tok, root: Path) -> str:
+    """`data.chat_template` (a Jinja string, or a file relative to the project), else the
+    tokenizer's own; none is one line."""
+    given = data.chat_template
+    if given:
+        if "{{" in given or "{%" in given:
+            return given
+        path = Path(given) if Path(given).is_absolute() else root / given
+        if not path.is_file():
+            raise PipelineError(f"data.chat_template: {given!r} is neither a Jinja template "
+                                f"(no {{{{ or {{%) nor a file ({path} not found)")
+        return path.read_text()
+    if getattr(tok, "chat_template", None):
+        return tok.chat_template
+    raise PipelineError("data.chat_template: the tokenizer has no chat template; set "
+                        "data.chat_template to a Jinja string or a .jinja file")
+
+
+def render(tok, template: str, messages: list[dict], generation_prompt: bool = False) -> str:
+    return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                   add_generation_prompt=generation_prompt)
+
+
+def format_chat(frame: pd.DataFrame, data: DataConfig, tok, template: str,
+                split: str) -> pd.DataFrame:
+    """Formatted rows: the checked conversation (JSON), and for evaluation the prompt up to the
+    last assistant turn with the generation prompt and that turn's content as the reference."""
+    from engine.model import bos_prefix_id
+
+    field = messages_field(frame, data, split)
+    # generation prompts get BOS from the evaluate stage where the tokenizer adds one
+    strip_bos = tok.bos_token if bos_prefix_id(tok) is not None else None
+    messages, prompts, completions = [], [], []
+    for i, value in enumerate(frame[field].tolist()):
+        conv = normalise(value, data.system_prompt, f"split '{split}' row {i} column '{field}'")
+        messages.append(json.dumps(conv, ensure_ascii=False))
+        prompt = render(tok, template, conv[:-1], generation_prompt=True)
+        if strip_bos and prompt.startswith(strip_bos):
+            prompt = prompt[len(strip_bos):]
+        prompts.append(prompt)
+        completions.append(conv[-1]["content"])
+    return pd.DataFrame({"prompt": prompts, "completion": completions, "messages": messages})
+
+
+def assistant_spans(tok, template: str, conv: list[dict], where: str) -> tuple[str, list]:
+    """The rendered conversation and the [start, end) characters of each assistant turn."""
+    full = render(tok, template, conv)
+    spans = []
+    for turn, m in enumerate(conv):
+        if m["role"] != "assistant":
+            continue
+        before = render(tok, template, conv[:turn], generation_prompt=True)
+        through = render(tok, template, conv[:turn + 1])
+        if not (through.startswith(before) and full.startswith(through)):
+            raise PipelineError(
+                f"data.chat_template cannot mark assistant turns in {where} (turn {turn}): the "
+                "rendering of the whole conversation does not start with the rendering of its "
+                "first turns; use a template that renders earlier turns the same way")
+        spans.append((len(before), len(through)))
+    return full, spans
+
+
+def encode_chat_batch(batch: dict[str, list], tok, template: str, bos: int | None,
+                      max_len: int, assistant_only: bool, last_only: bool) -> dict[str, list]:
+    """The tokenize stage's map function for chat rows (the columns of tasks/tokenize.py's
+    encode_batch). `assistant_only`: train the assistant turns (else every token);
+    `last_only`: only the last assistant turn."""
+    out: dict[str, list] = {"input_ids": [], "labels": [], "n_trainable": [], "truncated": []}
+    for i, text in enumerate(batch["messages"]):
+        full, spans = assistant_spans(tok, template, json.loads(text), f"row {i}")
+        if last_only:
+            spans = spans[-1:]
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        head = [bos] if bos is not None and not full.startswith(tok.bos_token or "\0") else []
+        ids = head + enc["input_ids"]
+        if assistant_only:
+            # a token overlapping a turn is trained: a word piece may carry the space before
+            # the turn's first word ("Assistant: It" -> "▁It")
+            trained = [any(start < e and end > s for s, e in spans)
+                       for start, end in enc["offset_mapping"]]
+        else:
+            trained = [True] * len(enc["input_ids"])
+        labels = [IGNORE_INDEX] * len(head) + [t if keep else IGNORE_INDEX
+                                               for t, keep in zip(enc["input_ids"], trained)]
+        out["truncated"].append(len(ids) > max_len)
+        ids, labels = ids[:max_len], labels[:max_len]
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["n_trainable"].append(sum(1 for x in labels if x != IGNORE_INDEX))
+    return out
