@@ -105,6 +105,30 @@ def test_prompt_func_and_text_mode(project, monkeypatch):
     assert row["labels"][0] == IGNORE_INDEX and row["labels"][1:] == row["input_ids"][1:]
 
 
+def test_prompt_func_by_path_as_the_seeds_write_it(project, monkeypatch):
+    """seed 004's `preprocess/alpaca_func:create_alpaca_prompt`: a file of the project, not an
+    importable module; a missing file or name is one line naming the key."""
+    (project / "preprocess").mkdir()
+    (project / "preprocess/alpaca_func.py").write_text(
+        "def create_alpaca_prompt(row):\n    return 'Instruction: ' + row['q']\n")
+    monkeypatch.chdir(project)  # stages run in the project root
+    rows = [{"q": f"q{i}", "a": f"a{i}"} for i in range(20)]
+    ws = ws_for(project, local_source(project, rows, **{
+        "data.prompt_template": None,
+        "data.prompt_func": "preprocess/alpaca_func:create_alpaca_prompt",
+        "data.completion_template": " {a}"}))
+    download(ws)
+    f = pd.read_parquet(format_prompts(ws)["train"])
+    assert f.prompt.str.startswith("Instruction: q").all()
+    from finetune.imports import load_object
+
+    with pytest.raises(PipelineError, match=r"^data.prompt_func: cannot import "
+                       r"'preprocess/nope:f' \(no file .*preprocess/nope.py\)$"):
+        load_object("preprocess/nope:f", "data.prompt_func")
+    with pytest.raises(PipelineError, match=r"module '.*' has no attribute 'missing'"):
+        load_object("preprocess/alpaca_func.py:missing", "data.prompt_func")
+
+
 def test_zero_trainable_rows_dropped_then_fail_above_fraction(project):
     rows = [{"q": "word " * (300 if i < 3 else 5), "a": "yes"} for i in range(30)]
     over = local_source(project, rows, **{"data.prompt_template": "{q}",

@@ -100,11 +100,14 @@ class DataConfig(Section):
     prompt_template: str | None = Field(
         "Question: {question}\nAnswer:", description="Prompt with {column} placeholders."
     )
-    prompt_func: str | None = Field(None, description="'module:function' row -> prompt string.")
+    prompt_func: str | None = Field(
+        None, description="'module:function' or 'path/to/file:function' (a project file, as "
+        "the seeds write it) row -> prompt string.")
     completion_template: str | None = Field(
         " {answer}", description="Completion with {column} placeholders."
     )
-    completion_func: str | None = Field(None, description="'module:function' row -> completion.")
+    completion_func: str | None = Field(
+        None, description="'module:function' or 'path/to/file:function' row -> completion.")
     text_field: str | None = Field(
         None,
         description="Plain-text training column when no templates are set "
