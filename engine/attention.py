@@ -116,14 +116,20 @@ def choose_kernel(device: torch.device, compute_dtype: torch.dtype, requested: s
     return requested
 
 
-def _on_device(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One host-to-device copy per forward: every layer gets the same host tensor."""
+def _once_per_forward(cu: torch.Tensor, device: torch.device, build):
+    """`build(cu, device)`, computed once per forward: every layer gets the same host `cu`."""
     cached = _Chosen.cached
     if cached is not None and cached[0] is cu and cached[1] == device:
         return cached[2]
-    moved = cu.to(device=device, dtype=torch.int32, non_blocking=True)
-    _Chosen.cached = (cu, device, moved)
-    return moved
+    value = build(cu, device)
+    _Chosen.cached = (cu, device, value)
+    return value
+
+
+def _on_device(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One host-to-device copy per forward."""
+    return _once_per_forward(cu, device, lambda c, d: c.to(device=d, dtype=torch.int32,
+                                                             non_blocking=True))
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -172,9 +178,10 @@ def _varlen_kernel(query, key, value, cu, max_len: int, scaling, dropout: float)
 def _document_mask(cu: torch.Tensor, device: torch.device):
     """FlexAttention's block mask for the examples laid end to end at `cu` (causal within
     each); built once per forward and shared by every layer, like the device copy of `cu`."""
-    cached = _Chosen.cached
-    if cached is not None and cached[0] is cu and cached[1] == device:
-        return cached[2]
+    return _once_per_forward(cu, device, _build_document_mask)
+
+
+def _build_document_mask(cu: torch.Tensor, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     total = int(cu[-1])
@@ -185,9 +192,7 @@ def _document_mask(cu: torch.Tensor, device: torch.device):
     def same_example_causal(b, h, q, kv):
         return (doc[q] == doc[kv]) & (q >= kv)
 
-    mask = create_block_mask(same_example_causal, None, None, total, total, device=device)
-    _Chosen.cached = (cu, device, mask)
-    return mask
+    return create_block_mask(same_example_causal, None, None, total, total, device=device)
 
 
 def _flex_kernel(query, key, value, cu, scaling, dropout: float):
