@@ -24,7 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from finetune.config.schema import DataConfig
+from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 
 IGNORE_INDEX = -100

@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 from typing import Any, Callable
 
-from finetune.config.schema import DataConfig
+from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from finetune.imports import load_object
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, copy_project, error_line, run_cli, write_params
-from finetune.config.schema import DataConfig
+from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from tasks.chat import IGNORE_INDEX, assistant_spans, encode_chat_batch, normalise
 
