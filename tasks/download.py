@@ -2,7 +2,7 @@
 
 Hub datasets go through the real `datasets.load_dataset` (users with network); local
 json/jsonl/csv/parquet files are read directly. When only a train split exists, a seeded
-`split_ratio` carves the test split. A pandera contract checks that the columns the prompt and
+`split_ratio` of it is kept for training (seed 004's meaning) and the rest is the test split. A pandera contract checks that the columns the prompt and
 completion templates name are present and never null, so a bad source fails here, not three
 stages later.
 """
@@ -142,12 +142,13 @@ def _ensure_test_split(splits: dict[str, pd.DataFrame], ws: Workspace) -> dict[s
             "one of them, or null to carve data.split_ratio from the train split"
         )
     train = splits[data.train_split]
-    test = train.sample(frac=data.split_ratio, random_state=data.seed).sort_index()
-    if test.empty or len(test) == len(train):
+    kept = train.sample(frac=data.split_ratio, random_state=data.seed).sort_index()
+    test = train.drop(kept.index)
+    if test.empty or kept.empty:
         raise PipelineError(
             f"data.split_ratio {data.split_ratio} leaves an empty split for {len(train)} rows"
         )
-    return {**splits, data.train_split: train.drop(test.index), data.test_split: test}
+    return {**splits, data.train_split: kept, data.test_split: test}
 
 
 def _source_label(ws: Workspace) -> str:

@@ -125,7 +125,7 @@ def test_a_chat_dataset_runs_through_all_six_stages(tmp_path):
                            "data.prompt_template": None,
                            "data.completion_template": None, "data.chat_template": PLAIN,
                            "data.system_prompt": "You add numbers.",
-                           "data.split_ratio": 0.2})
+                           "data.split_ratio": 0.8})
     for stage in ("download", "format", "tokenize", "train", "evaluate", "export"):
         run_cli(project, "stage", stage, check=True)
     import pandas as pd
