@@ -36,6 +36,8 @@ class RunPaths:
     #: what identifies the train examples in the checkpoint fingerprint (engine.fingerprint):
     #: a tokenized split folder or a stream manifest file; None: `train_data`
     train_identity: Path | None = None
+    #: a classification run's class names (a JSON list in id order); None: a language model
+    labels: Path | None = None
 
     def to_json(self) -> dict[str, str | None]:
         return {k: None if v is None else str(v) for k, v in asdict(self).items()}

@@ -56,6 +56,8 @@ class FullLoss:
     """The plain way: the model's logits, upcast, one cross entropy."""
 
     name = "full"
+    #: (logits, labels) -> summed loss, for evaluation (the head's ordinary forward)
+    eval_loss_sum = staticmethod(token_loss_sum)
 
     def computing(self, labels: torch.Tensor):
         return contextlib.nullcontext()
@@ -68,6 +70,7 @@ class ChunkedLoss:
     """Installed on a model's output layer; see the module docstring."""
 
     name = "chunked"
+    eval_loss_sum = staticmethod(token_loss_sum)
 
     def __init__(self, model, chunk_tokens: int, device: torch.device):
         self.chunk_tokens, self.device = chunk_tokens, device
@@ -119,10 +122,31 @@ class ChunkedLoss:
         return output.logits.reshape(())
 
 
+def class_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of a sequence classifier: each row's one label (its class id, on
+    the last token; every other position is IGNORE_INDEX, so the row maximum is the id)."""
+    return torch.nn.functional.cross_entropy(logits.float(), labels.max(dim=1).values,
+                                             reduction="sum")
+
+
+class ClassificationLoss(FullLoss):
+    """A sequence classifier's logits are (rows, classes): one target per row."""
+
+    name = "classification"
+    eval_loss_sum = staticmethod(class_loss_sum)
+
+    def loss_sum(self, output, labels: torch.Tensor) -> torch.Tensor:
+        return class_loss_sum(output.logits, labels)
+
+
 def build_loss(model, chunk_tokens: int | None, device: torch.device, amp=None,
-               vocab_size: int | None = None) -> FullLoss | ChunkedLoss:
+               vocab_size: int | None = None, classify: bool = False
+               ) -> FullLoss | ChunkedLoss | ClassificationLoss:
     """The loss for `training.loss_chunk_tokens`, checked against the full loss on a probe
-    batch (before any wrapping) so a model that transforms its logits is refused."""
+    batch (before any wrapping) so a model that transforms its logits is refused. A
+    classifier (`classify`) has no vocabulary head to chunk."""
+    if classify:
+        return ClassificationLoss()
     if chunk_tokens is None:
         return FullLoss()
     loss = ChunkedLoss(model, chunk_tokens, device)

@@ -7,6 +7,7 @@ and what to do, instead of a 40-line traceback from huggingface_hub.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -156,10 +157,41 @@ def model_class(name: str):
     )
 
 
-def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None):
-    """The base model as configured (class, dtype, attention kernel, quantisation)."""
+LABELS_FILE = "labels.json"
+
+
+def write_labels(folder: Path, names: list[str]) -> Path:
+    """A classifier's class names in id order, next to its data or weights."""
+    path = Path(folder) / LABELS_FILE
+    path.write_text(json.dumps(names))
+    return path
+
+
+def read_labels(path: Path | None) -> list[str] | None:
+    """The class names in a folder (or a labels file); None when there are none."""
+    if path is None:
+        return None
+    path = Path(path)
+    path = path / LABELS_FILE if path.is_dir() else path
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def classifier_kwargs(labels: list[str], cfg: ModelConfig, root: Path) -> dict[str, Any]:
+    """from_pretrained arguments that size the classification head and store the label map in
+    the model config; the pad id lets the classifier find each row's last real token."""
+    return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+            "label2id": {name: i for i, name in enumerate(labels)},
+            "pad_token_id": load_tokenizer(cfg, root).pad_token_id}
+
+
+def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
+                    labels: list[str] | None = None):
+    """The base model as configured (class, dtype, attention kernel, quantisation); `labels`:
+    a classifier's class names (the head gets one output per class)."""
     factory = model_class(cfg.auto_class_name)
     kwargs: dict[str, Any] = {"attn_implementation": cfg.attn_implementation}
+    if labels:
+        kwargs.update(classifier_kwargs(labels, cfg, root))
     if cfg.dtype != "auto":
         kwargs["dtype"] = DTYPES[cfg.dtype]
     if cfg.device_map:
@@ -232,13 +264,15 @@ def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_di
                  base=None):
     """The fine-tuned model from the train stage's output (adapter on base, or full weights).
 
-    `base`, if given, is the already-loaded base model; the adapter is injected into it."""
+    `base`, if given, is the already-loaded base model; the adapter is injected into it. A
+    classifier's class names come from the trained folder's labels.json."""
+    labels = read_labels(trained_dir)
     if peft_cfg.use_peft:
         from peft import PeftModel
 
-        base = base if base is not None else load_base_model(cfg, root)
+        base = base if base is not None else load_base_model(cfg, root, labels=labels)
         return PeftModel.from_pretrained(base, str(trained_dir))
-    return load_base_model(cfg, root, ref=str(trained_dir))
+    return load_base_model(cfg, root, ref=str(trained_dir), labels=labels)
 
 
 def base_model(model):

@@ -32,7 +32,8 @@ from engine.evaluation import evaluate_loss
 from engine.job import RunPaths
 from engine.loader import open_train_batches
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
-                          make_adapter_config_reproducible, make_model_card_reproducible)
+                          make_adapter_config_reproducible, make_model_card_reproducible,
+                          read_labels, write_labels)
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
 from engine.packing import prepare_batch_layout
@@ -111,6 +112,7 @@ class TrainingRun:
         configure_torch(t)
         seed_everything(t.seed)
         self.tokenizer = load_tokenizer(self.cfg.model, self.paths.project_root)
+        self.labels = read_labels(self.paths.labels)  # a classifier's class names
         self.prepare_model()
         eval_path = self.paths.eval_data
         self.eval_data = load_tokenized(eval_path) if eval_path and eval_path.exists() else None
@@ -129,7 +131,7 @@ class TrainingRun:
         CPU kernels, the batch layout (attention switch and probe), the strategy's wrap
         (DDP/FSDP2/DiLoCo), torch.compile (of the wrapped module)."""
         cfg, d = self.cfg, self.dist
-        base = load_base_model(cfg.model, self.paths.project_root)
+        base = load_base_model(cfg.model, self.paths.project_root, labels=self.labels)
         enable_gradient_checkpointing(base, cfg.training)
         model = apply_peft(base, cfg.peft).to(d.device)
         self.trainable, self.total = count_parameters(model)
@@ -139,7 +141,8 @@ class TrainingRun:
         self.collate_fn = prepare_batch_layout(
             cfg.training, cfg.data.max_seq_length, model, self.tokenizer.pad_token_id, d.device,
             self.amp, self.log)
-        self.loss = build_loss(model, cfg.training.loss_chunk_tokens, d.device, self.amp)
+        self.loss = build_loss(model, cfg.training.loss_chunk_tokens, d.device, self.amp,
+                               classify=bool(self.labels))
         self.strategy = build_strategy(cfg, d, self.meter)
         self.model = maybe_compile(self.strategy.wrap(model), cfg.training)
 
@@ -290,7 +293,8 @@ class TrainingRun:
             ev = evaluate_loss(self.strategy.module, self.eval_data,
                                self.cfg.training.per_device_eval_batch_size,
                                self.tokenizer.pad_token_id, self.dist, self.cfg.eval.eval_batches,
-                               self.amp, lockstep=self.strategy.eval_lockstep)
+                               self.amp, lockstep=self.strategy.eval_lockstep,
+                               loss_sum_fn=self.loss.eval_loss_sum)
         evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:
@@ -361,3 +365,5 @@ class TrainingRun:
                 module.save_pretrained(staging, state_dict=full, safe_serialization=True)
             make_model_card_reproducible(staging, self.cfg.model, self.paths.project_root)
             self.tokenizer.save_pretrained(staging)
+            if self.labels:
+                write_labels(staging, self.labels)

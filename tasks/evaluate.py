@@ -15,14 +15,16 @@ import pandas as pd
 import torch
 
 from engine.data import load_tokenized
-from engine.evaluation import evaluate_loss
+from engine.evaluation import evaluate_loss, predict_classes
 from engine.generation import encode_prompts, greedy_generate
-from engine.model import load_base_model, load_tokenizer, load_trained, max_positions
+from engine.loss import class_loss_sum
+from engine.model import (load_base_model, load_tokenizer, load_trained, max_positions,
+                          read_labels)
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
-from tasks.metrics import generation_metrics
+from tasks.metrics import classification_metrics, generation_metrics
 
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
@@ -35,6 +37,9 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     torch.manual_seed(cfg.training.seed)
     test = load_tokenized(test_dir)
     tok = load_tokenizer(cfg.model, ws.root)
+    labels = read_labels(ws.layout.trained)
+    if labels:
+        return _evaluate_classifier(ws, test, tok, labels)
     rows = _generation_rows(ws) if cfg.eval.wants_generation else None
     # The whole split: eval.eval_batches caps only the quick in-training evals.
     args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
@@ -57,6 +62,36 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     metrics = {**results, "eval_tokens": tuned_loss["tokens"],
                "generation_rows": 0 if rows is None else len(rows)}
     samples = _samples(rows, generations, cfg.eval.num_logged_samples)
+    return _write(ws, metrics, samples)
+
+
+def _evaluate_classifier(ws: Workspace, test, tok, labels: list[str]) -> dict[str, Path]:
+    """Loss, accuracy and macro-F1 of the base model (its head untrained: chance) and the
+    fine-tuned classifier; the samples table shows text, label and both predictions."""
+    cfg = ws.config
+    args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
+    base_model = load_base_model(cfg.model, ws.root, labels=labels)
+    results, predictions = {}, {}
+    for name in ("base", "finetuned"):
+        model = base_model if name == "base" else load_trained(
+            cfg.model, cfg.peft, ws.root, ws.layout.trained, base=base_model)
+        loss = evaluate_loss(model, *args, loss_sum_fn=class_loss_sum)
+        predicted, true = predict_classes(model, *args)
+        scores = classification_metrics(predicted, true, len(labels))
+        results[name] = {"loss": round(loss["loss"], 6),
+                         **{k: round(v, 6) for k, v in scores.items()}}
+        predictions[name] = predicted
+    samples = [{"text": tok.decode(test[i]["input_ids"], skip_special_tokens=True),
+                "reference": labels[t],
+                "prediction": labels[predictions["finetuned"][i]],
+                "base_prediction": labels[predictions["base"][i]]}
+               for i, t in enumerate(true[: cfg.eval.num_logged_samples])]
+    return _write(ws, {**results, "eval_rows": len(true), "num_labels": len(labels)}, samples)
+
+
+def _write(ws: Workspace, metrics: dict, samples: list[dict]) -> dict[str, Path]:
+    """The metrics file, the samples table, and both into the training's MLflow run."""
+    results = {k: v for k, v in metrics.items() if k in ("base", "finetuned")}
     samples_path = write_json_atomic(ws.layout.eval_samples, samples)
     path = write_json_atomic(ws.layout.metrics / "eval.json", metrics)
     run_id = tracking.run_id_of(ws)

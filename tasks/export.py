@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from engine.model import load_tokenizer, load_trained, resolve_model_ref
+from engine.model import (load_tokenizer, load_trained, read_labels, resolve_model_ref,
+                          write_labels)
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
@@ -45,6 +46,9 @@ def export(ws: Workspace) -> dict[str, Path]:
         saved.save_pretrained(staging, safe_serialization=True,
                               max_shard_size=cfg.export.max_shard_size)
         tok.save_pretrained(staging)
+        labels = read_labels(ws.layout.trained)
+        if labels:  # also in config.json (id2label); the file is what our stages read
+            write_labels(staging, labels)
         if getattr(saved, "generation_config", None) is not None:
             saved.generation_config.save_pretrained(staging)
         if cfg.peft.use_peft and cfg.export.save_adapter and merge:
@@ -79,7 +83,8 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
     name = cfg.registry.registered_model_name or fallback
     version = registry.log_and_register(ws.mlflow_uri(), run_id, model, tok, name,
                                         cfg.eval.generation_max_new_tokens,
-                                        (ws.layout.export / "README.md").read_text())
+                                        (ws.layout.export / "README.md").read_text(),
+                                        classify=cfg.data.dataset_type == "classification")
     client = tracking.client(ws)
     registry.tag_version(client, name, version, {**lineage, "mlflow_run_id": run_id})
     decision = registry.promote(client, name, version, gate_value, cfg.registry)
@@ -109,19 +114,22 @@ def model_card(ws: Workspace, metrics: dict, lineage: dict[str, str], run_id: st
     source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
     export_dir = ws.layout.export.relative_to(ws.root)
     merged = cfg.peft.use_peft and cfg.export.merge_adapter
+    classify = cfg.data.dataset_type == "classification"
+    auto, tag = (("AutoModelForSequenceClassification", "text-classification") if classify
+                 else ("AutoModelForCausalLM", "text-generation"))
     adapter = ""
     if merged and cfg.export.save_adapter:
         adapter = f"""
 The adapter alone (for users who keep the base model) is in `{ADAPTER_DIR}/`:
 ```python
-from peft import AutoPeftModelForCausalLM
-model = AutoPeftModelForCausalLM.from_pretrained("{export_dir}/{ADAPTER_DIR}")
+from peft import AutoPeft{auto.removeprefix("Auto")}
+model = AutoPeft{auto.removeprefix("Auto")}.from_pretrained("{export_dir}/{ADAPTER_DIR}")
 ```
 """
     return f"""---
 library_name: transformers
 base_model: {cfg.model.name_or_path}
-pipeline_tag: text-generation
+pipeline_tag: {tag}
 ---
 # Fine-tuned {Path(cfg.model.name_or_path).name}
 
@@ -139,8 +147,8 @@ Fine-tuned with {cfg.peft.peft_type if cfg.peft.use_peft else 'full'} fine-tunin
 
 ## Load it
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("{export_dir}")
+from transformers import {auto}, AutoTokenizer
+model = {auto}.from_pretrained("{export_dir}")
 tokenizer = AutoTokenizer.from_pretrained("{export_dir}")
 ```
 {adapter}

@@ -23,13 +23,18 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
     prompt_fn = builder(data, "prompt")
     completion_fn = builder(data, "completion")
     chat = _chat_renderer(ws) if data.dataset_type == "chat" else None
+    classify = _classifier(ws, prompt_fn) if data.dataset_type == "classification" else None
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.formatted) as staging:
+        if classify is not None:
+            classify.write_labels(staging)
         for raw_file in sorted(ws.layout.raw.glob("*.parquet")):
             role = raw_file.stem
             frame = pd.read_parquet(raw_file)
             if chat is not None:
                 result = chat(frame, role)
+            elif classify is not None:
+                result = classify(frame, role)
             elif data.text_mode:
                 column = detect_text_field(frame, data.text_field, role)
                 result = pd.DataFrame({"prompt": [""] * len(frame),
@@ -44,6 +49,8 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
             k: getattr(data, k) for k in ("prompt_template", "prompt_func", "completion_template",
                                           "completion_func", "text_field", "dataset_type",
                                           "messages_field", "chat_template", "system_prompt")})
+    if classify is not None:
+        out["labels"] = ws.layout.formatted / "labels.json"
     if not out and not data.streaming:  # streaming without a test split: nothing to format
         raise PipelineError(f"{ws.layout.raw}: no raw splits; run the download stage first")
     return out
@@ -57,6 +64,36 @@ def _chat_renderer(ws: Workspace):
     tok = load_tokenizer(ws.config.model, ws.root)
     template = chat_template(ws.config.data, tok, ws.root)
     return lambda frame, split: format_chat(frame, ws.config.data, tok, template, split)
+
+
+class _classifier:
+    """(frame, split) -> text/label rows, with the label map read from the raw train split."""
+
+    def __init__(self, ws: Workspace, prompt_fn):
+        from tasks.classification import class_names
+
+        self.data = ws.config.data
+        train = ws.layout.raw / "train.parquet"
+        if not train.exists():
+            raise PipelineError(f"{train} missing; run the download stage first")
+        self.names = class_names(pd.read_parquet(train), self.data)
+        self.prompt_fn = prompt_fn if self.data.input_template_key else None
+
+    def write_labels(self, folder: Path) -> None:
+        from tasks.classification import write_labels
+
+        write_labels(folder, self.names)
+
+    def __call__(self, frame: pd.DataFrame, split: str) -> pd.DataFrame:
+        from tasks.classification import format_classification
+
+        if self.prompt_fn is not None:
+            texts, _ = render(frame, self.prompt_fn, lambda row: "", split)
+        else:
+            column = detect_text_field(frame, self.data.text_field, split,
+                                       exclude=self.data.label_column)
+            texts = frame[column].astype(str).tolist()
+        return format_classification(frame, self.data, self.names, texts, split)
 
 
 def render(frame: pd.DataFrame, prompt_fn, completion_fn, role: str,
@@ -86,7 +123,8 @@ def render(frame: pd.DataFrame, prompt_fn, completion_fn, role: str,
     return prompts, completions
 
 
-def detect_text_field(frame: pd.DataFrame, text_field: str | None, role: str) -> str:
+def detect_text_field(frame: pd.DataFrame, text_field: str | None, role: str,
+                      exclude: str | None = None) -> str:
     """`text_field` if given, else a column named text/content, else the only string column."""
     if text_field:
         if text_field not in frame.columns:
@@ -95,7 +133,8 @@ def detect_text_field(frame: pd.DataFrame, text_field: str | None, role: str) ->
     for name in ("text", "content"):
         if name in frame.columns:
             return name
-    strings = [c for c in frame.columns if pd.api.types.is_string_dtype(frame[c])]
+    strings = [c for c in frame.columns
+               if c != exclude and pd.api.types.is_string_dtype(frame[c])]
     if len(strings) == 1:
         return strings[0]
     raise PipelineError(

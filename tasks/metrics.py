@@ -86,3 +86,20 @@ def generation_metrics(names: list[str], predictions: list[str], references: lis
     if "rouge" in names:
         out.update(rouge(predictions, references))
     return out
+
+
+def classification_metrics(predicted: list[int], true: list[int], num_labels: int) -> dict:
+    """Accuracy and macro-F1 (each class's F1, averaged with equal weight: a classifier that
+    always answers the majority class scores low even on skewed data). A class with neither
+    predictions nor examples is left out of the average."""
+    if not true:
+        return {"accuracy": 0.0, "macro_f1": 0.0}
+    correct = sum(p == t for p, t in zip(predicted, true))
+    f1s = []
+    for c in range(num_labels):
+        tp = sum(p == c and t == c for p, t in zip(predicted, true))
+        fp = sum(p == c and t != c for p, t in zip(predicted, true))
+        fn = sum(p != c and t == c for p, t in zip(predicted, true))
+        if tp + fp + fn:
+            f1s.append(2 * tp / (2 * tp + fp + fn))
+    return {"accuracy": correct / len(true), "macro_f1": sum(f1s) / len(f1s)}

@@ -122,23 +122,30 @@ def use_tracking_uri(uri: str):
 
 
 def log_and_register(tracking_uri: str, run_id: str, model, tokenizer, name: str,
-                     max_new_tokens: int, card: str) -> str:
+                     max_new_tokens: int, card: str, classify: bool = False) -> str:
     """Log `model` (a merged transformers model) into the run and register it; the version.
 
-    `card` (our model card) is passed so MLflow does not try to fetch one from the Hub."""
+    `card` (our model card) is passed so MLflow does not try to fetch one from the Hub. A
+    classifier (`classify`) is logged as a text-classification pipeline (MLflow's default
+    signature for it: text in, label and score out)."""
     import mlflow
     from huggingface_hub import ModelCard
     from mlflow.models import infer_signature
 
-    signature = infer_signature(["prompt"], ["generated text"],
-                                params={"max_new_tokens": max_new_tokens})
+    if classify:
+        task, signature, model_config = "text-classification", None, None
+    else:
+        task = "text-generation"
+        signature = infer_signature(["prompt"], ["generated text"],
+                                    params={"max_new_tokens": max_new_tokens})
+        model_config = {"max_new_tokens": max_new_tokens, "do_sample": False}
     with use_tracking_uri(tracking_uri), mlflow.start_run(run_id=run_id):
         info = mlflow.transformers.log_model(
             {"model": model, "tokenizer": tokenizer},
             name="model",
-            task="text-generation",
+            task=task,
             signature=signature,
-            model_config={"max_new_tokens": max_new_tokens, "do_sample": False},
+            model_config=model_config,
             pip_requirements=pip_requirements(),
             model_card=ModelCard(card),
             registered_model_name=name,

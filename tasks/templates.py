@@ -20,7 +20,11 @@ def template_columns(data: DataConfig) -> list[str]:
     if data.dataset_type == "text":
         return [data.text_field] if data.text_field else []
     cols: list[str] = []
-    for key in ("prompt_template", "completion_template"):
+    keys = ("prompt_template", "completion_template")
+    if data.dataset_type == "classification":
+        cols = [data.label_column] + ([data.text_field] if data.text_field else [])
+        keys = ("prompt_template",) if data.input_template_key == "prompt_template" else ()
+    for key in keys:
         template = getattr(data, key)
         if template is None:
             continue

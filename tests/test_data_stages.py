@@ -70,10 +70,10 @@ def test_local_formats_and_split_ratio(project, name):
     rows = [{"q": f"what is {i}?", "a": str(i)} for i in range(40)]
     ws = ws_for(project, local_source(project, rows, name, **{
         "data.prompt_template": "Q: {q}", "data.completion_template": " {a}",
-        "data.split_ratio": 0.25, "data.max_train_samples": None, "data.max_eval_samples": None}))
+        "data.split_ratio": 0.75, "data.max_train_samples": None, "data.max_eval_samples": None}))
     out = download(ws)
     train, test = pd.read_parquet(out["train"]), pd.read_parquet(out["test"])
-    assert (len(train), len(test)) == (30, 10)
+    assert (len(train), len(test)) == (30, 10)  # split_ratio: the fraction kept for training
     assert set(train.q) & set(test.q) == set()
     again = download(ws)  # seeded: same split twice
     assert pd.read_parquet(again["test"]).q.tolist() == test.q.tolist()
@@ -108,14 +108,13 @@ def test_prompt_func_and_text_mode(project, monkeypatch):
 def test_prompt_func_by_path_as_the_seeds_write_it(project, monkeypatch):
     """seed 004's `preprocess/alpaca_func:create_alpaca_prompt`: a file of the project, not an
     importable module; a missing file or name is one line naming the key."""
-    (project / "preprocess").mkdir()
-    (project / "preprocess/alpaca_func.py").write_text(
-        "def create_alpaca_prompt(row):\n    return 'Instruction: ' + row['q']\n")
+    (project / "preprocess/qa_func.py").write_text(  # next to the shipped alpaca_func.py
+        "def create_qa_prompt(row):\n    return 'Instruction: ' + row['q']\n")
     monkeypatch.chdir(project)  # stages run in the project root
     rows = [{"q": f"q{i}", "a": f"a{i}"} for i in range(20)]
     ws = ws_for(project, local_source(project, rows, **{
         "data.prompt_template": None,
-        "data.prompt_func": "preprocess/alpaca_func:create_alpaca_prompt",
+        "data.prompt_func": "preprocess/qa_func:create_qa_prompt",
         "data.completion_template": " {a}"}))
     download(ws)
     f = pd.read_parquet(format_prompts(ws)["train"])
@@ -126,7 +125,7 @@ def test_prompt_func_by_path_as_the_seeds_write_it(project, monkeypatch):
                        r"'preprocess/nope:f' \(no file .*preprocess/nope.py\)$"):
         load_object("preprocess/nope:f", "data.prompt_func")
     with pytest.raises(PipelineError, match=r"module '.*' has no attribute 'missing'"):
-        load_object("preprocess/alpaca_func.py:missing", "data.prompt_func")
+        load_object("preprocess/qa_func.py:missing", "data.prompt_func")
 
 
 def test_zero_trainable_rows_dropped_then_fail_above_fraction(project):
@@ -195,7 +194,7 @@ def test_empty_dataset_and_null_column(project):
     with pytest.raises(PipelineError, match="no rows|cannot parse"):
         download(ws)
     rows = [{"question": "q", "answer": "a"}] * 10 + [{"question": None, "answer": "a"}]
-    ws = ws_for(project, local_source(project, rows, **{"data.split_ratio": 0.1}))
+    ws = ws_for(project, local_source(project, rows, **{"data.split_ratio": 0.9}))
     with pytest.raises(PipelineError, match=r"column 'question' row \d+ fails not_nullable"):
         download(ws)
 
@@ -258,3 +257,28 @@ def test_token_ids_equal_the_tokenizer_call(kind):
         assert token_ids(tok, ["<|endoftext|>"]) != [[tok.eos_token_id]]
     elif kind == "byte-bpe":
         assert token_ids(tok, ["<|endoftext|>"]) == [[tok.eos_token_id]]
+
+
+def test_the_seed_004_alpaca_example_runs_as_written(tmp_path):
+    """params/alpaca-seed004.yaml as shipped (prompt_func by path, completion_template,
+    split_ratio 0.8 as the train fraction), with only the dataset pointed at a local Alpaca-
+    shaped file and the run shortened to a few steps."""
+    project = copy_project(tmp_path / "p")
+    rows = [{"instruction": f"Add {i} and {i + 1}.", "input": "" if i % 2 else f"n={i}",
+             "output": f"{2 * i + 1}"} for i in range(40)]
+    (project / "data/alpaca.json").write_text(json.dumps(rows))  # a JSON array, as Alpaca's
+    write_params(project, {"data.dataset_name": None, "data.json_file_path": "data/alpaca.json",
+                           "training.max_steps": 2, "eval.max_generation_samples": 2,
+                           "eval.generation_max_new_tokens": 8,
+                           "distributed.threads_per_process": 1},
+                 name="params/alpaca-seed004.yaml")
+    for stage in ("download", "format", "tokenize", "train", "evaluate"):
+        run_cli(project, "stage", stage, "-p", "params/alpaca-seed004.yaml", check=True)
+    train = pd.read_parquet(project / "data/formatted/train.parquet")
+    test = pd.read_parquet(project / "data/formatted/test.parquet")
+    assert (len(train), len(test)) == (32, 8)  # split_ratio 0.8: the train fraction
+    with_input = train[train.prompt.str.contains("### Input:")]
+    assert len(with_input) and train.prompt.str.startswith("Below is an instruction").all()
+    assert train.prompt.str.endswith("### Response:\n").all()
+    evaluation = json.loads((project / "data/metrics/eval.json").read_text())
+    assert "rougeL" in evaluation["finetuned"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from finetune.config.section import Section
 
@@ -28,7 +28,10 @@ class DataConfig(Section):
     train_split: str = Field("train", description="Name of the training split.")
     test_split: str | None = Field("test", description="Name of the evaluation split.")
     split_ratio: float = Field(
-        0.1, gt=0, lt=1, description="Test fraction carved from train when no test split exists."
+        0.8, gt=0, lt=1,
+        description="Fraction of the train split kept for TRAINING when the source has no test "
+        "split (seed 004's meaning; the rest, seeded by data.seed, becomes the test split). Until "
+        "issue 19 this key was the TEST fraction: an old params file's 0.1 now trains on 10%.",
     )
     prompt_template: str | None = Field(
         "Question: {question}\nAnswer:", description="Prompt with {column} placeholders."
@@ -46,12 +49,23 @@ class DataConfig(Section):
         description="Plain-text training column when no templates are set "
         "(auto-detected: 'text' or the only string column).",
     )
-    dataset_type: Literal["completion", "text", "chat"] = Field(
+    dataset_type: Literal["completion", "text", "chat", "classification"] = Field(
         "completion",
         description="completion: prompt/completion from the templates (loss on the completion); "
         "text: every token of one text column (text_field); chat: conversations in a messages "
         "column (role/content, or ShareGPT from/value) rendered with a chat template, loss on "
-        "the assistant turns.",
+        "the assistant turns; classification: a text (text_field, or prompt_template/"
+        "prompt_func) and a label column, trained with AutoModelForSequenceClassification.",
+    )
+    label_column: str = Field(
+        "label", validation_alias=AliasChoices("label_column", "target_column"),
+        description="classification: the label column (strings or ints). Alias: target_column "
+        "(seed 004).",
+    )
+    labels: list[str] | None = Field(
+        None, min_length=2,
+        description="classification: every class name, in id order (None: the sorted distinct "
+        "labels of the train split). Stored with the model as id2label/label2id.",
     )
     messages_field: str | None = Field(
         None, description="chat: the conversation column (auto: messages, then conversations)."
@@ -124,8 +138,10 @@ class DataConfig(Section):
         templates = ("prompt_template", "prompt_func", "completion_template", "completion_func")
         chat = ("messages_field", "chat_template", "system_prompt", "assistant_only_loss",
                 "last_turn_only")
-        foreign = {"completion": chat, "text": templates + chat,
-                   "chat": templates + ("text_field",)}[self.dataset_type]
+        classes = ("label_column", "labels")
+        foreign = {"completion": chat + classes, "text": templates + chat + classes,
+                   "chat": templates + ("text_field",) + classes,
+                   "classification": templates[2:] + chat}[self.dataset_type]
         fields = type(self).model_fields
         clash = [k for k in foreign if k in self.model_fields_set
                  and getattr(self, k) not in (None, fields[k].default)]
@@ -134,9 +150,16 @@ class DataConfig(Section):
                              "remove it or change data.dataset_type")
         if self.last_turn_only and not self.assistant_only_loss:
             raise ValueError("last_turn_only needs assistant_only_loss: true")
-        if self.streaming and self.dataset_type == "chat":
-            raise ValueError("streaming reads completion and text datasets; a chat dataset is "
-                             "formatted and tokenized by its stages: set streaming: false")
+        if self.streaming and self.dataset_type in ("chat", "classification"):
+            raise ValueError(f"streaming reads completion and text datasets; a "
+                             f"{self.dataset_type} dataset is formatted and tokenized by its "
+                             "stages: set streaming: false")
+        if self.dataset_type == "classification":
+            if self.input_template_key and self.text_field:
+                raise ValueError(f"text_field and {self.input_template_key} both name the "
+                                 "classification input; set one of them")
+            if self.labels and len(set(self.labels)) != len(self.labels):
+                raise ValueError(f"labels {self.labels} repeats a class name")
 
     @property
     def text_mode(self) -> bool:
@@ -147,3 +170,13 @@ class DataConfig(Section):
         return not any(
             (self.prompt_template, self.prompt_func, self.completion_template, self.completion_func)
         )
+
+    @property
+    def input_template_key(self) -> str | None:
+        """classification: the prompt key that renders the input text, when one is set to
+        another value than its default (the defaults belong to `completion`)."""
+        fields = type(self).model_fields
+        for key in ("prompt_template", "prompt_func"):
+            if getattr(self, key) not in (None, fields[key].default):
+                return key
+        return None

@@ -15,8 +15,9 @@ from finetune.config.section import Section
 
 GENERATION_METRICS = ("exact_match", "rouge")
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+CLASSIFICATION_GATES = ("eval.accuracy", "eval.macro_f1")
 GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
-                *(f"eval.{k}" for k in ROUGE_KEYS))
+                *(f"eval.{k}" for k in ROUGE_KEYS), *CLASSIFICATION_GATES)
 
 
 class EvalConfig(Section):
@@ -99,7 +100,8 @@ class RegistryConfig(Section):
         None, description="Registry name (default: logging.experiment_name)."
     )
     gate_metric: Literal[GATE_METRICS] = Field(
-        "eval.loss", description="Metric of the fine-tuned model that decides promotion."
+        "eval.loss", description="Metric of the fine-tuned model that decides promotion "
+        "(eval.accuracy / eval.macro_f1: classification datasets)."
     )
     greater_is_better: bool | None = Field(
         None, description="Direction of gate_metric (None: inferred; loss/perplexity lower)."

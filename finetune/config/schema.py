@@ -16,7 +16,8 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from finetune.config import reads
 from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
-from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
+from finetune.config.outputs import (CLASSIFICATION_GATES, EvalConfig, ExportConfig,
+                                     RegistryConfig)
 from finetune.config.section import Section
 
 SCHEDULERS = (
@@ -79,7 +80,9 @@ class PeftSection(Section):
         None, description="IA3 only: which target modules are feed-forward layers."
     )
     bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases train.")
-    task_type: Literal["CAUSAL_LM"] = Field("CAUSAL_LM", description="peft task type.")
+    task_type: Literal["CAUSAL_LM", "SEQ_CLS"] = Field(
+        "CAUSAL_LM", description="peft task type (SEQ_CLS, set for data.dataset_type "
+        "classification, also trains the classification head: modules_to_save).")
 
 
 class GradientCheckpointingKwargs(Section):
@@ -158,7 +161,8 @@ class TrainingConfig(Section):
         "positions that predict a target, this many at a time (one chunk's logits in memory, "
         "forward and backward); equal to the full loss up to summation order. null: the "
         "model's full logits (needed for a model that transforms logits after its output "
-        "layer; a start-up probe refuses such a model with one line).",
+        "layer; a start-up probe refuses such a model with one line). A classifier has no "
+        "vocabulary head: another value than the default is refused there.",
     )
     pad_to_multiple_of: int | None = Field(
         None, gt=0,
@@ -434,6 +438,7 @@ class FinetuneConfig(Section):
                 "bfloat16)"
             )
         self.registry.check_against(self.eval)
+        self._check_classification()
         self._check_best_model()
         self._check_resume_ignore_changes()
         if self.data.streaming:
@@ -451,6 +456,46 @@ class FinetuneConfig(Section):
                     "fingerprint (a dotted key such as training.max_steps, or train_data, "
                     "base_model); keys outside it never block a resume"
                 )
+
+    def _check_classification(self) -> None:
+        """A classification dataset trains a sequence classifier: the model class and peft task
+        follow from it unless set, and what only fits a language model is refused."""
+        classify = self.data.dataset_type == "classification"
+        derived = (("model", "auto_class_name", "AutoModelForCausalLM",
+                    "AutoModelForSequenceClassification"),
+                   ("peft", "task_type", "CAUSAL_LM", "SEQ_CLS"))
+        for section_name, key, lm, classifier in derived:
+            section = getattr(self, section_name)
+            wanted = classifier if classify else lm
+            if key not in section.model_fields_set:
+                if getattr(section, key) != wanted:
+                    setattr(section, key, wanted)
+                    section.model_fields_set.discard(key)  # still the derived default
+            elif classify and getattr(section, key) == lm:
+                raise ValueError(f"{section_name}.{key}: {lm} does not classify; remove it (data."
+                                 f"dataset_type classification uses {classifier})")
+            elif not classify and getattr(section, key) == classifier and section_name == "peft":
+                raise ValueError(f"peft.task_type: SEQ_CLS needs data.dataset_type: "
+                                 "classification")
+        gate = self.registry.gate_metric
+        if not classify:
+            if gate in CLASSIFICATION_GATES:
+                raise ValueError(f"registry.gate_metric {gate} is computed for data.dataset_type "
+                                 "classification only")
+            return
+        t = self.training
+        refused = (("training.packing", t.packing, "a row is one labelled text"),
+                   ("training.padding_free", t.padding_free, "a row is one labelled text"),
+                   ("eval.generation_metrics", self.eval.generation_metrics,
+                    "a classifier does not generate; it reports accuracy and macro_f1"))
+        for key, hit, why in refused:
+            if hit:
+                raise ValueError(f"data.dataset_type classification does not combine with {key} "
+                                 f"({why})")
+        default_chunk = type(t).model_fields["loss_chunk_tokens"].default
+        if t.loss_chunk_tokens not in (None, default_chunk):
+            raise ValueError("training.loss_chunk_tokens chunks a vocabulary head; a classifier "
+                             "has none: remove it for data.dataset_type classification")
 
     def _check_streaming(self) -> None:
         """A stream has no length and cannot be indexed: what needs either is refused."""
