@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-def file_sha256(path: Path, into: "hashlib._Hash | None" = None) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks; `into` also feeds a running hash."""
+def file_sha256(path: Path, into: "hashlib._Hash | None" = None,
+                also: "hashlib._Hash | None" = None) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks; `into` and `also` also feed
+    running hashes (all files; one group of them)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-            if into is not None:
-                into.update(chunk)
+            for running in (h, into, also):
+                if running is not None:
+                    running.update(chunk)
     return h.hexdigest()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from finetune.config.data import DataConfig
 from finetune.errors import PipelineError, TransientError
 from finetune.files import atomic_dir
 from finetune.workspace import Workspace
@@ -29,28 +30,60 @@ READERS = {
 
 
 def download(ws: Workspace) -> dict[str, Path]:
-    """Run the stage; returns the written split files."""
-    data = ws.config.data
-    if data.streaming:
+    """Run the stage; returns the written split files (`<source>/<split>` for a mixture, whose
+    sources each get a folder)."""
+    if ws.config.data.streaming:
         return _download_streamed(ws)
-    splits = _load_splits(ws)
-    splits = _ensure_test_split(splits, ws)
-    if data.max_train_samples:
-        splits[data.train_split] = splits[data.train_split].head(data.max_train_samples)
-    if data.test_split and data.max_eval_samples:
-        splits[data.test_split] = splits[data.test_split].head(data.max_eval_samples)
-
-    required = template_columns(data)
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.raw) as staging:
-        for role, name in (("train", data.train_split), ("test", data.test_split)):
-            if name is None:
-                continue
-            frame = splits[name].reset_index(drop=True)
-            validate_raw_split(frame, required, f"{_source_label(ws)} split '{name}'")
-            frame.to_parquet(staging / f"{role}.parquet", index=False)
-            out[role] = ws.layout.raw / f"{role}.parquet"
+        for name, data in ws.config.data.parts():
+            folder = staging / name if name else staging
+            folder.mkdir(exist_ok=True)
+            download_one = _download_eval_only if ws.config.data.eval_only(name) else (
+                _download_source)
+            for role, file in download_one(ws, data, name, folder).items():
+                key = f"{name}/{role}" if name else role
+                out[key] = ws.layout.raw / file.relative_to(staging)
     return out
+
+
+def _download_source(ws: Workspace, data: DataConfig, name: str | None,
+                     folder: Path) -> dict[str, Path]:
+    """One source's train and test splits, checked against its contract, into `folder`."""
+    train, test = _train_and_test(_load_splits(ws, data), data)
+    if data.max_train_samples:
+        train = train.head(data.max_train_samples)
+    if test is not None and data.max_eval_samples:
+        test = test.head(data.max_eval_samples)
+    required = template_columns(data)
+    label = f"source '{name}' ({_source_label(data)})" if name else _source_label(data)
+    written = {}
+    for role, split, frame in (("train", data.train_split, train),
+                               ("test", data.test_split, test)):
+        if frame is None:
+            continue
+        frame = frame.reset_index(drop=True)
+        validate_raw_split(frame, required, f"{label} split '{split}'")
+        frame.to_parquet(folder / f"{role}.parquet", index=False)
+        written[role] = folder / f"{role}.parquet"
+    return written
+
+
+def _download_eval_only(ws: Workspace, data: DataConfig, name: str,
+                        folder: Path) -> dict[str, Path]:
+    """An eval-only source: the rows its train split names become its test split."""
+    splits = _load_splits(ws, data)
+    if split_name(data.train_split) not in splits:
+        raise PipelineError(f"source '{name}': data.train_split '{data.train_split}' not found "
+                            f"(splits: {', '.join(splits)})")
+    test = pick(splits, data.train_split, "data.train_split")
+    if data.max_eval_samples:
+        test = test.head(data.max_eval_samples)
+    test = test.reset_index(drop=True)
+    validate_raw_split(test, template_columns(data),
+                       f"source '{name}' ({_source_label(data)}, eval only)")
+    test.to_parquet(folder / "test.parquet", index=False)
+    return {"test": folder / "test.parquet"}
 
 
 def _download_streamed(ws: Workspace) -> dict[str, Path]:
@@ -63,20 +96,19 @@ def _download_streamed(ws: Workspace) -> dict[str, Path]:
     source = stream.open_source(data, ws.root)
     required = template_columns(data)
     validate_raw_split(stream.head(data, source), required,
-                       f"{_source_label(ws)} split '{data.train_split}' (first streamed rows)")
+                       f"{_source_label(data)} split '{data.train_split}' (first streamed rows)")
     test = stream.materialise_test(data, source)
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.raw) as staging:
         if test is not None:
-            validate_raw_split(test, required, f"{_source_label(ws)} split '{data.test_split}'")
+            validate_raw_split(test, required, f"{_source_label(data)} split '{data.test_split}'")
             test.to_parquet(staging / "test.parquet", index=False)
             out["test"] = ws.layout.raw / "test.parquet"
         write_manifest(staging, stream.source_manifest(data, source, ws.root))
     return out
 
 
-def _load_splits(ws: Workspace) -> dict[str, pd.DataFrame]:
-    data = ws.config.data
+def _load_splits(ws: Workspace, data: DataConfig) -> dict[str, pd.DataFrame]:
     if data.dataset_name:
         return _load_hub(data.dataset_name, data.subset)
     files = data.data_files or {data.train_split: data.json_file_path}
@@ -128,29 +160,53 @@ def _load_hub(name: str, subset: str | None) -> dict[str, pd.DataFrame]:
     return {split: ds.to_pandas() for split, ds in loaded.items()}
 
 
-def _ensure_test_split(splits: dict[str, pd.DataFrame], ws: Workspace) -> dict[str, pd.DataFrame]:
-    data = ws.config.data
-    if data.train_split not in splits:
+def _train_and_test(splits: dict[str, pd.DataFrame], data: DataConfig
+                    ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The train and test rows: the named splits (sliced as datasets slices, `train[:1000]`),
+    or, when the source has only a train split, a seeded `split_ratio` of it and the rest."""
+    if split_name(data.train_split) not in splits:
         raise PipelineError(
             f"data.train_split '{data.train_split}' not found (splits: {', '.join(splits)})"
         )
-    if data.test_split is None or data.test_split in splits:
-        return splits
+    train = pick(splits, data.train_split, "data.train_split")
+    if data.test_split is None:
+        return train, None
+    if split_name(data.test_split) in splits:
+        return train, pick(splits, data.test_split, "data.test_split")
     if len(splits) > 1:  # the source has its own held-out split(s): a typo must not be carved
         raise PipelineError(
             f"data.test_split '{data.test_split}' not found (splits: {', '.join(splits)}); name "
             "one of them, or null to carve data.split_ratio from the train split"
         )
-    train = splits[data.train_split]
     kept = train.sample(frac=data.split_ratio, random_state=data.seed).sort_index()
     test = train.drop(kept.index)
     if test.empty or kept.empty:
         raise PipelineError(
             f"data.split_ratio {data.split_ratio} leaves an empty split for {len(train)} rows"
         )
-    return {**splits, data.train_split: kept, data.test_split: test}
+    return kept, test
 
 
-def _source_label(ws: Workspace) -> str:
-    data = ws.config.data
+def split_name(spec: str) -> str:
+    """`train` of `train[:1000]`."""
+    return spec.split("[", 1)[0]
+
+
+def pick(splits: dict[str, pd.DataFrame], spec: str, key: str) -> pd.DataFrame:
+    """The rows `spec` names: a split, or a slice of it as datasets writes one (`train[:1000]`,
+    `train[10%:20%]`, `train[:50%]+test[:10]`), resolved by datasets' own ReadInstruction."""
+    if "[" not in spec and "+" not in spec:
+        return splits[spec]
+    import datasets
+
+    try:
+        parts = datasets.ReadInstruction.from_spec(spec).to_absolute(
+            {name: len(frame) for name, frame in splits.items()})
+    except (ValueError, AssertionError) as exc:
+        raise PipelineError(f"{key} '{spec}': not a split or slice datasets can read, e.g. "
+                            f"train[:1000] or train[10%:] ({exc})") from None
+    return pd.concat([splits[p.splitname].iloc[p.from_:p.to] for p in parts], ignore_index=True)
+
+
+def _source_label(data: DataConfig) -> str:
     return data.dataset_name or data.json_file_path or "data_files"

@@ -109,10 +109,15 @@ def _loss_entry(result: dict) -> dict:
 
 
 def _generation_rows(ws: Workspace) -> pd.DataFrame:
-    test = ws.layout.formatted / "test.parquet"
-    if not test.exists():
-        raise PipelineError(f"{test} missing; run the format stage first")
-    rows = pd.read_parquet(test, columns=["prompt", "completion"])
+    """The formatted test rows (each source's, in order, for a mixture), the first
+    `eval.max_generation_samples` of them."""
+    frames = []
+    for name, _ in ws.config.data.parts():
+        test = (ws.layout.formatted / name if name else ws.layout.formatted) / "test.parquet"
+        if not test.exists():
+            raise PipelineError(f"{test} missing; run the format stage first")
+        frames.append(pd.read_parquet(test, columns=["prompt", "completion"]))
+    rows = pd.concat(frames, ignore_index=True)
     limit = ws.config.eval.max_generation_samples
     return rows.head(limit) if limit else rows
 

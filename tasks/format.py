@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir
 from finetune.workspace import Workspace
@@ -19,70 +20,86 @@ from tasks.templates import builder
 
 
 def format_prompts(ws: Workspace) -> dict[str, Path]:
-    data = ws.config.data
-    prompt_fn = builder(data, "prompt")
-    completion_fn = builder(data, "completion")
-    chat = _chat_renderer(ws) if data.dataset_type == "chat" else None
-    classify = _classifier(ws, prompt_fn) if data.dataset_type == "classification" else None
+    """Run the stage; each source of a mixture is formatted with its own keys into its own
+    folder (`<source>/<split>` in the result)."""
+    top = ws.config.data
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.formatted) as staging:
-        if classify is not None:
-            classify.write_labels(staging)
-        for raw_file in sorted(ws.layout.raw.glob("*.parquet")):
-            role = raw_file.stem
-            frame = pd.read_parquet(raw_file)
-            if chat is not None:
-                result = chat(frame, role)
-            elif classify is not None:
-                result = classify(frame, role)
-            elif data.text_mode:
-                column = detect_text_field(frame, data.text_field, role)
-                result = pd.DataFrame({"prompt": [""] * len(frame),
-                                       "completion": frame[column].astype(str).tolist()})
-            else:
-                prompts, completions = render(frame, prompt_fn, completion_fn, role)
-                result = pd.DataFrame({"prompt": prompts, "completion": completions})
-            validate_formatted(result, f"format split '{role}'", allow_empty_prompt=data.text_mode)
-            result.to_parquet(staging / f"{role}.parquet", index=False)
-            out[role] = ws.layout.formatted / f"{role}.parquet"
+        for name, data in top.parts():
+            folder = staging / name if name else staging
+            folder.mkdir(exist_ok=True)
+            raw = ws.layout.raw / name if name else ws.layout.raw
+            for key, file in _format_source(ws, data, raw, folder, name).items():
+                out[f"{name}/{key}" if name else key] = (
+                    ws.layout.formatted / file.relative_to(staging))
         carry_manifest(ws.layout.raw, staging, **{
-            k: getattr(data, k) for k in ("prompt_template", "prompt_func", "completion_template",
-                                          "completion_func", "text_field", "dataset_type",
-                                          "messages_field", "chat_template", "system_prompt")})
-    if classify is not None:
-        out["labels"] = ws.layout.formatted / "labels.json"
-    if not out and not data.streaming:  # streaming without a test split: nothing to format
+            k: getattr(top, k) for k in ("prompt_template", "prompt_func", "completion_template",
+                                         "completion_func", "text_field", "dataset_type",
+                                         "messages_field", "chat_template", "system_prompt")})
+    if not out and not top.streaming:  # streaming without a test split: nothing to format
         raise PipelineError(f"{ws.layout.raw}: no raw splits; run the download stage first")
     return out
 
 
-def _chat_renderer(ws: Workspace):
+def _format_source(ws: Workspace, data: DataConfig, raw: Path, folder: Path,
+                   name: str | None) -> dict[str, Path]:
+    """One source's raw splits (in `raw`) -> formatted splits (in `folder`)."""
+    prompt_fn = builder(data, "prompt")
+    completion_fn = builder(data, "completion")
+    chat = _chat_renderer(ws, data) if data.dataset_type == "chat" else None
+    classify = (_classifier(data, raw, prompt_fn) if data.dataset_type == "classification"
+                else None)
+    out: dict[str, Path] = {}
+    if classify is not None:
+        out["labels"] = classify.write_labels(folder)
+    for raw_file in sorted(raw.glob("*.parquet")):
+        role = raw_file.stem
+        split = f"{name}/{role}" if name else role  # how errors name it
+        frame = pd.read_parquet(raw_file)
+        if chat is not None:
+            result = chat(frame, split)
+        elif classify is not None:
+            result = classify(frame, split)
+        elif data.text_mode:
+            column = detect_text_field(frame, data.text_field, split)
+            result = pd.DataFrame({"prompt": [""] * len(frame),
+                                   "completion": frame[column].astype(str).tolist()})
+        else:
+            prompts, completions = render(frame, prompt_fn, completion_fn, split)
+            result = pd.DataFrame({"prompt": prompts, "completion": completions})
+        validate_formatted(result, f"format split '{split}'", allow_empty_prompt=data.text_mode)
+        result.to_parquet(folder / f"{role}.parquet", index=False)
+        out[role] = folder / f"{role}.parquet"
+    return out
+
+
+def _chat_renderer(ws: Workspace, data: DataConfig):
     """(frame, split) -> formatted chat rows, with the model's tokenizer and chat template."""
     from engine.model import load_tokenizer
     from tasks.chat import chat_template, format_chat
 
     tok = load_tokenizer(ws.config.model, ws.root)
-    template = chat_template(ws.config.data, tok, ws.root)
-    return lambda frame, split: format_chat(frame, ws.config.data, tok, template, split)
+    template = chat_template(data, tok, ws.root)
+    return lambda frame, split: format_chat(frame, data, tok, template, split)
 
 
 class _classifier:
     """(frame, split) -> text/label rows, with the label map read from the raw train split."""
 
-    def __init__(self, ws: Workspace, prompt_fn):
+    def __init__(self, data: DataConfig, raw: Path, prompt_fn):
         from tasks.classification import class_names
 
-        self.data = ws.config.data
-        train = ws.layout.raw / "train.parquet"
+        self.data = data
+        train = raw / "train.parquet"
         if not train.exists():
             raise PipelineError(f"{train} missing; run the download stage first")
         self.names = class_names(pd.read_parquet(train), self.data)
         self.prompt_fn = prompt_fn if self.data.input_template_key else None
 
-    def write_labels(self, folder: Path) -> None:
+    def write_labels(self, folder: Path) -> Path:
         from tasks.classification import write_labels
 
-        write_labels(folder, self.names)
+        return write_labels(folder, self.names)
 
     def __call__(self, frame: pd.DataFrame, split: str) -> pd.DataFrame:
         from tasks.classification import format_classification

@@ -39,6 +39,8 @@ def template_columns(data: DataConfig) -> list[str]:
                 cols.append(name)
     if data.text_mode and data.text_field:
         cols.append(data.text_field)
+    if (data.prompt_func or data.completion_func) and data.input_columns:
+        cols += [c for c in data.input_columns if c not in cols]
     return cols
 
 
@@ -47,7 +49,9 @@ def builder(data: DataConfig, part: str) -> RowFn:
     template = getattr(data, f"{part}_template")
     func_ref = getattr(data, f"{part}_func")
     if func_ref:
-        return load_callable(func_ref, f"data.{part}_func")
+        fn = load_callable(func_ref, f"data.{part}_func")
+        columns = data.input_columns
+        return fn if not columns else lambda row: fn({c: row[c] for c in columns})
     if template is None:
         return lambda row: ""
 

@@ -16,19 +16,21 @@ from typing import Any
 import pandas as pd
 
 from engine.model import bos_prefix_id, load_tokenizer, max_positions
+from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
 from tasks.contracts import validate_tokenized
 from tasks.encoding import token_ids
+from tasks.mixture import mix
 from tasks.stream_manifest import carry_manifest
 
 IGNORE_INDEX = -100
 
 
 def tokenize(ws: Workspace) -> dict[str, Path]:
-    import datasets
-
+    """Run the stage: each source's splits tokenized with its own type's encoder, a mixture's
+    sources then mixed into one train and one test split (tasks.mixture)."""
     data = ws.config.data
     limit = max_positions(ws.config.model, ws.root)
     if limit and data.max_seq_length > limit:
@@ -44,28 +46,26 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
     stats: dict[str, Any] = {}
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.tokenized) as staging:
-        for file in sorted(ws.layout.formatted.glob("*.parquet")):
-            role = file.stem
-            ds = datasets.Dataset.from_pandas(pd.read_parquet(file), preserve_index=False)
-            fn, kwargs = encoder(ws, tok, bos)
-            fingerprint = _fingerprint(file, tok, bos, data.max_seq_length,
-                                       ws.config.model.name_or_path, kwargs)
-            ds = ds.map(
-                fn,
-                batched=True,
-                num_proc=_pool_size(data.num_proc, len(ds)),
-                remove_columns=ds.column_names,
-                fn_kwargs={"tok": tok, **kwargs},
-                desc=f"tokenize {role}",
-                load_from_cache_file=False,
-                new_fingerprint=fingerprint,
-            )
-            counts = _counts(ds)
-            ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
-                                                    fingerprint)
-            validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'")
+        splits: dict[str, list] = {}  # role -> [(source name, tokenized split)]
+        for name, part in data.parts():
+            formatted = ws.layout.formatted / name if name else ws.layout.formatted
+            fn, kwargs = encoder(ws, part, formatted, tok, bos)
+            for file in sorted(formatted.glob("*.parquet")):
+                role = f"{name}/{file.stem}" if name else file.stem  # how errors name it
+                ds, split_stats = _tokenize_file(file, fn, kwargs, tok, bos, role, ws)
+                splits.setdefault(file.stem, []).append((name, ds))
+                if name:
+                    stats.setdefault("sources", {}).setdefault(name, {})[file.stem] = split_stats
+                else:
+                    stats[file.stem] = split_stats
+        for role, parts in splits.items():
+            if data.sources:
+                ds = mix(parts, data, role, stats["sources"])
+                stats[role] = _stats(_counts(ds), sum(
+                    stats["sources"][n][role]["dropped_rows"] for n, _ in parts))
+            else:
+                ds = parts[0][1]
             ds.save_to_disk(str(staging / role))
-            stats[role] = _stats(counts, dropped)
             out[role] = ws.layout.tokenized / role
         if data.dataset_type == "classification":
             from tasks.classification import read_labels, write_labels
@@ -79,15 +79,42 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
     return out
 
 
-def encoder(ws: Workspace, tok, bos: int | None):
-    """The map function for this dataset type and its arguments (besides the tokenizer)."""
+def _tokenize_file(file: Path, fn, kwargs: dict, tok, bos: int | None, role: str,
+                   ws: Workspace):
+    """One formatted split -> (tokenized split, its stats), rows without a trainable token
+    dropped (up to data.max_dropped_fraction) and the result checked."""
+    import datasets
+
     data = ws.config.data
+    ds = datasets.Dataset.from_pandas(pd.read_parquet(file), preserve_index=False)
+    fingerprint = _fingerprint(file, tok, bos, data.max_seq_length,
+                               ws.config.model.name_or_path, kwargs)
+    ds = ds.map(
+        fn,
+        batched=True,
+        num_proc=_pool_size(data.num_proc, len(ds)),
+        remove_columns=ds.column_names,
+        fn_kwargs={"tok": tok, **kwargs},
+        desc=f"tokenize {role}",
+        load_from_cache_file=False,
+        new_fingerprint=fingerprint,
+    )
+    counts = _counts(ds)
+    ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
+                                            fingerprint)
+    validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'")
+    return ds, _stats(counts, dropped)
+
+
+def encoder(ws: Workspace, data: DataConfig, formatted: Path, tok, bos: int | None):
+    """The map function for this source's dataset type and its arguments (besides the
+    tokenizer); `formatted`: the source's formatted folder."""
     if data.dataset_type == "classification":
         from tasks.classification import encode_classification_batch, read_labels
 
-        names = read_labels(ws.layout.formatted)
+        names = read_labels(formatted)
         if names is None:
-            raise PipelineError(f"{ws.layout.formatted}/labels.json missing; run the format "
+            raise PipelineError(f"{formatted}/labels.json missing; run the format "
                                 "stage again (data.dataset_type is classification)")
         return encode_classification_batch, {"bos": bos, "max_len": data.max_seq_length,
                                              "names": names}
@@ -152,7 +179,7 @@ def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
     h.update(json.dumps([max_len, bos, tok.eos_token_id, len(tok), model_ref]).encode())
     h.update(json.dumps(kwargs, sort_keys=True).encode())
     h.update(Path(__file__).read_bytes())
-    for module in ("chat.py", "classification.py"):
+    for module in ("chat.py", "classification.py", "encoding.py"):
         h.update((Path(__file__).parent / module).read_bytes())
     return h.hexdigest()[:16]
 

@@ -77,14 +77,24 @@ def dvc_out_hashes(root: Path) -> dict[str, str]:
 def data_hashes(raw_dir: Path) -> dict[str, str]:
     """SHA-256 of each raw split file and of all of them together (`data_sha256`): the data
     identity recorded in the model card, the MLflow run and every registered version. A
-    streamed train split is identified by `stream.json` (its source files' hashes)."""
+    streamed train split is identified by `stream.json` (its source files' hashes); each
+    source of a mixture (a folder of splits) also gets its own (`data_sha256.<source>`)."""
     import hashlib
 
     whole = hashlib.sha256()
     tags = {}
-    for path in sorted([*raw_dir.glob("*.parquet"), *raw_dir.glob("stream.json")]):
-        whole.update(path.name.encode())
-        tags[f"data_sha256.{path.name}"] = file_sha256(path, into=whole)
+    files = sorted([*raw_dir.rglob("*.parquet"), *raw_dir.glob("stream.json")])
+    sources: dict[str, Any] = {}
+    for path in files:
+        name = path.relative_to(raw_dir).as_posix()
+        whole.update(name.encode())
+        if path.parent != raw_dir:
+            source = sources.setdefault(path.parent.name, hashlib.sha256())
+            source.update(path.name.encode())
+            tags[f"data_sha256.{name}"] = file_sha256(path, into=whole, also=source)
+        else:
+            tags[f"data_sha256.{name}"] = file_sha256(path, into=whole)
+    tags.update({f"data_sha256.{name}": h.hexdigest() for name, h in sources.items()})
     return {"data_sha256": whole.hexdigest(), **tags}
 
 

@@ -282,3 +282,44 @@ def test_the_seed_004_alpaca_example_runs_as_written(tmp_path):
     assert train.prompt.str.endswith("### Response:\n").all()
     evaluation = json.loads((project / "data/metrics/eval.json").read_text())
     assert "rougeL" in evaluation["finetuned"]
+
+
+def test_split_slices_as_datasets_writes_them(project):
+    rows = [{"q": f"q{i}", "a": str(i)} for i in range(40)]
+    test_rows = [{"q": f"t{i}", "a": str(i)} for i in range(20)]
+    local_source(project, rows, "tr.jsonl")
+    (project / "data/source/te.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in test_rows) + "\n")
+    base = {"data.json_file_path": None, "data.prompt_template": "{q}",
+            "data.completion_template": " {a}", "data.max_train_samples": None,
+            "data.max_eval_samples": None,
+            "data.data_files": {"train": "data/source/tr.jsonl", "test": "data/source/te.jsonl"}}
+    ws = ws_for(project, {**base, "data.train_split": "train[10:20]",
+                          "data.test_split": "test[:25%]"})
+    out = download(ws)
+    train, test = pd.read_parquet(out["train"]), pd.read_parquet(out["test"])
+    assert train.q.tolist() == [f"q{i}" for i in range(10, 20)]
+    assert test.q.tolist() == [f"t{i}" for i in range(5)]
+    ws = ws_for(project, {**base, "data.train_split": "train[:50%]+test[-2:]"})
+    train = pd.read_parquet(download(ws)["train"])
+    assert train.q.tolist() == [f"q{i}" for i in range(20)] + ["t18", "t19"]
+    ws = ws_for(project, {**base, "data.train_split": "train[:1000"})
+    with pytest.raises(PipelineError, match=r"^data.train_split 'train\[:1000': not a split or "
+                       "slice datasets can read"):
+        download(ws)
+
+
+def test_input_columns_are_what_the_functions_receive_and_are_required(project, monkeypatch):
+    (project / "preprocess/cols_func.py").write_text(
+        "def prompt(row):\n    return 'Q: ' + ','.join(sorted(row))\n")
+    monkeypatch.chdir(project)
+    rows = [{"q": f"q{i}", "a": f"a{i}", "extra": i} for i in range(20)]
+    over = {"data.prompt_template": None, "data.prompt_func": "preprocess/cols_func:prompt",
+            "data.completion_template": " {a}", "data.input_columns": ["q", "a"]}
+    ws = ws_for(project, local_source(project, rows, **over))
+    download(ws)
+    assert (pd.read_parquet(format_prompts(ws)["train"]).prompt == "Q: a,q").all()
+    ws = ws_for(project, local_source(project, rows, **{**over,
+                                                         "data.input_columns": ["q", "nope"]}))
+    with pytest.raises(PipelineError, match="column 'nope' named by the prompt/completion"):
+        download(ws)

@@ -7,9 +7,10 @@ per stage), and they grow with every format users bring.
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, create_model, field_validator, model_validator
 
 from finetune.config.section import Section
 
@@ -25,8 +26,12 @@ class DataConfig(Section):
     data_files: dict[str, str] | None = Field(
         None, description="Local files per split, e.g. {train: a.jsonl, test: b.jsonl}."
     )
-    train_split: str = Field("train", description="Name of the training split.")
-    test_split: str | None = Field("test", description="Name of the evaluation split.")
+    train_split: str = Field(
+        "train", description="The training split, or a slice of it as datasets writes one: "
+        "train[:1000], train[10%:], train[:50%]+validation[:100].")
+    test_split: str | None = Field(
+        "test", description="The evaluation split (sliced the same way); null: none. Missing "
+        "from a source with only a train split: carved from it by split_ratio.")
     split_ratio: float = Field(
         0.8, gt=0, lt=1,
         description="Fraction of the train split kept for TRAINING when the source has no test "
@@ -44,6 +49,12 @@ class DataConfig(Section):
     )
     completion_func: str | None = Field(
         None, description="'module:function' or 'path/to/file:function' row -> completion.")
+    input_columns: list[str] | None = Field(
+        None, min_length=1,
+        description="The raw columns prompt_func/completion_func receive (datasets' map "
+        "input_columns); the raw contract requires them present and non-null. None: every "
+        "column, unchecked.",
+    )
     text_field: str | None = Field(
         None,
         description="Plain-text training column when no templates are set "
@@ -111,12 +122,18 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _sources_and_templates(self) -> "DataConfig":
         sources = [k for k in ("dataset_name", "json_file_path", "data_files") if getattr(self, k)]
+        if self.sources is not None:
+            self._check_mixture(sources)
+            return self
         if len(sources) != 1:
             raise ValueError(
                 "set exactly one of dataset_name, json_file_path, data_files "
                 f"(got {', '.join(sources) or 'none'})"
             )
         self._check_type_keys()
+        if self.input_columns and not (self.prompt_func or self.completion_func):
+            raise ValueError("input_columns selects what prompt_func/completion_func receive; "
+                             "set one of them, or remove input_columns")
         if self.dataset_type != "completion":
             return self
         for part in ("prompt", "completion"):
@@ -131,6 +148,56 @@ class DataConfig(Section):
         if has_completion and not has_prompt and self.text_field is None:
             raise ValueError("a completion is set but no prompt_template/prompt_func")
         return self
+
+    def _check_mixture(self, top_level: list[str]) -> None:
+        """With `sources`, each source names its own dataset and is checked as the one-source
+        config it stands for (data section keys it does not set included), its errors naming
+        it."""
+        if top_level:
+            raise ValueError(f"{top_level[0]} is set next to data.sources; move it into a source "
+                             "(each source names its own dataset)")
+        if all(s.eval_only for s in self.sources):
+            raise ValueError("sources: every source is eval_only; at least one must train")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sources: names must differ (got {', '.join(names)})")
+        if self.mixing == "concatenate" and any(s.weight != 1.0 for s in self.sources):
+            raise ValueError("sources: weights need mixing: interleave (concatenate keeps every "
+                             "row of every source once)")
+        if self.streaming:
+            raise ValueError("streaming reads one source; set streaming: false with data.sources")
+        for i, source in enumerate(self.sources):
+            try:
+                part = self.for_source(source)
+            except ValueError as exc:
+                first = getattr(exc, "errors", lambda: [{"msg": str(exc), "loc": ()}])()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                msg = first["msg"].removeprefix("Value error, ")
+                raise ValueError(f"sources[{i}] ({source.name}): "
+                                 f"{where + ': ' if where else ''}{msg}") from None
+            if part.dataset_type == "classification":
+                raise ValueError(f"sources[{i}] ({source.name}): classification sources do not "
+                                 "mix (one label map per model); use one source")
+
+    def for_source(self, source: "SourceConfig") -> "DataConfig":
+        """The one-source config a source stands for: the keys it sets, the data section's
+        for the rest (its templates, split_ratio, max_seq_length, seed, ...)."""
+        shared = {k: getattr(self, k) for k in type(self).model_fields
+                  if k not in SOURCE_LOCATION and k not in MIXTURE_KEYS}
+        own = {k: getattr(source, k) for k in source.model_fields_set
+               if k not in ("name", "weight", "eval_only")}
+        return DataConfig(**{**shared, **own})
+
+    def eval_only(self, name: str | None) -> bool:
+        """Whether the source called `name` is only evaluated on."""
+        return any(s.name == name and s.eval_only for s in self.sources or ())
+
+    def parts(self) -> list[tuple[str | None, "DataConfig"]]:
+        """(source name, its config) for each source; one source: [(None, self)], whose files
+        sit directly in the stage folders as they always did."""
+        if self.sources is None:
+            return [(None, self)]
+        return [(s.name, self.for_source(s)) for s in self.sources]
 
     def _check_type_keys(self) -> None:
         """Keys of another dataset type, set in the params file, are a conflict, not ignored
@@ -161,6 +228,26 @@ class DataConfig(Section):
             if self.labels and len(set(self.labels)) != len(self.labels):
                 raise ValueError(f"labels {self.labels} repeats a class name")
 
+    sources: list["SourceConfig"] | None = Field(
+        None, min_length=2,
+        description="Several datasets mixed into one: each a mapping with a name, a weight, its "
+        "dataset (dataset_name/subset, json_file_path or data_files) and any data key that "
+        "belongs to one source (splits, dataset_type, templates, chat keys, max_train_samples, "
+        "...); a key a source does not set is the data section's. Test splits are "
+        "concatenated.",
+    )
+    mixing: Literal["concatenate", "interleave"] = Field(
+        "concatenate",
+        description="sources: concatenate (every train row once) or interleave (datasets."
+        "interleave_datasets: rows drawn with probabilities from the weights, seeded by "
+        "data.seed).",
+    )
+    stopping_strategy: Literal["first_exhausted", "all_exhausted"] = Field(
+        "first_exhausted",
+        description="mixing interleave: stop when the first source runs out, or when every "
+        "source has been seen whole (the others repeat: oversampling).",
+    )
+
     @property
     def text_mode(self) -> bool:
         """Train on every token of one text column: dataset_type text, or no templates at
@@ -180,3 +267,44 @@ class DataConfig(Section):
             if getattr(self, key) not in (None, fields[key].default):
                 return key
         return None
+
+
+#: keys that belong to one source (a `sources` entry may set them, else it inherits the data
+#: section's; the rest are shared by all)
+PER_SOURCE = ("dataset_name", "subset", "json_file_path", "data_files", "train_split",
+              "test_split", "split_ratio", "prompt_template", "prompt_func",
+              "completion_template", "completion_func", "input_columns", "text_field",
+              "dataset_type", "messages_field", "chat_template", "system_prompt",
+              "assistant_only_loss", "last_turn_only", "max_train_samples", "max_eval_samples")
+#: the keys that say where a source's rows come from (never at the top level with sources)
+SOURCE_LOCATION = ("dataset_name", "json_file_path", "data_files")
+MIXTURE_KEYS = ("sources", "mixing", "stopping_strategy")
+
+
+def _source_fields() -> dict[str, Any]:
+    """A source's keys are the data section's own (same types and meanings), unset = default."""
+    fields: dict[str, Any] = {
+        "name": (str, Field(description="The source's name: its folder under data/raw, "
+                            "data/formatted and its rows in data/metrics/tokenize.json.")),
+        "weight": (float, Field(1.0, gt=0, description="Relative sampling probability "
+                                "(mixing: interleave).")),
+        "eval_only": (bool, Field(False, description="Evaluate on this source, never train "
+                                  "on it: its train split's rows (a file, a hub split or a "
+                                  "slice) join the test split.")),
+    }
+    for key in PER_SOURCE:
+        f = DataConfig.model_fields[key]
+        fields[key] = (f.annotation, Field(f.default, description=f.description))
+    return fields
+
+
+def _plain_name(cls, name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][\w.\-]*", name):
+        raise ValueError(f"'{name}' must be a plain folder name (letters, digits, _ . -)")
+    return name
+
+
+SourceConfig = create_model(
+    "SourceConfig", __base__=Section, __doc__="One dataset of a mixture (`data.sources`).",
+    __validators__={"_plain_name": field_validator("name")(_plain_name)}, **_source_fields())
+DataConfig.model_rebuild()

@@ -33,6 +33,14 @@ def _type_name(annotation, escape: bool = True) -> str:
     return text.replace("|", "\\|") if escape else text
 
 
+def _list_item_section(annotation) -> type[BaseModel] | None:
+    """`X` of a `list[X]` (or `list[X] | None`) field whose X is a section."""
+    for candidate in typing.get_args(annotation) or (annotation,):
+        if typing.get_origin(candidate) is list:
+            return section_model(typing.get_args(candidate)[0])
+    return None
+
+
 def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> None:
     """One table per section; optional sub-sections (e.g. distributed.fsdp) get their own."""
     doc = " ".join((model.__doc__ or "").split())
@@ -40,6 +48,12 @@ def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> No
     lines.append("| key | type | default | meaning |\n|---|---|---|---|")
     nested = []
     for name, f in model.model_fields.items():
+        item = _list_item_section(f.annotation)
+        if item is not None:  # a list of sections (data.sources): one table for an item
+            nested.append((f"{prefix}.{name}[]", item))
+            lines.append(f"| `{prefix}.{name}` | list of sections or None | `null` | "
+                         f"{f.description or ''} (item keys below) |")
+            continue
         sub = section_model(f.annotation)
         if sub is not None:
             nested.append((f"{prefix}.{name}", sub))
