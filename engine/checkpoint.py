@@ -78,9 +78,10 @@ def _rank() -> int:
 
 def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
          meta: dict[str, Any], keep: int | None,
-         best_by: tuple[str, bool] | None = None) -> Path:
+         best_by: tuple[str, bool] | None = None, preserve_best: int | None = None) -> Path:
     """Collective: every rank calls it with its share; returns the final folder.
-    `best_by` = (metric key in meta, higher wins) makes rotation keep the best ones."""
+    `best_by` = (metric key in meta, higher wins) makes rotation keep the best ones;
+    `preserve_best`: that many best ones on top of the newest `keep`."""
     rank = _rank()
     final = directory / f"{PREFIX}{step:07d}"
     staging = directory / f".{final.name}.tmp"
@@ -105,7 +106,7 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
             replace_dir(staging, final)
             _fsync_dir(directory)
     if rank == 0 and keep:
-        for stale in stale_checkpoints(directory, keep, best_by):
+        for stale in stale_checkpoints(directory, keep, best_by, preserve_best):
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
@@ -128,12 +129,17 @@ def _ranked(paths: list[Path], best_by: tuple[str, bool]) -> list[Path]:
 
 
 def stale_checkpoints(directory: Path, keep: int,
-                      best_by: tuple[str, bool] | None = None) -> list[Path]:
+                      best_by: tuple[str, bool] | None = None,
+                      preserve_best: int | None = None) -> list[Path]:
     """What rotation deletes: all but the newest `keep`; with `best_by` (metric, higher
-    wins) all but the newest one (resume needs it) and the best `keep - 1` (at least one)."""
+    wins) all but the newest one (resume needs it) and the best `keep - 1` (at least one);
+    with `preserve_best` too, all but the newest `keep` and the best `preserve_best`."""
     paths = list_checkpoints(directory, validate=False)
     if best_by is None:
         return paths[:-keep]
+    if preserve_best:
+        kept = set(paths[-keep:]) | set(_ranked(paths, best_by)[:preserve_best])
+        return [p for p in paths if p not in kept]
     kept = set(paths[-1:]) | set(_ranked(paths, best_by)[: max(keep - 1, 1)])
     return [p for p in paths if p not in kept]
 

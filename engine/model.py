@@ -58,12 +58,31 @@ def _from_pretrained(factory: Any, ref: str, cfg: ModelConfig, **kwargs: Any) ->
 
 
 def load_tokenizer(cfg: ModelConfig, root: Path):
+    """The model's tokenizer (or `tokenizer_name_or_path`), with the configured added and
+    special tokens, and a pad token: see `choose_pad_token`."""
     from transformers import AutoTokenizer
 
-    tok = _from_pretrained(AutoTokenizer, resolve_model_ref(cfg.name_or_path, root), cfg)
+    ref = resolve_model_ref(cfg.tokenizer_name_or_path or cfg.name_or_path, root)
+    tok = _from_pretrained(AutoTokenizer, ref, cfg)
+    if cfg.special_tokens:
+        tok.add_special_tokens(dict(cfg.special_tokens))
+    if cfg.added_tokens:
+        tok.add_tokens(list(cfg.added_tokens))
     if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+        tok.pad_token = choose_pad_token(tok)
     return tok
+
+
+def choose_pad_token(tok) -> str:
+    """A tokenizer without a pad token pads with its unknown token when it has one apart from
+    EOS and BOS (Llama's <unk>), else with EOS (GPT-2 has nothing else; adding a token would
+    grow the vocabulary). Either is safe here: padding is masked out of attention and labels
+    by position, never by comparing ids with the pad id, so an EOS pad is never taken out of
+    training (the anchors' "never stops" bug) and the unknown token is never a target."""
+    special = {tok.eos_token_id, tok.bos_token_id}
+    if tok.unk_token is not None and tok.unk_token_id not in special:
+        return tok.unk_token
+    return tok.eos_token
 
 
 def bos_prefix_id(tok) -> int | None:
@@ -199,6 +218,8 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     kwargs.update(_quantization(cfg))
     model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg, **kwargs)
     model.config.use_cache = cfg.use_cache
+    if cfg.added_tokens or cfg.special_tokens:
+        grow_vocabulary(model, len(load_tokenizer(cfg, root)))
     if kwargs.get("quantization_config") is not None:
         from peft import prepare_model_for_kbit_training
 
@@ -206,14 +227,52 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     return model
 
 
-def peft_config(cfg: PeftSection):
+#: set on a model whose vocabulary grew: its embedding and output layers must train
+GREW = "_finetune_grew_vocabulary"
+
+
+def grow_vocabulary(model, size: int) -> int:
+    """Embedding (and output) rows up to `size` tokens; the new rows are the mean of the old
+    ones, so every load of the same base model gives the same weights (transformers' own
+    initialisation draws random rows) and a new token starts as an average token. Returns the
+    rows added."""
+    old = model.get_input_embeddings().weight.shape[0]
+    if size <= old:
+        return 0
+    model.resize_token_embeddings(size, mean_resizing=False)
+    with torch.no_grad():
+        layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+        for layer in {id(m): m for m in layers if m is not None}.values():
+            layer.weight[old:] = layer.weight[:old].mean(dim=0)
+            if getattr(layer, "bias", None) is not None:
+                layer.bias[old:] = layer.bias[:old].mean()
+    setattr(model, GREW, True)
+    return size - old
+
+
+def _embedding_module_names(model) -> list[str]:
+    """The names of the input embedding and output layers (modules_to_save)."""
+    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if id(m) in wanted})
+
+
+def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
+                tied: bool = False):
+    """`tied`: the model ties its input and output embeddings and one of them is trained in
+    full: LoRA keeps them one weight (peft's ensure_weight_tying); IA3 cannot."""
     from peft import IA3Config, LoraConfig
 
     if cfg.peft_type == "IA3":
+        if tied:
+            raise PipelineError(
+                "peft.peft_type IA3 with added tokens on a model whose input and output "
+                "embeddings are tied: peft's IA3 would untie them; use LORA")
         return IA3Config(
             target_modules=cfg.target_modules,
             feedforward_modules=cfg.feedforward_modules or [],
             task_type=cfg.task_type,
+            modules_to_save=modules_to_save,
         )
     return LoraConfig(
         r=cfg.r,
@@ -222,17 +281,25 @@ def peft_config(cfg: PeftSection):
         target_modules=cfg.target_modules,
         bias=cfg.bias,
         task_type=cfg.task_type,
+        modules_to_save=modules_to_save,
+        ensure_weight_tying=tied,
     )
 
 
 def apply_peft(model, cfg: PeftSection):
-    """Wrap with an adapter (or leave for full fine-tuning)."""
+    """Wrap with an adapter (or leave for full fine-tuning). A grown vocabulary's embedding
+    and output layers train in full and are saved with the adapter (peft's modules_to_save):
+    LoRA alone cannot give the new rows a meaning."""
     if not cfg.use_peft:
         return model
     from peft import get_peft_model
 
+    grew = getattr(model, GREW, False)
+    extra = _embedding_module_names(model) if grew else None
+    out = model.get_output_embeddings()
+    tied = grew and out is not None and out.weight is model.get_input_embeddings().weight
     try:
-        return get_peft_model(model, peft_config(cfg))
+        return get_peft_model(model, peft_config(cfg, extra, tied))
     except ValueError as exc:
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
 

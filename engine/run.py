@@ -36,10 +36,12 @@ from engine.model import (apply_peft, count_parameters, load_base_model, load_to
                           read_labels, write_labels)
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
+from engine.optim_in_backward import OptimizerInBackward
 from engine.packing import prepare_batch_layout
 from engine.progress import Progress
 from engine.reporters import build_reporters
-from engine.runtime import (attention_backends, autocast_dtype, compile_stats, configure_torch,
+from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
+                            autocast_dtype, check_cuda_only, compile_stats, configure_torch,
                             enable_gradient_checkpointing, maybe_compile,
                             use_fast_bf16_cpu_kernels)
 from engine.stream import ExampleSource
@@ -77,6 +79,7 @@ def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
     writes the trained model and metrics. `go`: called by the main rank before it writes
     anything (the launcher's confirmation); returns the file to stream logged rows to, or None.
     `stream`: the streamed train split (epoch -> examples), else `paths.train_data` is read."""
+    apply_allocator_settings(cfg.training)  # before CUDA allocates anything
     d = setup(cfg.distributed)
     try:
         with attention_backends(cfg.training, d.device):
@@ -109,6 +112,7 @@ class TrainingRun:
     def setup(self) -> None:
         """Everything, in the order that fixes the random streams (init, LoRA, data)."""
         t, d = self.cfg.training, self.dist
+        check_cuda_only(t, d.device)
         configure_torch(t)
         seed_everything(t.seed)
         self.tokenizer = load_tokenizer(self.cfg.model, self.paths.project_root)
@@ -120,6 +124,8 @@ class TrainingRun:
             t, self.paths.train_data, d, self.collate_fn, self.stream)
         self.max_steps = total_steps(self.cfg, self.steps_per_epoch)
         self.optimizer = self.strategy.build_optimizer()
+        self.in_backward = (OptimizerInBackward(self.strategy.module, self.optimizer)
+                            if t.fuse_optim_with_backward else None)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.scheduler, self.max_steps)
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == torch.float16 else None
         self.start, self.history = trainer_state.start(self)
@@ -180,11 +186,14 @@ class TrainingRun:
         self.open_reporters()
         self.batches = self.open_batches(self.progress.epoch, self.progress.batch_in_epoch)
         self.started, self.first_step_at = time.perf_counter(), None
+        self.speed_mark: tuple[float, int, int] | None = None
         self.model.train()
         if self.reporters:
             self.reporters.on_train_begin(self.state)
+        self.mark_speed()
         while self.progress.step < self.max_steps:
             grad_norm = self.train_step()
+            self.mark_speed()
             self.maybe_log(grad_norm)
             if self.maybe_evaluate_and_save():
                 break
@@ -200,7 +209,8 @@ class TrainingRun:
         divisor = max(self.strategy.loss_divisor(local_targets, progress.step), 1e-9)
         for i, host_batch in enumerate(micro):
             batch = to_device(host_batch, d.device)
-            with self.strategy.sync_context(last_micro_batch=i == len(micro) - 1):
+            with (self.strategy.sync_context(last_micro_batch=i == len(micro) - 1),
+                  activation_offloading(t, d.device)):
                 with (torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None),
                       self.loss.computing(host_batch["labels"])):
                     output = self.model(**model_inputs(batch), use_cache=False)
@@ -219,10 +229,14 @@ class TrainingRun:
         return grad_norm
 
     def _optimizer_step(self) -> torch.Tensor:
+        if self.in_backward is not None:  # every parameter was updated during backward
+            self.scheduler.step()
+            return torch.tensor(float("nan"))
         self.strategy.before_optimizer_step(self.progress.step)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = self.strategy.clip_grad_norm(self.cfg.training.max_grad_norm)
+        max_norm = self.cfg.training.max_grad_norm
+        grad_norm = self.strategy.clip_grad_norm(float("inf") if max_norm is None else max_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -231,6 +245,31 @@ class TrainingRun:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def mark_speed(self) -> None:
+        """Where the final speed metrics start counting: the first step after
+        training.speed_metrics_start_step (one device sync, once per run)."""
+        if self.speed_mark is None and (
+                self.progress.step >= self.cfg.training.speed_metrics_start_step):
+            if self.dist.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.speed_mark = (time.perf_counter(), self.progress.real_tokens, self.progress.step)
+
+    def speed_metrics(self) -> dict[str, Any]:
+        """Tokens (all ranks) and steps per second since the mark."""
+        if self.speed_mark is None:
+            return {}
+        if self.dist.device.type == "cuda":
+            torch.cuda.synchronize()
+        started, tokens_before, step_before = self.speed_mark
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        tokens = torch.tensor(float(self.progress.real_tokens - tokens_before),
+                              dtype=torch.float64, device=self.dist.device)
+        if self.dist.world_size > 1:  # metrics, not training traffic: not metered
+            torch.distributed.all_reduce(tokens)
+        return {"train_tokens_per_second": round(float(tokens) / elapsed, 3),
+                "train_steps_per_second": round((self.progress.step - step_before) / elapsed, 4),
+                "speed_metrics_start_step": step_before}
 
     def maybe_log(self, grad_norm: torch.Tensor) -> None:
         """At a logging step: one reduction for the whole window, then one row."""
@@ -338,6 +377,7 @@ class TrainingRun:
             "world_size": self.dist.world_size,
             "strategy": self.strategy.name,
             **progress.fill_metrics(),
+            **self.speed_metrics(),
             **(compile_stats() if cfg.training.torch_compile else {}),
             "memory_rss_mb": peak_rss_mb(),
             **({"cuda_max_memory_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}

@@ -42,6 +42,53 @@ def configure_torch(t: TrainingConfig) -> None:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
     torch.autograd.set_detect_anomaly(t.detect_anomaly, check_nan=True)
+    if t.default_dtype:
+        torch.set_default_dtype(DTYPES[t.default_dtype])
+    if t.torch_compile:
+        import torch._dynamo.config as dynamo
+        import torch._functorch.config as functorch
+
+        if t.dynamo_recompile_limit is not None:
+            dynamo.recompile_limit = t.dynamo_recompile_limit
+        if t.activation_memory_budget is not None:
+            functorch.activation_memory_budget = t.activation_memory_budget
+
+
+#: options that only mean something on a CUDA device, and why
+CUDA_ONLY = {
+    "enable_activation_offloading": "it moves saved activations from the GPU to host memory, "
+                                    "where a CPU run keeps them already",
+    "gc_threshold": "it tunes the CUDA caching allocator",
+}
+
+
+def check_cuda_only(t: TrainingConfig, device: torch.device) -> None:
+    """One line for a CUDA-only option set on another device."""
+    if device.type == "cuda":
+        return
+    for key, why in CUDA_ONLY.items():
+        if getattr(t, key) not in (None, False):
+            raise PipelineError(f"training.{key} needs a CUDA GPU ({why}); remove it on "
+                                f"{device.type}")
+
+
+def apply_allocator_settings(t: TrainingConfig) -> None:
+    """training.gc_threshold into PYTORCH_CUDA_ALLOC_CONF, before CUDA allocates anything
+    (the allocator reads it once); other settings already there are kept."""
+    if t.gc_threshold is None:
+        return
+    parts = [p for p in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").split(",")
+             if p and not p.startswith("garbage_collection_threshold:")]
+    parts.append(f"garbage_collection_threshold:{t.gc_threshold}")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(parts)
+
+
+def activation_offloading(t: TrainingConfig, device: torch.device):
+    """The context a micro-batch's forward and backward run in: saved tensors to pinned host
+    memory with enable_activation_offloading, else nothing."""
+    if not t.enable_activation_offloading:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
 #: the SDPA kernels a CPU has (the others need CUDA)

@@ -44,7 +44,8 @@ def save(run, evaluated: dict) -> Path:
             "fingerprint": run.fingerprint() if run.dist.is_main else None}
     path = ckpt.save(run.paths.checkpoints, run.progress.step,
                      run.strategy.dcp_state(run.optimizer), trainer_state, meta,
-                     run.cfg.checkpoint.save_total_limit, run.monitor.best_by)
+                     run.cfg.checkpoint.save_total_limit, run.monitor.best_by,
+                     run.cfg.checkpoint.preserve_n_best)
     run.log(f"[train] checkpoint {path}")
     return path
 

@@ -27,7 +27,7 @@ def preflight(ws: Workspace) -> None:
     import torch
 
     from engine.model import check_quantization, model_class
-    from engine.runtime import autocast_dtype, check_sdpa_backends
+    from engine.runtime import autocast_dtype, check_cuda_only, check_sdpa_backends
 
     cfg = ws.config
     cuda = torch.cuda.is_available()
@@ -36,6 +36,7 @@ def preflight(ws: Workspace) -> None:
     device = torch.device("cuda" if cuda else "cpu")
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)
+    check_cuda_only(cfg.training, device)
     if cfg.distributed.backend == "nccl" and not cuda:
         raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
     if cfg.data.streaming:

@@ -288,8 +288,13 @@ def train_in_place(dest: Path) -> InProcess:
     from tasks.launch import job_spec
 
     ws = Workspace.load(dest / "params/default.yaml")
+    import torch._dynamo.config as dynamo
+    import torch._functorch.config as functorch
+
     saved = (torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled(),
-             torch.get_float32_matmul_precision(), torch.get_num_threads())
+             torch.get_float32_matmul_precision(), torch.get_num_threads(),
+             torch.get_default_dtype(), dynamo.recompile_limit,
+             functorch.activation_memory_budget)
     before = set(sys.modules)
     sys.path.insert(0, str(dest))  # 'module:Class' from the project, as the workers see it
     out = io.StringIO()
@@ -306,6 +311,8 @@ def train_in_place(dest: Path) -> InProcess:
         torch.autograd.set_detect_anomaly(saved[1])
         torch.set_float32_matmul_precision(saved[2])
         torch.set_num_threads(saved[3])
+        torch.set_default_dtype(saved[4])
+        dynamo.recompile_limit, functorch.activation_memory_budget = saved[5], saved[6]
     return InProcess(out.getvalue())
 
 

@@ -3,6 +3,8 @@ choice, the fused optimizer default on CUDA."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -82,3 +84,107 @@ def test_the_gpu_benchmark_refuses_cleanly_without_a_gpu(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "bench/gpu.py: no CUDA device here; run it on a GPU machine (bench/suite.py is the "
         "CPU benchmark)"]
+
+
+def test_compile_and_dtype_knobs_reach_torch_and_compile_ones_need_compile():
+    import torch._dynamo.config as dynamo
+    import torch._functorch.config as functorch
+
+    from engine.runtime import configure_torch
+
+    saved = (torch.get_default_dtype(), dynamo.recompile_limit,
+             functorch.activation_memory_budget, torch.get_float32_matmul_precision())
+    try:
+        configure_torch(TrainingConfig(torch_compile=True, dynamo_recompile_limit=3,
+                                       activation_memory_budget=0.5, default_dtype="bfloat16"))
+        assert dynamo.recompile_limit == 3 and functorch.activation_memory_budget == 0.5
+        assert torch.get_default_dtype() == torch.bfloat16
+    finally:
+        torch.set_default_dtype(saved[0])
+        dynamo.recompile_limit, functorch.activation_memory_budget = saved[1], saved[2]
+        torch.set_float32_matmul_precision(saved[3])
+    for key, value in (("dynamo_recompile_limit", 3), ("activation_memory_budget", 0.5)):
+        with pytest.raises(ValueError, match=f"{key} tunes torch.compile"):
+            TrainingConfig(**{key: value})
+    with pytest.raises(ValueError, match="speed_metrics_start_step 4 leaves no step"):
+        TrainingConfig(max_steps=4, speed_metrics_start_step=4)
+
+
+def test_ddp_skips_unused_parameter_reductions_when_asked(tmp_path):
+    """A one-process gloo group is enough to build DDP and see the flag reach it."""
+    import torch.distributed as dist
+
+    from engine.comm import CommMeter
+    from engine.distributed import Dist
+    from engine.strategies.ddp import DDPStrategy
+    from finetune.config.schema import FinetuneConfig
+
+    data = {"json_file_path": "x.jsonl"}
+    with pytest.raises(ValueError, match="needs find_unused_parameters: true"):
+        FinetuneConfig.model_validate({"data": data, "distributed": {
+            "skip_all_reduce_unused_params": True}})
+    cfg = FinetuneConfig.model_validate({"data": data, "distributed": {
+        "strategy": "ddp", "find_unused_parameters": True,
+        "skip_all_reduce_unused_params": True}})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        d = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                 device=torch.device("cpu"))
+        model = DDPStrategy(cfg, d, CommMeter()).wrap(torch.nn.Linear(2, 2))
+        assert model.skip_all_reduce_unused_params and model.find_unused_parameters
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_root_only_wrapping_makes_one_unit(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from engine.comm import CommMeter
+    from engine.distributed import Dist
+    from engine.model import load_base_model
+    from engine.strategies.fsdp2 import FSDP2Strategy
+    from finetune.config.schema import FinetuneConfig
+    from conftest import ROOT
+
+    def units(fsdp: dict) -> int:
+        cfg = FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"}, "distributed": {
+            "strategy": "fsdp2", "fsdp": fsdp}})
+        model = load_base_model(cfg.model, ROOT)
+        d = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                 device=torch.device("cpu"))
+        wrapped = FSDP2Strategy(cfg, d, CommMeter()).wrap(model)
+        return sum(isinstance(m, FSDPModule) for m in wrapped.modules())
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        assert units({}) == 6  # stories260K: 5 decoder blocks + the root
+        assert units({"shard_transformer_layers": False}) == 1
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="shard_transformer_layers is false"):
+        FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"}, "distributed": {
+            "strategy": "fsdp2", "fsdp": {"shard_transformer_layers": False,
+                                          "shard_modules": ["model.layers"]}}})
+
+
+def test_cuda_only_memory_options_refuse_a_cpu_and_reach_cuda(monkeypatch):
+    from engine.runtime import activation_offloading, apply_allocator_settings, check_cuda_only
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for key, value in (("enable_activation_offloading", True), ("gc_threshold", 0.6)):
+        t = TrainingConfig(**{key: value})
+        with pytest.raises(PipelineError, match=f"training.{key} needs a CUDA GPU"):
+            check_cuda_only(t, cpu)
+        check_cuda_only(t, cuda)  # accepted where it means something
+    offload = activation_offloading(TrainingConfig(enable_activation_offloading=True), cuda)
+    assert isinstance(offload, torch.autograd.graph.save_on_cpu)
+    assert not isinstance(activation_offloading(TrainingConfig(), cuda),
+                          torch.autograd.graph.save_on_cpu)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,"
+                       "garbage_collection_threshold:0.9")
+    apply_allocator_settings(TrainingConfig(gc_threshold=0.6))
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "expandable_segments:True,garbage_collection_threshold:0.6")

@@ -16,6 +16,7 @@ import torch
 from conftest import (adapter, assert_weights_close, error_line, interrupt_then_resume, losses,
                       resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
                       train_metrics, write_params)
+from finetune.config.schema import FinetuneConfig
 from finetune.errors import PipelineError
 
 
@@ -206,6 +207,49 @@ def test_best_checkpoints_kept_and_loaded_at_end(tokenized, tmp_path):
         assert torch.equal(saved[fqn], value), key
 
 
+def test_optimizer_in_backward_trains_like_the_step_after_backward(tokenized, tmp_path):
+    """fuse_optim_with_backward updates each parameter inside backward; Adam's update is
+    per parameter, so the run is the ordinary one (no clipping on either side)."""
+    plain, _ = train_here(tokenized, tmp_path / "p", {**BASE, "training.max_grad_norm": None})
+    fused, _ = train_here(tokenized, tmp_path / "f", {**BASE, "training.max_grad_norm": None,
+                                                      "training.fuse_optim_with_backward": True})
+    assert losses(fused) == pytest.approx(losses(plain), abs=1e-6)
+    assert_weights_close(adapter(fused), adapter(plain))
+    grad_norms = _column(fused, "grad_norm")
+    assert all(g != g for g in grad_norms)  # nan: no gradient outlives its update
+    assert all(g == g for g in _column(plain, "grad_norm"))
+    data = {"data": {"json_file_path": "x.jsonl"}}
+    for section, extra, message in (
+            ("training", {}, "does not combine with max_grad_norm: 1.0"),
+            ("training", {"max_grad_norm": None, "gradient_accumulation_steps": 2},
+             "gradient_accumulation_steps: 2"),
+            ("training", {"max_grad_norm": None, "mixed_precision": "fp16"},
+             "mixed_precision: fp16"),
+            ("distributed", {"strategy": "ddp"}, "distributed.strategy ddp")):
+        training = {"fuse_optim_with_backward": True, **(extra if section == "training" else
+                                                         {"max_grad_norm": None})}
+        raw = {**data, "training": training}
+        if section == "distributed":
+            raw["distributed"] = extra
+        with pytest.raises(ValueError, match=message):
+            FinetuneConfig.model_validate(raw)
+
+
+def test_preserve_n_best_keeps_the_best_apart_from_the_newest(tokenized, tmp_path):
+    """greater_is_better makes the earliest checkpoints the best: the newest one
+    (save_total_limit 1) and the two best (preserve_n_best 2) survive; without
+    preserve_n_best the rule is the newest plus one best."""
+    project, _ = train_here(tokenized, tmp_path / "b", {
+        "training.max_steps": 8, "eval.eval_strategy": "steps", "eval.eval_steps": 2,
+        "checkpoint.save_steps": 2, "checkpoint.save_total_limit": 1,
+        "checkpoint.metric_for_best_model": "eval_loss", "checkpoint.greater_is_better": True,
+        "checkpoint.preserve_n_best": 2})
+    assert _checkpoints(project) == ["step-0000002", "step-0000004", "step-0000008"]
+    with pytest.raises(ValueError, match="preserve_n_best keeps the best checkpoints by"):
+        FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"},
+                                       "checkpoint": {"preserve_n_best": 2}})
+
+
 def test_checkpointing_compile_determinism_anomaly_train_like_plain(tokenized, tmp_path):
     """Activation checkpointing, torch.compile (aot_eager: dynamo + AOT autograd, no C++
     toolchain), full determinism and anomaly detection change how, not what, is computed."""
@@ -371,8 +415,13 @@ def baseline(tokenized, tmp_path_factory):
                                                                         "eval.csv")),
     ({"training.num_train_epochs": 5},  # max_steps > 0 wins over epochs
      lambda run, base: train_metrics(run)["global_step"] == 4),
+    ({"training.speed_metrics_start_step": 2},  # tokens/s counts steps 3 and 4 only
+     lambda run, base: train_metrics(run)["speed_metrics_start_step"] == 2
+     and train_metrics(base)["speed_metrics_start_step"] == 0
+     and train_metrics(run)["train_tokens_per_second"] > 0
+     and train_metrics(run)["train_steps_per_second"] > 0),
 ], ids=["bf16", "max_grad_norm", "seed", "weight_decay", "optimizer", "scheduler", "warmup_ratio",
-        "logging_steps", "eval_batches", "max_steps_wins"])
+        "logging_steps", "eval_batches", "max_steps_wins", "speed_metrics_start_step"])
 def test_each_loop_option_changes_the_run(tokenized, tmp_path, baseline, overrides, check):
     run, _ = train_here(tokenized, tmp_path / "r", {**BASE, **overrides})
     assert check(run, baseline)

@@ -24,6 +24,7 @@ class DDPStrategy(Strategy):
             static_graph=c.static_graph,
             forward_sync_buffers=c.broadcast_buffers,
             init_sync=c.init_sync,
+            skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
         )
         # Same averaging all-reduce as DDP's default, with the bytes counted.
         self.model.register_comm_hook(self.meter, ddp_counting_hook)

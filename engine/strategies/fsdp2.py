@@ -68,7 +68,8 @@ class FSDP2Strategy(Strategy):
             "offload_policy": CPUOffloadPolicy(pin_memory=self.d.device.type == "cuda")
             if c.cpu_offload else OffloadPolicy(),
         }
-        for unit in shard_units(model, c.shard_modules):
+        units = shard_units(model, c.shard_modules) if c.shard_transformer_layers else []
+        for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         for module in model.modules():

@@ -41,6 +41,12 @@ class FsdpConfig(Section):
         description="Dotted paths of modules to shard one by one (a ModuleList path shards "
         "each child); default: every transformer block (the model's _no_split_modules).",
     )
+    shard_transformer_layers: bool = Field(
+        True,
+        description="Each transformer block (or shard_modules entry) is its own FSDP unit, "
+        "gathered only while it runs; false: the root alone (seed 002's root-only wrapping: "
+        "one all-gather of every parameter per forward, fewer and larger collectives).",
+    )
     reshard_after_forward: bool | int = Field(
         True,
         description="Free gathered params after forward (true), keep them (false), or reshard "
@@ -52,6 +58,13 @@ class FsdpConfig(Section):
         None, description="Cast floating buffers (e.g. rotary tables) to this dtype before sharding."
     )
     cpu_offload: bool = Field(False, description="Keep sharded params/grads/optimizer on CPU.")
+
+    @model_validator(mode="after")
+    def _units(self) -> "FsdpConfig":
+        if self.shard_modules and not self.shard_transformer_layers:
+            raise ValueError("shard_modules names units to shard one by one, but "
+                             "shard_transformer_layers is false (root only); set one of them")
+        return self
 
 
 class DilocoConfig(Section):
@@ -140,6 +153,9 @@ class DistributedConfig(Section):
     static_graph: bool = Field(False, description="DDP: graph does not change across steps.")
     broadcast_buffers: bool = Field(True, description="DDP: sync buffers every forward.")
     init_sync: bool = Field(True, description="DDP: broadcast rank 0's weights at start.")
+    skip_all_reduce_unused_params: bool = Field(
+        False, description="DDP: do not all-reduce the gradients of parameters unused in a step "
+        "(needs find_unused_parameters: true).")
     fsdp: FsdpConfig | None = Field(None, description="FSDP2 options (strategy fsdp2 only).")
     diloco: DilocoConfig | None = Field(None, description="DiLoCo options (strategy diloco only).")
 
@@ -153,6 +169,9 @@ class DistributedConfig(Section):
             )
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
+        if self.skip_all_reduce_unused_params and not self.find_unused_parameters:
+            raise ValueError("skip_all_reduce_unused_params needs find_unused_parameters: true "
+                             "(DDP finds the unused parameters it skips)")
         if self.strategy == "diloco" and self.diloco is None:
             raise ValueError(
                 "strategy 'diloco' needs its outer-loop settings: add a distributed.diloco "

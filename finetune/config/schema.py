@@ -19,6 +19,7 @@ from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import (CLASSIFICATION_GATES, EvalConfig, ExportConfig,
                                      RegistryConfig)
 from finetune.config.section import Section
+from finetune.config.training import TrainingConfig
 
 SCHEDULERS = (
     "linear",
@@ -30,6 +31,10 @@ SCHEDULERS = (
     "inverse_sqrt",
     "warmup_stable_decay",
 )
+
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                      "cls_token", "mask_token", "additional_special_tokens")
 
 
 class ModelConfig(Section):
@@ -46,6 +51,25 @@ class ModelConfig(Section):
         pattern=r"^[A-Za-z_][\w.\-]*(:[A-Za-z_]\w*)?$",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin.")
+    tokenizer_name_or_path: str | None = Field(
+        None, validation_alias=AliasChoices("tokenizer_name_or_path", "tokenizer_name"),
+        description="A tokenizer other than the model's (hub id or local folder); None: the "
+        "model's. Alias: tokenizer_name (seeds 003/004). Saved with the trained and exported "
+        "model.",
+    )
+    added_tokens: list[str] = Field(
+        default_factory=list,
+        description="New tokens added to the vocabulary (tokenizer.add_tokens); the embeddings "
+        "grow to match (new rows: the mean of the old ones) and, with an adapter, the "
+        "embedding and output layers train in full (modules_to_save).",
+    )
+    special_tokens: dict[str, str | list[str]] = Field(
+        default_factory=dict,
+        description="Special tokens to set or add (tokenizer.add_special_tokens): pad_token, "
+        "eos_token, bos_token, unk_token, sep_token, cls_token, mask_token, "
+        "additional_special_tokens (a list). A new token grows the vocabulary as added_tokens "
+        "does.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype the weights are loaded in."
     )
@@ -57,6 +81,18 @@ class ModelConfig(Section):
     load_in_4bit: bool = Field(False, description="QLoRA 4-bit loading via bitsandbytes (CUDA only).")
     load_in_8bit: bool = Field(False, description="8-bit loading via bitsandbytes (CUDA only).")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub repo to run.")
+
+    @field_validator("special_tokens")
+    @classmethod
+    def _known_special_tokens(cls, tokens: dict) -> dict:
+        for key, value in tokens.items():
+            if key not in SPECIAL_TOKEN_KEYS:
+                raise ValueError(f"'{key}' is not a special token name (one of "
+                                 f"{', '.join(SPECIAL_TOKEN_KEYS)})")
+            if (key == "additional_special_tokens") != isinstance(value, list):
+                raise ValueError(f"{key}: " + ("a list of tokens" if isinstance(value, str)
+                                               else "one token (a string)"))
+        return tokens
 
     @model_validator(mode="after")
     def _one_quantisation(self) -> "ModelConfig":
@@ -83,192 +119,6 @@ class PeftSection(Section):
     task_type: Literal["CAUSAL_LM", "SEQ_CLS"] = Field(
         "CAUSAL_LM", description="peft task type (SEQ_CLS, set for data.dataset_type "
         "classification, also trains the classification head: modules_to_save).")
-
-
-class GradientCheckpointingKwargs(Section):
-    """Passed to torch.utils.checkpoint (via HF's gradient_checkpointing_enable)."""
-
-    use_reentrant: bool = Field(
-        False, description="Reentrant autograd checkpointing (legacy; non-reentrant is safer)."
-    )
-    preserve_rng_state: bool = Field(
-        True, description="Replay dropout masks exactly in the recomputation."
-    )
-
-
-class TrainingConfig(Section):
-    """The loop's size and cadence (HF TrainingArguments names)."""
-
-    per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch per process.")
-    per_device_eval_batch_size: int = Field(16, gt=0, description="Eval batch per process.")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per step.")
-    global_batch_size: int | None = Field(
-        None, gt=0, description="Optional check: must equal micro x accumulation x world size."
-    )
-    num_train_epochs: float = Field(1.0, description="Epochs (ignored when max_steps > 0).")
-    max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
-    group_by_length: bool = Field(
-        False, description="Batch examples of similar length together (less padding)."
-    )
-    dataloader_num_workers: int = Field(
-        0, ge=0, description="Worker processes that collate batches (0: in the main process)."
-    )
-    dataloader_pin_memory: bool = Field(
-        True, description="Pinned host memory for faster copies to the GPU (no-op on CPU)."
-    )
-    dataloader_prefetch_factor: int | None = Field(
-        None, gt=0, description="Batches each worker prepares ahead (None: torch's 2)."
-    )
-    dataloader_persistent_workers: bool = Field(
-        False, description="Keep workers alive between epochs."
-    )
-    dataloader_drop_last: bool = Field(
-        True,
-        description="Drop the epoch's incomplete last optimizer step; false fills it with "
-        "examples from the epoch's start (every example is trained on every epoch).",
-    )
-    packing: bool = Field(
-        False,
-        validation_alias=AliasChoices("packing", "dynamic_batch"),
-        description="Pack each micro-batch's examples into rows of up to "
-        "packed_sequence_length tokens, position_ids restarting per example (no attention across examples; no "
-        "padding compute). Alias: dynamic_batch.",
-    )
-    padding_free: bool = Field(
-        False,
-        description="Each micro-batch as one row with no padding at all: position_ids restart "
-        "per example and a varlen attention kernel keeps examples apart (training."
-        "varlen_kernel), so compute follows the real tokens (TRL's padding_free). Checked by a "
-        "probe at start-up. Exclusive with packing.",
-    )
-    varlen_kernel: Literal["auto", "torch_varlen", "flash_attn", "flex",
-                           "sdpa_per_example"] = Field(
-        "auto",
-        description="Attention kernel for padding_free (and packing on a GPU): auto picks the "
-        "fastest the machine has (torch's flash varlen on CUDA with bf16/fp16 compute, then the "
-        "flash-attn package, then FlexAttention with a document mask, any dtype; on a CPU "
-        "causal SDPA per example: torch has no FlexAttention backward there). The choice is "
-        "printed at start-up.",
-    )
-    packed_sequence_length: int | None = Field(
-        None, gt=0,
-        description="Packing: tokens per packed row (None: data.max_seq_length). Positions "
-        "restart per example, so this may exceed the model's max_position_embeddings.",
-    )
-    loss_chunk_tokens: int | None = Field(
-        4096, gt=0,
-        description="Cross entropy without the full fp32 logits: the output layer runs only on "
-        "positions that predict a target, this many at a time (one chunk's logits in memory, "
-        "forward and backward); equal to the full loss up to summation order. null: the "
-        "model's full logits (needed for a model that transforms logits after its output "
-        "layer; a start-up probe refuses such a model with one line). A classifier has no "
-        "vocabulary head: another value than the default is refused there.",
-    )
-    pad_to_multiple_of: int | None = Field(
-        None, gt=0,
-        description="Pad each batch's rows (padded or packed) to a multiple of this many tokens "
-        "(HF's name): a few shapes instead of one per length, so torch.compile graphs and the "
-        "GPU attention kernels' per-shape plans are reused; packing with the packed length "
-        "here gives every batch one shape (CUDA graphs). Padding-free rows are never padded.",
-    )
-    sdpa_backend: list[Literal["flash_attention", "efficient_attention", "cudnn_attention",
-                               "math"]] | None = Field(
-        None,
-        description="SDPA kernels the model's attention may use (torch.nn.attention."
-        "sdpa_kernel). None: on CUDA flash, then memory-efficient, then cuDNN, then math, in "
-        "that priority (cuDNN plans every new shape on the host, ~3 ms per call on an H100); "
-        "on CPU torch's choice. The CPU has flash_attention and math only.",
-    )
-    sdpa_set_priority: bool = Field(
-        True, description="Try sdpa_backend in the order given (else torch's own order)."
-    )
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
-        "fp32", description="Autocast dtype; fp32/no = full precision."
-    )
-    seed: int = Field(42, description="Seed for init, dropout and data order.")
-    full_determinism: bool = Field(
-        False, description="torch.use_deterministic_algorithms + deterministic cuDNN/cuBLAS "
-        "(bitwise-repeatable GPU runs, slower)."
-    )
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward (less memory, ~30% more compute)."
-    )
-    gradient_checkpointing_kwargs: GradientCheckpointingKwargs = Field(
-        default_factory=GradientCheckpointingKwargs,
-        description="torch.utils.checkpoint options.",
-    )
-    torch_compile: bool = Field(False, description="torch.compile the model for training.")
-    torch_compile_scope: Literal["blocks", "model"] = Field(
-        "blocks",
-        description="What torch_compile compiles: each decoder block in place (regional, as "
-        "torchtitan does: one block's compile time, hooks of DDP/FSDP2 outside the graphs) or "
-        "the whole wrapped model.",
-    )
-    torch_compile_backend: str = Field("inductor", description="torch.compile backend.")
-    torch_compile_mode: Literal[
-        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
-    ] = Field("default", description="torch.compile mode.")
-    torch_compile_dynamic: bool | None = Field(
-        None, description="Dynamic shapes (None: torch decides after a recompile)."
-    )
-    torch_compile_fullgraph: bool = Field(False, description="Fail on graph breaks.")
-    float32_matmul_precision: Literal["highest", "high", "medium"] = Field(
-        "highest", description="torch.set_float32_matmul_precision (high: TF32 on Ampere+)."
-    )
-    detect_anomaly: bool = Field(
-        False, description="autograd anomaly detection: the op that made a NaN (slow; debug)."
-    )
-
-    @model_validator(mode="after")
-    def _loader(self) -> "TrainingConfig":
-        if self.dataloader_num_workers == 0 and (self.dataloader_prefetch_factor is not None
-                                                 or self.dataloader_persistent_workers):
-            raise ValueError("dataloader_prefetch_factor / dataloader_persistent_workers need "
-                             "dataloader_num_workers > 0")
-        return self
-
-    @model_validator(mode="after")
-    def _compile_mode(self) -> "TrainingConfig":
-        if (self.torch_compile and self.torch_compile_mode == "max-autotune"
-                and self.gradient_accumulation_steps > 1):
-            raise ValueError(
-                "torch_compile_mode max-autotune captures CUDA graphs, which replay stale "
-                "gradients under gradient_accumulation_steps > 1; use "
-                "max-autotune-no-cudagraphs or accumulation 1"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _fullgraph(self) -> "TrainingConfig":
-        if (self.torch_compile and self.torch_compile_fullgraph
-                and self.torch_compile_scope == "model" and self.loss_chunk_tokens):
-            raise ValueError(
-                "torch_compile_fullgraph with torch_compile_scope: model cannot hold the "
-                "chunked loss (it runs eager, a graph break); use torch_compile_scope: blocks "
-                "or loss_chunk_tokens: null"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _one_row_layout(self) -> "TrainingConfig":
-        if self.padding_free and self.pad_to_multiple_of:
-            raise ValueError(
-                "pad_to_multiple_of: padding_free rows are never padded; set it with packing "
-                "or padded batches, or remove it"
-            )
-        if self.padding_free and self.packing:
-            raise ValueError(
-                "padding_free and packing are alternatives: padding_free puts each micro-batch "
-                "in one row without padding, packing in rows of packed_sequence_length; set one"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _budget(self) -> "TrainingConfig":
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            raise ValueError("set max_steps > 0 or num_train_epochs > 0; both give no steps")
-        return self
 
 
 class OptimizerConfig(Section):
@@ -338,7 +188,14 @@ class CheckpointConfig(Section):
     save_total_limit: int | None = Field(
         2, gt=0,
         description="Keep at most N checkpoints: the newest, plus the best by "
-        "metric_for_best_model when set (else the newest N).",
+        "metric_for_best_model when set (else the newest N). With preserve_n_best: the newest "
+        "N, and the best ones on top.",
+    )
+    preserve_n_best: int | None = Field(
+        None, gt=0,
+        description="Also keep the N best checkpoints by metric_for_best_model, apart from the "
+        "newest save_total_limit (seed 002): a checkpoint stays while it is among either. "
+        "Needs metric_for_best_model.",
     )
     resume_from_checkpoint: bool | Literal["auto"] = Field(
         False,
@@ -438,6 +295,11 @@ class FinetuneConfig(Section):
                 "bfloat16)"
             )
         self.registry.check_against(self.eval)
+        if t.fuse_optim_with_backward and self.distributed.strategy != "single":
+            raise ValueError(
+                f"training.fuse_optim_with_backward does not combine with distributed.strategy "
+                f"{self.distributed.strategy} (the update would run before the gradients are "
+                "all-reduced); use strategy single")
         self._check_classification()
         self._check_best_model()
         self._check_resume_ignore_changes()
@@ -522,7 +384,11 @@ class FinetuneConfig(Section):
     def _check_best_model(self) -> None:
         """HF's rules: the best model needs an eval at every checkpoint it could be."""
         c, e = self.checkpoint, self.eval
-        monitored = c.load_best_model_at_end or e.early_stopping_patience is not None
+        if c.preserve_n_best and c.metric_for_best_model is None:
+            raise ValueError("checkpoint.preserve_n_best keeps the best checkpoints by "
+                             "checkpoint.metric_for_best_model: set it (e.g. eval_loss)")
+        monitored = (c.load_best_model_at_end or e.early_stopping_patience is not None
+                     or c.preserve_n_best is not None)
         if monitored and c.metric_for_best_model is None:
             raise ValueError("checkpoint.load_best_model_at_end / eval.early_stopping_patience "
                              "need checkpoint.metric_for_best_model (e.g. eval_loss)")

@@ -1,0 +1,268 @@
+"""Config of the training loop (`training`): batches, precision, compile, kernels, the loss.
+
+Its own module because it is the largest section and the one every engine feature extends.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field, model_validator
+
+from finetune.config.section import Section
+
+
+class GradientCheckpointingKwargs(Section):
+    """Passed to torch.utils.checkpoint (via HF's gradient_checkpointing_enable)."""
+
+    use_reentrant: bool = Field(
+        False, description="Reentrant autograd checkpointing (legacy; non-reentrant is safer)."
+    )
+    preserve_rng_state: bool = Field(
+        True, description="Replay dropout masks exactly in the recomputation."
+    )
+
+
+class TrainingConfig(Section):
+    """The loop's size and cadence (HF TrainingArguments names)."""
+
+    per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch per process.")
+    per_device_eval_batch_size: int = Field(16, gt=0, description="Eval batch per process.")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per step.")
+    global_batch_size: int | None = Field(
+        None, gt=0, description="Optional check: must equal micro x accumulation x world size."
+    )
+    num_train_epochs: float = Field(1.0, description="Epochs (ignored when max_steps > 0).")
+    max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
+    group_by_length: bool = Field(
+        False, description="Batch examples of similar length together (less padding)."
+    )
+    dataloader_num_workers: int = Field(
+        0, ge=0, description="Worker processes that collate batches (0: in the main process)."
+    )
+    dataloader_pin_memory: bool = Field(
+        True, description="Pinned host memory for faster copies to the GPU (no-op on CPU)."
+    )
+    dataloader_prefetch_factor: int | None = Field(
+        None, gt=0, description="Batches each worker prepares ahead (None: torch's 2)."
+    )
+    dataloader_persistent_workers: bool = Field(
+        False, description="Keep workers alive between epochs."
+    )
+    dataloader_drop_last: bool = Field(
+        True,
+        description="Drop the epoch's incomplete last optimizer step; false fills it with "
+        "examples from the epoch's start (every example is trained on every epoch).",
+    )
+    packing: bool = Field(
+        False,
+        validation_alias=AliasChoices("packing", "dynamic_batch"),
+        description="Pack each micro-batch's examples into rows of up to "
+        "packed_sequence_length tokens, position_ids restarting per example (no attention across examples; no "
+        "padding compute). Alias: dynamic_batch.",
+    )
+    padding_free: bool = Field(
+        False,
+        description="Each micro-batch as one row with no padding at all: position_ids restart "
+        "per example and a varlen attention kernel keeps examples apart (training."
+        "varlen_kernel), so compute follows the real tokens (TRL's padding_free). Checked by a "
+        "probe at start-up. Exclusive with packing.",
+    )
+    varlen_kernel: Literal["auto", "torch_varlen", "flash_attn", "flex",
+                           "sdpa_per_example"] = Field(
+        "auto",
+        description="Attention kernel for padding_free (and packing on a GPU): auto picks the "
+        "fastest the machine has (torch's flash varlen on CUDA with bf16/fp16 compute, then the "
+        "flash-attn package, then FlexAttention with a document mask, any dtype; on a CPU "
+        "causal SDPA per example: torch has no FlexAttention backward there). The choice is "
+        "printed at start-up.",
+    )
+    packed_sequence_length: int | None = Field(
+        None, gt=0,
+        description="Packing: tokens per packed row (None: data.max_seq_length). Positions "
+        "restart per example, so this may exceed the model's max_position_embeddings.",
+    )
+    loss_chunk_tokens: int | None = Field(
+        4096, gt=0,
+        description="Cross entropy without the full fp32 logits: the output layer runs only on "
+        "positions that predict a target, this many at a time (one chunk's logits in memory, "
+        "forward and backward); equal to the full loss up to summation order. null: the "
+        "model's full logits (needed for a model that transforms logits after its output "
+        "layer; a start-up probe refuses such a model with one line). A classifier has no "
+        "vocabulary head: another value than the default is refused there.",
+    )
+    pad_to_multiple_of: int | None = Field(
+        None, gt=0,
+        description="Pad each batch's rows (padded or packed) to a multiple of this many tokens "
+        "(HF's name): a few shapes instead of one per length, so torch.compile graphs and the "
+        "GPU attention kernels' per-shape plans are reused; packing with the packed length "
+        "here gives every batch one shape (CUDA graphs). Padding-free rows are never padded.",
+    )
+    sdpa_backend: list[Literal["flash_attention", "efficient_attention", "cudnn_attention",
+                               "math"]] | None = Field(
+        None,
+        description="SDPA kernels the model's attention may use (torch.nn.attention."
+        "sdpa_kernel). None: on CUDA flash, then memory-efficient, then cuDNN, then math, in "
+        "that priority (cuDNN plans every new shape on the host, ~3 ms per call on an H100); "
+        "on CPU torch's choice. The CPU has flash_attention and math only.",
+    )
+    sdpa_set_priority: bool = Field(
+        True, description="Try sdpa_backend in the order given (else torch's own order)."
+    )
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Gradient clipping norm; null: no clipping (the norm is still "
+        "logged, except with fuse_optim_with_backward).")
+    enable_activation_offloading: bool = Field(
+        False,
+        description="Keep the activations saved for backward in host memory (pinned) instead of "
+        "on the GPU (torch.autograd.graph.save_on_cpu); CUDA only: on a CPU they already are.",
+    )
+    gc_threshold: float | None = Field(
+        None, gt=0, lt=1,
+        description="CUDA caching allocator garbage_collection_threshold: reclaim cached "
+        "unused blocks once this fraction of GPU memory is in use (PYTORCH_CUDA_ALLOC_CONF), "
+        "instead of freeing all at an out-of-memory. CUDA only.",
+    )
+    fuse_optim_with_backward: bool = Field(
+        False,
+        description="Update each parameter inside backward as soon as its gradient is ready and "
+        "free that gradient (torchtune's optimizer-in-backward): a step never holds all "
+        "gradients. Needs max_grad_norm: null, gradient_accumulation_steps 1, no fp16 and "
+        "strategy single (seed 002's rules).",
+    )
+    mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
+        "fp32", description="Autocast dtype; fp32/no = full precision."
+    )
+    seed: int = Field(42, description="Seed for init, dropout and data order.")
+    full_determinism: bool = Field(
+        False, description="torch.use_deterministic_algorithms + deterministic cuDNN/cuBLAS "
+        "(bitwise-repeatable GPU runs, slower)."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (less memory, ~30% more compute)."
+    )
+    gradient_checkpointing_kwargs: GradientCheckpointingKwargs = Field(
+        default_factory=GradientCheckpointingKwargs,
+        description="torch.utils.checkpoint options.",
+    )
+    torch_compile: bool = Field(False, description="torch.compile the model for training.")
+    torch_compile_scope: Literal["blocks", "model"] = Field(
+        "blocks",
+        description="What torch_compile compiles: each decoder block in place (regional, as "
+        "torchtitan does: one block's compile time, hooks of DDP/FSDP2 outside the graphs) or "
+        "the whole wrapped model.",
+    )
+    torch_compile_backend: str = Field("inductor", description="torch.compile backend.")
+    torch_compile_mode: Literal[
+        "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
+    ] = Field("default", description="torch.compile mode.")
+    torch_compile_dynamic: bool | None = Field(
+        None, description="Dynamic shapes (None: torch decides after a recompile)."
+    )
+    torch_compile_fullgraph: bool = Field(False, description="Fail on graph breaks.")
+    dynamo_recompile_limit: int | None = Field(
+        None, gt=0,
+        description="torch._dynamo's recompile_limit: graphs per compiled function before it "
+        "runs eager (each new shape or dtype is a recompile). None: torch's default. Needs "
+        "torch_compile.",
+    )
+    activation_memory_budget: float | None = Field(
+        None, ge=0, le=1,
+        description="torch.compile's activation memory budget (torch._functorch.config): 1 "
+        "keeps every activation for backward, lower recomputes the cheap ones to fit the "
+        "fraction. None: torch's default (1). Needs torch_compile.",
+    )
+    default_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="torch.set_default_dtype for the run: the dtype of tensors created without "
+        "one (the adapter's weights, tensors made at run time). None: torch's float32.",
+    )
+    speed_metrics_start_step: int = Field(
+        0, ge=0,
+        description="The final train_tokens_per_second / train_steps_per_second count the steps "
+        "after this one (warm-up and compile steps excluded); the logged rows' tokens/s are "
+        "per window either way.",
+    )
+    float32_matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "highest", description="torch.set_float32_matmul_precision (high: TF32 on Ampere+)."
+    )
+    detect_anomaly: bool = Field(
+        False, description="autograd anomaly detection: the op that made a NaN (slow; debug)."
+    )
+
+    @model_validator(mode="after")
+    def _loader(self) -> "TrainingConfig":
+        if self.dataloader_num_workers == 0 and (self.dataloader_prefetch_factor is not None
+                                                 or self.dataloader_persistent_workers):
+            raise ValueError("dataloader_prefetch_factor / dataloader_persistent_workers need "
+                             "dataloader_num_workers > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_in_backward(self) -> "TrainingConfig":
+        if not self.fuse_optim_with_backward:
+            return self
+        refused = (("max_grad_norm", self.max_grad_norm is not None,
+                    "clipping needs every gradient before the update; set it to null"),
+                   ("gradient_accumulation_steps", self.gradient_accumulation_steps > 1,
+                    "the update would run on every micro-batch"),
+                   ("mixed_precision", self.mixed_precision == "fp16",
+                    "the GradScaler unscales all gradients before the update"))
+        for key, hit, why in refused:
+            if hit:
+                raise ValueError(f"fuse_optim_with_backward does not combine with {key}: "
+                                 f"{getattr(self, key)} ({why})")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_only(self) -> "TrainingConfig":
+        for key in ("dynamo_recompile_limit", "activation_memory_budget"):
+            if getattr(self, key) is not None and not self.torch_compile:
+                raise ValueError(f"{key} tunes torch.compile; set torch_compile: true or remove "
+                                 "it")
+        if self.max_steps > 0 and self.speed_metrics_start_step >= self.max_steps:
+            raise ValueError(f"speed_metrics_start_step {self.speed_metrics_start_step} leaves no "
+                             f"step of max_steps {self.max_steps} to measure")
+        return self
+
+    @model_validator(mode="after")
+    def _compile_mode(self) -> "TrainingConfig":
+        if (self.torch_compile and self.torch_compile_mode == "max-autotune"
+                and self.gradient_accumulation_steps > 1):
+            raise ValueError(
+                "torch_compile_mode max-autotune captures CUDA graphs, which replay stale "
+                "gradients under gradient_accumulation_steps > 1; use "
+                "max-autotune-no-cudagraphs or accumulation 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fullgraph(self) -> "TrainingConfig":
+        if (self.torch_compile and self.torch_compile_fullgraph
+                and self.torch_compile_scope == "model" and self.loss_chunk_tokens):
+            raise ValueError(
+                "torch_compile_fullgraph with torch_compile_scope: model cannot hold the "
+                "chunked loss (it runs eager, a graph break); use torch_compile_scope: blocks "
+                "or loss_chunk_tokens: null"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_row_layout(self) -> "TrainingConfig":
+        if self.padding_free and self.pad_to_multiple_of:
+            raise ValueError(
+                "pad_to_multiple_of: padding_free rows are never padded; set it with packing "
+                "or padded batches, or remove it"
+            )
+        if self.padding_free and self.packing:
+            raise ValueError(
+                "padding_free and packing are alternatives: padding_free puts each micro-batch "
+                "in one row without padding, packing in rows of packed_sequence_length; set one"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _budget(self) -> "TrainingConfig":
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ValueError("set max_steps > 0 or num_train_epochs > 0; both give no steps")
+        return self
