@@ -9,12 +9,14 @@ GPT-2 vocabulary (50,257 tokens, ../shared/models/gpt2-tokenizer), where the log
 Alpaca from ../shared by path. Each configuration trains in its own train stage (its own
 processes), and the peak is that process's: resident memory on a CPU, allocated memory on a GPU.
 Activation offloading is CUDA-only (on a CPU activations live in host memory already); it is
-listed, not measured, on a machine without a GPU. Writes bench/results/memory-levers-<device>.json.
+listed, not measured, on a machine without a GPU. Writes
+bench/results/memory-levers-b<batch>s<seq>-<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import tempfile
@@ -67,9 +69,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--workdir", help="keep the projects here (default: a temporary folder)")
     args = ap.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-mem-") as tmp:
+    with (contextlib.nullcontext(args.workdir) if args.workdir
+          else tempfile.TemporaryDirectory(prefix="bench-mem-")) as tmp:
         project = copy_project(Path(tmp) / "p")
         model_dir = build_gpt2_vocab_model(Path(tmp) / "model")
         set_params(project, {"model.name_or_path": str(model_dir)})
@@ -99,7 +103,7 @@ def main() -> None:
           f"{args.steps} steps, fp32; {where}\n")
     print(markdown_table(rows, list(rows[0])))
     device = "gpu" if torch.cuda.is_available() else "cpu"
-    out = ROOT / "bench/results" / f"memory-levers-{device}.json"
+    out = ROOT / "bench/results" / f"memory-levers-b{args.batch}s{args.seq}-{device}.json"
     out.write_text(json.dumps({"machine": where, "args": vars(args), "rows": rows}, indent=2))
 
 

@@ -78,6 +78,24 @@ def micro_batches(loader: DataLoader, epoch: int, start: int) -> Iterator[dict]:
         epoch, start = epoch + 1, 0
 
 
+def example_lengths(train_data, column: str) -> tuple[int, ...]:
+    """group_by_length's per-example lengths: the tokenized split's `column` (the tokenize
+    stage writes `length`), read as one Arrow column; a split tokenized before that column
+    existed falls back to counting its token lists."""
+    import datasets
+    import pyarrow.compute as pc
+
+    from finetune.errors import PipelineError
+
+    ds = datasets.load_from_disk(str(train_data))
+    if column in ds.column_names:
+        return tuple(ds.with_format("arrow")[:][column].to_pylist())
+    if column == "length":
+        return tuple(pc.list_value_length(ds.with_format("arrow")[:]["input_ids"]).to_pylist())
+    raise PipelineError(f"training.length_column_name '{column}' is not a column of the "
+                        f"tokenized train split (columns: {', '.join(ds.column_names)})")
+
+
 def open_train_batches(t, train_data, d, collate_fn: Callable,
                        stream=None) -> tuple[Callable[[int, int], Iterator[dict]], int | None,
                                              float]:
@@ -97,7 +115,7 @@ def open_train_batches(t, train_data, d, collate_fn: Callable,
         return streamed.micro_batches, None, math.inf
     train_ds = load_tokenized(train_data)
     accum = t.gradient_accumulation_steps
-    lengths = tuple(len(x) for x in train_ds["input_ids"]) if t.group_by_length else None
+    lengths = example_lengths(train_data, t.length_column_name) if t.group_by_length else None
     batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,
                              t.seed, accum, lengths, t.dataloader_drop_last)
     if len(batches) == 0:

@@ -103,6 +103,9 @@ def _tokenize_file(file: Path, fn, kwargs: dict, tok, bos: int | None, role: str
     ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
                                             fingerprint)
     validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'")
+    # per-example lengths for group_by_length (training.length_column_name), computed once
+    ds = ds.add_column("length", counts["n_tokens"].tolist(),
+                       new_fingerprint=f"{fingerprint}-length")
     return ds, _stats(counts, dropped)
 
 

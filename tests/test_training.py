@@ -235,6 +235,29 @@ def test_optimizer_in_backward_trains_like_the_step_after_backward(tokenized, tm
             FinetuneConfig.model_validate(raw)
 
 
+def test_group_by_length_reads_the_length_column_it_is_told(tokenized, tmp_path):
+    import datasets
+
+    from engine.data import ShardedBatches
+    from engine.loader import example_lengths
+
+    split = tokenized / "data/tokenized/train"
+    ds = datasets.load_from_disk(str(split))
+    assert ds["length"] == [len(x) for x in ds["input_ids"]]  # written by tokenize
+    by_tokens, by_trainable = example_lengths(split, "length"), example_lengths(split,
+                                                                               "n_trainable")
+    assert by_trainable == tuple(ds["n_trainable"]) and by_trainable != by_tokens
+    order = [ShardedBatches(len(ds), 4, 0, 1, 42, lengths=lengths).epoch(0)
+             for lengths in (by_tokens, by_trainable)]
+    assert order[0] != order[1]
+    with pytest.raises(PipelineError, match=r"training.length_column_name 'nope' is not a "
+                       r"column of the tokenized train split \(columns: input_ids, labels"):
+        example_lengths(split, "nope")
+    run, _ = train_here(tokenized, tmp_path / "g", {**BASE, "training.group_by_length": True,
+                                                    "training.length_column_name": "n_trainable"})
+    assert train_metrics(run)["global_step"] == 4
+
+
 def test_preserve_n_best_keeps_the_best_apart_from_the_newest(tokenized, tmp_path):
     """greater_is_better makes the earliest checkpoints the best: the newest one
     (save_total_limit 1) and the two best (preserve_n_best 2) survive; without

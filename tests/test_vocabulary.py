@@ -66,3 +66,17 @@ def test_added_tokens_train_through_the_stages_and_ship_with_the_export(tmp_path
     assert exported.config.tie_word_embeddings
     assert torch.equal(exported.get_output_embeddings().weight, exported.get_input_embeddings(
         ).weight)
+
+
+def test_the_seeds_data_tokenizer_name_is_the_model_tokenizer():
+    from finetune.config.schema import FinetuneConfig
+
+    data = {"json_file_path": "x.jsonl"}
+    cfg = FinetuneConfig.model_validate({"data": {**data, "tokenizer_name": "gpt2"}})
+    assert cfg.model.tokenizer_name_or_path == "gpt2"
+    import pytest
+
+    with pytest.raises(ValueError, match="data.tokenizer_name 'gpt2' and "
+                       "model.tokenizer_name_or_path 'other' differ"):
+        FinetuneConfig.model_validate({"data": {**data, "tokenizer_name": "gpt2"},
+                                       "model": {"tokenizer_name_or_path": "other"}})

@@ -54,8 +54,8 @@ class ModelConfig(Section):
     tokenizer_name_or_path: str | None = Field(
         None, validation_alias=AliasChoices("tokenizer_name_or_path", "tokenizer_name"),
         description="A tokenizer other than the model's (hub id or local folder); None: the "
-        "model's. Alias: tokenizer_name (seeds 003/004). Saved with the trained and exported "
-        "model.",
+        "model's. Alias: tokenizer_name, also as data.tokenizer_name (seeds 003/004). Saved "
+        "with the trained and exported model.",
     )
     added_tokens: list[str] = Field(
         default_factory=list,
@@ -272,6 +272,26 @@ class FinetuneConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_tokenizer_name(cls, raw):
+        """Seeds 003/004 write the tokenizer under data (`data.tokenizer_name`); it is the
+        model section's tokenizer_name_or_path."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
+            return raw
+        if "tokenizer_name" not in raw["data"]:
+            return raw
+        data = dict(raw["data"])
+        name = data.pop("tokenizer_name")
+        model = dict(raw.get("model") or {})
+        current = model.get("tokenizer_name_or_path", model.get("tokenizer_name"))
+        if current not in (None, name):
+            raise ValueError(f"data.tokenizer_name {name!r} and model.tokenizer_name_or_path "
+                             f"{current!r} differ; set one of them")
+        model.pop("tokenizer_name", None)
+        model["tokenizer_name_or_path"] = name
+        return {**raw, "data": data, "model": model}
 
     @model_validator(mode="after")
     def _cross_section(self) -> "FinetuneConfig":

@@ -37,6 +37,12 @@ class TrainingConfig(Section):
     group_by_length: bool = Field(
         False, description="Batch examples of similar length together (less padding)."
     )
+    length_column_name: str = Field(
+        "length",
+        description="group_by_length: the tokenized split's column of per-example lengths "
+        "(HF's name; the tokenize stage writes `length`, the token count; another int column, "
+        "e.g. n_trainable, groups by it instead).",
+    )
     dataloader_num_workers: int = Field(
         0, ge=0, description="Worker processes that collate batches (0: in the main process)."
     )
