@@ -3,16 +3,24 @@
 The loop calls, on the main process only:
 
     on_train_begin(state)              before the first step (after a resume: at its step)
+    on_epoch_begin(state)              before the first step of an epoch
+    on_step_begin(state)               before every optimizer step
     on_step_end(state)                 after every optimizer step
+    on_epoch_end(state)                after the last step of an epoch
     on_log(state, logs)                a row of metrics: a logging window, an eval, an outer step
     on_evaluate(state, metrics)        after each in-training evaluation (eval_loss, ...)
     on_save(state, path)               after a checkpoint folder is complete
     on_train_end(state)                at the end, after the trained model is written
 
-`state` is a `TrainState` (step, max_steps, epoch, num_input_tokens_seen). Built-in reporters
-live in engine.reporters; a user callback is any class with some of these methods, named in
-`logging.callbacks` as "module:Class" (importable from the project root) and built with no
-arguments. Callbacks observe; stopping is the monitor's job (eval.early_stopping_*).
+`state` is a `TrainState` (step, max_steps, epoch, num_input_tokens_seen, control). Built-in
+reporters live in engine.reporters; a user callback is any class with some of these methods,
+named in `logging.callbacks` as "module:Class" or {class: "module:Class", kwargs: {...}}
+(importable from the project root). A callback steers the run through `state.control`, HF's
+TrainerControl: set `should_training_stop`, `should_save` or `should_evaluate` in a hook and
+the loop acts on it after the current step (on every rank: the main process's decision is
+shared, one small broadcast per step, only when user callbacks are configured). A callback
+with `state_dict()` / `load_state_dict()` has its state saved in each checkpoint and, with
+`logging.restore_callback_states_from_checkpoint`, restored on resume.
 """
 
 from __future__ import annotations
@@ -24,7 +32,23 @@ from typing import Any
 from finetune.errors import PipelineError
 from finetune.imports import load_object
 
-HOOKS = ("on_train_begin", "on_step_end", "on_log", "on_evaluate", "on_save", "on_train_end")
+HOOKS = ("on_train_begin", "on_epoch_begin", "on_step_begin", "on_step_end", "on_epoch_end",
+         "on_log", "on_evaluate", "on_save", "on_train_end")
+
+
+@dataclass
+class TrainerControl:
+    """What callbacks ask the loop to do after the current step (HF's names)."""
+
+    should_training_stop: bool = False
+    should_save: bool = False
+    should_evaluate: bool = False
+
+    def take(self) -> tuple[bool, bool, bool]:
+        """The requests, cleared (save and evaluate are one-shot; stop stays)."""
+        asked = (self.should_training_stop, self.should_save, self.should_evaluate)
+        self.should_save = self.should_evaluate = False
+        return asked
 
 
 @dataclass
@@ -33,6 +57,7 @@ class TrainState:
     max_steps: int
     epoch: float = 0.0
     num_input_tokens_seen: int = 0
+    control: TrainerControl | None = None
 
 
 class Callback:
@@ -40,7 +65,13 @@ class Callback:
 
     def on_train_begin(self, state: TrainState) -> None: ...
 
+    def on_epoch_begin(self, state: TrainState) -> None: ...
+
+    def on_step_begin(self, state: TrainState) -> None: ...
+
     def on_step_end(self, state: TrainState) -> None: ...
+
+    def on_epoch_end(self, state: TrainState) -> None: ...
 
     def on_log(self, state: TrainState, logs: dict[str, Any]) -> None: ...
 
@@ -73,9 +104,46 @@ class CallbackList:
         return next((cb for cb in self.callbacks if isinstance(cb, kind)), None)
 
 
-def load_user_callback(spec: str):
-    """'module:Class' -> an instance (what logging.callbacks names)."""
-    callback = load_object(spec, "logging.callbacks")()
+    def state_dicts(self) -> dict[str, Any]:
+        """The states of the callbacks that have one, by position and class."""
+        return {_key(i, cb): cb.state_dict() for i, cb in enumerate(self.callbacks)
+                if callable(getattr(cb, "state_dict", None))}
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None:
+        for i, cb in enumerate(self.callbacks):
+            if _key(i, cb) in states and callable(getattr(cb, "load_state_dict", None)):
+                cb.load_state_dict(states[_key(i, cb)])
+
+
+def _key(index: int, callback: Any) -> str:
+    return f"{index}:{type(callback).__qualname__}"
+
+
+def check_user_callback(spec: str | dict) -> None:
+    """Before launch: the class exists, takes these kwargs and has a hook (nothing built)."""
+    import inspect
+
+    ref, kwargs = (spec, {}) if isinstance(spec, str) else (spec["class"], spec.get("kwargs", {}))
+    klass = load_object(ref, "logging.callbacks")
+    try:
+        inspect.signature(klass).bind(**kwargs)
+    except TypeError as exc:
+        raise PipelineError(f"logging.callbacks: '{ref}' cannot be built with kwargs "
+                            f"{kwargs} ({exc})") from None
+    if not any(callable(getattr(klass, hook, None)) for hook in HOOKS):
+        raise PipelineError(f"logging.callbacks: '{ref}' has none of the hooks {', '.join(HOOKS)}")
+
+
+def load_user_callback(spec: str | dict):
+    """'module:Class', or {class: 'module:Class', kwargs: {...}} -> an instance (what
+    logging.callbacks names)."""
+    ref, kwargs = (spec, {}) if isinstance(spec, str) else (spec["class"], spec.get("kwargs", {}))
+    klass = load_object(ref, "logging.callbacks")
+    try:
+        callback = klass(**kwargs)
+    except TypeError as exc:
+        raise PipelineError(f"logging.callbacks: '{ref}' cannot be built with kwargs "
+                            f"{kwargs} ({exc})") from None
     if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
-        raise PipelineError(f"logging.callbacks: '{spec}' has none of the hooks {', '.join(HOOKS)}")
+        raise PipelineError(f"logging.callbacks: '{ref}' has none of the hooks {', '.join(HOOKS)}")
     return callback

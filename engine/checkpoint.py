@@ -225,13 +225,16 @@ def newest_meta(directory: Path) -> tuple[Path, dict[str, Any]] | None:
 PREVIOUS = ".previous"
 
 
-def set_aside(directory: Path, keep_runs: int) -> tuple[Path | None, list[Path]]:
-    """Move every checkpoint in `directory` (and staging leftovers) to
-    `<directory>.previous/<UTC time>` so a fresh run never mixes with an earlier run's;
-    delete all but the newest `keep_runs` such sets (0: nothing is kept). Returns (where they
-    went or None, the sets deleted)."""
+def set_aside(directory: Path, keep_runs: int,
+              after_step: int | None = None) -> tuple[Path | None, list[Path]]:
+    """Move every checkpoint in `directory` (and staging leftovers; with `after_step`, only
+    those of later steps) to `<directory>.previous/<UTC time>` so a run never mixes with
+    another's; delete all but the newest `keep_runs` such sets (0: nothing is kept). Returns
+    (where they went or None, the sets deleted)."""
     entries = [p for p in directory.iterdir() if p.name.startswith((PREFIX, f".{PREFIX}"))] \
         if directory.exists() else []
+    if after_step is not None:
+        entries = [p for p in entries if _step_of(p) is None or _step_of(p) > after_step]
     if not entries:
         return None, []
     parent = directory.with_name(directory.name + PREVIOUS)
@@ -247,6 +250,12 @@ def set_aside(directory: Path, keep_runs: int) -> tuple[Path | None, list[Path]]
     for old in doomed:
         shutil.rmtree(old, ignore_errors=True)
     return (None if keep_runs == 0 else target), doomed
+
+
+def _step_of(path: Path) -> int | None:
+    """The step in a checkpoint folder's name (step-0000008, .step-0000008.tmp)."""
+    digits = path.name.lstrip(".").removeprefix(PREFIX).split(".")[0]
+    return int(digits) if digits.isdigit() else None
 
 
 def load(path: Path, dcp_state: dict, apply: Callable[[dict], None]) -> tuple[dict, dict]:

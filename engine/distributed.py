@@ -33,15 +33,28 @@ class Dist:
         return self.rank == self.main_rank
 
 
-def setup(cfg: DistributedConfig) -> Dist:
+def choose_device(choice: str, local_rank: int = 0) -> torch.device:
+    """training.device (resolved): auto takes this rank's GPU when CUDA is visible."""
+    cuda = torch.cuda.is_available()
+    if choice == "cuda" and not cuda:
+        from finetune.errors import PipelineError
+
+        raise PipelineError("training.device cuda: no CUDA GPU is visible to torch "
+                            "(torch.cuda.is_available() is false); use auto or cpu")
+    if choice == "cpu" or not cuda:
+        return torch.device("cpu")
+    return torch.device(f"cuda:{local_rank}")
+
+
+def setup(cfg: DistributedConfig, device_choice: str = "auto") -> Dist:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     threads = cfg.threads_per_process or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
+    device = choose_device(device_choice, local_rank)
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     main_rank = 0

@@ -11,10 +11,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-def due(strategy: str, every: int, step: int, epoch_end: bool, last: bool) -> bool:
-    """Is an eval/save with this strategy ('no', 'steps', 'epoch') due after `step`?"""
+def due(strategy: str, every: int, step: int, epoch_end: bool, last: bool,
+        saving: bool = False) -> bool:
+    """Is an eval/save with this strategy ('no', 'steps', 'epoch') due after `step`? Steps
+    with `every` 0 evaluate only at the last step and never save (0 disables)."""
     if strategy == "no":
         return False
+    if strategy == "steps" and every == 0:
+        return last and not saving
     if last:
         return True
     return epoch_end if strategy == "epoch" else step % every == 0

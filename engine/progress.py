@@ -84,11 +84,11 @@ class Progress:
     def fractional_epoch(self, epoch_len: float) -> float:
         return round(self.epoch + self.batch_in_epoch / max(epoch_len, 1), 4)
 
-    def view(self, max_steps: int, epoch_len: float) -> TrainState:
-        """The callbacks' read-only view."""
+    def view(self, max_steps: int, epoch_len: float, control=None) -> TrainState:
+        """The callbacks' view (read-only but for `control`, their requests to the loop)."""
         return TrainState(step=self.step, max_steps=max_steps,
                           epoch=self.fractional_epoch(epoch_len),
-                          num_input_tokens_seen=self.tokens_seen)
+                          num_input_tokens_seen=self.tokens_seen, control=control)
 
     def fill_metrics(self) -> dict[str, float]:
         return {"padding_fraction": round(1 - self.real_tokens / max(self.token_slots, 1), 4),

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine import fingerprint, trainer_state
+from engine.callbacks import TrainerControl
 from engine.comm import CommMeter
 from engine.data import count_targets, load_tokenized, model_inputs, to_device
 from engine.loss import build_loss
@@ -80,7 +81,7 @@ def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
     anything (the launcher's confirmation); returns the file to stream logged rows to, or None.
     `stream`: the streamed train split (epoch -> examples), else `paths.train_data` is read."""
     apply_allocator_settings(cfg.training)  # before CUDA allocates anything
-    d = setup(cfg.distributed)
+    d = setup(cfg.distributed, cfg.training.resolved_device)
     try:
         with attention_backends(cfg.training, d.device):
             return TrainingRun(cfg, paths, d, go, stream).fit()
@@ -101,6 +102,8 @@ class TrainingRun:
         self.progress = Progress(dist.device)
         self.monitor = Monitor.from_config(cfg)
         self.reporters = None
+        self.control = TrainerControl()  # what callbacks ask of the loop
+        self.callback_states: dict = {}  # restored from a checkpoint
         self.history: list[dict] = []  # rows restored from a checkpoint
         self._fingerprint: dict[str, Any] | None = None
 
@@ -160,10 +163,13 @@ class TrainingRun:
         relay = self.go()
         if not self.dist.is_main:
             return
-        if self.start.set_aside:
-            trainer_state.set_aside(self)
+        # user callbacks are built first: one that cannot be built fails before anything moves
         self.reporters = build_reporters(self.cfg.logging, self.paths.plots_dir,
                                          self.paths.project_root, relay, self.history)
+        if self.callback_states and self.cfg.logging.restore_callback_states_from_checkpoint:
+            self.reporters.load_state_dicts(self.callback_states)
+        if self.start.set_aside or self.start.newer_than is not None:
+            trainer_state.set_aside(self)
         per_epoch = f"{self.steps_per_epoch}/epoch" if self.steps_per_epoch else "streamed"
         self.log(f"[train] {self.trainable:,} trainable / {self.total:,} params; "
                  f"{self.max_steps} steps ({per_epoch}); strategy {self.strategy.name}, world "
@@ -177,8 +183,8 @@ class TrainingRun:
 
     @property
     def state(self):
-        """The callbacks' view of where training is."""
-        return self.progress.view(self.max_steps, self.epoch_len)
+        """The callbacks' view of where training is (with the control they steer through)."""
+        return self.progress.view(self.max_steps, self.epoch_len, self.control)
 
     # -- the loop ------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -192,6 +198,10 @@ class TrainingRun:
             self.reporters.on_train_begin(self.state)
         self.mark_speed()
         while self.progress.step < self.max_steps:
+            if self.reporters:
+                if self.progress.batch_in_epoch in (0, self.epoch_len):
+                    self.reporters.on_epoch_begin(self.state)
+                self.reporters.on_step_begin(self.state)
             grad_norm = self.train_step()
             self.mark_speed()
             self.maybe_log(grad_norm)
@@ -274,7 +284,8 @@ class TrainingRun:
     def maybe_log(self, grad_norm: torch.Tensor) -> None:
         """At a logging step: one reduction for the whole window, then one row."""
         step, log_cfg = self.progress.step, self.cfg.logging
-        if not (step % log_cfg.logging_steps == 0 or step == self.max_steps
+        every = log_cfg.logging_steps
+        if not ((every and step % every == 0) or step == self.max_steps
                 or (step == 1 and log_cfg.logging_first_step)):
             return
         window, d = self.progress.window, self.dist
@@ -309,23 +320,41 @@ class TrainingRun:
         step, c, e = self.progress.step, self.cfg.checkpoint, self.cfg.eval
         epoch_end = self.progress.batch_in_epoch >= self.epoch_len
         last = step == self.max_steps
-        save_now = due(c.save_strategy, c.save_steps, step, epoch_end, last)
+        save_now = due(c.save_strategy, c.save_steps, step, epoch_end, last, saving=True)
         on_save = e.eval_on_save  # read every step: dvc.yaml's completeness test sees it
         eval_now = due(e.eval_strategy, e.eval_steps, step, epoch_end, last)
+        if epoch_end and self.reporters:
+            self.reporters.on_epoch_end(self.state)
+        asked_stop, asked_save, asked_eval = self.control_requests()
+        save_now, eval_now = save_now or asked_save, eval_now or asked_eval
         evaluated = {}
         if self.eval_data is not None and (eval_now or (save_now and on_save)):
             evaluated = self.evaluate()
-        stop = self.monitor.should_stop and not last
-        if save_now or (stop and c.save_strategy != "no"):
+        stop = (self.monitor.should_stop or asked_stop) and not last
+        saves = c.save_strategy != "no" and not (c.save_strategy == "steps" and c.save_steps == 0)
+        if save_now or (stop and saves):
             path = trainer_state.save(self, evaluated)
             if self.reporters:
                 self.reporters.on_save(self.state, path)
-        if stop:
+        if stop and asked_stop:
+            self.log(f"[train] stopping at step {step}: a callback set "
+                     "control.should_training_stop")
+        elif stop:
             m = self.monitor
             self.log(f"[train] early stopping at step {step}: {m.metric} has not improved by "
                      f"more than {m.threshold:g} for {m.bad_evals} evaluations (best "
                      f"{m.best:.6g} at step {m.best_step})")
         return stop
+
+    def control_requests(self) -> tuple[bool, bool, bool]:
+        """(stop, save, evaluate) as the callbacks asked on the main process, the same on
+        every rank: one 3-element broadcast per step, only when user callbacks exist."""
+        asked = self.control.take() if self.reporters else (False, False, False)
+        if self.dist.world_size > 1 and self.cfg.logging.callbacks:
+            flags = torch.tensor([float(x) for x in asked], device=self.dist.device)
+            torch.distributed.broadcast(flags, src=self.dist.main_rank)
+            asked = tuple(bool(x) for x in flags.tolist())
+        return asked
 
     def evaluate(self) -> dict[str, float]:
         with self.meter.pause():

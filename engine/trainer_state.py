@@ -36,6 +36,7 @@ def save(run, evaluated: dict) -> Path:
         "strategy": run.strategy.trainer_state(),
         "history": history_rows(run.reporters),
         "monitor": run.monitor.state_dict(),
+        "callbacks": run.reporters.state_dicts() if run.reporters else {},
     }
     dist_cfg = run.cfg.distributed
     meta = {**run.progress.position(), "world_size": dist_cfg.world_size,
@@ -88,19 +89,25 @@ class Start:
 
     resume: Path | None
     set_aside: bool
+    #: resuming an earlier checkpoint of the folder by path: the ones after this step go aside
+    newer_than: int | None = None
 
 
 def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
                ckpt_cfg: CheckpointConfig, dist_cfg: DistributedConfig,
-               log: Callable[[str], None]) -> Start:
+               log: Callable[[str], None], root: Path | None = None) -> Start:
     """resume_from_checkpoint false: fresh. true: the latest valid checkpoint if its
     fingerprint matches this run's (keys in resume_ignore_changes may differ), else refuse
     with the keys that differ. auto (an orchestrator's retry): the same, but a checkpoint of
-    another run means a fresh start. `fingerprint` is called only when a checkpoint is there."""
+    another run means a fresh start. A path (relative to `root`): that checkpoint, checked as
+    true checks the latest; the folder's later checkpoints (or, for one elsewhere, all of
+    them) go aside. `fingerprint` is called only when a checkpoint is there."""
     mode = ckpt_cfg.resume_from_checkpoint
     existing = bool(ckpt.list_checkpoints(directory, validate=False))
     if not mode:
         return Start(None, existing)
+    if isinstance(mode, str) and mode != "auto":
+        return _plan_from_path(directory, fingerprint, ckpt_cfg, dist_cfg, root, existing)
     path = ckpt.latest(directory)
     if path is None:
         log(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
@@ -109,8 +116,7 @@ def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
     meta = ckpt.read_meta(path) or {}
     if mode is True:
         check_resumable(meta, path, dist_cfg)
-    changed = {k: v for k, v in differences(meta.get("fingerprint"), fingerprint()).items()
-               if k not in ckpt_cfg.resume_ignore_changes}
+    changed = _changed(meta, fingerprint, ckpt_cfg)
     if not changed:
         return Start(path, False)
     what = "; ".join(f"{k}: {v}" for k, v in changed.items())
@@ -126,9 +132,40 @@ def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
     return Start(None, True)
 
 
+def _changed(meta: dict, fingerprint, ckpt_cfg: CheckpointConfig) -> dict[str, Any]:
+    return {k: v for k, v in differences(meta.get("fingerprint"), fingerprint()).items()
+            if k not in ckpt_cfg.resume_ignore_changes}
+
+
+def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
+                    dist_cfg: DistributedConfig, root: Path | None, existing: bool) -> Start:
+    """resume_from_checkpoint: <path> (seeds 000/002/004)."""
+    given = Path(ckpt_cfg.resume_from_checkpoint).expanduser()
+    path = given if given.is_absolute() or root is None else root / given
+    if not ckpt.is_valid(path):
+        raise PipelineError(
+            f"checkpoint.resume_from_checkpoint: {path} is not a complete checkpoint (missing, "
+            "half-written or failing its SHA-256 check); name a step-* folder of a finished "
+            "save, or true for the latest")
+    meta = ckpt.read_meta(path) or {}
+    check_resumable(meta, path, dist_cfg)
+    changed = _changed(meta, fingerprint, ckpt_cfg)
+    if changed:
+        what = "; ".join(f"{k}: {v}" for k, v in changed.items())
+        raise PipelineError(
+            f"checkpoint {path} belongs to another run ({what}); restore its params or list "
+            "the keys in checkpoint.resume_ignore_changes")
+    inside = path.resolve().parent == directory.resolve()
+    if inside:
+        return Start(path, False, newer_than=int(meta["step"]))
+    return Start(path, existing)
+
+
 def set_aside(run) -> None:
-    """Main rank, once it may write: the earlier run's checkpoints leave the folder."""
-    moved, deleted = ckpt.set_aside(run.paths.checkpoints, run.cfg.checkpoint.keep_previous_runs)
+    """Main rank, once it may write: the earlier run's checkpoints leave the folder (after a
+    resume by path, those later than the resumed one)."""
+    moved, deleted = ckpt.set_aside(run.paths.checkpoints, run.cfg.checkpoint.keep_previous_runs,
+                                    after_step=run.start.newer_than)
     for old in deleted:
         run.log(f"[train] removed earlier checkpoints {old} (checkpoint.keep_previous_runs "
                 f"{run.cfg.checkpoint.keep_previous_runs})")
@@ -161,7 +198,8 @@ def start(run) -> tuple[Start, list[dict]]:
     checkpoint it continues; returns the plan and the logged rows the checkpoint held."""
     cfg = run.cfg
     plan = _main_decides(lambda: plan_start(run.paths.checkpoints, run.fingerprint,
-                                            cfg.checkpoint, cfg.distributed, run.log), run.dist)
+                                            cfg.checkpoint, cfg.distributed, run.log,
+                                            run.paths.project_root), run.dist)
     return plan, (_restore(run, plan.resume) if plan.resume is not None else [])
 
 
@@ -172,6 +210,7 @@ def _restore(run, path: Path) -> list[dict]:
         run.scaler.load_state_dict(trainer_state["scaler"])
     run.strategy.load_trainer_state(trainer_state.get("strategy", {}))
     run.monitor.load_state_dict(trainer_state.get("monitor", {}))
+    run.callback_states = trainer_state.get("callbacks", {})
     run.progress.restore(meta)
     run.log(f"[train] resumed from {path} at step {run.progress.step}")
     return trainer_state.get("history", [])

@@ -135,7 +135,7 @@ def start_run(ws: Workspace, extra_tags: dict[str, str] | None = None) -> str:
     location = (ws.root / "mlruns").as_uri() if local else None
     exp_id = exp.experiment_id if exp else c.create_experiment(exp_name, location)
     tags = {**lineage_tags(ws), **(extra_tags or {})}
-    run = c.create_run(exp_id, tags=tags)
+    run = c.create_run(exp_id, tags=tags, run_name=ws.config.logging.run_name)
     params = flatten(ws.config.model_dump(mode="json"))
     items = [Param(k, v[:6000]) for k, v in params.items()]
     for i in range(0, len(items), 100):

@@ -24,16 +24,18 @@ from tasks.launch import TorchrunJob, run_paths
 def preflight(ws: Workspace) -> None:
     """Checks that need the machine; they run while torchrun starts, and rank 0 writes
     nothing until they passed (tasks/launch.py)."""
-    import torch
-
+    from engine.callbacks import check_user_callback
+    from engine.distributed import choose_device
     from engine.model import check_quantization, model_class
     from engine.runtime import autocast_dtype, check_cuda_only, check_sdpa_backends
 
     cfg = ws.config
-    cuda = torch.cuda.is_available()
+    device = choose_device(cfg.training.resolved_device)
+    cuda = device.type == "cuda"
     model_class(cfg.model.auto_class_name)  # an unknown class fails here, not in every rank
+    for spec in cfg.logging.callbacks:
+        check_user_callback(spec)
     check_quantization(cfg.model)
-    device = torch.device("cuda" if cuda else "cpu")
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)
     check_cuda_only(cfg.training, device)
@@ -57,7 +59,7 @@ def check_resume(ws: Workspace) -> None:
 
     cfg, paths = ws.config, run_paths(ws)
     plan_start(paths.checkpoints, lambda: fingerprint.of_run(cfg, paths), cfg.checkpoint,
-               cfg.distributed, log=lambda line: None)
+               cfg.distributed, log=lambda line: None, root=ws.root)
 
 
 def check_world_size(ws: Workspace) -> None:

@@ -57,8 +57,8 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"optimizer.learning_rate": 0}, "learning_rate: Input should be greater than 0"),
         ({"training.max_grad_norm": -1}, "max_grad_norm"),
         ({"scheduler.warmup_steps": -1}, "warmup_steps: Input should be greater than or equal to 0"),
-        ({"logging.logging_steps": 0}, "logging_steps"),
-        ({"checkpoint.save_steps": 0}, "save_steps"),
+        ({"logging.logging_steps": -1}, "logging_steps"),  # 0 disables (issue 21)
+        ({"checkpoint.save_steps": -1}, "save_steps"),
         ({"training.mixed_precision": "fp8"}, "mixed_precision"),
         ({"training.global_batch_size": 64}, "global_batch_size 64 != per_device_train_batch_size 8 x gradient_accumulation_steps 1 x world size 1 = 8"),
         ({"data.prompt_func": "m:f"}, "prompt_template and prompt_func are exclusive"),

@@ -188,3 +188,17 @@ def test_cuda_only_memory_options_refuse_a_cpu_and_reach_cuda(monkeypatch):
     apply_allocator_settings(TrainingConfig(gc_threshold=0.6))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (
         "expandable_segments:True,garbage_collection_threshold:0.6")
+
+
+def test_training_device_forces_the_cpu_and_refuses_a_missing_gpu(monkeypatch):
+    from engine.distributed import choose_device
+
+    assert TrainingConfig(use_cpu=True).resolved_device == "cpu"
+    with pytest.raises(ValueError, match="use_cpu: true and device: cuda contradict"):
+        TrainingConfig(use_cpu=True, device="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(PipelineError, match="training.device cuda: no CUDA GPU is visible"):
+            choose_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine's answer
+    assert choose_device("auto", local_rank=1) == torch.device("cuda:1")
+    assert choose_device("cpu", local_rank=1) == torch.device("cpu")

@@ -15,13 +15,13 @@ import torch
 
 from conftest import (adapter, assert_weights_close, error_line, interrupt_then_resume, losses,
                       resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
-                      train_metrics, write_params)
+                      train_in_place, train_metrics, write_params)
 from finetune.config.schema import FinetuneConfig
 from finetune.errors import PipelineError
 
 
 def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
-    project, proc = train_copy(tokenized, tmp_path / "a")
+    project, proc = train_copy(tokenized, tmp_path / "a", {"logging.run_name": "nightly-42"})
     assert "[train] step=6" in proc.stdout
     trained = project / "data/trained"
     assert (trained / "adapter_model.safetensors").exists() and (trained / "tokenizer.json").exists()
@@ -37,6 +37,7 @@ def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     run = client.get_run(run_id)
     assert run.data.params["training.max_steps"] == "6"
+    assert run.info.run_name == "nightly-42"
     assert run.data.tags["git_commit"] != "none" and "config_fingerprint" in run.data.tags
     history = client.get_metric_history(run_id, "loss")
     assert [m.step for m in history] == [1, 2, 3, 4, 5, 6]
@@ -207,6 +208,30 @@ def test_best_checkpoints_kept_and_loaded_at_end(tokenized, tmp_path):
         assert torch.equal(saved[fqn], value), key
 
 
+def test_resume_by_path_picks_that_checkpoint_over_a_newer_one(tokenized, tmp_path):
+    """Seeds 000/002/004: resume_from_checkpoint names a checkpoint. The run continues from
+    step 4 although step 8 is newer, the later ones move aside, and the weights equal the
+    uninterrupted run's."""
+    params = {"training.max_steps": 8, "checkpoint.save_steps": 2,
+              "checkpoint.save_total_limit": None}
+    full, _ = train_here(tokenized, tmp_path / "full", params)
+    uninterrupted = adapter(full)
+    write_params(full, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000004"})
+    proc = train_in_place(full)
+    assert "resumed from" in proc.stdout and "step-0000004 at step 4" in proc.stdout
+    assert _checkpoints(full) == ["step-0000002", "step-0000004", "step-0000006",
+                                  "step-0000008"]  # 6 and 8 written again by the resume
+    moved = next((full / "data/checkpoints.previous").iterdir())
+    assert sorted(p.name for p in moved.iterdir()) == ["step-0000006", "step-0000008"]
+    resumed = adapter(full)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    with pytest.raises(PipelineError, match=r"resume_from_checkpoint: .*step-0000009 is not a "
+                       "complete checkpoint"):
+        write_params(full, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000009"})
+        train_in_place(full)
+
+
 def test_optimizer_in_backward_trains_like_the_step_after_backward(tokenized, tmp_path):
     """fuse_optim_with_backward updates each parameter inside backward; Adam's update is
     per parameter, so the run is the ordinary one (no clipping on either side)."""
@@ -357,6 +382,81 @@ def test_callbacks_and_reporters(tokenized, tmp_path):
     assert "4/4" in proc.stderr  # the progress bar, forced on in a non-terminal
 
 
+STEERING = """
+from engine.callbacks import Callback
+
+
+class Steer(Callback):
+    \"\"\"Stops at `stop_at`, asks for a checkpoint at `save_at`; counts epochs and steps in a
+    state that checkpoints carry.\"\"\"
+
+    def __init__(self, stop_at, save_at):
+        self.stop_at, self.save_at = stop_at, save_at
+        self.counts = {"epochs": 0, "steps": 0, "ends": 0}
+        self.restored = None
+
+    def on_epoch_begin(self, state):
+        self.counts["epochs"] += 1
+
+    def on_step_begin(self, state):
+        self.counts["steps"] += 1
+
+    def on_epoch_end(self, state):
+        self.counts["ends"] += 1
+
+    def on_step_end(self, state):
+        if state.step == self.save_at:
+            state.control.should_save = True
+        if state.step == self.stop_at:
+            state.control.should_training_stop = True
+
+    def state_dict(self):
+        return dict(self.counts)
+
+    def load_state_dict(self, state):
+        self.restored = dict(state)
+        self.counts = dict(state)
+
+    def on_train_end(self, state):
+        import json
+        with open("steer.json", "w") as fh:
+            json.dump({"counts": self.counts, "restored": self.restored, "step": state.step}, fh)
+"""
+
+
+def test_a_callback_steers_the_run_and_its_state_is_checkpointed(tokenized, tmp_path,
+                                                                 monkeypatch):
+    """A callback built with kwargs asks for a checkpoint at step 2 (save_steps is 50) and to
+    stop at step 3: the run ends at 3 (HF's TrainerControl); its state is in the checkpoints
+    and, with restore_callback_states_from_checkpoint, comes back on resume."""
+    project = tmp_path / "s"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "steer_cb.py").write_text(STEERING)
+    monkeypatch.chdir(project)
+    spec = {"class": "steer_cb:Steer", "kwargs": {"stop_at": 3, "save_at": 2}}
+    write_params(project, {**BASE, "training.max_steps": 6, "checkpoint.save_strategy": "steps",
+                           "checkpoint.save_steps": 50, "logging.callbacks": [spec]})
+    proc = train_in_place(project)
+    assert train_metrics(project)["global_step"] == 3
+    assert "stopping at step 3: a callback set control.should_training_stop" in proc.stdout
+    assert _checkpoints(project) == ["step-0000002", "step-0000003"]
+    steer = json.loads((project / "steer.json").read_text())
+    assert steer["counts"] == {"epochs": 1, "steps": 3, "ends": 0} and steer["restored"] is None
+    # resume from step 2 with the state restored: the counts continue from the checkpoint's
+    write_params(project, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000002",
+                           "logging.restore_callback_states_from_checkpoint": True,
+                           "logging.callbacks": [{**spec, "kwargs": {"stop_at": 4,
+                                                                     "save_at": 0}}]})
+    train_in_place(project)
+    steer = json.loads((project / "steer.json").read_text())
+    assert steer["restored"] == {"epochs": 1, "steps": 2, "ends": 0}
+    assert steer["counts"]["steps"] == 4 and steer["step"] == 4
+    with pytest.raises(PipelineError, match="'steer_cb:Steer' cannot be built with kwargs"):
+        write_params(project, {"logging.callbacks": [{"class": "steer_cb:Steer",
+                                                      "kwargs": {"nope": 1}}]})
+        train_in_place(project)
+
+
 def test_custom_model_class_from_the_project(tokenized, tmp_path):
     project = tmp_path / "m"
     shutil.copytree(tokenized, project, symlinks=True)
@@ -438,13 +538,20 @@ def baseline(tokenized, tmp_path_factory):
                                                                         "eval.csv")),
     ({"training.num_train_epochs": 5},  # max_steps > 0 wins over epochs
      lambda run, base: train_metrics(run)["global_step"] == 4),
+    ({"logging.logging_steps": 0, "logging.logging_first_step": False,
+      "checkpoint.save_strategy": "steps",
+      "checkpoint.save_steps": 0, "eval.eval_strategy": "steps", "eval.eval_steps": 0},
+     # the seeds' "0 disables": no periodic rows, no checkpoint, one eval at the last step
+     lambda run, base: _column(run, "step") == [4] and _column(run, "step", "eval.csv") == [4]
+     and not any((run / "data/checkpoints").glob("step-*"))),
     ({"training.speed_metrics_start_step": 2},  # tokens/s counts steps 3 and 4 only
      lambda run, base: train_metrics(run)["speed_metrics_start_step"] == 2
      and train_metrics(base)["speed_metrics_start_step"] == 0
      and train_metrics(run)["train_tokens_per_second"] > 0
      and train_metrics(run)["train_steps_per_second"] > 0),
 ], ids=["bf16", "max_grad_norm", "seed", "weight_decay", "optimizer", "scheduler", "warmup_ratio",
-        "logging_steps", "eval_batches", "max_steps_wins", "speed_metrics_start_step"])
+        "logging_steps", "eval_batches", "max_steps_wins", "zero_disables",
+        "speed_metrics_start_step"])
 def test_each_loop_option_changes_the_run(tokenized, tmp_path, baseline, overrides, check):
     run, _ = train_here(tokenized, tmp_path / "r", {**BASE, **overrides})
     assert check(run, baseline)

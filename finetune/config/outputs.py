@@ -26,7 +26,9 @@ class EvalConfig(Section):
     eval_strategy: Literal["no", "steps", "epoch"] = Field(
         "no", description="Eval during training: every eval_steps, at each epoch end, never."
     )
-    eval_steps: int = Field(50, gt=0, description="Eval every N steps when eval_strategy=steps.")
+    eval_steps: int = Field(
+        50, ge=0, description="Eval every N steps when eval_strategy=steps; 0: no step evals "
+        "(the seeds' '0 disables'; the final step still evaluates).")
     eval_batches: int | None = Field(
         None, gt=0, description="Cap eval batches (None: the whole test split). Alias: "
         "max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),

@@ -184,7 +184,9 @@ class CheckpointConfig(Section):
     save_strategy: Literal["no", "steps", "epoch"] = Field(
         "steps", description="When to checkpoint: every save_steps, at each epoch end, never."
     )
-    save_steps: int = Field(50, gt=0, description="Checkpoint every N optimizer steps.")
+    save_steps: int = Field(
+        50, ge=0, description="Checkpoint every N optimizer steps; 0: no checkpoints at all "
+        "(the seeds' '0 disables', as save_strategy no).")
     save_total_limit: int | None = Field(
         2, gt=0,
         description="Keep at most N checkpoints: the newest, plus the best by "
@@ -197,11 +199,13 @@ class CheckpointConfig(Section):
         "newest save_total_limit (seed 002): a checkpoint stays while it is among either. "
         "Needs metric_for_best_model.",
     )
-    resume_from_checkpoint: bool | Literal["auto"] = Field(
+    resume_from_checkpoint: bool | Literal["auto"] | str = Field(
         False,
         description="Continue from the latest checkpoint: true refuses one written by another "
         "run (fingerprint: README, reliability); auto resumes it only when it is this run's, "
-        "else starts fresh (what an orchestrator retry uses).",
+        "else starts fresh (what an orchestrator retry uses); a path (a step-* folder, "
+        "relative to the project) resumes that checkpoint, checked as true checks the latest, "
+        "and moves the folder's later checkpoints aside.",
     )
     resume_ignore_changes: list[str] = Field(
         default_factory=list,
@@ -231,8 +235,13 @@ class CheckpointConfig(Section):
 class LoggingConfig(Section):
     """Where metrics go: stdout, MLflow (SQLite in the project by default), DVC plots."""
 
-    logging_steps: int = Field(10, gt=0, description="Log every N optimizer steps.")
+    logging_steps: int = Field(
+        10, ge=0, description="Log every N optimizer steps; 0: no periodic rows (the seeds' '0 "
+        "disables'), only the final step's, which carries the run's train_loss.")
     logging_first_step: bool = Field(True, description="Also log step 1.")
+    run_name: str | None = Field(
+        None, description="The MLflow run's name (seed 003's run name; None: MLflow draws one)."
+    )
     report_to: list[Literal["mlflow", "jsonl", "tensorboard"]] = Field(
         default_factory=lambda: ["mlflow", "jsonl"],
         description="Reporters besides stdout and the DVC plots CSVs (always on).",
@@ -244,9 +253,15 @@ class LoggingConfig(Section):
         None, description="Progress bar off (true) / on (false); None: on only on a terminal."
     )
     progress_bar: Literal["tqdm", "rich"] = Field("tqdm", description="Progress bar library.")
-    callbacks: list[str] = Field(
+    callbacks: list[str | dict[str, Any]] = Field(
         default_factory=list,
-        description="Your callbacks, 'module:Class' (see engine/callbacks.py for the hooks).",
+        description="Your callbacks: 'module:Class', or {class: 'module:Class', kwargs: {...}} "
+        "(see engine/callbacks.py for the hooks and the control object).",
+    )
+    restore_callback_states_from_checkpoint: bool = Field(
+        False,
+        description="On resume, give callbacks with load_state_dict the state they had in the "
+        "checkpoint (HF's name); their states are saved in every checkpoint either way.",
     )
     include_num_input_tokens_seen: bool = Field(
         True, description="Count and log input tokens seen (num_input_tokens_seen)."
@@ -255,6 +270,20 @@ class LoggingConfig(Section):
         None, description="MLflow store; default sqlite:///<project>/mlflow.db."
     )
     experiment_name: str = Field("finetune", description="MLflow experiment.")
+
+    @field_validator("callbacks")
+    @classmethod
+    def _callback_specs(cls, specs: list) -> list:
+        return [_check_callback_spec(s) for s in specs]
+
+
+def _check_callback_spec(spec: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"class", "kwargs"}
+        if "class" not in spec or unknown or not isinstance(spec.get("kwargs", {}), dict):
+            raise ValueError("a callback mapping is {class: 'module:Class', kwargs: {...}} "
+                             f"(got keys {sorted(spec)})")
+    return spec
 
 
 class FinetuneConfig(Section):
@@ -423,7 +452,7 @@ class FinetuneConfig(Section):
                     "eval.eval_on_save: true"
                 )
             if (c.save_strategy == "steps" and e.eval_strategy == "steps" and not e.eval_on_save
-                    and c.save_steps % e.eval_steps):
+                    and e.eval_steps and c.save_steps % e.eval_steps):
                 raise ValueError(
                     f"checkpoint.load_best_model_at_end: save_steps {c.save_steps} must be a "
                     f"multiple of eval.eval_steps {e.eval_steps} (or set eval.eval_on_save)"

@@ -118,6 +118,14 @@ class TrainingConfig(Section):
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Gradient clipping norm; null: no clipping (the norm is still "
         "logged, except with fuse_optim_with_backward).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where training runs: auto (a CUDA GPU when one is visible, else the CPU), "
+        "cpu (also on a GPU machine), cuda (refused with one line where none is visible).",
+    )
+    use_cpu: bool = Field(
+        False, description="HF's name (seeds 002/004) for device: cpu."
+    )
     enable_activation_offloading: bool = Field(
         False,
         description="Keep the activations saved for backward in host memory (pinned) instead of "
@@ -202,6 +210,17 @@ class TrainingConfig(Section):
                                                  or self.dataloader_persistent_workers):
             raise ValueError("dataloader_prefetch_factor / dataloader_persistent_workers need "
                              "dataloader_num_workers > 0")
+        return self
+
+    @property
+    def resolved_device(self) -> str:
+        """training.device with use_cpu applied."""
+        return "cpu" if self.use_cpu else self.device
+
+    @model_validator(mode="after")
+    def _one_device(self) -> "TrainingConfig":
+        if self.use_cpu and self.device == "cuda":
+            raise ValueError("use_cpu: true and device: cuda contradict each other; set one")
         return self
 
     @model_validator(mode="after")
