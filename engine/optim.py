@@ -10,6 +10,7 @@ from transformers import get_scheduler
 
 from finetune.config.schema import OptimizerConfig, SchedulerConfig
 from finetune.errors import PipelineError
+from finetune.imports import load_object
 
 
 def assign_groups(names: list[str], patterns: list[str]) -> list[list[int]]:
@@ -33,10 +34,30 @@ def fused_default(klass, device: torch.device, kwargs: dict) -> dict:
     return {"fused": True} if "fused" in inspect.signature(klass).parameters else {}
 
 
+def optimizer_class(name: str):
+    """optimizer.name: a torch.optim class, or 'module:Class' naming an Optimizer subclass."""
+    if ":" not in name:
+        return getattr(torch.optim, name)
+    klass = load_object(name, "optimizer.name")
+    if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
+        raise PipelineError(f"optimizer.name: '{name}' is not a torch.optim.Optimizer subclass")
+    return klass
+
+
+def scheduler_factory(name: str):
+    """scheduler.name 'module:function' -> the function (a schedule name: None)."""
+    if ":" not in name:
+        return None
+    fn = load_object(name, "scheduler.name")
+    if not callable(fn):
+        raise PipelineError(f"scheduler.name: '{name}' is not a function")
+    return fn
+
+
 def build_optimizer(named_params, cfg: OptimizerConfig,
                     log: Callable[[str], None] | None = None) -> torch.optim.Optimizer:
-    """torch.optim.<name> over the trainable parameters, split into `optimizer_groups`."""
-    klass = getattr(torch.optim, cfg.name)
+    """optimizer.name over the trainable parameters, split into `optimizer_groups`."""
+    klass = optimizer_class(cfg.name)
     named = [(n, p) for n, p in named_params if p.requires_grad]
     if not named:
         raise PipelineError("no trainable parameters: check peft.target_modules / peft.use_peft")
@@ -82,6 +103,20 @@ def warmup_steps(cfg: SchedulerConfig, total_steps: int) -> int:
 
 def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int):
     kwargs = dict(cfg.kwargs)
+    factory = scheduler_factory(cfg.name)
+    if factory is not None:
+        try:
+            scheduler = factory(optimizer, num_warmup_steps=warmup_steps(cfg, total_steps),
+                                num_training_steps=total_steps, **kwargs)
+        except TypeError as exc:
+            raise PipelineError(f"scheduler.name: '{cfg.name}' cannot be called as f(optimizer, "
+                                f"num_warmup_steps=, num_training_steps=, **kwargs) ({exc})"
+                                ) from None
+        if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict",
+                                                                     "load_state_dict")):
+            raise PipelineError(f"scheduler.name: '{cfg.name}' returned "
+                                f"{type(scheduler).__name__}, not an LR scheduler")
+        return scheduler
     if cfg.name == "warmup_stable_decay":
         kwargs.setdefault("num_decay_steps", max(1, total_steps // 10))
     try:

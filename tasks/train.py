@@ -27,6 +27,7 @@ def preflight(ws: Workspace) -> None:
     from engine.callbacks import check_user_callback
     from engine.distributed import choose_device
     from engine.model import check_quantization, model_class
+    from engine.optim import optimizer_class, scheduler_factory
     from engine.runtime import autocast_dtype, check_cuda_only, check_sdpa_backends
 
     cfg = ws.config
@@ -35,6 +36,7 @@ def preflight(ws: Workspace) -> None:
     model_class(cfg.model.auto_class_name)  # an unknown class fails here, not in every rank
     for spec in cfg.logging.callbacks:
         check_user_callback(spec)
+    optimizer_class(cfg.optimizer.name), scheduler_factory(cfg.scheduler.name)
     check_quantization(cfg.model)
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)

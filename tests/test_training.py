@@ -457,6 +457,48 @@ def test_a_callback_steers_the_run_and_its_state_is_checkpointed(tokenized, tmp_
         train_in_place(project)
 
 
+USER_OPTIM = """
+import torch
+
+
+class CountingAdamW(torch.optim.AdamW):
+    steps = 0
+
+    def step(self, closure=None):
+        type(self).steps += 1
+        with open("optimizer_steps.txt", "w") as fh:
+            fh.write(str(type(self).steps))
+        return super().step(closure)
+
+
+def flat(optimizer, num_warmup_steps, num_training_steps, factor=1.0):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor)
+
+
+def not_a_schedule(optimizer, **kwargs):
+    return 3
+"""
+
+
+def test_user_optimizer_class_and_scheduler_function(tokenized, tmp_path, monkeypatch):
+    project = tmp_path / "o"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_optim.py").write_text(USER_OPTIM)
+    monkeypatch.chdir(project)
+    run, _ = train_here(project, tmp_path / "r", {
+        **BASE, "optimizer.name": "user_optim:CountingAdamW",
+        "scheduler.name": "user_optim:flat", "scheduler.kwargs": {"factor": 0.5},
+        "scheduler.warmup_steps": 0})
+    assert (project / "optimizer_steps.txt").read_text() == "4"
+    assert set(_column(run, "learning_rate")) == {0.0025}  # 0.005 x factor, never decayed
+    for key, value, message in (
+            ("optimizer.name", "user_optim:flat", "is not a torch.optim.Optimizer subclass"),
+            ("scheduler.name", "user_optim:not_a_schedule", "returned int, not an LR scheduler"),
+            ("scheduler.name", "user_optim:missing", "has no attribute 'missing'")):
+        with pytest.raises(PipelineError, match=message):
+            train_here(project, tmp_path / f"bad{len(message)}", {**BASE, key: value})
+
+
 def test_custom_model_class_from_the_project(tokenized, tmp_path):
     project = tmp_path / "m"
     shutil.copytree(tokenized, project, symlinks=True)

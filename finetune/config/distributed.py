@@ -23,7 +23,8 @@ TORCH_OPTIMIZERS = frozenset({
 
 
 def torch_optimizer_name(name: str) -> str:
-    if name in TORCH_OPTIMIZERS:
+    """A torch.optim class name, or 'module:Class' (checked when the stage loads it)."""
+    if name in TORCH_OPTIMIZERS or ":" in name:
         return name
     import torch.optim
 

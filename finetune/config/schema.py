@@ -124,7 +124,9 @@ class PeftSection(Section):
 class OptimizerConfig(Section):
     """Any torch.optim class by name plus its keyword arguments."""
 
-    name: str = Field("AdamW", description="torch.optim class name (AdamW, Adam, SGD, ...).")
+    name: str = Field(
+        "AdamW", description="torch.optim class name (AdamW, Adam, SGD, ...), or 'module:Class' "
+        "for another torch.optim.Optimizer (e.g. bitsandbytes.optim:AdamW8bit, or yours).")
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra optimizer kwargs.")
@@ -163,7 +165,18 @@ class OptimizerConfig(Section):
 class SchedulerConfig(Section):
     """Learning-rate schedule built with transformers.get_scheduler."""
 
-    name: Literal[SCHEDULERS] = Field("cosine", description="Schedule (HF lr_scheduler_type).")
+    name: str = Field(
+        "cosine", description="Schedule (HF lr_scheduler_type: " + ", ".join(SCHEDULERS) + "), "
+        "or 'module:function' called as f(optimizer, num_warmup_steps=, num_training_steps=, "
+        "**kwargs) and returning a torch LR scheduler.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_schedule(cls, name: str) -> str:
+        if name not in SCHEDULERS and ":" not in name:
+            raise ValueError(f"'{name}' is not a schedule ({', '.join(SCHEDULERS)}) nor a "
+                             "'module:function'")
+        return name
     warmup_steps: int = Field(0, ge=0, description="Warmup steps (exclusive with warmup_ratio).")
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Warmup as a fraction of steps.")
     kwargs: dict[str, Any] = Field(
