@@ -173,7 +173,9 @@ def build_reporters(log_cfg, plots_dir: Path, root: Path, relay: Path | None,
                     rows: list[dict]) -> CallbackList:
     """The main process's callbacks, in the order they run."""
     history = History(plots_dir, rows)
-    callbacks: list = [history, Console()]
+    callbacks: list = [history]
+    if log_cfg.log_level in ("debug", "info"):
+        callbacks.append(Console())
     if progress_enabled(log_cfg.disable_tqdm):
         callbacks.append(ProgressBar(log_cfg.progress_bar))
     logging_dir = root / log_cfg.logging_dir

@@ -53,6 +53,17 @@ from finetune.files import atomic_dir, write_json_atomic
 Go = Callable[[], Any]
 
 
+def follow_log_level(level: str) -> None:
+    """transformers' verbosity for logging.log_level: debug shows its info messages, warning
+    and error hide more; info leaves transformers at its own default (warning)."""
+    if level == "info":
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity({"debug": hf_logging.INFO, "warning": hf_logging.WARNING,
+                              "error": hf_logging.ERROR}[level])
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -108,13 +119,14 @@ class TrainingRun:
         self._fingerprint: dict[str, Any] | None = None
 
     def log(self, line: str) -> None:
-        if self.dist.is_main:
+        if self.dist.is_main and self.cfg.logging.log_level in ("debug", "info"):
             print(line, flush=True)
 
     # -- building ------------------------------------------------------------------------
     def setup(self) -> None:
         """Everything, in the order that fixes the random streams (init, LoRA, data)."""
         t, d = self.cfg.training, self.dist
+        follow_log_level(self.cfg.logging.log_level)
         check_cuda_only(t, d.device)
         configure_torch(t)
         seed_everything(t.seed)
@@ -285,7 +297,11 @@ class TrainingRun:
         """At a logging step: one reduction for the whole window, then one row."""
         step, log_cfg = self.progress.step, self.cfg.logging
         every = log_cfg.logging_steps
-        if not ((every and step % every == 0) or step == self.max_steps
+        strategy = log_cfg.logging_strategy
+        epoch_end = self.progress.batch_in_epoch >= self.epoch_len
+        periodic = (strategy == "steps" and every and step % every == 0) or (
+            strategy == "epoch" and epoch_end)
+        if not (periodic or step == self.max_steps
                 or (step == 1 and log_cfg.logging_first_step)):
             return
         window, d = self.progress.window, self.dist
@@ -322,7 +338,9 @@ class TrainingRun:
         last = step == self.max_steps
         save_now = due(c.save_strategy, c.save_steps, step, epoch_end, last, saving=True)
         on_save = e.eval_on_save  # read every step: dvc.yaml's completeness test sees it
-        eval_now = due(e.eval_strategy, e.eval_steps, step, epoch_end, last)
+        eval_now = due(e.eval_strategy, e.eval_steps, step, epoch_end, last) and (
+            e.eval_delay <= (self.progress.epoch + int(epoch_end) if e.eval_strategy == "epoch"
+                             else step))
         if epoch_end and self.reporters:
             self.reporters.on_epoch_end(self.state)
         asked_stop, asked_save, asked_eval = self.control_requests()

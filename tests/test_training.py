@@ -586,14 +586,21 @@ def baseline(tokenized, tmp_path_factory):
      # the seeds' "0 disables": no periodic rows, no checkpoint, one eval at the last step
      lambda run, base: _column(run, "step") == [4] and _column(run, "step", "eval.csv") == [4]
      and not any((run / "data/checkpoints").glob("step-*"))),
+    ({"eval.eval_strategy": "steps", "eval.eval_steps": 1, "eval.eval_delay": 3},
+     lambda run, base: _column(run, "step", "eval.csv") == [3, 4]),
+    ({"logging.logging_strategy": "no", "logging.logging_first_step": False,
+      "logging.log_level": "warning"},  # one row (the final step's), nothing on stdout
+     lambda run, base: _column(run, "step") == [4] and len(_column(base, "step")) == 4),
     ({"training.speed_metrics_start_step": 2},  # tokens/s counts steps 3 and 4 only
      lambda run, base: train_metrics(run)["speed_metrics_start_step"] == 2
      and train_metrics(base)["speed_metrics_start_step"] == 0
      and train_metrics(run)["train_tokens_per_second"] > 0
      and train_metrics(run)["train_steps_per_second"] > 0),
 ], ids=["bf16", "max_grad_norm", "seed", "weight_decay", "optimizer", "scheduler", "warmup_ratio",
-        "logging_steps", "eval_batches", "max_steps_wins", "zero_disables",
-        "speed_metrics_start_step"])
+        "logging_steps", "eval_batches", "max_steps_wins", "zero_disables", "eval_delay",
+        "logging_strategy_no", "speed_metrics_start_step"])
 def test_each_loop_option_changes_the_run(tokenized, tmp_path, baseline, overrides, check):
-    run, _ = train_here(tokenized, tmp_path / "r", {**BASE, **overrides})
+    run, proc = train_here(tokenized, tmp_path / "r", {**BASE, **overrides})
     assert check(run, baseline)
+    if overrides.get("logging.log_level") == "warning":
+        assert "[train]" not in proc.stdout, proc.stdout

@@ -29,6 +29,11 @@ class EvalConfig(Section):
     eval_steps: int = Field(
         50, ge=0, description="Eval every N steps when eval_strategy=steps; 0: no step evals "
         "(the seeds' '0 disables'; the final step still evaluates).")
+    eval_delay: float = Field(
+        0, ge=0,
+        description="No evaluation before this many steps (eval_strategy steps) or epochs "
+        "(epoch), HF's rule: an evaluation is due when eval_delay <= step (or epoch).",
+    )
     eval_batches: int | None = Field(
         None, gt=0, description="Cap eval batches (None: the whole test split). Alias: "
         "max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),

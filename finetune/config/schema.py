@@ -252,6 +252,17 @@ class LoggingConfig(Section):
         10, ge=0, description="Log every N optimizer steps; 0: no periodic rows (the seeds' '0 "
         "disables'), only the final step's, which carries the run's train_loss.")
     logging_first_step: bool = Field(True, description="Also log step 1.")
+    logging_strategy: Literal["no", "steps", "epoch"] = Field(
+        "steps",
+        description="When a training row is logged: every logging_steps, at each epoch end, or "
+        "no periodic rows (the final step's row, which carries train_loss, is always logged).",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info",
+        description="Our [train] lines and metric rows print at info; warning or error keeps "
+        "them off stdout (the files and trackers still get every row). transformers' "
+        "verbosity follows at debug (its info), warning and error.",
+    )
     run_name: str | None = Field(
         None, description="The MLflow run's name (seed 003's run name; None: MLflow draws one)."
     )
