@@ -47,6 +47,7 @@ from engine.runtime import (activation_offloading, apply_allocator_settings, att
                             use_fast_bf16_cpu_kernels)
 from engine.stream import ExampleSource
 from engine.strategies import build_strategy
+from engine.trainers import register_trainer, trainer_class
 from finetune.config import FinetuneConfig
 from finetune.files import atomic_dir, write_json_atomic
 
@@ -95,7 +96,7 @@ def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
     d = setup(cfg.distributed, cfg.training.resolved_device)
     try:
         with attention_backends(cfg.training, d.device):
-            return TrainingRun(cfg, paths, d, go, stream).fit()
+            return trainer_class(cfg.training.type)(cfg, paths, d, go, stream).fit()
     finally:
         teardown()
 
@@ -454,3 +455,6 @@ class TrainingRun:
             self.tokenizer.save_pretrained(staging)
             if self.labels:
                 write_labels(staging, self.labels)
+
+
+register_trainer("sft", TrainingRun)

@@ -28,6 +28,7 @@ def preflight(ws: Workspace) -> None:
     from engine.distributed import choose_device
     from engine.model import check_quantization, model_class
     from engine.optim import optimizer_class, scheduler_factory
+    from engine.run import trainer_class  # imported there: the registry knows sft
     from engine.runtime import autocast_dtype, check_cuda_only, check_sdpa_backends
 
     cfg = ws.config
@@ -37,6 +38,7 @@ def preflight(ws: Workspace) -> None:
     for spec in cfg.logging.callbacks:
         check_user_callback(spec)
     optimizer_class(cfg.optimizer.name), scheduler_factory(cfg.scheduler.name)
+    trainer_class(cfg.training.type)
     check_quantization(cfg.model)
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)

@@ -499,6 +499,30 @@ def test_user_optimizer_class_and_scheduler_function(tokenized, tmp_path, monkey
             train_here(project, tmp_path / f"bad{len(message)}", {**BASE, key: value})
 
 
+USER_LOOP = """
+from engine.run import TrainingRun
+
+
+class CountingRun(TrainingRun):
+    def train_step(self):
+        with open("loop_steps.txt", "a") as fh:
+            fh.write("x")
+        return super().train_step()
+"""
+
+
+def test_training_type_picks_the_loop(tokenized, tmp_path, monkeypatch):
+    project = tmp_path / "t"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_loop.py").write_text(USER_LOOP)
+    monkeypatch.chdir(project)
+    train_here(project, tmp_path / "r", {**BASE, "training.type": "user_loop:CountingRun"})
+    assert (project / "loop_steps.txt").read_text() == "xxxx"
+    with pytest.raises(PipelineError, match=r"training.type 'dpo': no such trainer "
+                       r"\(registered: sft"):
+        train_here(project, tmp_path / "bad", {**BASE, "training.type": "dpo"})
+
+
 def test_custom_model_class_from_the_project(tokenized, tmp_path):
     project = tmp_path / "m"
     shutil.copytree(tokenized, project, symlinks=True)

@@ -118,6 +118,11 @@ class TrainingConfig(Section):
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Gradient clipping norm; null: no clipping (the norm is still "
         "logged, except with fuse_optim_with_backward).")
+    type: str = Field(
+        "sft",
+        description="Trainer type (seed 004): sft (our loop), a key a project registered with "
+        "engine.trainers.register_trainer, or 'module:Class' (a TrainingRun subclass).",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="Where training runs: auto (a CUDA GPU when one is visible, else the CPU), "
