@@ -139,12 +139,41 @@ class ClassificationLoss(FullLoss):
         return class_loss_sum(output.logits, labels)
 
 
+class UserLoss(FullLoss):
+    """training.compute_loss_func, called as HF's Trainer calls it, fn(outputs, labels,
+    num_items_in_batch=...), with num_items_in_batch=1: a function written for HF divides its
+    summed loss by num_items_in_batch, so it returns the sum here and the loop divides by the
+    step's target count across micro-batches and ranks, as for the built-in loss."""
+
+    name = "user"
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.eval_loss_sum = lambda logits, labels: fn(_Outputs(logits), labels,
+                                                       num_items_in_batch=1)
+
+    def loss_sum(self, output, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.fn(output, labels, num_items_in_batch=1)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise PipelineError("training.compute_loss_func must return a scalar tensor (got "
+                                f"{type(loss).__name__})")
+        return loss
+
+
+@dataclass
+class _Outputs:
+    logits: torch.Tensor
+
+
 def build_loss(model, chunk_tokens: int | None, device: torch.device, amp=None,
-               vocab_size: int | None = None, classify: bool = False
-               ) -> FullLoss | ChunkedLoss | ClassificationLoss:
+               vocab_size: int | None = None, classify: bool = False, user_fn=None
+               ) -> FullLoss | ChunkedLoss | ClassificationLoss | UserLoss:
     """The loss for `training.loss_chunk_tokens`, checked against the full loss on a probe
     batch (before any wrapping) so a model that transforms its logits is refused. A
-    classifier (`classify`) has no vocabulary head to chunk."""
+    classifier (`classify`) has no vocabulary head to chunk; `user_fn`:
+    training.compute_loss_func on the model's full outputs."""
+    if user_fn is not None:
+        return UserLoss(user_fn)
     if classify:
         return ClassificationLoss()
     if chunk_tokens is None:

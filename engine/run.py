@@ -50,6 +50,7 @@ from engine.strategies import build_strategy
 from engine.trainers import register_trainer, trainer_class
 from finetune.config import FinetuneConfig
 from finetune.files import atomic_dir, write_json_atomic
+from finetune.imports import load_object
 
 Go = Callable[[], Any]
 
@@ -163,8 +164,10 @@ class TrainingRun:
         self.collate_fn = prepare_batch_layout(
             cfg.training, cfg.data.max_seq_length, model, self.tokenizer.pad_token_id, d.device,
             self.amp, self.log)
+        user_fn = (load_object(cfg.training.compute_loss_func, "training.compute_loss_func")
+                   if cfg.training.compute_loss_func else None)
         self.loss = build_loss(model, cfg.training.loss_chunk_tokens, d.device, self.amp,
-                               classify=bool(self.labels))
+                               classify=bool(self.labels), user_fn=user_fn)
         self.strategy = build_strategy(cfg, d, self.meter)
         self.model = maybe_compile(self.strategy.wrap(model), cfg.training)
 

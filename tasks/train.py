@@ -15,6 +15,7 @@ from pathlib import Path
 
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
+from finetune.imports import load_object
 from finetune.workspace import Workspace
 from tasks import tracking
 from tasks.curves import render_curves
@@ -39,6 +40,10 @@ def preflight(ws: Workspace) -> None:
         check_user_callback(spec)
     optimizer_class(cfg.optimizer.name), scheduler_factory(cfg.scheduler.name)
     trainer_class(cfg.training.type)
+    if cfg.training.compute_loss_func and not callable(
+            load_object(cfg.training.compute_loss_func, "training.compute_loss_func")):
+        raise PipelineError(f"training.compute_loss_func: '{cfg.training.compute_loss_func}' "
+                            "is not a function")
     check_quantization(cfg.model)
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)

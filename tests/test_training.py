@@ -511,6 +511,30 @@ class CountingRun(TrainingRun):
 """
 
 
+USER_LOSS = """
+import torch
+
+
+def doubled(outputs, labels, num_items_in_batch):
+    logits = outputs.logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels[:, 1:].reshape(-1), reduction="sum")
+    return 2 * loss / num_items_in_batch
+"""
+
+
+def test_compute_loss_func_is_the_objective(tokenized, tmp_path, baseline, monkeypatch):
+    """An HF-style loss function (sum / num_items_in_batch) that doubles the cross entropy:
+    the logged loss is twice the built-in one at step 1 (the same weights)."""
+    project = tmp_path / "l"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_loss.py").write_text(USER_LOSS)
+    monkeypatch.chdir(project)
+    run, _ = train_here(project, tmp_path / "r", {
+        **BASE, "training.compute_loss_func": "user_loss:doubled"})
+    assert losses(run)[0] == pytest.approx(2 * losses(baseline)[0], rel=1e-5)
+
+
 def test_training_type_picks_the_loop(tokenized, tmp_path, monkeypatch):
     project = tmp_path / "t"
     shutil.copytree(tokenized, project, symlinks=True)

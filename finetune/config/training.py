@@ -118,6 +118,14 @@ class TrainingConfig(Section):
     max_grad_norm: float | None = Field(
         1.0, gt=0, description="Gradient clipping norm; null: no clipping (the norm is still "
         "logged, except with fuse_optim_with_backward).")
+    compute_loss_func: str | None = Field(
+        None,
+        description="'module:function' computing the loss from the model's outputs, called as "
+        "HF's Trainer does: fn(outputs, labels, num_items_in_batch) (seed 002). We pass "
+        "num_items_in_batch=1 and normalise by the step's target tokens ourselves, so an HF "
+        "function (sum / num_items_in_batch) keeps its meaning. Uses the full logits (the "
+        "chunked loss does not apply).",
+    )
     type: str = Field(
         "sft",
         description="Trainer type (seed 004): sft (our loop), a key a project registered with "
