@@ -216,7 +216,11 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     if cfg.device_map:
         kwargs["device_map"] = cfg.device_map
     kwargs.update(_quantization(cfg))
-    model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg, **kwargs)
+    if cfg.model_init and ref is None:
+        model = _from_model_init(cfg, kwargs)
+    else:
+        model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
+                                 **kwargs)
     model.config.use_cache = cfg.use_cache
     if cfg.added_tokens or cfg.special_tokens:
         grow_vocabulary(model, len(load_tokenizer(cfg, root)))
@@ -255,6 +259,24 @@ def _embedding_module_names(model) -> list[str]:
     wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                    if id(m) in wanted})
+
+
+def _from_model_init(cfg: ModelConfig, kwargs: dict[str, Any]):
+    """model.model_init: the user's factory instead of from_pretrained (dtype applied here)."""
+    from transformers import PreTrainedModel
+
+    from finetune.imports import load_object
+
+    if kwargs.get("quantization_config") is not None or "num_labels" in kwargs:
+        raise PipelineError("model.model_init builds the model itself: quantised loading and "
+                            "classification heads are from_pretrained options; remove one")
+    model = load_object(cfg.model_init, "model.model_init")()
+    if not isinstance(model, PreTrainedModel):
+        raise PipelineError(f"model.model_init: '{cfg.model_init}' returned "
+                            f"{type(model).__name__}, not a transformers PreTrainedModel")
+    if "dtype" in kwargs:
+        model = model.to(kwargs["dtype"])
+    return model
 
 
 def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,

@@ -40,10 +40,10 @@ def preflight(ws: Workspace) -> None:
         check_user_callback(spec)
     optimizer_class(cfg.optimizer.name), scheduler_factory(cfg.scheduler.name)
     trainer_class(cfg.training.type)
-    if cfg.training.compute_loss_func and not callable(
-            load_object(cfg.training.compute_loss_func, "training.compute_loss_func")):
-        raise PipelineError(f"training.compute_loss_func: '{cfg.training.compute_loss_func}' "
-                            "is not a function")
+    for key, ref in (("training.compute_loss_func", cfg.training.compute_loss_func),
+                     ("model.model_init", cfg.model.model_init)):
+        if ref and not callable(load_object(ref, key)):
+            raise PipelineError(f"{key}: '{ref}' is not a function")
     check_quantization(cfg.model)
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)

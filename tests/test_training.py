@@ -535,6 +535,34 @@ def test_compute_loss_func_is_the_objective(tokenized, tmp_path, baseline, monke
     assert losses(run)[0] == pytest.approx(2 * losses(baseline)[0], rel=1e-5)
 
 
+MODEL_INIT = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=2, max_position_embeddings=512))
+
+
+def not_a_model():
+    return torch.nn.Linear(2, 2)
+"""
+
+
+def test_model_init_builds_the_base_model(tokenized, tmp_path, monkeypatch):
+    project = tmp_path / "mi"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_model.py").write_text(MODEL_INIT)
+    monkeypatch.chdir(project)
+    run, _ = train_here(project, tmp_path / "r", {**BASE, "model.model_init": "user_model:tiny"})
+    assert train_metrics(run)["total_params"] < 100_000  # stories260K has 352,512
+    with pytest.raises(PipelineError, match="returned Linear, not a transformers PreTrainedModel"):
+        train_here(project, tmp_path / "bad", {**BASE, "model.model_init": "user_model:not_a_model"})
+
+
 def test_training_type_picks_the_loop(tokenized, tmp_path, monkeypatch):
     project = tmp_path / "t"
     shutil.copytree(tokenized, project, symlinks=True)

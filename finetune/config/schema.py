@@ -51,6 +51,13 @@ class ModelConfig(Section):
         pattern=r"^[A-Za-z_][\w.\-]*(:[A-Za-z_]\w*)?$",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin.")
+    model_init: str | None = Field(
+        None,
+        description="'module:function' with no arguments returning the base model (a "
+        "transformers PreTrainedModel), used instead of from_pretrained (seed 002); it runs "
+        "after the seed is set, so the same params build the same model in every stage. The "
+        "tokenizer still comes from name_or_path (or tokenizer_name_or_path).",
+    )
     tokenizer_name_or_path: str | None = Field(
         None, validation_alias=AliasChoices("tokenizer_name_or_path", "tokenizer_name"),
         description="A tokenizer other than the model's (hub id or local folder); None: the "
