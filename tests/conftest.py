@@ -346,3 +346,21 @@ def resume_cut_back(full: Path, tmp_path: Path, at: int, resume=None) -> str:
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
     assert losses(cut) == losses(full)
     return out
+
+
+# -- small readers shared by test_training and test_run_control --------------------------
+
+#: a 4-step in-process run without checkpoints, logging every step
+BASE = {"training.max_steps": 4, "checkpoint.save_strategy": "no", "eval.eval_steps": 4,
+        "logging.logging_steps": 1}
+
+
+def _checkpoints(project) -> list[str]:
+    return sorted(p.name for p in (project / "data/checkpoints").iterdir())
+
+
+def _column(project, name: str, file: str = "train.csv") -> list[float]:
+    import csv
+
+    with open(project / "data/plots" / file) as fh:
+        return [float(r[name]) for r in csv.DictReader(fh)]

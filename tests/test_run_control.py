@@ -1,0 +1,303 @@
+"""Run control and the loop's extension points (issues 20, 21): resume by path, callbacks that
+steer the run, user optimizer/scheduler/loss/model/loop, memory levers, checkpoint retention.
+
+Apart from test_training.py so the two files run side by side (pytest-xdist, one file per
+worker); each trains in-process (tests/conftest.train_here) on the session's tokenized project.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import (BASE, _checkpoints, _column, adapter, assert_weights_close, losses,
+                      train_here, train_in_place, train_metrics, write_params)
+from finetune.config.schema import FinetuneConfig
+from finetune.errors import PipelineError
+
+
+def test_resume_by_path_picks_that_checkpoint_over_a_newer_one(tokenized, tmp_path):
+    """Seeds 000/002/004: resume_from_checkpoint names a checkpoint. The run continues from
+    step 4 although step 8 is newer, the later ones move aside, and the weights equal the
+    uninterrupted run's."""
+    params = {"training.max_steps": 8, "checkpoint.save_steps": 2,
+              "checkpoint.save_total_limit": None}
+    full, _ = train_here(tokenized, tmp_path / "full", params)
+    uninterrupted = adapter(full)
+    write_params(full, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000004"})
+    proc = train_in_place(full)
+    assert "resumed from" in proc.stdout and "step-0000004 at step 4" in proc.stdout
+    assert _checkpoints(full) == ["step-0000002", "step-0000004", "step-0000006",
+                                  "step-0000008"]  # 6 and 8 written again by the resume
+    moved = next((full / "data/checkpoints.previous").iterdir())
+    assert sorted(p.name for p in moved.iterdir()) == ["step-0000006", "step-0000008"]
+    resumed = adapter(full)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    with pytest.raises(PipelineError, match=r"resume_from_checkpoint: .*step-0000009 is not a "
+                       "complete checkpoint"):
+        write_params(full, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000009"})
+        train_in_place(full)
+
+
+def test_optimizer_in_backward_trains_like_the_step_after_backward(tokenized, tmp_path):
+    """fuse_optim_with_backward updates each parameter inside backward; Adam's update is
+    per parameter, so the run is the ordinary one (no clipping on either side)."""
+    plain, _ = train_here(tokenized, tmp_path / "p", {**BASE, "training.max_grad_norm": None})
+    fused, _ = train_here(tokenized, tmp_path / "f", {**BASE, "training.max_grad_norm": None,
+                                                      "training.fuse_optim_with_backward": True})
+    assert losses(fused) == pytest.approx(losses(plain), abs=1e-6)
+    assert_weights_close(adapter(fused), adapter(plain))
+    grad_norms = _column(fused, "grad_norm")
+    assert all(g != g for g in grad_norms)  # nan: no gradient outlives its update
+    assert all(g == g for g in _column(plain, "grad_norm"))
+    data = {"data": {"json_file_path": "x.jsonl"}}
+    for section, extra, message in (
+            ("training", {}, "does not combine with max_grad_norm: 1.0"),
+            ("training", {"max_grad_norm": None, "gradient_accumulation_steps": 2},
+             "gradient_accumulation_steps: 2"),
+            ("training", {"max_grad_norm": None, "mixed_precision": "fp16"},
+             "mixed_precision: fp16"),
+            ("distributed", {"strategy": "ddp"}, "distributed.strategy ddp")):
+        training = {"fuse_optim_with_backward": True, **(extra if section == "training" else
+                                                         {"max_grad_norm": None})}
+        raw = {**data, "training": training}
+        if section == "distributed":
+            raw["distributed"] = extra
+        with pytest.raises(ValueError, match=message):
+            FinetuneConfig.model_validate(raw)
+
+
+def test_group_by_length_reads_the_length_column_it_is_told(tokenized, tmp_path):
+    import datasets
+
+    from engine.data import ShardedBatches
+    from engine.loader import example_lengths
+
+    split = tokenized / "data/tokenized/train"
+    ds = datasets.load_from_disk(str(split))
+    assert ds["length"] == [len(x) for x in ds["input_ids"]]  # written by tokenize
+    by_tokens, by_trainable = example_lengths(split, "length"), example_lengths(split,
+                                                                               "n_trainable")
+    assert by_trainable == tuple(ds["n_trainable"]) and by_trainable != by_tokens
+    order = [ShardedBatches(len(ds), 4, 0, 1, 42, lengths=lengths).epoch(0)
+             for lengths in (by_tokens, by_trainable)]
+    assert order[0] != order[1]
+    with pytest.raises(PipelineError, match=r"training.length_column_name 'nope' is not a "
+                       r"column of the tokenized train split \(columns: input_ids, labels"):
+        example_lengths(split, "nope")
+    run, _ = train_here(tokenized, tmp_path / "g", {**BASE, "training.group_by_length": True,
+                                                    "training.length_column_name": "n_trainable"})
+    assert train_metrics(run)["global_step"] == 4
+
+
+def test_preserve_n_best_keeps_the_best_apart_from_the_newest(tokenized, tmp_path):
+    """greater_is_better makes the earliest checkpoints the best: the newest one
+    (save_total_limit 1) and the two best (preserve_n_best 2) survive; without
+    preserve_n_best the rule is the newest plus one best."""
+    project, _ = train_here(tokenized, tmp_path / "b", {
+        "training.max_steps": 8, "eval.eval_strategy": "steps", "eval.eval_steps": 2,
+        "checkpoint.save_steps": 2, "checkpoint.save_total_limit": 1,
+        "checkpoint.metric_for_best_model": "eval_loss", "checkpoint.greater_is_better": True,
+        "checkpoint.preserve_n_best": 2})
+    assert _checkpoints(project) == ["step-0000002", "step-0000004", "step-0000008"]
+    with pytest.raises(ValueError, match="preserve_n_best keeps the best checkpoints by"):
+        FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"},
+                                       "checkpoint": {"preserve_n_best": 2}})
+
+
+STEERING = """
+from engine.callbacks import Callback
+
+
+class Steer(Callback):
+    \"\"\"Stops at `stop_at`, asks for a checkpoint at `save_at`; counts epochs and steps in a
+    state that checkpoints carry.\"\"\"
+
+    def __init__(self, stop_at, save_at):
+        self.stop_at, self.save_at = stop_at, save_at
+        self.counts = {"epochs": 0, "steps": 0, "ends": 0}
+        self.restored = None
+
+    def on_epoch_begin(self, state):
+        self.counts["epochs"] += 1
+
+    def on_step_begin(self, state):
+        self.counts["steps"] += 1
+
+    def on_epoch_end(self, state):
+        self.counts["ends"] += 1
+
+    def on_step_end(self, state):
+        if state.step == self.save_at:
+            state.control.should_save = True
+        if state.step == self.stop_at:
+            state.control.should_training_stop = True
+
+    def state_dict(self):
+        return dict(self.counts)
+
+    def load_state_dict(self, state):
+        self.restored = dict(state)
+        self.counts = dict(state)
+
+    def on_train_end(self, state):
+        import json
+        with open("steer.json", "w") as fh:
+            json.dump({"counts": self.counts, "restored": self.restored, "step": state.step}, fh)
+"""
+
+
+def test_a_callback_steers_the_run_and_its_state_is_checkpointed(tokenized, tmp_path,
+                                                                 monkeypatch):
+    """A callback built with kwargs asks for a checkpoint at step 2 (save_steps is 50) and to
+    stop at step 3: the run ends at 3 (HF's TrainerControl); its state is in the checkpoints
+    and, with restore_callback_states_from_checkpoint, comes back on resume."""
+    project = tmp_path / "s"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "steer_cb.py").write_text(STEERING)
+    monkeypatch.chdir(project)
+    spec = {"class": "steer_cb:Steer", "kwargs": {"stop_at": 3, "save_at": 2}}
+    write_params(project, {**BASE, "training.max_steps": 6, "checkpoint.save_strategy": "steps",
+                           "checkpoint.save_steps": 50, "logging.callbacks": [spec]})
+    proc = train_in_place(project)
+    assert train_metrics(project)["global_step"] == 3
+    assert "stopping at step 3: a callback set control.should_training_stop" in proc.stdout
+    assert _checkpoints(project) == ["step-0000002", "step-0000003"]
+    steer = json.loads((project / "steer.json").read_text())
+    assert steer["counts"] == {"epochs": 1, "steps": 3, "ends": 0} and steer["restored"] is None
+    # resume from step 2 with the state restored: the counts continue from the checkpoint's
+    write_params(project, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000002",
+                           "logging.restore_callback_states_from_checkpoint": True,
+                           "logging.callbacks": [{**spec, "kwargs": {"stop_at": 4,
+                                                                     "save_at": 0}}]})
+    train_in_place(project)
+    steer = json.loads((project / "steer.json").read_text())
+    assert steer["restored"] == {"epochs": 1, "steps": 2, "ends": 0}
+    assert steer["counts"]["steps"] == 4 and steer["step"] == 4
+    with pytest.raises(PipelineError, match="'steer_cb:Steer' cannot be built with kwargs"):
+        write_params(project, {"logging.callbacks": [{"class": "steer_cb:Steer",
+                                                      "kwargs": {"nope": 1}}]})
+        train_in_place(project)
+
+
+USER_OPTIM = """
+import torch
+
+
+class CountingAdamW(torch.optim.AdamW):
+    steps = 0
+
+    def step(self, closure=None):
+        type(self).steps += 1
+        with open("optimizer_steps.txt", "w") as fh:
+            fh.write(str(type(self).steps))
+        return super().step(closure)
+
+
+def flat(optimizer, num_warmup_steps, num_training_steps, factor=1.0):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: factor)
+
+
+def not_a_schedule(optimizer, **kwargs):
+    return 3
+"""
+
+
+def test_user_optimizer_class_and_scheduler_function(tokenized, tmp_path, monkeypatch):
+    project = tmp_path / "o"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_optim.py").write_text(USER_OPTIM)
+    monkeypatch.chdir(project)
+    run, _ = train_here(project, tmp_path / "r", {
+        **BASE, "optimizer.name": "user_optim:CountingAdamW",
+        "scheduler.name": "user_optim:flat", "scheduler.kwargs": {"factor": 0.5},
+        "scheduler.warmup_steps": 0})
+    assert (project / "optimizer_steps.txt").read_text() == "4"
+    assert set(_column(run, "learning_rate")) == {0.0025}  # 0.005 x factor, never decayed
+    for key, value, message in (
+            ("optimizer.name", "user_optim:flat", "is not a torch.optim.Optimizer subclass"),
+            ("scheduler.name", "user_optim:not_a_schedule", "returned int, not an LR scheduler"),
+            ("scheduler.name", "user_optim:missing", "has no attribute 'missing'")):
+        with pytest.raises(PipelineError, match=message):
+            train_here(project, tmp_path / f"bad{len(message)}", {**BASE, key: value})
+
+
+USER_LOOP = """
+from engine.run import TrainingRun
+
+
+class CountingRun(TrainingRun):
+    def train_step(self):
+        with open("loop_steps.txt", "a") as fh:
+            fh.write("x")
+        return super().train_step()
+"""
+
+
+USER_LOSS = """
+import torch
+
+
+def doubled(outputs, labels, num_items_in_batch):
+    logits = outputs.logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             labels[:, 1:].reshape(-1), reduction="sum")
+    return 2 * loss / num_items_in_batch
+"""
+
+
+def test_compute_loss_func_is_the_objective(tokenized, tmp_path, monkeypatch):
+    """An HF-style loss function (sum / num_items_in_batch) that doubles the cross entropy:
+    the logged loss is twice the built-in one at step 1 (the same weights)."""
+    project = tmp_path / "l"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_loss.py").write_text(USER_LOSS)
+    monkeypatch.chdir(project)
+    run, _ = train_here(project, tmp_path / "r", {
+        **BASE, "training.compute_loss_func": "user_loss:doubled"})
+    plain, _ = train_here(project, tmp_path / "p", BASE)
+    assert losses(run)[0] == pytest.approx(2 * losses(plain)[0], rel=1e-5)
+
+
+MODEL_INIT = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=2, max_position_embeddings=512))
+
+
+def not_a_model():
+    return torch.nn.Linear(2, 2)
+"""
+
+
+def test_model_init_builds_the_base_model(tokenized, tmp_path, monkeypatch):
+    project = tmp_path / "mi"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_model.py").write_text(MODEL_INIT)
+    monkeypatch.chdir(project)
+    run, _ = train_here(project, tmp_path / "r", {**BASE, "model.model_init": "user_model:tiny"})
+    assert train_metrics(run)["total_params"] < 100_000  # stories260K has 352,512
+    with pytest.raises(PipelineError, match="returned Linear, not a transformers PreTrainedModel"):
+        train_here(project, tmp_path / "bad", {**BASE, "model.model_init": "user_model:not_a_model"})
+
+
+def test_training_type_picks_the_loop(tokenized, tmp_path, monkeypatch):
+    project = tmp_path / "t"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_loop.py").write_text(USER_LOOP)
+    monkeypatch.chdir(project)
+    train_here(project, tmp_path / "r", {**BASE, "training.type": "user_loop:CountingRun"})
+    assert (project / "loop_steps.txt").read_text() == "xxxx"
+    with pytest.raises(PipelineError, match=r"training.type 'dpo': no such trainer "
+                       r"\(registered: sft"):
+        train_here(project, tmp_path / "bad", {**BASE, "training.type": "dpo"})
