@@ -195,12 +195,12 @@ def read_labels(path: Path | None) -> list[str] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def classifier_kwargs(labels: list[str], cfg: ModelConfig, root: Path) -> dict[str, Any]:
+def classifier_kwargs(labels: list[str], pad_token_id: int) -> dict[str, Any]:
     """from_pretrained arguments that size the classification head and store the label map in
     the model config; the pad id lets the classifier find each row's last real token."""
     return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
             "label2id": {name: i for i, name in enumerate(labels)},
-            "pad_token_id": load_tokenizer(cfg, root).pad_token_id}
+            "pad_token_id": pad_token_id}
 
 
 def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
@@ -208,9 +208,12 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     """The base model as configured (class, dtype, attention kernel, quantisation); `labels`:
     a classifier's class names (the head gets one output per class)."""
     factory = model_class(cfg.auto_class_name)
+    grows = bool(cfg.added_tokens or cfg.special_tokens)
+    # the tokenizer, only when the model depends on it: loaded once for both uses
+    tok = load_tokenizer(cfg, root) if labels or grows else None
     kwargs: dict[str, Any] = {"attn_implementation": cfg.attn_implementation}
     if labels:
-        kwargs.update(classifier_kwargs(labels, cfg, root))
+        kwargs.update(classifier_kwargs(labels, tok.pad_token_id))
     if cfg.dtype != "auto":
         kwargs["dtype"] = DTYPES[cfg.dtype]
     if cfg.device_map:
@@ -222,8 +225,8 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
         model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
                                  **kwargs)
     model.config.use_cache = cfg.use_cache
-    if cfg.added_tokens or cfg.special_tokens:
-        grow_vocabulary(model, len(load_tokenizer(cfg, root)))
+    if grows:
+        grow_vocabulary(model, len(tok))
     if kwargs.get("quantization_config") is not None:
         from peft import prepare_model_for_kbit_training
 

@@ -11,14 +11,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-def due(strategy: str, every: int, step: int, epoch_end: bool, last: bool,
-        saving: bool = False) -> bool:
+def due(strategy: str, every: int, step: int, epoch_end: bool, last: bool) -> bool:
     """Is an eval/save with this strategy ('no', 'steps', 'epoch') due after `step`? Steps
-    with `every` 0 evaluate only at the last step and never save (0 disables)."""
+    with `every` 0: only at the last step (saving passes its effective strategy, 'no')."""
     if strategy == "no":
         return False
     if strategy == "steps" and every == 0:
-        return last and not saving
+        return last
     if last:
         return True
     return epoch_end if strategy == "epoch" else step % every == 0

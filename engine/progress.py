@@ -81,6 +81,10 @@ class Progress:
         self.window = Window(torch.zeros((), dtype=torch.float64, device=self.device))
 
     # -- views ---------------------------------------------------------------------------
+    def at_epoch_end(self, epoch_len: float) -> bool:
+        """The last micro-batch of the epoch was consumed (never for a stream: inf)."""
+        return self.batch_in_epoch >= epoch_len
+
     def fractional_epoch(self, epoch_len: float) -> float:
         return round(self.epoch + self.batch_in_epoch / max(epoch_len, 1), 4)
 

@@ -302,7 +302,7 @@ class TrainingRun:
         step, log_cfg = self.progress.step, self.cfg.logging
         every = log_cfg.logging_steps
         strategy = log_cfg.logging_strategy
-        epoch_end = self.progress.batch_in_epoch >= self.epoch_len
+        epoch_end = self.progress.at_epoch_end(self.epoch_len)
         periodic = (strategy == "steps" and every and step % every == 0) or (
             strategy == "epoch" and epoch_end)
         if not (periodic or step == self.max_steps
@@ -338,9 +338,9 @@ class TrainingRun:
     def maybe_evaluate_and_save(self) -> bool:
         """Evaluate and checkpoint when due; True when early stopping ends the run here."""
         step, c, e = self.progress.step, self.cfg.checkpoint, self.cfg.eval
-        epoch_end = self.progress.batch_in_epoch >= self.epoch_len
+        epoch_end = self.progress.at_epoch_end(self.epoch_len)
         last = step == self.max_steps
-        save_now = due(c.save_strategy, c.save_steps, step, epoch_end, last, saving=True)
+        save_now = due(c.effective_save_strategy, c.save_steps, step, epoch_end, last)
         on_save = e.eval_on_save  # read every step: dvc.yaml's completeness test sees it
         eval_now = due(e.eval_strategy, e.eval_steps, step, epoch_end, last) and (
             e.eval_delay <= (self.progress.epoch + int(epoch_end) if e.eval_strategy == "epoch"
@@ -353,8 +353,7 @@ class TrainingRun:
         if self.eval_data is not None and (eval_now or (save_now and on_save)):
             evaluated = self.evaluate()
         stop = (self.monitor.should_stop or asked_stop) and not last
-        saves = c.save_strategy != "no" and not (c.save_strategy == "steps" and c.save_steps == 0)
-        if save_now or (stop and saves):
+        if save_now or (stop and c.effective_save_strategy != "no"):
             path = trainer_state.save(self, evaluated)
             if self.reporters:
                 self.reporters.on_save(self.state, path)

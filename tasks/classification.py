@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import pandas as pd
 
-from engine.model import read_labels, write_labels  # noqa: F401 (the stages' label files)
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from tasks.encoding import token_ids

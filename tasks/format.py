@@ -97,7 +97,7 @@ class _classifier:
         self.prompt_fn = prompt_fn if self.data.input_template_key else None
 
     def write_labels(self, folder: Path) -> Path:
-        from tasks.classification import write_labels
+        from engine.model import write_labels
 
         return write_labels(folder, self.names)
 

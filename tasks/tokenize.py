@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from engine.model import bos_prefix_id, load_tokenizer, max_positions
+from engine.model import bos_prefix_id, load_tokenizer, max_positions, read_labels, write_labels
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
@@ -68,8 +68,6 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
             ds.save_to_disk(str(staging / role))
             out[role] = ws.layout.tokenized / role
         if data.dataset_type == "classification":
-            from tasks.classification import read_labels, write_labels
-
             write_labels(staging, read_labels(ws.layout.formatted))
         carry_manifest(ws.layout.formatted, staging, max_seq_length=data.max_seq_length,
                        model=ws.config.model.name_or_path, revision=ws.config.model.revision)
@@ -113,7 +111,7 @@ def encoder(ws: Workspace, data: DataConfig, formatted: Path, tok, bos: int | No
     """The map function for this source's dataset type and its arguments (besides the
     tokenizer); `formatted`: the source's formatted folder."""
     if data.dataset_type == "classification":
-        from tasks.classification import encode_classification_batch, read_labels
+        from tasks.classification import encode_classification_batch
 
         names = read_labels(formatted)
         if names is None:

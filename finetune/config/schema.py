@@ -248,6 +248,12 @@ class CheckpointConfig(Section):
     )
 
     @property
+    def effective_save_strategy(self) -> str:
+        """save_strategy with the seeds' "0 disables" applied (steps every 0: no)."""
+        return "no" if self.save_strategy == "steps" and self.save_steps == 0 else (
+            self.save_strategy)
+
+    @property
     def higher_wins(self) -> bool:
         return bool(self.greater_is_better)
 
