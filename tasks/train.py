@@ -20,6 +20,7 @@ from finetune.workspace import Workspace
 from tasks import tracking
 from tasks.curves import render_curves
 from tasks.launch import TorchrunJob, run_paths
+from tasks.wandb_tracking import WandbRun, wandb_module
 
 
 def preflight(ws: Workspace) -> None:
@@ -48,6 +49,8 @@ def preflight(ws: Workspace) -> None:
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)
     check_cuda_only(cfg.training, device)
+    if "wandb" in cfg.logging.report_to:
+        wandb_module()
     if cfg.distributed.backend == "nccl" and not cuda:
         raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
     if cfg.data.streaming:
@@ -107,22 +110,42 @@ def train(ws: Workspace) -> dict[str, Path]:
         except BaseException as exc:
             job.abort(str(exc))
             raise
+        wandb_run = None
         try:
             _log_tokenize_stats(ws, run_id)
-            report = "mlflow" in ws.config.logging.report_to
-            job.go(tracking.step_logger(ws, run_id) if report else None)
+            relays = []
+            if "mlflow" in ws.config.logging.report_to:
+                relays.append(tracking.step_logger(ws, run_id))
+            if "wandb" in ws.config.logging.report_to:
+                wandb_run = WandbRun(ws, run_id, tracking.lineage_tags(ws))
+                relays.append(wandb_run.log)
+            job.go(_fan_out(relays) if relays else None)
             job.wait()
         except BaseException:
             tracking.finish_run(ws, run_id, "FAILED")
+            if wandb_run is not None:
+                wandb_run.finish(ok=False)
             raise
     metrics = json.loads((ws.layout.metrics / "train.json").read_text())
-    tracking.log_metrics(ws, run_id, {k: v for k, v in metrics.items()
-                                      if isinstance(v, (int, float)) and v is not None})
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
+    tracking.log_metrics(ws, run_id, numbers)
+    if wandb_run is not None:
+        wandb_run.summary(numbers)
+        wandb_run.finish(ok=True)
     render_curves(ws.layout.plots)
     for plot in ("train.csv", "eval.csv", "curves.png"):
         tracking.client(ws).log_artifact(run_id, str(ws.layout.plots / plot), "plots")
     write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
     return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}
+
+
+def _fan_out(relays: list):
+    """One relay callable that hands each row to every tracker (MLflow, W&B)."""
+    def relay(row: dict) -> None:
+        for each in relays:
+            each(row)
+
+    return relay
 
 
 def _log_tokenize_stats(ws: Workspace, run_id: str) -> None:

@@ -231,3 +231,15 @@ def test_one_example_params_file_per_dataset_type():
     assert set(types) <= set(by_type), by_type
     classification = load_config(ROOT / "params/classification-gsm8k.yaml")
     assert classification.model.auto_class_name == "AutoModelForSequenceClassification"
+
+
+def test_report_to_takes_the_seeds_log_with_and_one_name():
+    """Seeds 000/001 write `log_with: wandb`; HF writes report_to as one name or 'none'."""
+    from finetune.config.schema import LoggingConfig
+
+    assert LoggingConfig.model_validate({"log_with": "wandb"}).report_to == ["wandb"]
+    assert LoggingConfig.model_validate({"report_to": "none"}).report_to == []
+    assert LoggingConfig.model_validate({"report_to": ["mlflow", "wandb"]}).report_to == [
+        "mlflow", "wandb"]
+    with pytest.raises(ValueError, match="report_to"):
+        LoggingConfig.model_validate({"report_to": "comet"})

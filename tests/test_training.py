@@ -250,6 +250,29 @@ class Recorder:
 '''
 
 
+def wandb_records(run_file):
+    """The records of an offline W&B run file (LevelDB log blocks after a 7-byte header),
+    parsed with wandb's own protobuf: what `wandb sync` would upload."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block, records, pending = run_file.read_bytes(), 32768, [], b""
+    assert data[:4] == b":W&B"
+    pos = 7
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
 def test_callbacks_and_reporters(tokenized, tmp_path):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -260,9 +283,9 @@ def test_callbacks_and_reporters(tokenized, tmp_path):
     write_params(project, {
         "training.max_steps": 4, "checkpoint.save_steps": 2, "eval.eval_steps": 2,
         "logging.logging_steps": 1, "logging.callbacks": ["my_callbacks:Recorder"],
-        "logging.report_to": ["jsonl", "tensorboard"], "logging.disable_tqdm": False,
-        "logging.include_num_input_tokens_seen": False})
-    proc = run_cli(project, "stage", "train", check=True)
+        "logging.report_to": ["jsonl", "tensorboard", "wandb"], "logging.disable_tqdm": False,
+        "logging.include_num_input_tokens_seen": False, "logging.run_name": "cb-run"})
+    proc = run_cli(project, "stage", "train", check=True, env={"WANDB_MODE": "offline"})
     hooks = (project / "hooks.log").read_text().splitlines()
     assert hooks[0] == "on_train_begin 0/4" and hooks[-1] == "on_train_end 4"
     assert [h for h in hooks if h.startswith("on_step_end")] == [f"on_step_end {i}"
@@ -286,6 +309,20 @@ def test_callbacks_and_reporters(tokenized, tmp_path):
     assert client.get_metric_history(run_id, "loss") == []
     assert "train_loss" in client.get_run(run_id).data.metrics
     assert "4/4" in proc.stderr  # the progress bar, forced on in a non-terminal
+    # W&B, offline: the relay's rows (the same losses), the run name and the params
+    (run_file,) = (project / "data/logs/wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    history = [{i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    logged = [h for h in history if "loss" in h]
+    assert [h["_step"] for h in logged] == [1, 2, 3, 4]
+    assert [round(h["loss"], 4) for h in logged] == [round(x, 4) for x in losses(project)]
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.display_name == "cb-run"
+    config = {i.key: json.loads(i.value_json) for i in run.config.update}
+    for later in (r.config for r in records if r.WhichOneof("record_type") == "config"):
+        config.update({i.key: json.loads(i.value_json) for i in later.update})
+    assert config["training"]["max_steps"] == 4 and config["lineage"]["strategy"] == "single"
 
 
 def test_custom_model_class_from_the_project(tokenized, tmp_path):

@@ -279,9 +279,16 @@ class LoggingConfig(Section):
     run_name: str | None = Field(
         None, description="The MLflow run's name (seed 003's run name; None: MLflow draws one)."
     )
-    report_to: list[Literal["mlflow", "jsonl", "tensorboard"]] = Field(
+    report_to: list[Literal["mlflow", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["mlflow", "jsonl"],
-        description="Reporters besides stdout and the DVC plots CSVs (always on).",
+        validation_alias=AliasChoices("report_to", "log_with"),
+        description="Reporters besides stdout and the DVC plots CSVs (always on); one name or "
+        "a list, 'none' for none (alias log_with, the seeds' name). wandb: the W&B run gets "
+        "every row through the stage's relay, as MLflow does; W&B's environment applies "
+        "(WANDB_MODE=offline writes it under logging_dir/wandb without network).",
+    )
+    wandb_project: str | None = Field(
+        None, description="The W&B project (None: experiment_name)."
     )
     logging_dir: str = Field(
         "data/logs", description="Where jsonl (train_log.jsonl) and tensorboard logs go."
@@ -307,6 +314,13 @@ class LoggingConfig(Section):
         None, description="MLflow store; default sqlite:///<project>/mlflow.db."
     )
     experiment_name: str = Field("finetune", description="MLflow experiment.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_or_none(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [] if value == "none" else [value]
+        return value
 
     @field_validator("callbacks")
     @classmethod
