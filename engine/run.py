@@ -131,6 +131,10 @@ class TrainingRun:
         follow_log_level(self.cfg.logging.log_level)
         check_cuda_only(t, d.device)
         configure_torch(t)
+        if self.cfg.distributed.nnodes > 1:  # training.seed null: node 0's stage drew it
+            box = [t.seed]
+            torch.distributed.broadcast_object_list(box, src=d.main_rank)
+            t.seed = box[0]
         seed_everything(t.seed)
         self.tokenizer = load_tokenizer(self.cfg.model, self.paths.project_root)
         self.labels = read_labels(self.paths.labels)  # a classifier's class names
@@ -426,6 +430,7 @@ class TrainingRun:
             "total_params": self.total,
             "world_size": self.dist.world_size,
             "strategy": self.strategy.name,
+            "seed": cfg.training.seed,  # the one drawn when the params say null
             **progress.fill_metrics(),
             **self.speed_metrics(),
             **(compile_stats() if cfg.training.torch_compile else {}),

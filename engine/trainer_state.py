@@ -40,7 +40,8 @@ def save(run, evaluated: dict) -> Path:
     }
     dist_cfg = run.cfg.distributed
     meta = {**run.progress.position(), "world_size": dist_cfg.world_size,
-            "strategy": dist_cfg.resolved_strategy, **evaluated,
+            "strategy": dist_cfg.resolved_strategy, "seed": run.cfg.training.seed,
+            **evaluated,
             # only the main rank writes meta.json
             "fingerprint": run.fingerprint() if run.dist.is_main else None}
     path = ckpt.save(run.paths.checkpoints, run.progress.step,

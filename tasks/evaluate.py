@@ -9,6 +9,8 @@ file (`dvc metrics diff`, `dvc exp show`), a samples table, and the training's M
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pandas as pd
@@ -27,6 +29,18 @@ from tasks import tracking
 from tasks.metrics import classification_metrics, generation_metrics
 
 
+def _training_seed(ws: Workspace) -> int:
+    """training.seed, or for an unseeded run (null) the seed its training drew."""
+    if ws.config.training.seed is not None:
+        return ws.config.training.seed
+    metrics = ws.layout.metrics / "train.json"
+    recorded = json.loads(metrics.read_text()).get("seed") if metrics.exists() else None
+    if recorded is None:
+        raise PipelineError(f"training.seed is null and {metrics} records no drawn seed; "
+                            "run the train stage first")
+    return recorded
+
+
 def evaluate(ws: Workspace) -> dict[str, Path]:
     cfg = ws.config
     test_dir = ws.layout.tokenized / "test"
@@ -34,7 +48,7 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
         raise PipelineError(f"{test_dir} missing: set data.test_split (or split_ratio) and rerun")
     if not ws.layout.trained.exists():
         raise PipelineError(f"{ws.layout.trained} missing; run the train stage first")
-    torch.manual_seed(cfg.training.seed)
+    torch.manual_seed(_training_seed(ws))
     test = load_tokenized(test_dir)
     tok = load_tokenizer(cfg.model, ws.root)
     labels = read_labels(ws.layout.trained)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 
 from finetune.errors import PipelineError
@@ -88,6 +89,38 @@ def check_world_size(ws: Workspace) -> None:
 RESUME_ENV = "FINETUNE_RESUME"
 
 
+def with_resolved_seed(ws: Workspace) -> Workspace:
+    """`training.seed: null` (seed 003: unseeded): draw the seed here, once, so every rank
+    gets the same one and the MLflow run, the train metrics and each checkpoint record it.
+    A resume continues with the seed of the checkpoint it picks (data order and dropout
+    depend on it; the fingerprint then matches)."""
+    if ws.config.training.seed is not None:
+        return ws
+    seed = _seed_of_resumed_checkpoint(ws)
+    how = "continuing the checkpoint's seed" if seed is not None else "drew seed"
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    print(f"[train] training.seed null: {how} {seed}", flush=True)
+    cfg = ws.config.model_copy(deep=True)
+    cfg.training.seed = seed
+    return Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
+
+
+def _seed_of_resumed_checkpoint(ws: Workspace) -> int | None:
+    from engine import checkpoint as ckpt
+
+    mode = ws.config.checkpoint.resume_from_checkpoint
+    if not mode:
+        return None
+    if isinstance(mode, str) and mode != "auto":
+        given = Path(mode).expanduser()
+        path = given if given.is_absolute() else ws.root / given
+    else:
+        path = ckpt.latest(ws.layout.checkpoints)
+    meta = ckpt.read_meta(path) if path is not None and path.is_dir() else None
+    return (meta or {}).get("seed")
+
+
 def train(ws: Workspace) -> dict[str, Path]:
     if os.environ.get(RESUME_ENV) == "1" and not ws.config.checkpoint.resume_from_checkpoint:
         # An orchestrator retry: continue from the latest checkpoint if it is this run's (the
@@ -100,9 +133,10 @@ def train(ws: Workspace) -> dict[str, Path]:
               "if there is one", flush=True)
     if ws.config.checkpoint.resume_from_checkpoint is True:
         check_world_size(ws)
-    if ws.config.distributed.node_rank > 0:
+    if ws.config.distributed.node_rank > 0:  # its workers take node 0's seed (engine.run)
         preflight(ws)
         return _train_worker_node(ws)
+    ws = with_resolved_seed(ws)
     with TorchrunJob(ws) as job:  # starts now: worker start-up overlaps the checks below
         try:
             preflight(ws)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import (BASE, _checkpoints, _column, adapter, assert_weights_close, losses,
+                      resume_cut_back, train_copy,
                       train_here, train_in_place, train_metrics, write_params)
 from finetune.config.schema import FinetuneConfig
 from finetune.errors import PipelineError
@@ -301,3 +302,31 @@ def test_training_type_picks_the_loop(tokenized, tmp_path, monkeypatch):
     with pytest.raises(PipelineError, match=r"training.type 'dpo': no such trainer "
                        r"\(registered: sft"):
         train_here(project, tmp_path / "bad", {**BASE, "training.type": "dpo"})
+
+
+def test_an_unseeded_run_records_its_seed_and_a_resume_keeps_it(tokenized, tmp_path):
+    """training.seed: null (seed 003): the stage draws a seed, the run trains with it (the same
+    losses as naming it), MLflow, the metrics and the checkpoints record it, and a resume
+    continues with the checkpoint's (else its fingerprint would differ and it would refuse)."""
+    from mlflow.tracking import MlflowClient
+
+    from engine.checkpoint import read_meta
+    from finetune.workspace import Workspace
+    from tasks.train import with_resolved_seed
+
+    params = {**BASE, "training.seed": None, "checkpoint.save_strategy": "steps",
+              "checkpoint.save_steps": 2}
+    full, proc = train_copy(tokenized, tmp_path / "full", params)
+    seed = train_metrics(full)["seed"]
+    assert isinstance(seed, int) and f"training.seed null: drew seed {seed}" in proc.stdout
+    run_id = json.loads((full / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
+    run = MlflowClient(tracking_uri=f"sqlite:///{full / 'mlflow.db'}").get_run(run_id)
+    assert run.data.params["training.seed"] == str(seed)
+    assert read_meta(full / "data/checkpoints/step-0000002")["seed"] == seed
+    named, _ = train_here(tokenized, tmp_path / "named", {**params, "training.seed": seed})
+    assert losses(named) == losses(full)
+    out = resume_cut_back(full, tmp_path, at=2)  # through the stage; bitwise equal weights
+    assert f"continuing the checkpoint's seed {seed}" in out
+    fresh = Workspace.load(full / "params/default.yaml")
+    drawn = {with_resolved_seed(fresh).config.training.seed for _ in range(3)}
+    assert len(drawn) == 3  # resume_from_checkpoint false: a new draw each time

@@ -160,7 +160,12 @@ class TrainingConfig(Section):
     mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
         "fp32", description="Autocast dtype; fp32/no = full precision."
     )
-    seed: int = Field(42, description="Seed for init, dropout and data order.")
+    seed: int | None = Field(
+        42,
+        description="Seed for init, dropout and data order. null: unseeded (seed 003): the "
+        "train stage draws one, logs it (MLflow param, train metrics, checkpoints) and a "
+        "resume continues with the checkpoint's.",
+    )
     full_determinism: bool = Field(
         False, description="torch.use_deterministic_algorithms + deterministic cuDNN/cuBLAS "
         "(bitwise-repeatable GPU runs, slower)."
