@@ -11,9 +11,13 @@ drop_last false, the last step is filled with examples from the start of the epo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from finetune.errors import PipelineError
+from finetune.imports import load_object
 
 IGNORE_INDEX = -100
 
@@ -107,6 +111,37 @@ def collate(rows: list[dict], pad_id: int, multiple: int | None = None
         labels[i, :n] = torch.as_tensor(r["labels"])
         mask[i, :n] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def user_collate(ref: str) -> Callable[[list[dict]], dict]:
+    """data.collate_fn: the user's collator, given each example's input_ids and labels."""
+    fn = load_object(ref, "data.collate_fn")
+    if not callable(fn):
+        raise PipelineError(f"data.collate_fn: '{ref}' is not a function")
+
+    def collate_user(rows: list[dict]) -> dict[str, torch.Tensor]:
+        return fn([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+
+    return collate_user
+
+
+def check_collate(collate_fn: Callable[[list[dict]], dict], rows: list[dict], ref: str) -> None:
+    """A user collator's batch of `rows` has the shape the loop reads, else one line."""
+    try:
+        batch = collate_fn(rows)
+    except Exception as exc:  # the user's code: any failure is the one line
+        raise PipelineError(f"data.collate_fn: '{ref}' failed on two train rows: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(batch, Mapping) or not {"input_ids", "labels"} <= set(batch):
+        got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise PipelineError(f"data.collate_fn: '{ref}' must return a mapping with input_ids "
+                            f"and labels (tensors), got {got}")
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+              for k, v in batch.items() if k in ("input_ids", "labels", "attention_mask")}
+    if len(set(shapes.values())) != 1 or shapes["input_ids"][:1] != (len(rows),):
+        raise PipelineError(f"data.collate_fn: '{ref}' must return [batch, length] tensors of "
+                            f"one shape for input_ids, labels (and attention_mask); got "
+                            f"{shapes} for {len(rows)} rows")
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:

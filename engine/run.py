@@ -26,7 +26,7 @@ import torch
 from engine import fingerprint, trainer_state
 from engine.callbacks import TrainerControl
 from engine.comm import CommMeter
-from engine.data import count_targets, load_tokenized, model_inputs, to_device
+from engine.data import count_targets, load_tokenized, model_inputs, to_device, user_collate
 from engine.loss import build_loss
 from engine.distributed import Dist, setup, teardown
 from engine.evaluation import evaluate_loss
@@ -168,6 +168,8 @@ class TrainingRun:
         self.collate_fn = prepare_batch_layout(
             cfg.training, cfg.data.max_seq_length, model, self.tokenizer.pad_token_id, d.device,
             self.amp, self.log)
+        if cfg.data.collate_fn:
+            self.collate_fn = user_collate(cfg.data.collate_fn)
         user_fn = (load_object(cfg.training.compute_loss_func, "training.compute_loss_func")
                    if cfg.training.compute_loss_func else None)
         self.loss = build_loss(model, cfg.training.loss_chunk_tokens, d.device, self.amp,

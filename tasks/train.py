@@ -60,6 +60,11 @@ def preflight(ws: Workspace) -> None:
         holdout_rows(cfg.data, open_source(cfg.data, ws.root))  # the train split exists
     elif not (ws.layout.tokenized / "train").exists():
         raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
+    elif cfg.data.collate_fn:
+        from engine.data import check_collate, load_tokenized, take_rows, user_collate
+
+        rows = take_rows(load_tokenized(ws.layout.tokenized / "train"), range(2))
+        check_collate(user_collate(cfg.data.collate_fn), rows, cfg.data.collate_fn)
     if cfg.checkpoint.resume_from_checkpoint:
         check_resume(ws)
 

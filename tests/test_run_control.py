@@ -330,3 +330,51 @@ def test_an_unseeded_run_records_its_seed_and_a_resume_keeps_it(tokenized, tmp_p
     fresh = Workspace.load(full / "params/default.yaml")
     drawn = {with_resolved_seed(fresh).config.training.seed for _ in range(3)}
     assert len(drawn) == 3  # resume_from_checkpoint false: a new draw each time
+
+
+COLLATE = """
+import torch
+
+from engine.data import collate
+
+
+def to_64(rows):
+    # the trainer's padding, to a fixed 64 columns, with the calls counted
+    with open("collate_calls.txt", "a") as fh:
+        fh.write(str(len(rows)) + chr(10))
+    return collate(rows, pad_id=0, multiple=64)
+
+
+def a_list(rows):
+    return [r["input_ids"] for r in rows]
+"""
+
+
+def test_a_user_collate_fn_batches_the_training_examples(tokenized, tmp_path, monkeypatch):
+    """data.collate_fn (seed 004) builds every training batch: padding to 64 columns costs
+    the attention more positions but trains the same tokens, so the losses equal the default
+    padding's; a collator that returns no batch is one line before launch."""
+    from tasks.train import preflight
+
+    project = tmp_path / "c"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "my_collate.py").write_text(COLLATE)
+    monkeypatch.chdir(project)
+    write_params(project, {**BASE, "data.collate_fn": "my_collate:to_64"})
+    train_in_place(project)
+    calls = (project / "collate_calls.txt").read_text().split()
+    from finetune.workspace import Workspace
+
+    cfg = Workspace.load(project / "params/default.yaml").config
+    batch = cfg.training.per_device_train_batch_size
+    assert calls == [str(batch)] * 4  # one call per micro-batch, nothing else collated by it
+    plain, _ = train_here(tokenized, tmp_path / "p", BASE)
+    assert losses(project) == pytest.approx(losses(plain), abs=1e-5)
+    write_params(project, {"data.collate_fn": "my_collate:a_list"})
+    monkeypatch.syspath_prepend(str(project))
+    with pytest.raises(PipelineError, match=r"data.collate_fn: 'my_collate:a_list' must return "
+                       "a mapping with input_ids and labels"):
+        preflight(Workspace.load(project / "params/default.yaml"))
+    with pytest.raises(ValueError, match="data.collate_fn does not combine with training.packing"):
+        FinetuneConfig.model_validate({"data": {"collate_fn": "m:f", "json_file_path": "x"},
+                                       "training": {"packing": True}})

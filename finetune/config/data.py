@@ -108,6 +108,14 @@ class DataConfig(Section):
     )
     num_proc: int = Field(1, gt=0, description="Worker processes for tokenization.")
     seed: int = Field(42, description="Seed for the train/test split and the stream shuffle.")
+    collate_fn: str | None = Field(
+        None,
+        description="'module:function' that turns a list of examples ({input_ids, labels} "
+        "lists) into a batch ({input_ids, labels, attention_mask} tensors, labels -100 where "
+        "not trained), as HF's data_collator (seed 004); None: dynamic padding. Training "
+        "batches only (evaluation pads as usual, so eval losses stay comparable); checked on "
+        "two train rows before launch; not with packing or padding_free.",
+    )
     streaming: bool = Field(
         False,
         description="Stream the train split (datasets IterableDataset, hub or local files) and "

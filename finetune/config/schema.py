@@ -400,6 +400,10 @@ class FinetuneConfig(Section):
                 f"training.fuse_optim_with_backward does not combine with distributed.strategy "
                 f"{self.distributed.strategy} (the update would run before the gradients are "
                 "all-reduced); use strategy single")
+        if self.data.collate_fn and (t.packing or t.padding_free):
+            raise ValueError(
+                "data.collate_fn does not combine with training.packing or padding_free (their "
+                "batches are built by the trainer's own packing collators); drop one of them")
         self._check_classification()
         self._check_best_model()
         self._check_resume_ignore_changes()
