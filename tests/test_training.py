@@ -397,10 +397,13 @@ def baseline(tokenized, tmp_path_factory):
      lambda run, base: train_metrics(run)["global_step"] == 4),
     ({"logging.logging_steps": 0, "logging.logging_first_step": False,
       "checkpoint.save_strategy": "steps",
-      "checkpoint.save_steps": 0, "eval.eval_strategy": "steps", "eval.eval_steps": 0},
-     # the seeds' "0 disables": no periodic rows, no checkpoint, one eval at the last step
+      "checkpoint.save_steps": 0, "eval.eval_strategy": "steps", "eval.eval_steps": 0,
+      "eval.eval_batches": 0},
+     # the seeds' "0 disables": no periodic rows, no checkpoint, one eval at the last step,
+     # over the whole test split (no cap: another loss than the base's one batch)
      lambda run, base: _column(run, "step") == [4] and _column(run, "step", "eval.csv") == [4]
-     and not any((run / "data/checkpoints").glob("step-*"))),
+     and not any((run / "data/checkpoints").glob("step-*"))
+     and _column(run, "eval_loss", "eval.csv")[-1] != _column(base, "eval_loss", "eval.csv")[-1]),
     ({"eval.eval_strategy": "steps", "eval.eval_steps": 1, "eval.eval_delay": 3},
      lambda run, base: _column(run, "step", "eval.csv") == [3, 4]),
     ({"logging.logging_strategy": "no", "logging.logging_first_step": False,

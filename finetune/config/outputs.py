@@ -35,7 +35,8 @@ class EvalConfig(Section):
         "(epoch), HF's rule: an evaluation is due when eval_delay <= step (or epoch).",
     )
     eval_batches: int | None = Field(
-        None, gt=0, description="Cap eval batches (None: the whole test split). Alias: "
+        None, gt=0, description="Cap the in-training eval batches (None, 0 or -1: the whole "
+        "test split, the seeds' '0 disables' the cap and max_eval_steps -1). Alias: "
         "max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
     )
     eval_on_save: bool = Field(
@@ -68,6 +69,11 @@ class EvalConfig(Section):
         description="exact_match: the answer is this regex's group 1 (first match); without "
         "a match, the last number in the text.",
     )
+
+    @field_validator("eval_batches", mode="before")
+    @classmethod
+    def _no_cap(cls, value):
+        return None if isinstance(value, int) and value in (0, -1) else value
 
     @field_validator("answer_regex")
     @classmethod
