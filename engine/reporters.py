@@ -51,12 +51,16 @@ class History(Callback):
 
 
 class Console(Callback):
-    """`[train] step=10 loss=... ` lines on stdout (what DVC and Prefect logs show)."""
+    """`[train] step=10 loss=... ` lines on stdout (what DVC and Prefect logs show); another
+    node's lines (log_on_each_node) say which node they come from."""
+
+    def __init__(self, prefix: str = "[train]"):
+        self.prefix = prefix
 
     def on_log(self, state: TrainState, logs: dict) -> None:
         shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                          for k, v in {"step": state.step, **_rounded(logs)}.items())
-        print(f"[train] {shown}", file=sys.stdout, flush=True)
+        print(f"{self.prefix} {shown}", file=sys.stdout, flush=True)
 
 
 class RowRelay(Callback):

@@ -40,7 +40,7 @@ from engine.optim import build_scheduler
 from engine.optim_in_backward import OptimizerInBackward
 from engine.packing import prepare_batch_layout
 from engine.progress import Progress
-from engine.reporters import build_reporters
+from engine.reporters import Console, build_reporters
 from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
                             autocast_dtype, check_cuda_only, compile_stats, configure_torch,
                             enable_gradient_checkpointing, maybe_compile,
@@ -115,6 +115,8 @@ class TrainingRun:
         self.progress = Progress(dist.device)
         self.monitor = Monitor.from_config(cfg)
         self.reporters = None
+        #: log_on_each_node: another node's local rank 0 prints the rows (stdout only)
+        self.node_console: Console | None = None
         self.control = TrainerControl()  # what callbacks ask of the loop
         self.callback_states: dict = {}  # restored from a checkpoint
         self.history: list[dict] = []  # rows restored from a checkpoint
@@ -184,6 +186,10 @@ class TrainingRun:
         distributed.ddp_timeout while the launcher runs its checks."""
         relay = self.go()
         if not self.dist.is_main:
+            log_cfg = self.cfg.logging
+            if (log_cfg.log_on_each_node and self.dist.leads_another_node
+                    and log_cfg.log_level in ("debug", "info")):
+                self.node_console = Console(f"[train node {self.dist.node_rank}]")
             return
         # user callbacks are built first: one that cannot be built fails before anything moves
         self.reporters = build_reporters(self.cfg.logging, self.paths.plots_dir,
@@ -324,7 +330,7 @@ class TrainingRun:
         self.progress.tokens_seen += int(tokens)
         elapsed = time.perf_counter() - window.started
         comm = self.meter.take_window()
-        if self.reporters:
+        if self.reporters or self.node_console:
             logs = {
                 "loss": loss_sum / max(targets, 1),
                 "learning_rate": float(self.scheduler.get_last_lr()[0]),
@@ -338,7 +344,8 @@ class TrainingRun:
                 logs["num_input_tokens_seen"] = self.progress.tokens_seen
             if d.device.type == "cuda":
                 logs["cuda_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
-            self.reporters.on_log(self.state, logs)
+            for each in filter(None, (self.reporters, self.node_console)):
+                each.on_log(self.state, logs)
         self.progress.new_window()
 
     def maybe_evaluate_and_save(self) -> bool:

@@ -163,6 +163,12 @@ def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err
     assert "world size 2" in outs[0][0] and "node 1 finished" in outs[1][0]
+    # log_on_each_node (HF's default): node 1 prints the same rows under its own prefix
+    node1_rows = [line for line in outs[1][0].splitlines() if line.startswith("[train node 1]")]
+    main_rows = [line for line in outs[0][0].splitlines()
+                 if line.startswith("[train] step=") and " loss=" in line]
+    assert len(main_rows) > 1 and [r.split()[3:5] for r in node1_rows] == [
+        r.split()[1:3] for r in main_rows], outs[1][0]  # step=N loss=...
     assert not (nodes[1] / "data/trained").exists()
     assert losses(nodes[0]) == pytest.approx(losses(ddp_run), abs=1e-5)
     assert train_metrics(nodes[0])["world_size"] == 2

@@ -276,6 +276,12 @@ class LoggingConfig(Section):
         "them off stdout (the files and trackers still get every row). transformers' "
         "verbosity follows at debug (its info), warning and error.",
     )
+    log_on_each_node: bool = Field(
+        True,
+        description="Multi-node runs: each node's local rank 0 also prints the logged rows "
+        "on its own stdout, prefixed [train node N] (HF's name and default); false: node 0 "
+        "alone. Files and trackers are written by node 0 either way.",
+    )
     run_name: str | None = Field(
         None, description="The MLflow run's name (seed 003's run name; None: MLflow draws one)."
     )
