@@ -12,7 +12,9 @@ Layout of `<dir>/step-0000050/`:
 All ranks write into one hidden staging folder, which rank 0 renames into place once everything
 is on disk, so a crash mid-save leaves the previous checkpoint valid. A half-written or corrupted
 checkpoint fails its hashes on load and the previous one is used, with a warning. Rotation keeps
-the newest `save_total_limit` by save time, or, with a metric, the newest plus the best. The folder must be on storage all nodes share.
+the newest `save_total_limit` by save time, or, with a metric, the newest plus the best. The folder
+must be on storage all nodes share, unless save_on_each_node gives each node a whole copy of its
+own (written and read through a node-local process group).
 """
 
 from __future__ import annotations
@@ -76,27 +78,34 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _leads(group) -> bool:
+    """Does this rank own the folder: rank 0, or with per-node groups its node's first rank."""
+    return (dist.get_rank(group) if group is not None else _rank()) == 0
+
+
 def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
          meta: dict[str, Any], keep: int | None,
-         best_by: tuple[str, bool] | None = None, preserve_best: int | None = None) -> Path:
+         best_by: tuple[str, bool] | None = None, preserve_best: int | None = None,
+         group=None) -> Path:
     """Collective: every rank calls it with its share; returns the final folder.
     `best_by` = (metric key in meta, higher wins) makes rotation keep the best ones;
-    `preserve_best`: that many best ones on top of the newest `keep`."""
-    rank = _rank()
+    `preserve_best`: that many best ones on top of the newest `keep`. `group`: this node's
+    ranks (save_on_each_node): each node writes a whole checkpoint into its own folder."""
+    rank, leader = _rank(), _leads(group)
     final = directory / f"{PREFIX}{step:07d}"
     staging = directory / f".{final.name}.tmp"
-    if rank == 0:
+    if leader:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
     _barrier()
-    # a half-written checkpoint must not keep the space; rank 0 owns the folder
-    with discard_on_failure(staging, remove=rank == 0):
+    # a half-written checkpoint must not keep the space; the leader owns the folder
+    with discard_on_failure(staging, remove=leader):
         with _single_process_ok():
-            dcp.save(dcp_state, checkpoint_id=str(staging))
+            dcp.save(dcp_state, checkpoint_id=str(staging), process_group=group)
         _torch_save(rng_state(), staging / f"rank-{rank:05d}.pt")
         _barrier()
-        if rank == 0:
+        if leader:
             _torch_save(trainer_state, staging / TRAINER)
             files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
             meta = {**meta, "step": step, "saved_at_ns": time.time_ns(), "files": files}
@@ -105,7 +114,7 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
             _fsync_dir(staging)
             replace_dir(staging, final)
             _fsync_dir(directory)
-    if rank == 0 and keep:
+    if leader and keep:
         for stale in stale_checkpoints(directory, keep, best_by, preserve_best):
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
@@ -258,12 +267,13 @@ def _step_of(path: Path) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def load(path: Path, dcp_state: dict, apply: Callable[[dict], None]) -> tuple[dict, dict]:
+def load(path: Path, dcp_state: dict, apply: Callable[[dict], None],
+         group=None) -> tuple[dict, dict]:
     """Collective: fill `dcp_state` in place from `path`, hand it to `apply`, restore this
     rank's RNG last (loading must not consume random numbers after it); returns
-    (trainer_state, meta)."""
+    (trainer_state, meta). `group`: this node's ranks, reading this node's own copy."""
     with _single_process_ok():
-        dcp.load(dcp_state, checkpoint_id=str(path))
+        dcp.load(dcp_state, checkpoint_id=str(path), process_group=group)
     apply(dcp_state)
     trainer_state = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
     set_rng_state(torch.load(path / f"rank-{_rank():05d}.pt", weights_only=False))

@@ -79,6 +79,15 @@ def setup(cfg: DistributedConfig, device_choice: str = "auto") -> Dist:
     return Dist(rank, local_rank, world, local_world, device, main_rank)
 
 
+def node_group(d: Dist):
+    """This node's ranks as a process group (None on one node, where the world is the node).
+    Collective: every rank creates every node's group, in one order."""
+    if d.world_size <= d.local_world_size:
+        return None
+    mine, _ = dist.new_subgroups(group_size=d.local_world_size)
+    return mine
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

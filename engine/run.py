@@ -28,7 +28,7 @@ from engine.callbacks import TrainerControl
 from engine.comm import CommMeter
 from engine.data import count_targets, load_tokenized, model_inputs, to_device, user_collate
 from engine.loss import build_loss
-from engine.distributed import Dist, setup, teardown
+from engine.distributed import Dist, node_group, setup, teardown
 from engine.evaluation import evaluate_loss
 from engine.job import RunPaths
 from engine.loader import open_train_batches
@@ -133,6 +133,7 @@ class TrainingRun:
         follow_log_level(self.cfg.logging.log_level)
         check_cuda_only(t, d.device)
         configure_torch(t)
+        self.node_group = node_group(d) if self.cfg.checkpoint.save_on_each_node else None
         if self.cfg.distributed.nnodes > 1:  # training.seed null: node 0's stage drew it
             box = [t.seed]
             torch.distributed.broadcast_object_list(box, src=d.main_rank)
@@ -185,6 +186,9 @@ class TrainingRun:
         for the confirmation too, on the file rather than in a collective, so none sits out
         distributed.ddp_timeout while the launcher runs its checks."""
         relay = self.go()
+        if self.node_group is not None and self.dist.leads_another_node and (
+                self.start.set_aside or self.start.newer_than is not None):
+            trainer_state.set_aside(self)  # this node's own earlier checkpoints
         if not self.dist.is_main:
             log_cfg = self.cfg.logging
             if (log_cfg.log_on_each_node and self.dist.leads_another_node
@@ -202,6 +206,12 @@ class TrainingRun:
         self.log(f"[train] {self.trainable:,} trainable / {self.total:,} params; "
                  f"{self.max_steps} steps ({per_epoch}); strategy {self.strategy.name}, world "
                  f"size {self.dist.world_size}; start step {self.progress.step}")
+
+    @property
+    def writes_checkpoint_meta(self) -> bool:
+        """The main rank, and with save_on_each_node each other node's first rank."""
+        return self.dist.is_main or (self.node_group is not None
+                                     and self.dist.leads_another_node)
 
     def fingerprint(self) -> dict[str, Any]:
         """What identifies this run's trajectory (engine.fingerprint); hashed once, on demand."""

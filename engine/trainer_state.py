@@ -43,11 +43,11 @@ def save(run, evaluated: dict) -> Path:
             "strategy": dist_cfg.resolved_strategy, "seed": run.cfg.training.seed,
             **evaluated,
             # only the main rank writes meta.json
-            "fingerprint": run.fingerprint() if run.dist.is_main else None}
+            "fingerprint": run.fingerprint() if run.writes_checkpoint_meta else None}
     path = ckpt.save(run.paths.checkpoints, run.progress.step,
                      run.strategy.dcp_state(run.optimizer), trainer_state, meta,
                      run.cfg.checkpoint.save_total_limit, run.monitor.best_by,
-                     run.cfg.checkpoint.preserve_n_best)
+                     run.cfg.checkpoint.preserve_n_best, group=run.node_group)
     run.log(f"[train] checkpoint {path}")
     return path
 
@@ -92,6 +92,9 @@ class Start:
     set_aside: bool
     #: resuming an earlier checkpoint of the folder by path: the ones after this step go aside
     newer_than: int | None = None
+    #: the checkpoint is in the run's checkpoint folder (save_on_each_node: each node reads
+    #: the same name in its own folder)
+    in_folder: bool = True
 
 
 def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
@@ -159,7 +162,7 @@ def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
     inside = path.resolve().parent == directory.resolve()
     if inside:
         return Start(path, False, newer_than=int(meta["step"]))
-    return Start(path, existing)
+    return Start(path, existing, in_folder=False)
 
 
 def set_aside(run) -> None:
@@ -177,7 +180,22 @@ def set_aside(run) -> None:
 def _load(run, path: Path) -> tuple[dict, dict]:
     optimizer, strategy = run.optimizer, run.strategy
     return ckpt.load(path, strategy.dcp_state(optimizer),
-                     lambda state: strategy.load_dcp_state(optimizer, state))
+                     lambda state: strategy.load_dcp_state(optimizer, state),
+                     group=run.node_group)
+
+
+def _on_this_node(run, plan: Start) -> Start:
+    """save_on_each_node: the main rank chose a checkpoint of its folder; this node resumes
+    its own copy of it (same name, this node's folder), which its first rank checks whole."""
+    if run.node_group is None or plan.resume is None or not plan.in_folder:
+        return plan
+    local = run.paths.checkpoints / plan.resume.name
+    if run.dist.leads_another_node and not ckpt.is_valid(local):
+        raise PipelineError(
+            f"checkpoint.save_on_each_node: node {run.dist.node_rank} has no complete copy of "
+            f"{plan.resume.name} in {run.paths.checkpoints} (missing, half-written or failing "
+            "its SHA-256 check); resume from a checkpoint every node kept, or start fresh")
+    return Start(local, plan.set_aside, plan.newer_than, plan.in_folder)
 
 
 def load_best(run) -> int | None:
@@ -198,9 +216,9 @@ def start(run) -> tuple[Start, list[dict]]:
     """Decide how the run starts (main rank, shared with the others) and restore the
     checkpoint it continues; returns the plan and the logged rows the checkpoint held."""
     cfg = run.cfg
-    plan = _main_decides(lambda: plan_start(run.paths.checkpoints, run.fingerprint,
-                                            cfg.checkpoint, cfg.distributed, run.log,
-                                            run.paths.project_root), run.dist)
+    plan = _on_this_node(run, _main_decides(
+        lambda: plan_start(run.paths.checkpoints, run.fingerprint, cfg.checkpoint,
+                           cfg.distributed, run.log, run.paths.project_root), run.dist))
     return plan, (_restore(run, plan.resume) if plan.resume is not None else [])
 
 

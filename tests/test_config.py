@@ -243,3 +243,15 @@ def test_report_to_takes_the_seeds_log_with_and_one_name():
         "mlflow", "wandb"]
     with pytest.raises(ValueError, match="report_to"):
         LoggingConfig.model_validate({"report_to": "comet"})
+
+
+def test_save_on_each_node_needs_state_every_node_holds_whole():
+    from finetune.config.schema import FinetuneConfig
+
+    data = {"json_file_path": "x.jsonl"}
+    ok = FinetuneConfig.model_validate({"data": data, "checkpoint": {"save_on_each_node": True},
+                                        "distributed": {"strategy": "ddp", "nnodes": 2}})
+    assert ok.checkpoint.save_on_each_node
+    with pytest.raises(ValueError, match="save_on_each_node needs each node to hold the whole"):
+        FinetuneConfig.model_validate({"data": data, "checkpoint": {"save_on_each_node": True},
+                                       "distributed": {"strategy": "fsdp2", "nnodes": 2}})

@@ -140,38 +140,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
-    """Two torchrun launches (--nnodes 2, c10d rendezvous on 127.0.0.1), one process each:
-    the same training as one node with 2 processes."""
+def _run_two_nodes(nodes: list, params: dict) -> list[str]:
+    """Both nodes' train stages at once (c10d rendezvous on a fresh loopback port); their
+    stdout."""
     port = _free_port()
-    nodes = []
-    for rank in (0, 1):
-        node = tmp_path / f"node{rank}"
-        shutil.copytree(ddp_run, node, symlinks=True)
-        for out in ("data/trained", "data/plots", "data/metrics/train.json"):
-            path = node / out
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        write_params(node, {"distributed.nproc_per_node": 1, "distributed.nnodes": 2,
+    for rank, node in enumerate(nodes):
+        write_params(node, {**params, "distributed.nproc_per_node": 1, "distributed.nnodes": 2,
                             "distributed.node_rank": rank,
                             "distributed.rdzv_endpoint": f"127.0.0.1:{port}",
                             "distributed.rdzv_id": f"test-{port}"})
-        nodes.append(node)
     procs = [subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=node,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in nodes]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err
-    assert "world size 2" in outs[0][0] and "node 1 finished" in outs[1][0]
-    # log_on_each_node (HF's default): node 1 prints the same rows under its own prefix
-    node1_rows = [line for line in outs[1][0].splitlines() if line.startswith("[train node 1]")]
-    main_rows = [line for line in outs[0][0].splitlines()
-                 if line.startswith("[train] step=") and " loss=" in line]
-    assert len(main_rows) > 1 and [r.split()[3:5] for r in node1_rows] == [
-        r.split()[1:3] for r in main_rows], outs[1][0]  # step=N loss=...
+    return [out for out, _ in outs]
+
+
+def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
+    """Two torchrun launches (--nnodes 2, c10d rendezvous on 127.0.0.1), one process each,
+    each in its own project folder (no shared storage): the same training as one node with 2
+    processes. With save_on_each_node each node keeps whole checkpoints of its own, and both
+    resume from them bitwise."""
+    from engine.checkpoint import is_valid
+
+    nodes = []
+    for rank in (0, 1):
+        node = tmp_path / f"node{rank}"
+        shutil.copytree(ddp_run, node, symlinks=True)
+        for out in ("data/trained", "data/plots", "data/metrics/train.json", "data/checkpoints"):
+            path = node / out
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        nodes.append(node)
+    outs = _run_two_nodes(nodes, {"checkpoint.save_on_each_node": True})
+    assert "world size 2" in outs[0] and "node 1 finished" in outs[1]
     assert not (nodes[1] / "data/trained").exists()
     assert losses(nodes[0]) == pytest.approx(losses(ddp_run), abs=1e-5)
     assert train_metrics(nodes[0])["world_size"] == 2
+    # log_on_each_node (HF's default): node 1 prints the same rows under its own prefix
+    node1_rows = [line for line in outs[1].splitlines() if line.startswith("[train node 1]")]
+    main_rows = [line for line in outs[0].splitlines()
+                 if line.startswith("[train] step=") and " loss=" in line]
+    assert len(main_rows) > 1 and [r.split()[3:5] for r in node1_rows] == [
+        r.split()[1:3] for r in main_rows], outs[1]  # step=N loss=...
+    # save_on_each_node: a whole, valid copy on each node; cut both back to step 3, resume
+    for node in nodes:
+        assert [is_valid(node / f"data/checkpoints/step-000000{s}") for s in (3, 6)] == [True] * 2
+    uninterrupted, curve = adapter(nodes[0]), losses(nodes[0])
+    for node in nodes:
+        shutil.rmtree(node / "data/checkpoints/step-0000006")
+    shutil.rmtree(nodes[0] / "data/trained")
+    (nodes[0] / "data/plots/train.csv").unlink()
+    outs = _run_two_nodes(nodes, {"checkpoint.resume_from_checkpoint": True})
+    assert "step-0000003 at step 3" in outs[0]
+    resumed = adapter(nodes[0])
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+    assert losses(nodes[0]) == curve
 
 
 def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, diloco_run,

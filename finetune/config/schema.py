@@ -232,6 +232,14 @@ class CheckpointConfig(Section):
         description="Fingerprint keys allowed to differ on resume, as the refusal names them "
         "(e.g. training.max_steps to train past the planned end; train_data, base_model).",
     )
+    save_on_each_node: bool = Field(
+        False,
+        description="Multi-node runs without shared storage: each node's local rank 0 writes "
+        "a whole checkpoint into its own checkpoint folder (its ranks save through a "
+        "node-local process group) and a resume reads each node's own copy (HF's name). Needs "
+        "state that every node holds whole (single, ddp, diloco without FSDP groups). The "
+        "trained model and metrics are node 0's outputs either way.",
+    )
     keep_previous_runs: int = Field(
         1, ge=0,
         description="A fresh run moves the checkpoints already in the folder to "
@@ -410,6 +418,11 @@ class FinetuneConfig(Section):
             raise ValueError(
                 "data.collate_fn does not combine with training.packing or padding_free (their "
                 "batches are built by the trainer's own packing collators); drop one of them")
+        if self.checkpoint.save_on_each_node and self.distributed.shards_with_fsdp:
+            raise ValueError(
+                "checkpoint.save_on_each_node needs each node to hold the whole training state, "
+                "but FSDP2 shards it across the nodes; keep the checkpoint folder on storage all "
+                "nodes share, or use ddp")
         self._check_classification()
         self._check_best_model()
         self._check_resume_ignore_changes()
