@@ -102,7 +102,7 @@ def open_train_batches(t, train_data, d, collate_fn: Callable,
     """This rank's training micro-batches for `t` (the training section): (open(epoch,
     start) -> micro-batches, optimizer steps per epoch, micro-batches per epoch). From the
     tokenized split at `train_data`, or from `stream` (epoch -> examples), whose epoch length
-    is unknown (None, inf)."""
+    is training.epoch_train_steps, else unknown (None, inf)."""
     import math
 
     from engine.data import load_tokenized
@@ -110,9 +110,11 @@ def open_train_batches(t, train_data, d, collate_fn: Callable,
     from finetune.errors import PipelineError
 
     if stream is not None:
+        nominal = t.epoch_train_steps  # a stream's epoch: nominal, or wherever the stream ends
+        epoch_len = nominal * t.gradient_accumulation_steps if nominal else math.inf
         streamed = StreamedBatches(stream, t.per_device_train_batch_size, d.rank, d.world_size,
-                                   collate_fn)
-        return streamed.micro_batches, None, math.inf
+                                   collate_fn, epoch_len)
+        return streamed.micro_batches, nominal, epoch_len
     train_ds = load_tokenized(train_data)
     accum = t.gradient_accumulation_steps
     lengths = example_lengths(train_data, t.length_column_name) if t.group_by_length else None

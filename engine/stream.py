@@ -25,9 +25,12 @@ ExampleSource = Callable[[int], Iterable[dict]]
 
 class StreamedBatches:
     def __init__(self, open_epoch: ExampleSource, micro_batch_size: int,
-                 rank: int, world_size: int, collate_fn: Callable):
+                 rank: int, world_size: int, collate_fn: Callable,
+                 epoch_len: float = float("inf")):
         self.open_epoch, self.collate_fn = open_epoch, collate_fn
         self.micro_batch_size, self.rank, self.world_size = micro_batch_size, rank, world_size
+        #: micro-batches per epoch (training.epoch_train_steps x accumulation), or the stream's end
+        self.epoch_len = epoch_len
 
     @property
     def global_batch(self) -> int:
@@ -44,8 +47,8 @@ class StreamedBatches:
                     f"streamed train split: epoch {epoch} has {skipped} examples, fewer than the "
                     f"checkpoint's position ({start} global batches of {g}); the source changed "
                     "since the checkpoint was written")
-            index = start
-            while len(chunk := list(islice(examples, g))) == g:
+            index, chunk = start, []
+            while index < self.epoch_len and len(chunk := list(islice(examples, g))) == g:
                 rows = chunk[self.rank * b : (self.rank + 1) * b]
                 batch = self.collate_fn(rows)
                 batch["key"] = torch.tensor([epoch, index])

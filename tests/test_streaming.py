@@ -10,11 +10,11 @@ import shutil
 import pandas as pd
 import pytest
 
-from conftest import (adapter, assert_weights_close, copy_project, error_line, losses,
+from conftest import (_column, adapter, assert_weights_close, copy_project, error_line, losses,
                       resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
-                      train_metrics,
-                      write_params)
+                      train_metrics, write_params)
 from finetune.config import load_config
+from finetune.errors import PipelineError
 
 STREAM = {"data.streaming": True, "data.shuffle_buffer": 16}
 
@@ -134,3 +134,23 @@ def test_streamed_bad_source_fails_in_download_naming_the_column(tmp_path):
     project = copy_project(tmp_path / "p", {**STREAM, "data.prompt_template": "Q: {questoin}"})
     proc = run_cli(project, "stage", "download")
     assert proc.returncode != 0 and "questoin" in error_line(proc)
+
+
+def test_epoch_train_steps_gives_a_stream_epochs(streamed, tmp_path):
+    """Seed 002's nominal epoch: 2 steps, so epoch eval/save strategies work on the stream
+    (evals and checkpoints at 2 and 4, and the last step), num_train_epochs sizes the run, and
+    each epoch re-reads the stream reshuffled; resumed at the epoch-2 end, bitwise."""
+    params = {"training.max_steps": -1, "training.num_train_epochs": 2.5,
+              "training.epoch_train_steps": 2, "training.per_device_train_batch_size": 4,
+              "training.gradient_accumulation_steps": 2, "eval.eval_strategy": "epoch",
+              "checkpoint.save_strategy": "epoch", "checkpoint.save_total_limit": 10}
+    resume_from_checkpoint_in_process(streamed, tmp_path, params, at=4)
+    full = tmp_path / "full"
+    assert train_metrics(full)["global_step"] == 5 and train_metrics(full)["epoch"] == 2.5
+    assert _column(full, "step", "eval.csv") == [2, 4, 5]
+    assert sorted(p.name for p in (full / "data/checkpoints").iterdir()) == [
+        "step-0000002", "step-0000004", "step-0000005"]
+    assert _column(full, "epoch")[:2] == [0.5, 1.0]
+    with pytest.raises(PipelineError, match="training.epoch_train_steps sizes a streamed split"):
+        load_config(full / "params/default.yaml",
+                    overrides=["data.streaming=false", "training.epoch_train_steps=2"])

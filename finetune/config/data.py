@@ -120,7 +120,7 @@ class DataConfig(Section):
         False,
         description="Stream the train split (datasets IterableDataset, hub or local files) and "
         "format/tokenize it on the fly in the train stage: for corpora that do not fit on disk. "
-        "Needs training.max_steps > 0.",
+        "Needs training.max_steps > 0 or training.epoch_train_steps.",
     )
     shuffle_buffer: int = Field(
         10_000, ge=1, description="Streaming: examples in the shuffle buffer (1: stream order); "

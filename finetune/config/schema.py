@@ -428,6 +428,9 @@ class FinetuneConfig(Section):
         self._check_resume_ignore_changes()
         if self.data.streaming:
             self._check_streaming()
+        elif t.epoch_train_steps is not None:
+            raise ValueError("training.epoch_train_steps sizes a streamed split's epoch; a stored "
+                             "split knows its length (set data.streaming: true, or drop it)")
         return self
 
     def _check_resume_ignore_changes(self) -> None:
@@ -483,20 +486,23 @@ class FinetuneConfig(Section):
                              "has none: remove it for data.dataset_type classification")
 
     def _check_streaming(self) -> None:
-        """A stream has no length and cannot be indexed: what needs either is refused."""
+        """A stream has no length and cannot be indexed: what needs either is refused, unless
+        training.epoch_train_steps gives it a nominal epoch."""
         t = self.training
-        if t.max_steps <= 0:
+        nominal = t.epoch_train_steps is not None
+        if t.max_steps <= 0 and not nominal:
             raise ValueError("data.streaming: a stream has no length, so epochs cannot size the "
-                             "run; set training.max_steps > 0")
+                             "run; set training.max_steps > 0 (or training.epoch_train_steps)")
         refused = (
             ("training.group_by_length", t.group_by_length, "needs every example's length"),
             ("training.dataloader_num_workers", t.dataloader_num_workers,
              "streamed batches are built in the main process"),
             ("training.dataloader_drop_last", not t.dataloader_drop_last,
              "false refills from the epoch start, which a stream cannot revisit"),
-            ("eval.eval_strategy", self.eval.eval_strategy == "epoch", "epoch ends are unknown"),
-            ("checkpoint.save_strategy", self.checkpoint.save_strategy == "epoch",
-             "epoch ends are unknown"),
+            ("eval.eval_strategy", self.eval.eval_strategy == "epoch" and not nominal,
+             "epoch ends are unknown; set training.epoch_train_steps"),
+            ("checkpoint.save_strategy", self.checkpoint.save_strategy == "epoch" and not nominal,
+             "epoch ends are unknown; set training.epoch_train_steps"),
         )
         for key, hit, why in refused:
             if hit:

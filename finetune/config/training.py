@@ -34,6 +34,14 @@ class TrainingConfig(Section):
     )
     num_train_epochs: float = Field(1.0, description="Epochs (ignored when max_steps > 0).")
     max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
+    epoch_train_steps: int | None = Field(
+        None, gt=0,
+        description="A streamed train split's nominal epoch, in optimizer steps (seed 002): "
+        "after this many steps the stream starts over, reshuffled (data.seed + epoch), so "
+        "epoch save/eval/logging strategies and num_train_epochs work on streams (an epoch "
+        "the stream runs out of first ends there). Streaming only: a stored split knows its "
+        "length.",
+    )
     group_by_length: bool = Field(
         False, description="Batch examples of similar length together (less padding)."
     )
