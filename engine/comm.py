@@ -44,6 +44,14 @@ class CommMeter:
         self.by_kind[kind] += n
         self.total += n
 
+    def add_bytes(self, kind: str, n: int) -> None:
+        """Bytes sent by point-to-point transfers the meter does not see as one tensor
+        (pipeline stages' activations)."""
+        if self.paused:
+            return
+        self.by_kind[kind] += n
+        self.total += n
+
     def take_window(self) -> int:
         """Bytes since the previous call (per logging window)."""
         delta = self.total - self._window_start

@@ -29,7 +29,6 @@ from engine.comm import CommMeter
 from engine.data import count_targets, load_tokenized, model_inputs, to_device, user_collate
 from engine.loss import build_loss
 from engine.distributed import Dist, node_group, setup, teardown
-from engine.evaluation import evaluate_loss
 from engine.job import RunPaths
 from engine.loader import open_train_batches
 from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
@@ -145,7 +144,7 @@ class TrainingRun:
         eval_path = self.paths.eval_data
         self.eval_data = load_tokenized(eval_path) if eval_path and eval_path.exists() else None
         self.open_batches, self.steps_per_epoch, self.epoch_len = open_train_batches(
-            t, self.paths.train_data, d, self.collate_fn, self.stream)
+            t, self.paths.train_data, self.strategy.data_view(d), self.collate_fn, self.stream)
         self.max_steps = total_steps(self.cfg, self.steps_per_epoch)
         self.optimizer = self.strategy.build_optimizer()
         self.in_backward = (OptimizerInBackward(self.strategy.module, self.optimizer)
@@ -257,6 +256,9 @@ class TrainingRun:
         divisor = max(self.strategy.loss_divisor(local_targets, progress.step), 1e-9)
         for i, host_batch in enumerate(micro):
             batch = to_device(host_batch, d.device)
+            if self.strategy.owns_forward_backward:  # a pipeline schedule
+                progress.add_loss(self.strategy.forward_backward(batch, divisor, self.amp))
+                continue
             with (self.strategy.sync_context(last_micro_batch=i == len(micro) - 1),
                   activation_offloading(t, d.device)):
                 with (torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None),
@@ -315,7 +317,8 @@ class TrainingRun:
                               dtype=torch.float64, device=self.dist.device)
         if self.dist.world_size > 1:  # metrics, not training traffic: not metered
             torch.distributed.all_reduce(tokens)
-        return {"train_tokens_per_second": round(float(tokens) / elapsed, 3),
+        tokens = float(tokens) / self.strategy.batch_replicas
+        return {"train_tokens_per_second": round(tokens / elapsed, 3),
                 "train_steps_per_second": round((self.progress.step - step_before) / elapsed, 4),
                 "speed_metrics_start_step": step_before}
 
@@ -337,6 +340,8 @@ class TrainingRun:
         if d.world_size > 1:  # metrics, not training traffic: not metered
             torch.distributed.all_reduce(totals)
         loss_sum, targets, tokens = totals.tolist()
+        replicas = self.strategy.batch_replicas  # ranks that counted the same batch
+        targets, tokens = targets / replicas, tokens / replicas
         self.progress.tokens_seen += int(tokens)
         elapsed = time.perf_counter() - window.started
         comm = self.meter.take_window()
@@ -402,11 +407,11 @@ class TrainingRun:
 
     def evaluate(self) -> dict[str, float]:
         with self.meter.pause():
-            ev = evaluate_loss(self.strategy.module, self.eval_data,
-                               self.cfg.training.per_device_eval_batch_size,
-                               self.tokenizer.pad_token_id, self.dist, self.cfg.eval.eval_batches,
-                               self.amp, lockstep=self.strategy.eval_lockstep,
-                               loss_sum_fn=self.loss.eval_loss_sum)
+            ev = self.strategy.evaluate_loss(self.eval_data,
+                                             self.cfg.training.per_device_eval_batch_size,
+                                             self.tokenizer.pad_token_id,
+                                             self.cfg.eval.eval_batches, self.amp,
+                                             loss_sum_fn=self.loss.eval_loss_sum)
         evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:
@@ -473,10 +478,7 @@ class TrainingRun:
         module = self.strategy.module
         make_adapter_config_reproducible(module, self.cfg.model)
         with atomic_dir(self.paths.trained) as staging:
-            if full is None:
-                module.save_pretrained(staging, safe_serialization=True)
-            else:
-                module.save_pretrained(staging, state_dict=full, safe_serialization=True)
+            self.strategy.save_pretrained(staging, full)
             make_model_card_reproducible(staging, self.cfg.model, self.paths.project_root)
             self.tokenizer.save_pretrained(staging)
             if self.labels:

@@ -29,6 +29,10 @@ def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
         from engine.strategies.ddp import DDPStrategy
 
         return DDPStrategy(cfg, d, meter)
+    if name == "pipeline":
+        from engine.strategies.pipeline import PipelineStrategy
+
+        return PipelineStrategy(cfg, d, meter)
     if name == "fsdp2":
         from engine.strategies.fsdp2 import FSDP2Strategy
 

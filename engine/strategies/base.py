@@ -15,7 +15,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 
 from engine.comm import CommMeter, all_reduce
+from engine.data import token_loss_sum
 from engine.distributed import Dist
+from engine.evaluation import evaluate_loss
 from engine.optim import build_optimizer
 from finetune.config import FinetuneConfig
 
@@ -24,6 +26,17 @@ class Strategy:
     name = "single"
     #: every rank must run the same number of forwards in eval (FSDP2 gathers inside forward)
     eval_lockstep = False
+    #: the strategy runs forward and backward itself (a pipeline schedule), not the loop
+    owns_forward_backward = False
+
+    @property
+    def batch_replicas(self) -> int:
+        """How many ranks hold each batch (metrics divide summed counts by it)."""
+        return 1
+
+    def data_view(self, d: Dist) -> Dist:
+        """The ranks as the data loader sees them (which shard this rank reads)."""
+        return d
 
     def __init__(self, cfg: FinetuneConfig, d: Dist, meter: CommMeter):
         self.cfg, self.d, self.meter = cfg, d, meter
@@ -71,6 +84,12 @@ class Strategy:
         """Hook after `step` optimizer steps (DiLoCo's outer sync); returns metrics to log."""
         return {}
 
+    def evaluate_loss(self, dataset, batch_size: int, pad_id: int, max_batches: int | None,
+                      amp, loss_sum_fn=token_loss_sum) -> dict:
+        """The in-training evaluation's loss over `dataset` (all ranks)."""
+        return evaluate_loss(self.module, dataset, batch_size, pad_id, self.d, max_batches, amp,
+                             lockstep=self.eval_lockstep, loss_sum_fn=loss_sum_fn)
+
     # -- checkpoint and export -----------------------------------------------------------
     def dcp_state(self, optimizer) -> dict:
         """What DCP saves/loads: trainable weights and optimizer state, FQN-keyed (so a
@@ -89,6 +108,13 @@ class Strategy:
 
     def load_trainer_state(self, state: dict) -> None:
         pass
+
+    def save_pretrained(self, folder, full: dict | None) -> None:
+        """The main rank writes the trained model: a normal HF/PEFT folder."""
+        if full is None:
+            self.module.save_pretrained(folder, safe_serialization=True)
+        else:
+            self.module.save_pretrained(folder, state_dict=full, safe_serialization=True)
 
     def full_state_dict(self) -> dict | None:
         """Collective: the unsharded state dict for export, or None when module.state_dict()

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from finetune.config.pipeline import PipelineConfig
 from finetune.config.section import Section
 
 FloatDtype = Literal["float32", "bfloat16", "float16"]
@@ -124,8 +125,9 @@ class DilocoConfig(Section):
 class DistributedConfig(Section):
     """How torchrun launches the worker and how the model is parallelised."""
 
-    strategy: Literal["single", "ddp", "fsdp2", "diloco"] = Field(
-        "single", description="Parallelism strategy."
+    strategy: Literal["single", "ddp", "fsdp2", "diloco", "pipeline"] = Field(
+        "single", description="Parallelism strategy (pipeline: the decoder layers split into "
+        "stages over the ranks, distributed.pipeline)."
     )
     nproc_per_node: int = Field(1, gt=0, description="Processes per node (torchrun).")
     nnodes: int = Field(1, gt=0, description="Number of nodes (torchrun).")
@@ -159,6 +161,8 @@ class DistributedConfig(Section):
         "(needs find_unused_parameters: true).")
     fsdp: FsdpConfig | None = Field(None, description="FSDP2 options (strategy fsdp2 only).")
     diloco: DilocoConfig | None = Field(None, description="DiLoCo options (strategy diloco only).")
+    pipeline: PipelineConfig | None = Field(
+        None, description="Pipeline options (strategy pipeline only; defaults apply when unset).")
 
     @model_validator(mode="after")
     def _consistent(self) -> "DistributedConfig":
@@ -183,8 +187,15 @@ class DistributedConfig(Section):
                 f"distributed.diloco.fsdp_group_size {self.diloco.fsdp_group_size} must divide "
                 f"the world size {self.world_size}"
             )
+        if self.strategy == "pipeline":
+            if world == 1:
+                raise ValueError("strategy pipeline splits the model over processes; with "
+                                 "nproc_per_node x nnodes = 1 there is nothing to split (use "
+                                 "single, or set nproc_per_node >= 2)")
+            if self.pipeline is None:
+                self.pipeline = PipelineConfig()
         sharded_diloco = self.diloco is not None and self.diloco.fsdp_group_size > 1
-        for name, owner in (("fsdp", "fsdp2"), ("diloco", "diloco")):
+        for name, owner in (("fsdp", "fsdp2"), ("diloco", "diloco"), ("pipeline", "pipeline")):
             if name == "fsdp" and sharded_diloco:
                 continue
             if getattr(self, name) is not None and self.strategy != owner:

@@ -18,6 +18,7 @@ from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import (CLASSIFICATION_GATES, EvalConfig, ExportConfig,
                                      RegistryConfig)
+from finetune.config.pipeline import ZERO_BUBBLE
 from finetune.config.section import Section
 from finetune.config.training import TrainingConfig
 
@@ -418,6 +419,8 @@ class FinetuneConfig(Section):
             raise ValueError(
                 "data.collate_fn does not combine with training.packing or padding_free (their "
                 "batches are built by the trainer's own packing collators); drop one of them")
+        if self.distributed.strategy == "pipeline":
+            self._check_pipeline()
         if self.checkpoint.save_on_each_node and self.distributed.shards_with_fsdp:
             raise ValueError(
                 "checkpoint.save_on_each_node needs each node to hold the whole training state, "
@@ -432,6 +435,36 @@ class FinetuneConfig(Section):
             raise ValueError("training.epoch_train_steps sizes a streamed split's epoch; a stored "
                              "split knows its length (set data.streaming: true, or drop it)")
         return self
+
+    def _check_pipeline(self) -> None:
+        """Seed 002's pipeline rules, and what a pipeline's fixed-shape stages cannot take."""
+        t, pp = self.training, self.distributed.pipeline
+        n = pp.microbatches(self.distributed.world_size)
+        for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+            if getattr(t, key) % n:
+                raise ValueError(f"distributed.pipeline: training.{key} {getattr(t, key)} does "
+                                 f"not divide into n_microbatches {n}")
+        refused = (
+            ("training.dataloader_drop_last", not t.dataloader_drop_last,
+             "every pipeline step needs whole batches"),
+            ("training.mixed_precision", t.mixed_precision == "fp16",
+             "fp16's loss scaling does not run through the pipeline schedules; use bf16"),
+            ("training.torch_compile", t.torch_compile and pp.schedule in ZERO_BUBBLE,
+             "zero-bubble schedules split the backward, which compiled stages cannot"),
+            ("training.packing", t.packing, "stages pass fixed-shape activations"),
+            ("training.padding_free", t.padding_free, "stages pass fixed-shape activations"),
+            ("data.collate_fn", bool(self.data.collate_fn),
+             "the pipeline pads every batch to data.max_seq_length itself"),
+            ("data.dataset_type", self.data.dataset_type == "classification",
+             "the stages are a causal LM's decoder layers and head"),
+            ("data.streaming", self.data.streaming, "not supported with pipeline stages yet"),
+        )
+        for key, hit, why in refused:
+            if hit:
+                section, name = key.split(".")
+                value = getattr(getattr(self, section), name)
+                raise ValueError(f"distributed.strategy pipeline does not combine with {key}: "
+                                 f"{value} ({why})")
 
     def _check_resume_ignore_changes(self) -> None:
         from finetune.config.fingerprint import CONTENT_KEYS, config_part

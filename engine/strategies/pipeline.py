@@ -1,0 +1,242 @@
+"""Pipeline parallelism: the decoder's stages over the ranks, run by a torch schedule.
+
+Every rank reads the same batches (the pipeline is one replica); each training micro-batch is
+padded to `data.max_seq_length` (stages pass fixed-shape activations, so the schedule's shapes
+are inferred once) and cut into `n_microbatches`. The last stage's loss is the token-weighted
+sum over the output layer applied in row chunks (engine.loss's way: no full fp32 logits), divided
+by the step's target count, so the gradients equal single-process training's. The schedule runs
+forward and backward; the optimizer, clipping (a global norm over the stages) and checkpoints
+are the loop's as usual: DCP saves each rank's stage under the original parameter names, and the
+export gathers the stages into one HF/PEFT folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from engine.comm import all_reduce
+from engine.data import IGNORE_INDEX, collate, count_targets, take_rows
+from engine.distributed import Dist, all_reduce_sum
+from engine.loss import _chunk_loss, target_rows
+from engine.pipeline_stages import cut_stages, decoder_of, stage_ids
+from engine.strategies.base import Strategy
+
+#: rows of the output layer applied at a time in the last stage's loss
+LOSS_CHUNK_ROWS = 4096
+
+
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+    eval_lockstep = True
+    owns_forward_backward = True
+
+    @property
+    def batch_replicas(self) -> int:
+        """Every rank holds the same batch: metrics divide the summed counts by this."""
+        return self.d.world_size
+
+    def data_view(self, d: Dist) -> Dist:
+        """The whole pipeline reads one stream of batches: data rank 0 of 1."""
+        from dataclasses import replace
+
+        return replace(d, rank=0, world_size=1, local_world_size=1, main_rank=0)
+
+    # -- building ------------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        pp, world = self.cfg.distributed.pipeline, self.d.world_size
+        self.num_stages = pp.stages(world)
+        self.ids = stage_ids(self.d.rank, world, pp.resolved_stages_per_rank,
+                             pp.resolved_stage_type)
+        self.rank_of = {s: r for r in range(world)
+                        for s in stage_ids(r, world, pp.resolved_stages_per_rank,
+                                           pp.resolved_stage_type)}
+        lm, inner = decoder_of(model)
+        self.hidden = lm.config.hidden_size
+        self.act_dtype = inner.embed_tokens.weight.dtype
+        self.stage_modules, self.ranges = cut_stages(model, self.ids, self.num_stages)
+        self.head = lm.lm_head if self.num_stages - 1 in self.ids else None
+        self.n_micro = pp.microbatches(world)
+        self.pad_id = 0
+        self._sums: list[torch.Tensor] = []
+        self._divisor = 1.0
+        self.schedules: dict[int, object] = {}  # rows per micro-batch -> schedule
+        self.model = model
+        if self.d.is_main:
+            spans = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}"
+                              for s, r in enumerate(self.ranges))
+            print(f"[train] pipeline {pp.schedule}: {self.num_stages} stages ({spans}), "
+                  f"{pp.resolved_stages_per_rank} per rank ({pp.resolved_stage_type}), "
+                  f"{self.n_micro} micro-batches", flush=True)
+        return model
+
+    def _schedule(self, rows: int):
+        """The schedule for batches of `rows` rows (one for training, one per eval batch
+        size: a stage's activation shapes are fixed once inferred)."""
+        if rows not in self.schedules:
+            modules = self.stage_modules
+            if self.cfg.training.torch_compile:
+                modules = [torch.compile(m) for m in modules]
+            stages = [PipelineStage(m, s, self.num_stages, self.d.device)
+                      for m, s in zip(modules, self.ids)]
+            klass = get_schedule_class(self.cfg.distributed.pipeline.schedule)
+            single = issubclass(klass, PipelineScheduleSingle)
+            self.schedules[rows] = klass(stages[0] if single else stages, self.n_micro,
+                                         loss_fn=self._loss, scale_grads=False)
+        return self.schedules[rows]
+
+    # -- one step ------------------------------------------------------------------------
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one pipeline micro-batch: the output layer over the rows
+        that predict a target, in chunks; summed, then divided by the step's targets."""
+        rows, targets = target_rows(labels)  # on CUDA: one sync per micro-batch (nonzero)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, max(len(rows), 1), LOSS_CHUNK_ROWS):
+            part = slice(start, start + LOSS_CHUNK_ROWS)
+            total = total + _chunk_loss(self.head, flat, rows[part], targets[part])
+        self._sums.append(total.detach())
+        return total / self._divisor
+
+    def _padded(self, batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+        """Pad a batch to `rows` rows of data.max_seq_length tokens (pad rows train nothing)."""
+        length = self.cfg.data.max_seq_length
+        ids, labels = batch["input_ids"], batch["labels"]
+        extra_rows, extra_cols = rows - ids.shape[0], length - ids.shape[1]
+        pad = (0, extra_cols, 0, extra_rows)
+        return {"input_ids": torch.nn.functional.pad(ids, pad, value=self.pad_id),
+                "labels": torch.nn.functional.pad(labels, pad, value=IGNORE_INDEX)}
+
+    def _run(self, batch: dict[str, torch.Tensor], train: bool, amp) -> torch.Tensor:
+        rows = batch["input_ids"].shape[0]
+        schedule = self._schedule(rows)
+        batch = self._padded(batch, rows)
+        args = (batch["input_ids"],) if 0 in self.ids else ()
+        target = batch["labels"] if self.head is not None else None
+        self._sums = []
+        device = self.d.device.type
+        with torch.autocast(device, dtype=amp, enabled=amp is not None):
+            (schedule.step if train else schedule.eval)(*args, target=target)
+        self._count_activations(rows, train)
+        # the schedule's first step (and the first after a switch between training and eval)
+        # infers the stages' shapes with a forward of its own: its loss is not this batch's
+        sums = self._sums[-self.n_micro:]
+        return torch.stack(sums).sum() if sums else torch.zeros(
+            (), dtype=torch.float32, device=self.d.device)
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], divisor: float,
+                         amp) -> torch.Tensor:
+        """One training micro-batch through the pipeline; its summed loss (0 off the last
+        stage), gradients accumulated on this rank's stages."""
+        self._divisor = divisor
+        return self._run(batch, train=True, amp=amp)
+
+    def _count_activations(self, rows: int, train: bool) -> None:
+        """Bytes this rank sends: activations to the next stage (forward) and their
+        gradients to the previous one (backward), where those stages are on another rank."""
+        per_micro = (rows // self.n_micro) * self.cfg.data.max_seq_length * self.hidden
+        size = per_micro * torch.tensor([], dtype=self.act_dtype).element_size()
+        for s in self.ids:
+            if s + 1 < self.num_stages and self.rank_of[s + 1] != self.d.rank:
+                self.meter.add_bytes("pp_activations", size * self.n_micro)
+            if train and s > 0 and self.rank_of[s - 1] != self.d.rank:
+                self.meter.add_bytes("pp_activation_grads", size * self.n_micro)
+
+    def loss_divisor(self, local_targets: int, step: int) -> float:
+        return float(local_targets)  # the whole batch is on every rank
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm over all stages (each rank holds different parameters)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        local = (torch.nn.utils.get_total_norm([p.grad for p in params]) if params
+                 else torch.zeros((), device=self.d.device))
+        squared = (local.double() ** 2).reshape(1)
+        all_reduce(squared, self.meter, "pp_grad_norm")
+        total = squared.sqrt().squeeze().float()
+        if params and math.isfinite(max_norm):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    # -- checkpoint ----------------------------------------------------------------------
+    # Each rank's optimizer has its own param groups over other parameters: keyed by group
+    # index they would collide in DCP (rank 0's group 0 is not rank 1's), keyed by parameter
+    # name (torch's flattened optimizer state dict, as torchtitan does for PP) they cannot.
+    FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def dcp_state(self, optimizer) -> dict:
+        model_sd, optim_sd = get_state_dict(self.module, optimizer, options=self.FLAT)
+        names = self.trainable_names()
+        return {"model": {k: v for k, v in model_sd.items() if k in names}, "optim": optim_sd}
+
+    def load_dcp_state(self, optimizer, state: dict) -> None:
+        set_state_dict(self.module, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False, flatten_optimizer_state_dict=True))
+
+    # -- evaluation and export -----------------------------------------------------------
+    @torch.no_grad()
+    def evaluate_loss(self, dataset, batch_size: int, pad_id: int, max_batches: int | None,
+                      amp, loss_sum_fn=None) -> dict:
+        """Every rank runs every eval batch through the pipeline (forward only); the last
+        stage's summed loss and target count are shared."""
+        self.module.eval()
+        self._divisor = 1.0
+        starts = list(range(0, len(dataset), batch_size))[:max_batches or None]
+        loss_sum, tokens = 0.0, 0
+        with self.meter.pause():
+            for start in starts:
+                rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
+                batch = collate(rows, pad_id)
+                padded = {k: v.to(self.d.device) for k, v in
+                          self._padded(batch, batch_size).items()}
+                loss_sum += float(self._run(padded, train=False, amp=amp))
+                if self.head is not None:
+                    tokens += count_targets(batch)
+        loss_sum, tokens = all_reduce_sum(loss_sum, self.d), int(all_reduce_sum(tokens, self.d))
+        self.module.train()
+        loss = loss_sum / max(tokens, 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+
+    @property
+    def _peft(self) -> bool:
+        return hasattr(self.module, "peft_config")
+
+    def full_state_dict(self) -> dict:
+        """Collective: the stages' state dicts merged for the main rank's export; for an
+        adapter, each stage's adapter weights as PEFT saves them (PEFT's own conversion: it
+        keeps only the modules a model has, so each rank converts its own)."""
+        if self._peft:
+            from peft import get_peft_model_state_dict
+
+            mine = get_peft_model_state_dict(self.module)
+        else:
+            mine = self.module.state_dict()
+        mine = {k: v.detach().cpu() for k, v in mine.items()}
+        gathered: list = [None] * self.d.world_size
+        dist.all_gather_object(gathered, mine)
+        merged: dict = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
+    def save_pretrained(self, folder, full: dict) -> None:
+        """PEFT writes the config and this stage's weights; the file then gets every
+        stage's adapter weights."""
+        if not self._peft:
+            self.module.save_pretrained(folder, state_dict=full, safe_serialization=True)
+            return
+        from safetensors.torch import save_file
+
+        self.module.save_pretrained(folder, safe_serialization=True)
+        save_file({k: v.contiguous() for k, v in full.items()},
+                  str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    def sync_context(self, last_micro_batch: bool):
+        return contextlib.nullcontext()

@@ -1,0 +1,79 @@
+"""The `distributed.pipeline` section: pipeline parallelism (`distributed.strategy: pipeline`).
+
+torch.distributed.pipelining's schedules by their torch names. The decoder layers are cut into
+`stages` contiguous ranges, balanced by parameter count (the embedding with the first stage,
+the final norm and the output layer with the last); each rank holds `stages_per_rank` of them,
+in a loop (rank r: stages r, r + W, ...) or a V (rank r: r and 2W - 1 - r, what ZBVZeroBubble
+needs). Each optimizer step's micro-batch is cut into `n_microbatches` pipeline micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from finetune.config.section import Section
+
+#: schedules with one stage per rank; the others run several (PipelineScheduleMulti)
+SINGLE_STAGE = ("GPipe", "1F1B")
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+class PipelineConfig(Section):
+    """Pipeline parallelism over the decoder layers (strategy pipeline)."""
+
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
+                      "ZBVZeroBubble"] = Field(
+        "1F1B", description="torch.distributed.pipelining schedule, by torch's name.")
+    n_microbatches: int | None = Field(
+        None, gt=0,
+        description="Pipeline micro-batches per training micro-batch (None: the number of "
+        "stages); per_device_train_batch_size and per_device_eval_batch_size must divide by it.",
+    )
+    stages_per_rank: int | None = Field(
+        None, gt=0,
+        description="Stages each rank holds (None: 1 for GPipe/1F1B, 2 for the multi-stage "
+        "schedules); GPipe and 1F1B need 1, the others at least 2.",
+    )
+    pp_stage_type: Literal["loop", "v"] | None = Field(
+        None,
+        description="How stages map to ranks: loop (rank r: r, r + W, ...) or v (rank r: r "
+        "and 2W - 1 - r; ZBVZeroBubble's layout). None: v for ZBVZeroBubble, else loop.",
+    )
+
+    @model_validator(mode="after")
+    def _layout(self) -> "PipelineConfig":
+        per_rank, style = self.resolved_stages_per_rank, self.resolved_stage_type
+        if self.schedule in SINGLE_STAGE and per_rank != 1:
+            raise ValueError(f"pipeline.schedule {self.schedule} runs one stage per rank; "
+                             f"stages_per_rank {per_rank} needs Interleaved1F1B, "
+                             "InterleavedZeroBubble or ZBVZeroBubble")
+        if self.schedule in MULTI_STAGE and per_rank < 2:
+            raise ValueError(f"pipeline.schedule {self.schedule} runs several stages per rank; "
+                             "set stages_per_rank >= 2 (or use GPipe / 1F1B)")
+        if style == "v" and per_rank != 2:
+            raise ValueError("pipeline.pp_stage_type v places exactly 2 stages on each rank "
+                             f"(got stages_per_rank {per_rank})")
+        if self.schedule == "ZBVZeroBubble" and style != "v":
+            raise ValueError("pipeline.schedule ZBVZeroBubble needs pp_stage_type v")
+        return self
+
+    @property
+    def resolved_stages_per_rank(self) -> int:
+        if self.stages_per_rank is not None:
+            return self.stages_per_rank
+        return 1 if self.schedule in SINGLE_STAGE else 2
+
+    @property
+    def resolved_stage_type(self) -> str:
+        if self.pp_stage_type is not None:
+            return self.pp_stage_type
+        return "v" if self.schedule == "ZBVZeroBubble" else "loop"
+
+    def stages(self, world_size: int) -> int:
+        return world_size * self.resolved_stages_per_rank
+
+    def microbatches(self, world_size: int) -> int:
+        return self.n_microbatches or self.stages(world_size)

@@ -1,0 +1,81 @@
+"""Pipeline parallelism (`distributed.strategy: pipeline`) under real torchrun, 2 processes on
+gloo: the stages' training equals single-process training on the same batches, a SIGKILLed
+run resumes bitwise from its per-stage DCP checkpoint, and the export is one normal folder.
+
+Its own file so it runs beside test_strategies.py (pytest-xdist, one file per worker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import (adapter, assert_weights_close, interrupt_then_resume, losses, train_copy,
+                      train_here, train_metrics)
+from finetune.config.schema import FinetuneConfig
+
+# 10 steps of batch 4 (2 pipeline micro-batches of 2), an in-training eval and a checkpoint
+# at step 5: the reference single-process run sees exactly the same batches
+BASE = {"training.max_steps": 10, "training.per_device_train_batch_size": 4,
+        "training.per_device_eval_batch_size": 4, "eval.eval_steps": 5,
+        "checkpoint.save_steps": 5, "checkpoint.save_total_limit": 10,
+        "logging.logging_steps": 1}
+PIPE = {**BASE, "distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}
+
+
+@pytest.fixture(scope="module")
+def single(tokenized, tmp_path_factory):
+    project, _ = train_here(tokenized, tmp_path_factory.mktemp("single") / "p", BASE)
+    return project
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_pipeline_trains_like_one_process(tokenized, single, tmp_path, schedule):
+    run, proc = train_copy(tokenized, tmp_path / "pp", {
+        **PIPE, "distributed.pipeline.schedule": schedule})
+    assert f"pipeline {schedule}: 2 stages" in proc.stdout
+    assert losses(run) == pytest.approx(losses(single), abs=1e-5)
+    assert_weights_close(adapter(run), adapter(single))
+    m = train_metrics(run)
+    assert m["strategy"] == "pipeline" and m["comm_bytes_pp_activations"] > 0
+    assert m["num_input_tokens_seen"] == train_metrics(single)["num_input_tokens_seen"]
+
+
+def test_pipeline_resumes_bitwise_after_sigkill(tokenized, tmp_path):
+    _, _, stdout = interrupt_then_resume(tokenized, tmp_path, {
+        **PIPE, "distributed.pipeline.schedule": "1F1B"})
+    assert "at step 5" in stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"training.per_device_train_batch_size": 3}, "does not divide into n_microbatches 2"),
+    ({"training.dataloader_drop_last": False}, "dataloader_drop_last"),
+    ({"training.mixed_precision": "fp16"}, "mixed_precision: fp16"),
+    ({"training.torch_compile": True, "distributed.pipeline.schedule": "ZBVZeroBubble"},
+     "torch_compile"),
+    ({"distributed.nproc_per_node": 1}, "nothing to split"),
+    ({"distributed.pipeline.schedule": "1F1B", "distributed.pipeline.stages_per_rank": 2},
+     "runs one stage per rank"),
+    ({"distributed.pipeline.schedule": "ZBVZeroBubble",
+      "distributed.pipeline.pp_stage_type": "loop"}, "needs pp_stage_type v"),
+], ids=["divisible", "drop_last", "fp16", "compile-zero-bubble", "world", "stages", "v"])
+def test_pipeline_rules_are_one_line(overrides, message):
+    raw = {"data": {"json_file_path": "x.jsonl"}, "distributed": {"strategy": "pipeline",
+                                                                  "nproc_per_node": 2},
+           "training": {"per_device_train_batch_size": 4, "per_device_eval_batch_size": 4}}
+    for key, value in overrides.items():
+        section, *rest = key.split(".")
+        node = raw.setdefault(section, {})
+        for part in rest[:-1]:
+            node = node.setdefault(part, {})
+        node[rest[-1]] = value
+    with pytest.raises(ValueError, match=message):
+        FinetuneConfig.model_validate(raw)
+
+
+def test_stage_balance_by_parameter_count():
+    from engine.pipeline_stages import balance, stage_ids
+
+    # a heavy first layer and embedding: the first stage takes fewer layers
+    assert balance([10, 1, 1, 1, 1, 1], 5, 1, 2) == [range(0, 1), range(1, 6)]
+    assert balance([1] * 6, 0, 0, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    assert stage_ids(0, 2, 2, "loop") == [0, 2] and stage_ids(0, 2, 2, "v") == [0, 3]
