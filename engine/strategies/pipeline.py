@@ -67,7 +67,7 @@ class PipelineStrategy(Strategy):
         self.pad_id = 0
         self._sums: list[torch.Tensor] = []
         self._divisor = 1.0
-        self.schedules: dict[int, object] = {}  # rows per micro-batch -> schedule
+        self.schedules: dict[int, object] = {}  # rows per batch -> training schedule
         self.model = model
         if self.d.is_main:
             spans = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}"
@@ -78,9 +78,10 @@ class PipelineStrategy(Strategy):
         return model
 
     def _schedule(self, rows: int):
-        """The schedule for batches of `rows` rows (one for training, one per eval batch
-        size: a stage's activation shapes are fixed once inferred)."""
-        if rows not in self.schedules:
+        """The training schedule for batches of `rows` rows (a stage's activation shapes are
+        fixed once inferred)."""
+        key = rows
+        if key not in self.schedules:
             modules = self.stage_modules
             if self.cfg.training.torch_compile:
                 modules = [torch.compile(m) for m in modules]
@@ -88,9 +89,9 @@ class PipelineStrategy(Strategy):
                       for m, s in zip(modules, self.ids)]
             klass = get_schedule_class(self.cfg.distributed.pipeline.schedule)
             single = issubclass(klass, PipelineScheduleSingle)
-            self.schedules[rows] = klass(stages[0] if single else stages, self.n_micro,
-                                         loss_fn=self._loss, scale_grads=False)
-        return self.schedules[rows]
+            self.schedules[key] = klass(stages[0] if single else stages, self.n_micro,
+                                        loss_fn=self._loss, scale_grads=False)
+        return self.schedules[key]
 
     # -- one step ------------------------------------------------------------------------
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -114,29 +115,51 @@ class PipelineStrategy(Strategy):
         return {"input_ids": torch.nn.functional.pad(ids, pad, value=self.pad_id),
                 "labels": torch.nn.functional.pad(labels, pad, value=IGNORE_INDEX)}
 
-    def _run(self, batch: dict[str, torch.Tensor], train: bool, amp) -> torch.Tensor:
+    def forward_backward(self, batch: dict[str, torch.Tensor], divisor: float,
+                         amp) -> torch.Tensor:
+        """One training micro-batch through the pipeline schedule; its summed loss (0 off
+        the last stage), gradients accumulated on this rank's stages."""
         rows = batch["input_ids"].shape[0]
         schedule = self._schedule(rows)
         batch = self._padded(batch, rows)
         args = (batch["input_ids"],) if 0 in self.ids else ()
         target = batch["labels"] if self.head is not None else None
-        self._sums = []
-        device = self.d.device.type
-        with torch.autocast(device, dtype=amp, enabled=amp is not None):
-            (schedule.step if train else schedule.eval)(*args, target=target)
-        self._count_activations(rows, train)
-        # the schedule's first step (and the first after a switch between training and eval)
-        # infers the stages' shapes with a forward of its own: its loss is not this batch's
-        sums = self._sums[-self.n_micro:]
+        self._sums, self._divisor = [], divisor
+        with torch.autocast(self.d.device.type, dtype=amp, enabled=amp is not None):
+            schedule.step(*args, target=target)
+        self._count_activations(rows, train=True)
+        # the schedule's first step infers the stages' shapes with a forward of its own: its
+        # loss is not this batch's
+        return self._summed(self._sums[-self.n_micro:])
+
+    def _summed(self, sums: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(sums).sum() if sums else torch.zeros(
             (), dtype=torch.float32, device=self.d.device)
 
-    def forward_backward(self, batch: dict[str, torch.Tensor], divisor: float,
-                         amp) -> torch.Tensor:
-        """One training micro-batch through the pipeline; its summed loss (0 off the last
-        stage), gradients accumulated on this rank's stages."""
-        self._divisor = divisor
-        return self._run(batch, train=True, amp=amp)
+    def _forward_only(self, batch: dict[str, torch.Tensor], amp) -> torch.Tensor:
+        """A whole batch through the stages in order, activations sent point to point (the
+        runtime schedules keep backward actions even in eval, which the zero-bubble ones
+        cannot skip); the summed loss on the last stage's rank, 0 elsewhere."""
+        shape = (*batch["input_ids"].shape, self.hidden)
+        modules = dict(zip(self.ids, self.stage_modules))
+        hidden, sums = None, []
+        for s in range(self.num_stages):
+            if self.rank_of[s] != self.d.rank:
+                continue
+            if s == 0:
+                hidden = batch["input_ids"]
+            elif self.rank_of[s - 1] != self.d.rank:
+                hidden = torch.empty(shape, dtype=self.act_dtype, device=self.d.device)
+                dist.recv(hidden, src=self.rank_of[s - 1])
+            with torch.autocast(self.d.device.type, dtype=amp, enabled=amp is not None):
+                hidden = modules[s](hidden)
+            if s + 1 < self.num_stages and self.rank_of[s + 1] != self.d.rank:
+                dist.send(hidden.to(self.act_dtype).contiguous(), dst=self.rank_of[s + 1])
+            if s == self.num_stages - 1:
+                self._divisor, self._sums = 1.0, []
+                self._loss(hidden, batch["labels"])
+                sums = self._sums
+        return self._summed(sums)
 
     def _count_activations(self, rows: int, train: bool) -> None:
         """Bytes this rank sends: activations to the next stage (forward) and their
@@ -187,7 +210,6 @@ class PipelineStrategy(Strategy):
         """Every rank runs every eval batch through the pipeline (forward only); the last
         stage's summed loss and target count are shared."""
         self.module.eval()
-        self._divisor = 1.0
         starts = list(range(0, len(dataset), batch_size))[:max_batches or None]
         loss_sum, tokens = 0.0, 0
         with self.meter.pause():
@@ -196,7 +218,7 @@ class PipelineStrategy(Strategy):
                 batch = collate(rows, pad_id)
                 padded = {k: v.to(self.d.device) for k, v in
                           self._padded(batch, batch_size).items()}
-                loss_sum += float(self._run(padded, train=False, amp=amp))
+                loss_sum += float(self._forward_only(padded, amp))
                 if self.head is not None:
                     tokens += count_targets(batch)
         loss_sum, tokens = all_reduce_sum(loss_sum, self.d), int(all_reduce_sum(tokens, self.d))
