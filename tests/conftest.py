@@ -115,6 +115,24 @@ def run_cli(project: Path, *args: str, check: bool = False,
     return proc
 
 
+def stages_here(project: Path, *names: str, params: str = "params/default.yaml") -> None:
+    """Run stages as `finetune stage NAME` does, minus the CLI process: the same stage
+    functions (tasks.stage_function) from the project folder, seconds faster per stage.
+    For tests where no process boundary is under test (train still launches torchrun)."""
+    from finetune.workspace import Workspace
+    from tasks import stage_function
+
+    here = os.getcwd()
+    os.chdir(project)
+    sys.path.insert(0, str(project))
+    try:
+        for name in names:
+            stage_function(name)(Workspace.load(project / params))
+    finally:
+        sys.path.remove(str(project))
+        os.chdir(here)
+
+
 def error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
     """The CLI's contract for bad input: exit 2 (`code`: other failures) and exactly one
     `error:` line, no traceback."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_project, error_line, run_cli, write_params
+from conftest import ROOT, copy_project, error_line, run_cli, stages_here, write_params
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from tasks.chat import IGNORE_INDEX, assistant_spans, encode_chat_batch, normalise
@@ -126,8 +126,7 @@ def test_a_chat_dataset_runs_through_all_six_stages(tmp_path):
                            "data.completion_template": None, "data.chat_template": PLAIN,
                            "data.system_prompt": "You add numbers.",
                            "data.split_ratio": 0.8})
-    for stage in ("download", "format", "tokenize", "train", "evaluate", "export"):
-        run_cli(project, "stage", stage, check=True)
+    stages_here(project, "download", "format", "tokenize", "train", "evaluate", "export")
     import pandas as pd
 
     test = pd.read_parquet(project / "data/formatted/test.parquet")

@@ -11,7 +11,7 @@ import pytest
 
 from finetune.config.schema import FinetuneConfig
 from tasks.metrics import classification_metrics
-from conftest import copy_project, error_line, run_cli, write_params
+from conftest import copy_project, error_line, run_cli, stages_here, write_params
 
 WORDS = {"positive": "good", "negative": "bad"}
 
@@ -95,8 +95,7 @@ def test_a_classification_dataset_runs_through_all_six_stages(tmp_path):
                            "training.max_steps": 40, "optimizer.learning_rate": 0.01,
                            "eval.generation_metrics": [],
                            "registry.gate_metric": "eval.accuracy"})
-    for stage in ("download", "format", "tokenize", "train", "evaluate", "export"):
-        run_cli(project, "stage", stage, check=True)
+    stages_here(project, "download", "format", "tokenize", "train", "evaluate", "export")
     names = json.loads((project / "data/formatted/labels.json").read_text())
     assert names == ["negative", "positive"]  # sorted distinct labels of the train split
     test = pd.read_parquet(project / "data/formatted/test.parquet")

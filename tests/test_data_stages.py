@@ -13,7 +13,7 @@ from tasks.download import download
 from tasks.format import format_prompts
 from tasks.tokenize import IGNORE_INDEX, tokenize
 
-from conftest import ROOT, copy_project, error_line, run_cli, write_params
+from conftest import ROOT, copy_project, error_line, run_cli, stages_here, write_params
 
 
 def ws_for(project, overrides=None):
@@ -272,8 +272,8 @@ def test_the_seed_004_alpaca_example_runs_as_written(tmp_path):
                            "eval.generation_max_new_tokens": 8,
                            "distributed.threads_per_process": 1},
                  name="params/alpaca-seed004.yaml")
-    for stage in ("download", "format", "tokenize", "train", "evaluate"):
-        run_cli(project, "stage", stage, "-p", "params/alpaca-seed004.yaml", check=True)
+    stages_here(project, "download", "format", "tokenize", "train", "evaluate",
+                params="params/alpaca-seed004.yaml")
     train = pd.read_parquet(project / "data/formatted/train.parquet")
     test = pd.read_parquet(project / "data/formatted/test.parquet")
     assert (len(train), len(test)) == (32, 8)  # split_ratio 0.8: the train fraction

@@ -8,7 +8,7 @@ import pytest
 
 from finetune.config.data import DataConfig
 from tasks.tracking import data_hashes
-from conftest import copy_project, error_line, run_cli, write_params
+from conftest import copy_project, error_line, run_cli, stages_here, write_params
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n"
                  "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
@@ -52,8 +52,7 @@ def test_mixture_config_errors_name_the_source():
 
 def test_a_two_source_mixture_runs_through_all_six_stages(tmp_path):
     project = copy_project(tmp_path / "p", MIXTURE)
-    for stage in ("download", "format", "tokenize", "train", "evaluate", "export"):
-        run_cli(project, "stage", stage, check=True)
+    stages_here(project, "download", "format", "tokenize", "train", "evaluate", "export")
     stats = json.loads((project / "data/metrics/tokenize.json").read_text())
     qa, chat = stats["sources"]["qa"], stats["sources"]["chat"]
     assert qa["train"]["rows"] + qa["train"]["dropped_rows"] == 30
