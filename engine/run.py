@@ -39,6 +39,7 @@ from engine.optim import build_scheduler
 from engine.optim_in_backward import OptimizerInBackward
 from engine.packing import prepare_batch_layout
 from engine.progress import Progress
+from engine.quantization import convert_to_fp8, prepare_qat
 from engine.reporters import Console, build_reporters
 from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
                             autocast_dtype, check_cuda_only, compile_stats, configure_torch,
@@ -162,7 +163,13 @@ class TrainingRun:
         cfg, d = self.cfg, self.dist
         base = load_base_model(cfg.model, self.paths.project_root, labels=self.labels)
         enable_gradient_checkpointing(base, cfg.training)
-        model = apply_peft(base, cfg.peft).to(d.device)
+        model = apply_peft(base, cfg.peft)
+        t = cfg.training
+        if t.qat_recipe:  # around the frozen layers, inside the adapters
+            prepare_qat(model, t.qat_recipe, t.qat_group_size, self.log)
+        model = model.to(d.device)
+        if t.fp8_recipe:
+            convert_to_fp8(model, t.fp8_recipe, t.fp8_dim_alignment, d.device, self.log)
         self.trainable, self.total = count_parameters(model)
         fast_linears = use_fast_bf16_cpu_kernels(model, d.device, self.amp, cfg.distributed)
         if fast_linears:

@@ -22,6 +22,7 @@ from engine.generation import encode_prompts, greedy_generate
 from engine.loss import class_loss_sum
 from engine.model import (load_base_model, load_tokenizer, load_trained, max_positions,
                           read_labels)
+from engine.quantization import quantized_copy
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -66,6 +67,11 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     tuned_model = load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained, base=base_model)
     tuned_loss = evaluate_loss(tuned_model, *args)
     results["finetuned"] = _loss_entry(tuned_loss)
+    t = cfg.training
+    if t.qat_recipe:  # the quantised model the export ships (engine.quantization)
+        quantized, _ = quantized_copy(tuned_model, t.qat_recipe, t.qat_group_size)
+        results["quantized"] = _loss_entry(evaluate_loss(quantized, *args))
+        del quantized
     if rows is not None:
         generations["finetuned"] = _generate(ws, tuned_model, tok, rows)
         references = rows["completion"].tolist()
@@ -105,13 +111,14 @@ def _evaluate_classifier(ws: Workspace, test, tok, labels: list[str]) -> dict[st
 
 def _write(ws: Workspace, metrics: dict, samples: list[dict]) -> dict[str, Path]:
     """The metrics file, the samples table, and both into the training's MLflow run."""
-    results = {k: v for k, v in metrics.items() if k in ("base", "finetuned")}
+    results = {k: v for k, v in metrics.items() if k in ("base", "finetuned", "quantized")}
     samples_path = write_json_atomic(ws.layout.eval_samples, samples)
     path = write_json_atomic(ws.layout.metrics / "eval.json", metrics)
     run_id = tracking.run_id_of(ws)
     if run_id:
         flat = {f"eval.{k}": v for k, v in results["finetuned"].items()}
         flat.update({f"eval.base_{k}": v for k, v in results["base"].items()})
+        flat.update({f"eval.quantized_{k}": v for k, v in results.get("quantized", {}).items()})
         tracking.log_metrics(ws, run_id, flat)
         if samples:
             tracking.client(ws).log_table(run_id, pd.DataFrame(samples), "eval/samples.json")

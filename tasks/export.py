@@ -17,12 +17,14 @@ import yaml
 
 from engine.model import (load_tokenizer, load_trained, read_labels, resolve_model_ref,
                           write_labels)
+from engine.quantization import quantized_copy, save_quantized
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
 from tasks import registry, tracking
 
 ADAPTER_DIR = "adapter"
+QUANTIZED_DIR = "quantized"  # training.qat_recipe: the converted model
 #: the params the model card records: what made the model and its export. dvc.yaml lists each
 #: of them for the export stage, so a change to any of them rewrites the card.
 CARD_SECTIONS = ("model", "peft", "data", "training", "optimizer", "scheduler", "distributed",
@@ -54,6 +56,13 @@ def export(ws: Workspace) -> dict[str, Path]:
         if cfg.peft.use_peft and cfg.export.save_adapter and merge:
             shutil.copytree(ws.layout.trained, staging / ADAPTER_DIR)
         (staging / "README.md").write_text(model_card(ws, metrics, lineage, run_id))
+        t = cfg.training
+        if t.qat_recipe:  # next to the normal folder: the QAT model, converted
+            quantized, skipped = quantized_copy(saved if merge else model, t.qat_recipe,
+                                                t.qat_group_size)
+            save_quantized(quantized, staging / QUANTIZED_DIR, t.qat_recipe, t.qat_group_size,
+                           skipped)
+            del quantized
     record = {"registered": False, "reason": "registry.register_model is false"}
     if run_id:
         tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), **lineage})

@@ -31,6 +31,7 @@ def preflight(ws: Workspace) -> None:
     from engine.distributed import choose_device
     from engine.model import check_quantization, model_class
     from engine.optim import optimizer_class, scheduler_factory
+    from engine.quantization import check_low_precision
     from engine.run import trainer_class  # imported there: the registry knows sft
     from engine.runtime import autocast_dtype, check_cuda_only, check_sdpa_backends
 
@@ -50,6 +51,7 @@ def preflight(ws: Workspace) -> None:
     autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
     check_sdpa_backends(cfg.training, device)
     check_cuda_only(cfg.training, device)
+    check_low_precision(cfg.training, device)
     if "wandb" in cfg.logging.report_to:
         wandb_module()
     if cfg.distributed.backend == "nccl" and not cuda:

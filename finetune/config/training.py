@@ -147,6 +147,31 @@ class TrainingConfig(Section):
     use_cpu: bool = Field(
         False, description="HF's name (seeds 002/004) for device: cpu."
     )
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
+        None,
+        description="Train the linear layers in fp8 (torchao Float8Linear, this scaling "
+        "recipe): CUDA GPUs of compute capability >= 8.9 only, refused with one line "
+        "elsewhere. Not with qat_recipe.",
+    )
+    fp8_dim_alignment: int = Field(
+        16, gt=0,
+        description="fp8 converts only linear layers whose input and output sizes are "
+        "multiples of this (the fp8 GEMMs' requirement); the others are listed and stay.",
+    )
+    qat_recipe: Literal["int8-dynamic-act-int4-weight", "int4-weight-only",
+                        "float8-dynamic-act-float8-weight"] | None = Field(
+        None,
+        description="Quantisation-aware training (torchao): fake-quantised linear layers in "
+        "training; the export stage writes the converted model to data/export/quantized and "
+        "the evaluate stage reports its loss. int8-dynamic-act-int4-weight converts on CPU, "
+        "the others need a CUDA GPU (refused with one line before training). Not with "
+        "fp8_recipe.",
+    )
+    qat_group_size: int = Field(
+        32, gt=0,
+        description="Weights per quantisation group (int4 recipes); layers whose input size "
+        "it does not divide stay in full precision and are listed.",
+    )
     enable_activation_offloading: bool = Field(
         False,
         description="Keep the activations saved for backward in host memory (pinned) instead of "
@@ -236,6 +261,14 @@ class TrainingConfig(Section):
                                                  or self.dataloader_persistent_workers):
             raise ValueError("dataloader_prefetch_factor / dataloader_persistent_workers need "
                              "dataloader_num_workers > 0")
+        return self
+
+    @model_validator(mode="after")
+    def _one_low_precision(self) -> "TrainingConfig":
+        if self.fp8_recipe and self.qat_recipe:
+            raise ValueError(f"fp8_recipe {self.fp8_recipe} and qat_recipe {self.qat_recipe} "
+                             "are exclusive (fp8 trains in fp8; QAT simulates another format); "
+                             "set one")
         return self
 
     @property
