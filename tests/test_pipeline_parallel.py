@@ -28,10 +28,20 @@ def single(tokenized, tmp_path_factory):
     return project
 
 
-@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
-def test_pipeline_trains_like_one_process(tokenized, single, tmp_path, schedule):
-    run, proc = train_copy(tokenized, tmp_path / "pp", {
-        **PIPE, "distributed.pipeline.schedule": schedule})
+@pytest.fixture(scope="module")
+def one_f_one_b(tokenized, tmp_path_factory):
+    """The 1F1B run: compared with one process below, and the uninterrupted run the SIGKILL
+    test's resume must reproduce."""
+    return train_copy(tokenized, tmp_path_factory.mktemp("1f1b") / "p", {
+        **PIPE, "distributed.pipeline.schedule": "1F1B"})
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
+def test_pipeline_trains_like_one_process(tokenized, single, one_f_one_b, tmp_path, schedule):
+    """GPipe and 1F1B: one stage per rank; ZBVZeroBubble: 2 stages per rank in a V, the
+    zero-bubble split backward."""
+    run, proc = one_f_one_b if schedule == "1F1B" else train_copy(
+        tokenized, tmp_path / "pp", {**PIPE, "distributed.pipeline.schedule": schedule})
     stages = 2 if schedule in ("GPipe", "1F1B") else 4  # multi-stage: 2 per rank
     assert f"pipeline {schedule}: {stages} stages" in proc.stdout
     assert losses(run) == pytest.approx(losses(single), abs=1e-5)
@@ -45,9 +55,9 @@ def test_pipeline_trains_like_one_process(tokenized, single, tmp_path, schedule)
     assert m["num_input_tokens_seen"] == train_metrics(single)["num_input_tokens_seen"]
 
 
-def test_pipeline_resumes_bitwise_after_sigkill(tokenized, tmp_path):
+def test_pipeline_resumes_bitwise_after_sigkill(tokenized, one_f_one_b, tmp_path):
     _, _, stdout = interrupt_then_resume(tokenized, tmp_path, {
-        **PIPE, "distributed.pipeline.schedule": "1F1B"})
+        **PIPE, "distributed.pipeline.schedule": "1F1B"}, full=one_f_one_b[0])
     assert "at step 5" in stdout
 
 
