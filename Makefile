@@ -33,9 +33,10 @@ stack: setup
 	finetune-stack
 
 # Test files run side by side on the cores (pytest-xdist; a whole file per worker, so module
-# fixtures are built once); test runs use one torch thread per process (tests/conftest.py).
+# fixtures are built once), the longest first (tests/conftest.py LONGEST_FIRST); test runs
+# use one torch thread per process (tests/conftest.py).
 test: setup
-	$(PY) -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean-outputs:
 	rm -rf data/raw data/formatted data/tokenized data/trained data/checkpoints data/export
