@@ -18,7 +18,8 @@ from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import (CLASSIFICATION_GATES, EvalConfig, ExportConfig,
                                      RegistryConfig)
-from finetune.config.pipeline import ZERO_BUBBLE
+from finetune.config.cross_checks import check_diloco, check_pipeline, check_streaming
+from finetune.config.reporting import LoggingConfig
 from finetune.config.section import Section
 from finetune.config.training import TrainingConfig
 
@@ -267,91 +268,6 @@ class CheckpointConfig(Section):
         return bool(self.greater_is_better)
 
 
-class LoggingConfig(Section):
-    """Where metrics go: stdout, MLflow (SQLite in the project by default), DVC plots."""
-
-    logging_steps: int = Field(
-        10, ge=0, description="Log every N optimizer steps; 0: no periodic rows (the seeds' '0 "
-        "disables'), only the final step's, which carries the run's train_loss.")
-    logging_first_step: bool = Field(True, description="Also log step 1.")
-    logging_strategy: Literal["no", "steps", "epoch"] = Field(
-        "steps",
-        description="When a training row is logged: every logging_steps, at each epoch end, or "
-        "no periodic rows (the final step's row, which carries train_loss, is always logged).",
-    )
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
-        "info",
-        description="Our [train] lines and metric rows print at info; warning or error keeps "
-        "them off stdout (the files and trackers still get every row). transformers' "
-        "verbosity follows at debug (its info), warning and error.",
-    )
-    log_on_each_node: bool = Field(
-        True,
-        description="Multi-node runs: each node's local rank 0 also prints the logged rows "
-        "on its own stdout, prefixed [train node N] (HF's name and default); false: node 0 "
-        "alone. Files and trackers are written by node 0 either way.",
-    )
-    run_name: str | None = Field(
-        None, description="The MLflow run's name (seed 003's run name; None: MLflow draws one)."
-    )
-    report_to: list[Literal["mlflow", "jsonl", "tensorboard", "wandb"]] = Field(
-        default_factory=lambda: ["mlflow", "jsonl"],
-        validation_alias=AliasChoices("report_to", "log_with"),
-        description="Reporters besides stdout and the DVC plots CSVs (always on); one name or "
-        "a list, 'none' for none (alias log_with, the seeds' name). wandb: the W&B run gets "
-        "every row through the stage's relay, as MLflow does; W&B's environment applies "
-        "(WANDB_MODE=offline writes it under logging_dir/wandb without network).",
-    )
-    wandb_project: str | None = Field(
-        None, description="The W&B project (None: experiment_name)."
-    )
-    logging_dir: str = Field(
-        "data/logs", description="Where jsonl (train_log.jsonl) and tensorboard logs go."
-    )
-    disable_tqdm: bool | None = Field(
-        None, description="Progress bar off (true) / on (false); None: on only on a terminal."
-    )
-    progress_bar: Literal["tqdm", "rich"] = Field("tqdm", description="Progress bar library.")
-    callbacks: list[str | dict[str, Any]] = Field(
-        default_factory=list,
-        description="Your callbacks: 'module:Class', or {class: 'module:Class', kwargs: {...}} "
-        "(see engine/callbacks.py for the hooks and the control object).",
-    )
-    restore_callback_states_from_checkpoint: bool = Field(
-        False,
-        description="On resume, give callbacks with load_state_dict the state they had in the "
-        "checkpoint (HF's name); their states are saved in every checkpoint either way.",
-    )
-    include_num_input_tokens_seen: bool = Field(
-        True, description="Count and log input tokens seen (num_input_tokens_seen)."
-    )
-    mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow store; default sqlite:///<project>/mlflow.db."
-    )
-    experiment_name: str = Field("finetune", description="MLflow experiment.")
-
-    @field_validator("report_to", mode="before")
-    @classmethod
-    def _one_or_none(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [] if value == "none" else [value]
-        return value
-
-    @field_validator("callbacks")
-    @classmethod
-    def _callback_specs(cls, specs: list) -> list:
-        return [_check_callback_spec(s) for s in specs]
-
-
-def _check_callback_spec(spec: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(spec, dict):
-        unknown = set(spec) - {"class", "kwargs"}
-        if "class" not in spec or unknown or not isinstance(spec.get("kwargs", {}), dict):
-            raise ValueError("a callback mapping is {class: 'module:Class', kwargs: {...}} "
-                             f"(got keys {sorted(spec)})")
-    return spec
-
-
 class FinetuneConfig(Section):
     """A whole params file."""
 
@@ -402,7 +318,7 @@ class FinetuneConfig(Section):
                     f"world size {world} = {derived}"
                 )
         if self.distributed.strategy == "diloco":
-            self._check_diloco()
+            check_diloco(self)
         if t.mixed_precision == "fp16" and self.distributed.shards_with_fsdp:
             raise ValueError(
                 "training.mixed_precision: fp16 with FSDP2 sharding needs a sharded GradScaler, "
@@ -420,7 +336,7 @@ class FinetuneConfig(Section):
                 "data.collate_fn does not combine with training.packing or padding_free (their "
                 "batches are built by the trainer's own packing collators); drop one of them")
         if self.distributed.strategy == "pipeline":
-            self._check_pipeline()
+            check_pipeline(self)
         if self.checkpoint.save_on_each_node and self.distributed.shards_with_fsdp:
             raise ValueError(
                 "checkpoint.save_on_each_node needs each node to hold the whole training state, "
@@ -430,41 +346,11 @@ class FinetuneConfig(Section):
         self._check_best_model()
         self._check_resume_ignore_changes()
         if self.data.streaming:
-            self._check_streaming()
+            check_streaming(self)
         elif t.epoch_train_steps is not None:
             raise ValueError("training.epoch_train_steps sizes a streamed split's epoch; a stored "
                              "split knows its length (set data.streaming: true, or drop it)")
         return self
-
-    def _check_pipeline(self) -> None:
-        """Seed 002's pipeline rules, and what a pipeline's fixed-shape stages cannot take."""
-        t, pp = self.training, self.distributed.pipeline
-        n = pp.microbatches(self.distributed.world_size)
-        for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-            if getattr(t, key) % n:
-                raise ValueError(f"distributed.pipeline: training.{key} {getattr(t, key)} does "
-                                 f"not divide into n_microbatches {n}")
-        refused = (
-            ("training.dataloader_drop_last", not t.dataloader_drop_last,
-             "every pipeline step needs whole batches"),
-            ("training.mixed_precision", t.mixed_precision == "fp16",
-             "fp16's loss scaling does not run through the pipeline schedules; use bf16"),
-            ("training.torch_compile", t.torch_compile and pp.schedule in ZERO_BUBBLE,
-             "zero-bubble schedules split the backward, which compiled stages cannot"),
-            ("training.packing", t.packing, "stages pass fixed-shape activations"),
-            ("training.padding_free", t.padding_free, "stages pass fixed-shape activations"),
-            ("data.collate_fn", bool(self.data.collate_fn),
-             "the pipeline pads every batch to data.max_seq_length itself"),
-            ("data.dataset_type", self.data.dataset_type == "classification",
-             "the stages are a causal LM's decoder layers and head"),
-            ("data.streaming", self.data.streaming, "not supported with pipeline stages yet"),
-        )
-        for key, hit, why in refused:
-            if hit:
-                section, name = key.split(".")
-                value = getattr(getattr(self, section), name)
-                raise ValueError(f"distributed.strategy pipeline does not combine with {key}: "
-                                 f"{value} ({why})")
 
     def _check_resume_ignore_changes(self) -> None:
         from finetune.config.fingerprint import CONTENT_KEYS, config_part
@@ -518,31 +404,6 @@ class FinetuneConfig(Section):
             raise ValueError("training.loss_chunk_tokens chunks a vocabulary head; a classifier "
                              "has none: remove it for data.dataset_type classification")
 
-    def _check_streaming(self) -> None:
-        """A stream has no length and cannot be indexed: what needs either is refused, unless
-        training.epoch_train_steps gives it a nominal epoch."""
-        t = self.training
-        nominal = t.epoch_train_steps is not None
-        if t.max_steps <= 0 and not nominal:
-            raise ValueError("data.streaming: a stream has no length, so epochs cannot size the "
-                             "run; set training.max_steps > 0 (or training.epoch_train_steps)")
-        refused = (
-            ("training.group_by_length", t.group_by_length, "needs every example's length"),
-            ("training.dataloader_num_workers", t.dataloader_num_workers,
-             "streamed batches are built in the main process"),
-            ("training.dataloader_drop_last", not t.dataloader_drop_last,
-             "false refills from the epoch start, which a stream cannot revisit"),
-            ("eval.eval_strategy", self.eval.eval_strategy == "epoch" and not nominal,
-             "epoch ends are unknown; set training.epoch_train_steps"),
-            ("checkpoint.save_strategy", self.checkpoint.save_strategy == "epoch" and not nominal,
-             "epoch ends are unknown; set training.epoch_train_steps"),
-        )
-        for key, hit, why in refused:
-            if hit:
-                section, name = key.split(".")
-                value = getattr(getattr(self, section), name)
-                raise ValueError(f"data.streaming does not combine with {key}: {value} ({why})")
-
     def _check_best_model(self) -> None:
         """HF's rules: the best model needs an eval at every checkpoint it could be."""
         c, e = self.checkpoint, self.eval
@@ -570,47 +431,6 @@ class FinetuneConfig(Section):
                     f"checkpoint.load_best_model_at_end: save_steps {c.save_steps} must be a "
                     f"multiple of eval.eval_steps {e.eval_steps} (or set eval.eval_on_save)"
                 )
-
-    def _check_diloco(self) -> None:
-        """H = distributed.diloco.inner_steps; a worker trains H x diloco_loops steps, which
-        training.max_steps may state too (it keeps its one meaning). Evaluation and
-        checkpoints happen at sync points, where every worker holds the global model."""
-        diloco = self.distributed.diloco
-        h, total = diloco.inner_steps, diloco.inner_steps * diloco.diloco_loops
-        if self.training.max_steps > 0 and self.training.max_steps != total:
-            raise ValueError(
-                f"training.max_steps {self.training.max_steps} != distributed.diloco.inner_steps "
-                f"{h} x diloco_loops {diloco.diloco_loops} = {total} (a worker's total optimizer "
-                "steps); fix one of them, or set training.max_steps: -1"
-            )
-        for key, value in (("eval.eval_strategy", self.eval.eval_strategy),
-                           ("checkpoint.save_strategy", self.checkpoint.save_strategy)):
-            if value == "epoch":
-                raise ValueError(f"{key} epoch is not supported under diloco (epoch ends are "
-                                 "not sync points); use steps with a multiple of H")
-        if self.eval.eval_strategy == "steps" and self.eval.eval_steps % h:
-            raise ValueError(
-                f"eval.eval_steps {self.eval.eval_steps} must be a multiple of "
-                f"distributed.diloco.inner_steps {h} under diloco (evaluate the global model, "
-                "at an outer-loop end)"
-            )
-        if self.checkpoint.save_strategy == "steps" and self.checkpoint.save_steps % h:
-            raise ValueError(
-                f"checkpoint.save_steps {self.checkpoint.save_steps} must be a multiple of "
-                f"distributed.diloco.inner_steps {h} under diloco (checkpoints are taken at "
-                "sync points)"
-            )
-        start = diloco.local_sgd_start_step
-        if start % h:
-            raise ValueError(
-                f"distributed.diloco.local_sgd_start_step {start} must be a multiple of "
-                f"distributed.diloco.inner_steps {h} (outer syncs fall on multiples of H)"
-            )
-        if start >= total:
-            raise ValueError(
-                f"distributed.diloco.local_sgd_start_step {start} >= total steps {total}: "
-                "the run would never go local"
-            )
 
     @property
     def total_steps_hint(self) -> int | None:
