@@ -119,31 +119,33 @@ def _key(index: int, callback: Any) -> str:
     return f"{index}:{type(callback).__qualname__}"
 
 
+def _build(spec: str | dict, build):
+    """The class a logging.callbacks entry names, passed with its kwargs to `build`; one line
+    when the kwargs do not fit or the result has none of the hooks."""
+    ref, kwargs = (spec, {}) if isinstance(spec, str) else (spec["class"], spec.get("kwargs", {}))
+    klass = load_object(ref, "logging.callbacks")
+    try:
+        built = build(klass, kwargs)
+    except TypeError as exc:
+        raise PipelineError(f"logging.callbacks: '{ref}' cannot be built with kwargs "
+                            f"{kwargs} ({exc})") from None
+    if not any(callable(getattr(built, hook, None)) for hook in HOOKS):
+        raise PipelineError(f"logging.callbacks: '{ref}' has none of the hooks {', '.join(HOOKS)}")
+    return built
+
+
 def check_user_callback(spec: str | dict) -> None:
     """Before launch: the class exists, takes these kwargs and has a hook (nothing built)."""
     import inspect
 
-    ref, kwargs = (spec, {}) if isinstance(spec, str) else (spec["class"], spec.get("kwargs", {}))
-    klass = load_object(ref, "logging.callbacks")
-    try:
-        inspect.signature(klass).bind(**kwargs)
-    except TypeError as exc:
-        raise PipelineError(f"logging.callbacks: '{ref}' cannot be built with kwargs "
-                            f"{kwargs} ({exc})") from None
-    if not any(callable(getattr(klass, hook, None)) for hook in HOOKS):
-        raise PipelineError(f"logging.callbacks: '{ref}' has none of the hooks {', '.join(HOOKS)}")
+    def bind_only(klass, kwargs):
+        inspect.signature(klass).bind(**kwargs)  # TypeError when the kwargs do not fit
+        return klass
+
+    _build(spec, bind_only)
 
 
 def load_user_callback(spec: str | dict):
     """'module:Class', or {class: 'module:Class', kwargs: {...}} -> an instance (what
     logging.callbacks names)."""
-    ref, kwargs = (spec, {}) if isinstance(spec, str) else (spec["class"], spec.get("kwargs", {}))
-    klass = load_object(ref, "logging.callbacks")
-    try:
-        callback = klass(**kwargs)
-    except TypeError as exc:
-        raise PipelineError(f"logging.callbacks: '{ref}' cannot be built with kwargs "
-                            f"{kwargs} ({exc})") from None
-    if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
-        raise PipelineError(f"logging.callbacks: '{ref}' has none of the hooks {', '.join(HOOKS)}")
-    return callback
+    return _build(spec, lambda klass, kwargs: klass(**kwargs))

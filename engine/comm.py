@@ -38,15 +38,11 @@ class CommMeter:
             self.paused = False
 
     def add(self, kind: str, tensor: torch.Tensor) -> None:
-        if self.paused:
-            return
-        n = tensor.numel() * tensor.element_size()
-        self.by_kind[kind] += n
-        self.total += n
+        self.add_bytes(kind, tensor.numel() * tensor.element_size())
 
     def add_bytes(self, kind: str, n: int) -> None:
-        """Bytes sent by point-to-point transfers the meter does not see as one tensor
-        (pipeline stages' activations)."""
+        """Bytes, counted by size (pipeline activations are sent inside torch's schedules,
+        where the meter does not see the tensors)."""
         if self.paused:
             return
         self.by_kind[kind] += n

@@ -27,8 +27,6 @@ from torch import nn
 
 from finetune.errors import PipelineError
 
-QAT_RECIPES = ("int8-dynamic-act-int4-weight", "int4-weight-only",
-               "float8-dynamic-act-float8-weight")
 #: recipes whose converted (real low-bit) kernels exist on CPU; the others need a CUDA GPU
 CPU_CONVERTIBLE = ("int8-dynamic-act-int4-weight",)
 INFO = "quantization.json"

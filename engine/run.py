@@ -192,10 +192,9 @@ class TrainingRun:
         for the confirmation too, on the file rather than in a collective, so none sits out
         distributed.ddp_timeout while the launcher runs its checks."""
         relay = self.go()
-        if self.node_group is not None and self.dist.leads_another_node and (
-                self.start.set_aside or self.start.newer_than is not None):
-            trainer_state.set_aside(self)  # this node's own earlier checkpoints
         if not self.dist.is_main:
+            if self.writes_checkpoint_meta and self.start.moves_checkpoints:
+                trainer_state.set_aside(self)  # save_on_each_node: this node's own folder
             log_cfg = self.cfg.logging
             if (log_cfg.log_on_each_node and self.dist.leads_another_node
                     and log_cfg.log_level in ("debug", "info")):
@@ -206,7 +205,7 @@ class TrainingRun:
                                          self.paths.project_root, relay, self.history)
         if self.callback_states and self.cfg.logging.restore_callback_states_from_checkpoint:
             self.reporters.load_state_dicts(self.callback_states)
-        if self.start.set_aside or self.start.newer_than is not None:
+        if self.start.moves_checkpoints:
             trainer_state.set_aside(self)
         per_epoch = f"{self.steps_per_epoch}/epoch" if self.steps_per_epoch else "streamed"
         self.log(f"[train] {self.trainable:,} trainable / {self.total:,} params; "

@@ -10,7 +10,7 @@ so a refusal comes before any process writes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,7 +42,7 @@ def save(run, evaluated: dict) -> Path:
     meta = {**run.progress.position(), "world_size": dist_cfg.world_size,
             "strategy": dist_cfg.resolved_strategy, "seed": run.cfg.training.seed,
             **evaluated,
-            # only the main rank writes meta.json
+            # only a rank that writes meta.json needs it (hashing is not free)
             "fingerprint": run.fingerprint() if run.writes_checkpoint_meta else None}
     path = ckpt.save(run.paths.checkpoints, run.progress.step,
                      run.strategy.dcp_state(run.optimizer), trainer_state, meta,
@@ -96,6 +96,11 @@ class Start:
     #: the same name in its own folder)
     in_folder: bool = True
 
+    @property
+    def moves_checkpoints(self) -> bool:
+        """Do checkpoints leave the folder before this run writes (set_aside)?"""
+        return self.set_aside or self.newer_than is not None
+
 
 def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
                ckpt_cfg: CheckpointConfig, dist_cfg: DistributedConfig,
@@ -141,11 +146,16 @@ def _changed(meta: dict, fingerprint, ckpt_cfg: CheckpointConfig) -> dict[str, A
             if k not in ckpt_cfg.resume_ignore_changes}
 
 
+def named_checkpoint(value: str, root: Path | None) -> Path:
+    """resume_from_checkpoint's path: absolute, or relative to the project root."""
+    given = Path(value).expanduser()
+    return given if given.is_absolute() or root is None else root / given
+
+
 def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
                     dist_cfg: DistributedConfig, root: Path | None, existing: bool) -> Start:
     """resume_from_checkpoint: <path> (seeds 000/002/004)."""
-    given = Path(ckpt_cfg.resume_from_checkpoint).expanduser()
-    path = given if given.is_absolute() or root is None else root / given
+    path = named_checkpoint(ckpt_cfg.resume_from_checkpoint, root)
     if not ckpt.is_valid(path):
         raise PipelineError(
             f"checkpoint.resume_from_checkpoint: {path} is not a complete checkpoint (missing, "
@@ -195,7 +205,7 @@ def _on_this_node(run, plan: Start) -> Start:
             f"checkpoint.save_on_each_node: node {run.dist.node_rank} has no complete copy of "
             f"{plan.resume.name} in {run.paths.checkpoints} (missing, half-written or failing "
             "its SHA-256 check); resume from a checkpoint every node kept, or start fresh")
-    return Start(local, plan.set_aside, plan.newer_than, plan.in_folder)
+    return replace(plan, resume=local)
 
 
 def load_best(run) -> int | None:

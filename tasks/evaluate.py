@@ -10,7 +10,6 @@ file (`dvc metrics diff`, `dvc exp show`), a samples table, and the training's M
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import pandas as pd

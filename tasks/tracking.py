@@ -183,5 +183,12 @@ def set_tags(ws: Workspace, run_id: str, tags: dict[str, str]) -> None:
     client(ws).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
+def run_tags(ws: Workspace, run_id: str) -> dict[str, str]:
+    """The lineage tags start_run gave the run (read back, not hashed again), without
+    MLflow's own `mlflow.*` tags."""
+    tags = client(ws).get_run(run_id).data.tags
+    return {k: v for k, v in tags.items() if not k.startswith("mlflow.")}
+
+
 def finish_run(ws: Workspace, run_id: str, status: str = "FINISHED") -> None:
     client(ws).set_terminated(run_id, status=status)

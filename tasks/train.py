@@ -115,13 +115,13 @@ def with_resolved_seed(ws: Workspace) -> Workspace:
 
 def _seed_of_resumed_checkpoint(ws: Workspace) -> int | None:
     from engine import checkpoint as ckpt
+    from engine.trainer_state import named_checkpoint
 
     mode = ws.config.checkpoint.resume_from_checkpoint
     if not mode:
         return None
     if isinstance(mode, str) and mode != "auto":
-        given = Path(mode).expanduser()
-        path = given if given.is_absolute() else ws.root / given
+        path = named_checkpoint(mode, ws.root)
     else:
         path = ckpt.latest(ws.layout.checkpoints)
     meta = ckpt.read_meta(path) if path is not None and path.is_dir() else None
@@ -158,7 +158,7 @@ def train(ws: Workspace) -> dict[str, Path]:
             if "mlflow" in ws.config.logging.report_to:
                 relays.append(tracking.step_logger(ws, run_id))
             if "wandb" in ws.config.logging.report_to:
-                wandb_run = WandbRun(ws, run_id, tracking.lineage_tags(ws))
+                wandb_run = WandbRun(ws, run_id, tracking.run_tags(ws, run_id))
                 relays.append(wandb_run.log)
             job.go(_fan_out(relays) if relays else None)
             job.wait()

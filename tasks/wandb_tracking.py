@@ -10,7 +10,6 @@ environment applies as usual: `WANDB_MODE=offline` writes the run under
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from finetune.errors import PipelineError
@@ -45,10 +44,6 @@ class WandbRun:
             settings=wandb.Settings(silent=True, console="off"),
         )
         self.run.config.update({"lineage": tags}, allow_val_change=True)
-
-    @property
-    def directory(self) -> Path:
-        return Path(self.run.dir).parent
 
     def log(self, row: dict[str, Any]) -> None:
         row = dict(row)

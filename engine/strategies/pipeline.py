@@ -12,8 +12,8 @@ export gathers the stages into one HF/PEFT folder.
 
 from __future__ import annotations
 
-import contextlib
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from engine.strategies.base import Strategy
 
 #: rows of the output layer applied at a time in the last stage's loss
 LOSS_CHUNK_ROWS = 4096
+#: fills the columns a batch is padded to max_seq_length with: after every real token, with
+#: label -100, so any id does (causal attention never looks ahead)
+PAD_ID = 0
 
 
 class PipelineStrategy(Strategy):
@@ -45,8 +48,6 @@ class PipelineStrategy(Strategy):
 
     def data_view(self, d: Dist) -> Dist:
         """The whole pipeline reads one stream of batches: data rank 0 of 1."""
-        from dataclasses import replace
-
         return replace(d, rank=0, world_size=1, local_world_size=1, main_rank=0)
 
     # -- building ------------------------------------------------------------------------
@@ -60,11 +61,10 @@ class PipelineStrategy(Strategy):
                                            pp.resolved_stage_type)}
         lm, inner = decoder_of(model)
         self.hidden = lm.config.hidden_size
-        self.act_dtype = inner.embed_tokens.weight.dtype
+        self.act_dtype = inner.embed_tokens.weight.dtype  # the residual stream's
         self.stage_modules, self.ranges = cut_stages(model, self.ids, self.num_stages)
         self.head = lm.lm_head if self.num_stages - 1 in self.ids else None
         self.n_micro = pp.microbatches(world)
-        self.pad_id = 0
         self._sums: list[torch.Tensor] = []
         self._divisor = 1.0
         self.schedules: dict[int, object] = {}  # rows per batch -> training schedule
@@ -112,7 +112,7 @@ class PipelineStrategy(Strategy):
         ids, labels = batch["input_ids"], batch["labels"]
         extra_rows, extra_cols = rows - ids.shape[0], length - ids.shape[1]
         pad = (0, extra_cols, 0, extra_rows)
-        return {"input_ids": torch.nn.functional.pad(ids, pad, value=self.pad_id),
+        return {"input_ids": torch.nn.functional.pad(ids, pad, value=PAD_ID),
                 "labels": torch.nn.functional.pad(labels, pad, value=IGNORE_INDEX)}
 
     def forward_backward(self, batch: dict[str, torch.Tensor], divisor: float,
@@ -165,7 +165,7 @@ class PipelineStrategy(Strategy):
         """Bytes this rank sends: activations to the next stage (forward) and their
         gradients to the previous one (backward), where those stages are on another rank."""
         per_micro = (rows // self.n_micro) * self.cfg.data.max_seq_length * self.hidden
-        size = per_micro * torch.tensor([], dtype=self.act_dtype).element_size()
+        size = per_micro * self.act_dtype.itemsize
         for s in self.ids:
             if s + 1 < self.num_stages and self.rank_of[s + 1] != self.d.rank:
                 self.meter.add_bytes("pp_activations", size * self.n_micro)
@@ -259,6 +259,3 @@ class PipelineStrategy(Strategy):
         self.module.save_pretrained(folder, safe_serialization=True)
         save_file({k: v.contiguous() for k, v in full.items()},
                   str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-
-    def sync_context(self, last_micro_batch: bool):
-        return contextlib.nullcontext()
