@@ -126,6 +126,21 @@ def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(
     assert "outer_step=1" in proc.stdout and "outer_step=2" not in proc.stdout
 
 
+def test_post_local_gradient_allreduce_on_one_node_is_ddp(tokenized, ddp_run, diloco_run,
+                                                          tmp_path):
+    """Hierarchical post-local SGD averages gradients within each node every step; on one node
+    that is every rank, so local steps + model averaging train exactly as DDP does (and the
+    plain local run, which ignores the key, does not)."""
+    params = {**H3, "distributed.diloco.post_local_gradient_allreduce": True}
+    project, proc = train_copy(tokenized, tmp_path / "hier", params)
+    assert losses(project) == pytest.approx(losses(ddp_run), abs=1e-5)
+    assert_weights_close(adapter(project), adapter(ddp_run))
+    assert losses(diloco_run)[1:] != pytest.approx(losses(ddp_run)[1:], abs=1e-5)
+    m, trainable = train_metrics(project), train_metrics(project)["trainable_params"]
+    assert m["comm_bytes_post_local_grad_all_reduce"] == 6 * trainable * 4
+    assert m["comm_bytes_diloco_pseudo_grad"] == 2 * trainable * 4
+
+
 def test_diloco_resumes_after_sigkill(tokenized, diloco_run, tmp_path):
     """Killed after the first outer loop's checkpoint, DiLoCo resumes bitwise (inner and
     outer optimizer state, the global copy)."""

@@ -8,7 +8,10 @@ outer SGD(lr=1) exactly a DDP step. Nothing else is communicated between syncs: 
 normalised by the worker's own tokens, so a slow link costs one all-reduce per H steps.
 
 Post-local SGD (Lin et al.) is the special case outer SGD(lr=1, momentum=0) with
-`local_sgd_start_step`: before it, gradients are averaged every step as in DDP.
+`local_sgd_start_step`: before it, gradients are averaged every step as in DDP. With
+`post_local_gradient_allreduce` the local phase is hierarchical (torch's PostLocalSGDState with
+its default intra-node subgroup): gradients are still averaged every step within each node,
+token-weighted over the node, and only the outer sync crosses nodes.
 
 With `fsdp_group_size` g > 1 a worker is g processes that shard its model with FSDP2
 (OpenDiLoCo's layout): a (workers x g) device mesh, FSDP2 over each row, and the pseudo-gradient
@@ -24,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import get_scheduler
 
 from engine.comm import all_reduce
+from engine.distributed import node_group
 from engine.strategies.base import Strategy
 
 OUTER_SCHEDULES = {"none": "constant", "cosine": "cosine", "linear": "linear",
@@ -72,6 +76,11 @@ class DiLoCoStrategy(Strategy):
             self.inner.wrap(model)
         self.eval_lockstep = self.inner.eval_lockstep
         self.model = model
+        # post_local_gradient_allreduce: the node's ranks (None: one node, the whole world)
+        self.node, self.node_size = None, 1
+        if c.post_local_gradient_allreduce:
+            self.node = node_group(self.d)  # collective: every rank creates every group
+            self.node_size = min(self.d.local_world_size, self.d.world_size)
         self.local = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.globals = _GlobalParams([(n, _local(p)) for n, p in self.local])
         klass = getattr(torch.optim, c.outer_optimizer)
@@ -95,6 +104,10 @@ class DiLoCoStrategy(Strategy):
             all_reduce(t, self.meter, "loss_normaliser", group=self._group)
             worker_targets = float(t.item())
         self.tokens_since_sync += worker_targets
+        if self.node_size > 1:  # the node averages gradients: weight by the node's targets
+            t = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.d.device)
+            all_reduce(t, self.meter, "loss_normaliser", group=self.node)
+            return max(float(t.item()), 1.0) / self.node_size
         return max(worker_targets, 1.0) / self.group_size
 
     def sync_context(self, last_micro_batch: bool):
@@ -108,12 +121,18 @@ class DiLoCoStrategy(Strategy):
 
     def before_optimizer_step(self, step: int) -> None:
         """Before local SGD starts: average gradients over workers every step, as DDP does
-        (within a worker, FSDP2 has already averaged them over the group)."""
-        if self._local_phase(step) or self.workers == 1:
-            return
+        (within a worker, FSDP2 has already averaged them over the group). After it, with
+        post_local_gradient_allreduce, average them over this node's ranks."""
+        if not self._local_phase(step):
+            if self.workers > 1:
+                self._average_gradients(self.workers, self.replicas, "grad_all_reduce")
+        elif self.node_size > 1:
+            self._average_gradients(self.node_size, self.node, "post_local_grad_all_reduce")
+
+    def _average_gradients(self, size: int, group, label: str) -> None:
         grads = [_local(p.grad) for _, p in self.local]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.workers)
-        all_reduce(flat, self.meter, "grad_all_reduce", group=self.replicas)
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(size)
+        all_reduce(flat, self.meter, label, group=group)
         for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(chunk.view_as(g))
 

@@ -108,6 +108,23 @@ class DilocoConfig(Section):
         description="Post-local SGD: average gradients every step (as DDP) before this step, "
         "go local after it.",
     )
+    post_local_gradient_allreduce: bool = Field(
+        False,
+        description="In the local phase, still average gradients every step within each "
+        "node (torch's PostLocalSGDState: hierarchical SGD, the cheap intra-node links every "
+        "step, the slow inter-node ones once per inner_steps); on one node that is every "
+        "step over all ranks, i.e. DDP. Needs fsdp_group_size 1.",
+    )
+
+    @model_validator(mode="after")
+    def _hierarchy(self) -> "DilocoConfig":
+        if self.post_local_gradient_allreduce and self.fsdp_group_size > 1:
+            raise ValueError(
+                "post_local_gradient_allreduce averages the gradients of a node's workers, but "
+                f"fsdp_group_size {self.fsdp_group_size} already makes a worker a group of "
+                "sharded processes; set one of them (fsdp_group_size: 1 or "
+                "post_local_gradient_allreduce: false)")
+        return self
 
     @field_validator("outer_optimizer")
     @classmethod
