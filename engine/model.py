@@ -204,9 +204,13 @@ def classifier_kwargs(labels: list[str], pad_token_id: int) -> dict[str, Any]:
 
 
 def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
-                    labels: list[str] | None = None):
+                    labels: list[str] | None = None, construct: str = "default",
+                    device: torch.device | None = None):
     """The base model as configured (class, dtype, attention kernel, quantisation); `labels`:
-    a classifier's class names (the head gets one output per class)."""
+    a classifier's class names (the head gets one output per class). `construct`
+    (training.construct_model_on): default loads on the CPU; device loads straight onto
+    `device`; meta builds a skeleton whose weights `engine.construction.materialise` reads
+    later, once the strategy has kept this rank's part."""
     factory = model_class(cfg.auto_class_name)
     grows = bool(cfg.added_tokens or cfg.special_tokens)
     # the tokenizer, only when the model depends on it: loaded once for both uses
@@ -219,8 +223,16 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     if cfg.device_map:
         kwargs["device_map"] = cfg.device_map
     kwargs.update(_quantization(cfg))
-    if cfg.model_init and ref is None:
-        model = _from_model_init(cfg, kwargs)
+    if construct == "device":
+        kwargs["device_map"] = {"": str(device)}
+    if construct == "meta":  # the config's rules leave no quantisation, heads or new tokens
+        from engine.construction import skeleton
+
+        config = load_model_config(cfg, root)
+        kwargs.setdefault("dtype", getattr(config, "dtype", None) or torch.float32)  # "auto"
+        model = skeleton(factory, config, **kwargs)
+    elif cfg.model_init and ref is None:
+        model = _from_model_init(cfg, kwargs, device if construct == "device" else None)
     else:
         model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
                                  **kwargs)
@@ -264,16 +276,23 @@ def _embedding_module_names(model) -> list[str]:
                    if id(m) in wanted})
 
 
-def _from_model_init(cfg: ModelConfig, kwargs: dict[str, Any]):
-    """model.model_init: the user's factory instead of from_pretrained (dtype applied here)."""
+def _from_model_init(cfg: ModelConfig, kwargs: dict[str, Any], device=None):
+    """model.model_init: the user's factory instead of from_pretrained (dtype applied here);
+    `device`: the factory runs with it as the default device (construct_model_on: device)."""
     from transformers import PreTrainedModel
 
     from finetune.imports import load_object
 
+    kwargs.pop("device_map", None)
     if kwargs.get("quantization_config") is not None or "num_labels" in kwargs:
         raise PipelineError("model.model_init builds the model itself: quantised loading and "
                             "classification heads are from_pretrained options; remove one")
-    model = load_object(cfg.model_init, "model.model_init")()
+    factory = load_object(cfg.model_init, "model.model_init")
+    if device is not None:
+        with torch.device(device):
+            model = factory()
+    else:
+        model = factory()
     if not isinstance(model, PreTrainedModel):
         raise PipelineError(f"model.model_init: '{cfg.model_init}' returned "
                             f"{type(model).__name__}, not a transformers PreTrainedModel")

@@ -26,31 +26,24 @@ import torch
 from engine import fingerprint, trainer_state
 from engine.callbacks import TrainerControl
 from engine.comm import CommMeter
-from engine.data import count_targets, load_tokenized, model_inputs, to_device, user_collate
-from engine.loss import build_loss
+from engine.data import count_targets, load_tokenized, model_inputs, to_device
 from engine.distributed import Dist, node_group, setup, teardown
 from engine.job import RunPaths
 from engine.loader import open_train_batches
-from engine.model import (apply_peft, count_parameters, load_base_model, load_tokenizer,
-                          make_adapter_config_reproducible, make_model_card_reproducible,
-                          read_labels, write_labels)
+from engine.model import (load_tokenizer, make_adapter_config_reproducible,
+                          make_model_card_reproducible, read_labels, write_labels)
+from engine.model_setup import build_model
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
 from engine.optim_in_backward import OptimizerInBackward
-from engine.packing import prepare_batch_layout
 from engine.progress import Progress
-from engine.quantization import convert_to_fp8, prepare_qat
 from engine.reporters import Console, build_reporters
 from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
-                            autocast_dtype, check_cuda_only, compile_stats, configure_torch,
-                            enable_gradient_checkpointing, maybe_compile,
-                            use_fast_bf16_cpu_kernels)
+                            autocast_dtype, check_cuda_only, compile_stats, configure_torch)
 from engine.stream import ExampleSource
-from engine.strategies import build_strategy
 from engine.trainers import register_trainer, trainer_class
 from finetune.config import FinetuneConfig
 from finetune.files import atomic_dir, write_json_atomic
-from finetune.imports import load_object
 
 Go = Callable[[], Any]
 
@@ -156,35 +149,12 @@ class TrainingRun:
         self.start_step = self.progress.step
 
     def prepare_model(self) -> None:
-        """Every model transform, in one order: load (model.dtype), gradient checkpointing
-        (HF's hooks go on the base model, before the adapter wraps it), PEFT, device, bf16
-        CPU kernels, the batch layout (attention switch and probe), the strategy's wrap
-        (DDP/FSDP2/DiLoCo), torch.compile (of the wrapped module)."""
-        cfg, d = self.cfg, self.dist
-        base = load_base_model(cfg.model, self.paths.project_root, labels=self.labels)
-        enable_gradient_checkpointing(base, cfg.training)
-        model = apply_peft(base, cfg.peft)
-        t = cfg.training
-        if t.qat_recipe:  # around the frozen layers, inside the adapters
-            prepare_qat(model, t.qat_recipe, t.qat_group_size, self.log)
-        model = model.to(d.device)
-        if t.fp8_recipe:
-            convert_to_fp8(model, t.fp8_recipe, t.fp8_dim_alignment, d.device, self.log)
-        self.trainable, self.total = count_parameters(model)
-        fast_linears = use_fast_bf16_cpu_kernels(model, d.device, self.amp, cfg.distributed)
-        if fast_linears:
-            self.log(f"[train] bf16 on CPU: {fast_linears} linear layers use layout-aware GEMMs")
-        self.collate_fn = prepare_batch_layout(
-            cfg.training, cfg.data.max_seq_length, model, self.tokenizer.pad_token_id, d.device,
-            self.amp, self.log)
-        if cfg.data.collate_fn:
-            self.collate_fn = user_collate(cfg.data.collate_fn)
-        user_fn = (load_object(cfg.training.compute_loss_func, "training.compute_loss_func")
-                   if cfg.training.compute_loss_func else None)
-        self.loss = build_loss(model, cfg.training.loss_chunk_tokens, d.device, self.amp,
-                               classify=bool(self.labels), user_fn=user_fn)
-        self.strategy = build_strategy(cfg, d, self.meter)
-        self.model = maybe_compile(self.strategy.wrap(model), cfg.training)
+        """The model, its strategy, loss and batch layout (engine.model_setup's order)."""
+        built = build_model(self.cfg, self.paths.project_root, self.dist, self.meter,
+                            self.labels, self.tokenizer.pad_token_id, self.amp, self.log)
+        self.model, self.strategy, self.loss = built.model, built.strategy, built.loss
+        self.collate_fn, self.construction = built.collate_fn, built.construction
+        self.trainable, self.total = built.trainable, built.total
 
     def open_reporters(self) -> None:
         """On the main rank, once the launcher confirmed the job: from here on we may write
@@ -417,7 +387,7 @@ class TrainingRun:
                                              self.cfg.training.per_device_eval_batch_size,
                                              self.tokenizer.pad_token_id,
                                              self.cfg.eval.eval_batches, self.amp,
-                                             loss_sum_fn=self.loss.eval_loss_sum)
+                                             loss_sum_fn=self.loss and self.loss.eval_loss_sum)
         evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:
@@ -461,6 +431,7 @@ class TrainingRun:
             "world_size": self.dist.world_size,
             "strategy": self.strategy.name,
             "seed": cfg.training.seed,  # the one drawn when the params say null
+            **self.construction,  # construct_model_on meta: what the main rank read
             **progress.fill_metrics(),
             **self.speed_metrics(),
             **(compile_stats() if cfg.training.torch_compile else {}),

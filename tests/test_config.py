@@ -90,6 +90,8 @@ def _error(tmp_path: Path, overrides: dict) -> str:
           "distributed.diloco.fsdp_group_size": 2,
           "distributed.diloco.post_local_gradient_allreduce": True},
          "set one of them (fsdp_group_size: 1 or post_local_gradient_allreduce: false)"),
+        ({"training.construct_model_on": "meta", "model.added_tokens": ["<extra>"]},
+         "training.construct_model_on meta does not combine with model.added_tokens"),
         ({"distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2,
           "training.mixed_precision": "fp16"},
          "training.mixed_precision: fp16 with FSDP2 sharding needs a sharded GradScaler"),

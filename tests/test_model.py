@@ -113,3 +113,46 @@ def test_lora_bias_option(bias, expected):
                       for n, p in model.named_parameters()
                       if p.requires_grad and n.endswith("bias")}
     assert trained_biases == expected
+
+
+def test_meta_construction_holds_no_weights_then_reads_the_same_model_and_adapter(tmp_path):
+    """construct_model_on meta: the skeleton's parameters have no storage (a stride-0 view of
+    one element each); once read from the checkpoint, weights, rotary tables, the adapter's
+    seeded initialisation and the logits equal the default load's bit for bit."""
+    from engine.construction import has_placeholders, materialise
+
+    cfg, peft = ModelConfig(name_or_path=STORIES), PeftSection()
+    torch.manual_seed(0)
+    default = apply_peft(load_base_model(cfg, ROOT), peft)
+    torch.manual_seed(0)
+    skeleton = load_base_model(cfg, ROOT, construct="meta")
+    params = list(skeleton.parameters())
+    assert sum(p.numel() for p in params) > 250_000
+    assert sum(p.untyped_storage().nbytes() for p in params) <= 4 * len(params)
+    meta = apply_peft(skeleton, peft)
+    read = materialise(meta, str(ROOT / STORIES), None, torch.device("cpu"))
+    assert not has_placeholders(meta) and read["construct_tensors_read"] > 0
+    want, got = default.state_dict(), meta.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)  # lora_A included: same draws
+    assert any("lora_A" in k for k in want)
+    ids = torch.tensor([[1, 5, 9, 13]])
+    assert torch.equal(default(input_ids=ids).logits, meta(input_ids=ids).logits)
+    # a folder without safetensors cannot be read piecewise: one line
+    (tmp_path / "bin").mkdir()
+    shutil.copy(ROOT / STORIES / "config.json", tmp_path / "bin")
+    torch.save(load_base_model(cfg, ROOT).state_dict(), tmp_path / "bin/pytorch_model.bin")
+    with pytest.raises(PipelineError, match="has no model.safetensors .* construct_model_on: "
+                                            "default"):
+        materialise(load_base_model(cfg, ROOT, construct="meta"), str(tmp_path / "bin"), None,
+                    torch.device("cpu"))
+
+
+def test_device_construction_loads_straight_onto_the_device():
+    """construct_model_on device hands the device to from_pretrained (device_map): asked for
+    the meta device, no weight is read into host memory; the default loads on the CPU."""
+    cfg = ModelConfig(name_or_path=STORIES)
+    on_device = load_base_model(cfg, ROOT, construct="device", device=torch.device("meta"))
+    assert {p.device.type for p in on_device.parameters()} == {"meta"}
+    default = load_base_model(cfg, ROOT, device=torch.device("meta"))
+    assert {p.device.type for p in default.parameters()} == {"cpu"}

@@ -39,9 +39,19 @@ def one_f_one_b(tokenized, tmp_path_factory):
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
 def test_pipeline_trains_like_one_process(tokenized, single, one_f_one_b, tmp_path, schedule):
     """GPipe and 1F1B: one stage per rank; ZBVZeroBubble: 2 stages per rank in a V, the
-    zero-bubble split backward."""
+    zero-bubble split backward. The GPipe run builds its model on meta: each rank reads only
+    its stage's tensors from the checkpoint, and trains exactly the same."""
+    meta = {"training.construct_model_on": "meta"} if schedule == "GPipe" else {}
     run, proc = one_f_one_b if schedule == "1F1B" else train_copy(
-        tokenized, tmp_path / "pp", {**PIPE, "distributed.pipeline.schedule": schedule})
+        tokenized, tmp_path / "pp", {**PIPE, "distributed.pipeline.schedule": schedule, **meta})
+    if meta:
+        from safetensors import safe_open
+
+        with safe_open(str(run / "data/models/stories260K/model.safetensors"), "pt") as f:
+            stored = len(list(f.keys()))
+        read = train_metrics(run)["construct_tensors_read"]
+        assert 0 < read < stored  # rank 0: the embedding and its layers, not stage 1's
+        assert f"construct_model_on meta: read {read} stored tensors" in proc.stdout
     stages = 2 if schedule in ("GPipe", "1F1B") else 4  # multi-stage: 2 per rank
     assert f"pipeline {schedule}: {stages} stages" in proc.stdout
     assert losses(run) == pytest.approx(losses(single), abs=1e-5)

@@ -43,6 +43,11 @@ class Strategy:
         self.model: torch.nn.Module | None = None  # what the loop calls forward on
 
     # -- model and optimizer -------------------------------------------------------------
+    def keep_own_part(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Drop what this rank never runs, before the model is placed on the device (or read
+        from the checkpoint, construct_model_on meta); every rank runs all of it here."""
+        return model
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.model = model
         return model

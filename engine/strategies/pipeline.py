@@ -51,7 +51,8 @@ class PipelineStrategy(Strategy):
         return replace(d, rank=0, world_size=1, local_world_size=1, main_rank=0)
 
     # -- building ------------------------------------------------------------------------
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def keep_own_part(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This rank's stages; the rest of the model is removed (never placed or read)."""
         pp, world = self.cfg.distributed.pipeline, self.d.world_size
         self.num_stages = pp.stages(world)
         self.ids = stage_ids(self.d.rank, world, pp.resolved_stages_per_rank,
@@ -64,6 +65,10 @@ class PipelineStrategy(Strategy):
         self.act_dtype = inner.embed_tokens.weight.dtype  # the residual stream's
         self.stage_modules, self.ranges = cut_stages(model, self.ids, self.num_stages)
         self.head = lm.lm_head if self.num_stages - 1 in self.ids else None
+        return model
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        pp, world = self.cfg.distributed.pipeline, self.d.world_size
         self.n_micro = pp.microbatches(world)
         self._sums: list[torch.Tensor] = []
         self._divisor = 1.0

@@ -106,3 +106,24 @@ def check_diloco(cfg) -> None:
             f"distributed.diloco.local_sgd_start_step {start} >= total steps {total}: "
             "the run would never go local"
         )
+
+
+def check_meta_construction(cfg) -> None:
+    """training.construct_model_on meta reads stored weights into a skeleton: what needs the
+    weights while the model is built, or builds it another way, is refused."""
+    m, t = cfg.model, cfg.training
+    refused = (
+        ("model.model_init", bool(m.model_init), "the factory builds the model itself"),
+        ("model.load_in_4bit", m.load_in_4bit, "quantised loading is from_pretrained's"),
+        ("model.load_in_8bit", m.load_in_8bit, "quantised loading is from_pretrained's"),
+        ("model.device_map", bool(m.device_map), "the strategy places the weights"),
+        ("model.added_tokens", bool(m.added_tokens or m.special_tokens),
+         "new embedding rows are the mean of the stored ones"),
+        ("data.dataset_type", cfg.data.dataset_type == "classification",
+         "a new classification head is initialised, not read"),
+        ("training.qat_recipe", bool(t.qat_recipe), "QAT swaps the layers being built"),
+    )
+    for key, hit, why in refused:
+        if hit:
+            raise ValueError(f"training.construct_model_on meta does not combine with {key} "
+                             f"({why}); use construct_model_on: default or device")

@@ -24,6 +24,7 @@ NOT_IN_FINGERPRINT = (
     "training.per_device_eval_batch_size", "training.dataloader_", "training.torch_compile",
     "training.gradient_checkpointing", "training.detect_anomaly", "training.varlen_kernel",
     "training.loss_chunk_tokens", "training.pad_to_multiple_of", "training.sdpa_",
+    "training.construct_model_on",
     "optimizer.log_param_groups",
     # launcher plumbing; the world size and the strategy that runs are recorded as such
     "distributed.nproc_per_node", "distributed.nnodes", "distributed.node_rank",

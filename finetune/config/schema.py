@@ -18,7 +18,8 @@ from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import (CLASSIFICATION_GATES, EvalConfig, ExportConfig,
                                      RegistryConfig)
-from finetune.config.cross_checks import check_diloco, check_pipeline, check_streaming
+from finetune.config.cross_checks import (check_diloco, check_meta_construction, check_pipeline,
+                                          check_streaming)
 from finetune.config.reporting import LoggingConfig
 from finetune.config.section import Section
 from finetune.config.training import TrainingConfig
@@ -337,6 +338,8 @@ class FinetuneConfig(Section):
                 "batches are built by the trainer's own packing collators); drop one of them")
         if self.distributed.strategy == "pipeline":
             check_pipeline(self)
+        if t.construct_model_on == "meta":
+            check_meta_construction(self)
         if self.checkpoint.save_on_each_node and self.distributed.shards_with_fsdp:
             raise ValueError(
                 "checkpoint.save_on_each_node needs each node to hold the whole training state, "

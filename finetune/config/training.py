@@ -190,6 +190,14 @@ class TrainingConfig(Section):
         "gradients. Needs max_grad_norm: null, gradient_accumulation_steps 1, no fp16 and "
         "strategy single (seed 002's rules).",
     )
+    construct_model_on: Literal["default", "device", "meta"] = Field(
+        "default",
+        description="Where the base model is built. default: loaded on the CPU, then moved; "
+        "device: loaded straight onto the training device (no host copy of the weights); "
+        "meta: built without weights, the strategy keeps this rank's part (pipeline: its "
+        "stages) and only those tensors are read from the model's safetensors onto the "
+        "device. Same weights and adapter init in all three.",
+    )
     mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
         "fp32", description="Autocast dtype; fp32/no = full precision."
     )
