@@ -128,9 +128,7 @@ def _load(model, files: dict[str, Path], device: torch.device) -> tuple[int, int
 def _compute_buffers(model, device: torch.device) -> None:
     """Non-persistent buffers (still on meta) through transformers' initialiser, which
     computes them (rotary inverse frequencies) as from_pretrained does."""
-    from engine.model import base_model
-
-    lm = base_model(model)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's
     for prefix, module in model.named_modules():
         if not any(b is not None and b.is_meta for b in module._buffers.values()):
             continue
@@ -153,6 +151,86 @@ def materialise(model, ref: str, revision: str | None, device: torch.device) -> 
     _compute_buffers(model, device)
     model.to(device)
     return {"construct_tensors_read": tensors, "construct_bytes_read": read}
+
+
+# -- sharded strategies (FSDP2): each rank reads only its shard of every tensor ------------
+# The placeholders become meta tensors before fully_shard (FSDP2 shards meta parameters without
+# allocating and leaves them where they are), `to_empty` then gives each rank its local shards,
+# and each shard is read as a slice of the stored tensor (safetensors reads slices without
+# loading the rest). What is real before the wrap (adapter weights, computed buffers) is kept
+# across to_empty, which reallocates every tensor.
+
+
+def defer_to_meta(model, device: torch.device) -> dict[str, list[str]]:
+    """Placeholders -> meta tensors, computed buffers made on `device`; returns each stored
+    tensor's qualified name -> the checkpoint names it may be stored under."""
+    _compute_buffers(model, device)
+    sources: dict[str, list[str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for slot in (module._parameters, module._buffers):
+            for name, t in slot.items():
+                if t is not None and hasattr(t, SOURCE):
+                    sources[f"{dot}{name}"] = getattr(t, SOURCE)
+    made: dict[int, torch.Tensor] = {}  # one meta tensor per placeholder: ties stay tied
+    for module in model.modules():
+        for slot in (module._parameters, module._buffers):
+            for name, t in list(slot.items()):
+                if t is None or not hasattr(t, SOURCE):
+                    continue
+                if id(t) not in made:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    made[id(t)] = (nn.Parameter(empty, requires_grad=t.requires_grad)
+                                   if isinstance(t, nn.Parameter) else empty)
+                slot[name] = made[id(t)]
+    return sources
+
+
+def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """A (possibly distributed) tensor's local tensor and where it sits in the whole one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, tuple(slice(0, n) for n in t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def read_shards(model, sources: dict[str, list[str]], ref: str, revision: str | None,
+                device: torch.device) -> dict:
+    """After the strategy sharded the meta model: allocate this rank's shards on `device`
+    and fill them (stored tensors as slices of the checkpoint, the rest as they were)."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(ref, revision)
+    named = lambda: [*model.named_parameters(), *model.named_buffers()]  # noqa: E731
+    kept = {name: local.detach().clone() for name, t in named()
+            if not (local := _local_part(t)[0]).is_meta}
+    model.to_empty(device=device)
+    handles: dict[Path, object] = {}
+    tensors = read_bytes = 0
+    with torch.no_grad():
+        for name, t in named():
+            local, where = _local_part(t)
+            if name in kept:
+                local.copy_(kept[name])
+                continue
+            names = sources.get(name, [name])
+            found = next((n for n in names if n in files), None)
+            if found is None:
+                raise PipelineError(f"{KEY}: the checkpoint has no tensor {names[0]}; use "
+                                    "construct_model_on: default")
+            path = files[found]
+            if path not in handles:
+                handles[path] = safe_open(str(path), framework="pt")
+            part = handles[path].get_slice(found)[where] if local.numel() else None
+            if part is not None:
+                local.copy_(part.to(dtype=local.dtype))
+                read_bytes += part.numel() * part.element_size()
+            tensors += 1
+    return {"construct_tensors_read": tensors, "construct_bytes_read": read_bytes}
 
 
 def has_placeholders(model) -> bool:

@@ -11,6 +11,9 @@ Order, and why:
 5. fp8 conversion, bf16 CPU kernels, the batch layout (attention switch and probe);
 6. the loss (probed against the full loss before wrapping), the strategy's wrap
    (DDP/FSDP2/DiLoCo/pipeline), torch.compile of the wrapped module.
+Built on meta under FSDP2, the model is sharded before any weight exists and each rank reads
+its shards after the wrap; the batch-layout and loss probes then run on the sharded model
+(every rank the same probe batch: its forward is collective).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.construction import materialise
+from engine.construction import defer_to_meta, materialise, read_shards
 from engine.data import user_collate
 from engine.loss import build_loss
 from engine.model import (apply_peft, count_parameters, load_base_model, resolve_model_ref)
@@ -59,12 +62,13 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     strategy = build_strategy(cfg, d, meter)
     model = strategy.keep_own_part(model)
     construction: dict[str, Any] = {}
-    if t.construct_model_on == "meta":
-        construction = materialise(model, resolve_model_ref(cfg.model.name_or_path, root),
-                                   cfg.model.revision, d.device)
-        log(f"[train] construct_model_on meta: read {construction['construct_tensors_read']} "
-            f"stored tensors ({construction['construct_bytes_read'] / 2**20:.2f} MiB) on this "
-            "rank")
+    meta = t.construct_model_on == "meta"
+    sharded_meta = meta and cfg.distributed.shards_with_fsdp
+    ref = resolve_model_ref(cfg.model.name_or_path, root)
+    if sharded_meta:
+        sources = defer_to_meta(model, d.device)
+    elif meta:
+        construction = materialise(model, ref, cfg.model.revision, d.device)
     else:
         model = model.to(d.device)
     if t.fp8_recipe:
@@ -72,6 +76,27 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     fast_linears = use_fast_bf16_cpu_kernels(model, d.device, amp, cfg.distributed)
     if fast_linears:
         log(f"[train] bf16 on CPU: {fast_linears} linear layers use layout-aware GEMMs")
+    if not sharded_meta:
+        collate_fn, loss = _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log)
+    wrapped = strategy.wrap(model)
+    if sharded_meta:
+        offload = cfg.distributed.fsdp is not None and cfg.distributed.fsdp.cpu_offload
+        construction = read_shards(model, sources, ref, cfg.model.revision,
+                                   torch.device("cpu") if offload else d.device)
+        collate_fn, loss = _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log)
+    if meta:
+        log(f"[train] construct_model_on meta: read {construction['construct_tensors_read']} "
+            f"stored tensors ({construction['construct_bytes_read'] / 2**20:.2f} MiB) on this "
+            "rank")
+    return BuiltModel(maybe_compile(wrapped, t), strategy, loss, collate_fn, trainable, total,
+                      construction)
+
+
+def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad_id: int, d,
+                     amp, log):
+    """The collate function (batch layout, maybe probed) and the loss (probed against the
+    full loss), both on the model as it now is."""
+    t = cfg.training
     collate_fn = prepare_batch_layout(t, cfg.data.max_seq_length, model, pad_id, d.device,
                                       amp, log)
     if cfg.data.collate_fn:
@@ -82,5 +107,4 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
                    if t.compute_loss_func else None)
         loss = build_loss(model, t.loss_chunk_tokens, d.device, amp, classify=bool(labels),
                           user_fn=user_fn)
-    wrapped = maybe_compile(strategy.wrap(model), t)
-    return BuiltModel(wrapped, strategy, loss, collate_fn, trainable, total, construction)
+    return collate_fn, loss

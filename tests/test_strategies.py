@@ -86,12 +86,17 @@ def test_fsdp2_with_accumulation_matches_ddp_and_resumes_after_sigkill(tokenized
                                                                       tmp_path):
     """FSDP2, 2 ranks x batch 2 x accumulation 2 (reduce-scatter skipped on the first micro-batch)
     sees the same examples per step as DDP 2 x 4: equal losses in fp32. Killed after its first
-    (sharded) checkpoint, it resumes bitwise."""
+    (sharded) checkpoint, it resumes bitwise. It builds the model on meta: sharded before any
+    weight exists, each rank reads only its shard of every stored tensor."""
     params = {**SGD, **TWO, "distributed.strategy": "fsdp2",
               "distributed.fsdp.reshard_after_forward": True,
-              "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2}
+              "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2,
+              "training.construct_model_on": "meta"}
     project, proc = train_copy(tokenized, tmp_path / "f", params)
     assert "strategy fsdp2, world size 2" in proc.stdout
+    stored = (project / "data/models/stories260K/model.safetensors").stat().st_size
+    read = train_metrics(project)["construct_bytes_read"]
+    assert 0.4 * stored < read < 0.6 * stored  # rank 0's half of each tensor's rows
     assert losses(project) == pytest.approx(losses(ddp_run), abs=1e-5)
     assert_weights_close(adapter(project), adapter(ddp_run))
     m = train_metrics(project)

@@ -122,6 +122,9 @@ def check_meta_construction(cfg) -> None:
         ("data.dataset_type", cfg.data.dataset_type == "classification",
          "a new classification head is initialised, not read"),
         ("training.qat_recipe", bool(t.qat_recipe), "QAT swaps the layers being built"),
+        ("distributed.diloco.fsdp_group_size",
+         cfg.distributed.diloco is not None and cfg.distributed.diloco.fsdp_group_size > 1,
+         "DiLoCo copies the sharded weights before the shards are read"),
     )
     for key, hit, why in refused:
         if hit:

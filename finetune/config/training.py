@@ -194,9 +194,10 @@ class TrainingConfig(Section):
         "default",
         description="Where the base model is built. default: loaded on the CPU, then moved; "
         "device: loaded straight onto the training device (no host copy of the weights); "
-        "meta: built without weights, the strategy keeps this rank's part (pipeline: its "
-        "stages) and only those tensors are read from the model's safetensors onto the "
-        "device. Same weights and adapter init in all three.",
+        "meta: built without weights, the strategy keeps this rank's part and only that is "
+        "read from the model's safetensors onto the device (pipeline: its stages' tensors; "
+        "FSDP2: its shard of each tensor; ddp/single/DiLoCo: all). Same weights and adapter "
+        "init in all three.",
     )
     mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
         "fp32", description="Autocast dtype; fp32/no = full precision."
