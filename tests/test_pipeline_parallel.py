@@ -29,6 +29,14 @@ def single(tokenized, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def single_double_batch(tokenized, tmp_path_factory):
+    """The reference for 2 pipeline replicas of batch 4: one process with batch 8."""
+    project, _ = train_here(tokenized, tmp_path_factory.mktemp("single8") / "p", {
+        **BASE, "training.per_device_train_batch_size": 8})
+    return project
+
+
+@pytest.fixture(scope="module")
 def one_f_one_b(tokenized, tmp_path_factory):
     """The 1F1B run: compared with one process below, and the uninterrupted run the SIGKILL
     test's resume must reproduce."""
@@ -37,32 +45,38 @@ def one_f_one_b(tokenized, tmp_path_factory):
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
-def test_pipeline_trains_like_one_process(tokenized, single, one_f_one_b, tmp_path, schedule):
-    """GPipe and 1F1B: one stage per rank; ZBVZeroBubble: 2 stages per rank in a V, the
-    zero-bubble split backward. The GPipe run builds its model on meta: each rank reads only
-    its stage's tensors from the checkpoint, and trains exactly the same."""
-    meta = {"training.construct_model_on": "meta"} if schedule == "GPipe" else {}
+def test_pipeline_trains_like_one_process(tokenized, single, single_double_batch, one_f_one_b,
+                                          tmp_path, schedule):
+    """1F1B: one stage per rank; ZBVZeroBubble: 2 stages per rank in a V, the zero-bubble split
+    backward. GPipe runs pipeline x data parallel on 4 processes (2 replicas of a 2-stage
+    pipeline, batch 4 each = one process with batch 8) and builds its model on meta: each rank
+    reads only its stage's tensors from the checkpoint."""
+    extra = {"training.construct_model_on": "meta", "distributed.nproc_per_node": 4,
+             "distributed.pipeline.data_parallel_size": 2} if schedule == "GPipe" else {}
     run, proc = one_f_one_b if schedule == "1F1B" else train_copy(
-        tokenized, tmp_path / "pp", {**PIPE, "distributed.pipeline.schedule": schedule, **meta})
-    if meta:
-        from safetensors import safe_open
-
-        with safe_open(str(run / "data/models/stories260K/model.safetensors"), "pt") as f:
-            stored = len(list(f.keys()))
-        read = train_metrics(run)["construct_tensors_read"]
-        assert 0 < read < stored  # rank 0: the embedding and its layers, not stage 1's
-        assert f"construct_model_on meta: read {read} stored tensors" in proc.stdout
+        tokenized, tmp_path / "pp", {**PIPE, "distributed.pipeline.schedule": schedule, **extra})
+    reference = single_double_batch if extra else single
     stages = 2 if schedule in ("GPipe", "1F1B") else 4  # multi-stage: 2 per rank
     assert f"pipeline {schedule}: {stages} stages" in proc.stdout
-    assert losses(run) == pytest.approx(losses(single), abs=1e-5)
+    assert losses(run) == pytest.approx(losses(reference), abs=1e-5)
     if stages == 2:
-        assert_weights_close(adapter(run), adapter(single))
+        assert_weights_close(adapter(run), adapter(reference))
     else:  # 4 micro-batches of 1 row sum the gradient in another order: Adam's 1/sqrt(v)
         # amplifies that noise over 10 steps to ~3e-4 here; the losses above are the check
-        assert adapter(run).keys() == adapter(single).keys()
+        assert adapter(run).keys() == adapter(reference).keys()
     m = train_metrics(run)
     assert m["strategy"] == "pipeline" and m["comm_bytes_pp_activations"] > 0
-    assert m["num_input_tokens_seen"] == train_metrics(single)["num_input_tokens_seen"]
+    assert m["num_input_tokens_seen"] == train_metrics(reference)["num_input_tokens_seen"]
+    if extra:
+        from safetensors import safe_open
+
+        assert "2 data-parallel replicas" in proc.stdout and m["world_size"] == 4
+        assert m["comm_bytes_pp_dp_grad_all_reduce"] > 0
+        with safe_open(str(run / "data/models/stories260K/model.safetensors"), "pt") as f:
+            stored = len(list(f.keys()))
+        read = m["construct_tensors_read"]
+        assert 0 < read < stored  # rank 0: the embedding and its layers, not stage 1's
+        assert f"construct_model_on meta: read {read} stored tensors" in proc.stdout
 
 
 def test_pipeline_resumes_bitwise_after_sigkill(tokenized, one_f_one_b, tmp_path):
@@ -82,7 +96,10 @@ def test_pipeline_resumes_bitwise_after_sigkill(tokenized, one_f_one_b, tmp_path
      "runs one stage per rank"),
     ({"distributed.pipeline.schedule": "ZBVZeroBubble",
       "distributed.pipeline.pp_stage_type": "loop"}, "needs pp_stage_type v"),
-], ids=["divisible", "drop_last", "fp16", "compile-zero-bubble", "world", "stages", "v"])
+    ({"distributed.pipeline.data_parallel_size": 2},
+     "data_parallel_size 2 must divide the world size 2 and leave at least 2 ranks"),
+], ids=["divisible", "drop_last", "fp16", "compile-zero-bubble", "world", "stages", "v",
+        "replicas"])
 def test_pipeline_rules_are_one_line(overrides, message):
     raw = {"data": {"json_file_path": "x.jsonl"}, "distributed": {"strategy": "pipeline",
                                                                   "nproc_per_node": 2},

@@ -41,25 +41,47 @@ class PipelineStrategy(Strategy):
     eval_lockstep = True
     owns_forward_backward = True
 
+    # -- the (data-parallel x pipeline) layout: rank = replica * pipeline_ranks + pp_rank ---
+    @property
+    def pipe(self) -> int:
+        """Ranks per pipeline."""
+        return self.cfg.distributed.pipeline.pipeline_ranks(self.d.world_size)
+
+    @property
+    def replicas(self) -> int:
+        return self.cfg.distributed.pipeline.data_parallel_size
+
     @property
     def batch_replicas(self) -> int:
-        """Every rank holds the same batch: metrics divide the summed counts by this."""
-        return self.d.world_size
+        """A pipeline's ranks all hold its batch: metrics divide the summed counts by this."""
+        return self.pipe
 
     def data_view(self, d: Dist) -> Dist:
-        """The whole pipeline reads one stream of batches: data rank 0 of 1."""
-        return replace(d, rank=0, world_size=1, local_world_size=1, main_rank=0)
+        """Each pipeline reads one stream of batches: data rank `replica` of `replicas`."""
+        replica = d.rank // self.pipe
+        return replace(d, rank=replica, world_size=self.replicas,
+                       local_world_size=self.replicas, main_rank=0)
 
     # -- building ------------------------------------------------------------------------
     def keep_own_part(self, model: torch.nn.Module) -> torch.nn.Module:
         """This rank's stages; the rest of the model is removed (never placed or read)."""
-        pp, world = self.cfg.distributed.pipeline, self.d.world_size
+        pp, world, pipe = self.cfg.distributed.pipeline, self.d.world_size, self.pipe
         self.num_stages = pp.stages(world)
-        self.ids = stage_ids(self.d.rank, world, pp.resolved_stages_per_rank,
+        first = self.d.rank - self.d.rank % pipe  # this pipeline's first global rank
+        self.ids = stage_ids(self.d.rank - first, pipe, pp.resolved_stages_per_rank,
                              pp.resolved_stage_type)
-        self.rank_of = {s: r for r in range(world)
-                        for s in stage_ids(r, world, pp.resolved_stages_per_rank,
+        self.rank_of = {s: first + r for r in range(pipe)  # stage -> global rank
+                        for s in stage_ids(r, pipe, pp.resolved_stages_per_rank,
                                            pp.resolved_stage_type)}
+        # groups: this pipeline's ranks (point-to-point, the gradient norm) and this stage's
+        # replicas (gradient sums); None = every rank, the layout without replicas
+        self.pp_group = self.dp_group = None
+        if self.replicas > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.d.device.type, (self.replicas, pipe),
+                                    mesh_dim_names=("dp", "pp"))
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         lm, inner = decoder_of(model)
         self.hidden = lm.config.hidden_size
         self.act_dtype = inner.embed_tokens.weight.dtype  # the residual stream's
@@ -79,7 +101,8 @@ class PipelineStrategy(Strategy):
                               for s, r in enumerate(self.ranges))
             print(f"[train] pipeline {pp.schedule}: {self.num_stages} stages ({spans}), "
                   f"{pp.resolved_stages_per_rank} per rank ({pp.resolved_stage_type}), "
-                  f"{self.n_micro} micro-batches", flush=True)
+                  f"{self.n_micro} micro-batches, {self.replicas} data-parallel "
+                  f"replica{'s' if self.replicas > 1 else ''}", flush=True)
         return model
 
     def _schedule(self, rows: int):
@@ -90,7 +113,7 @@ class PipelineStrategy(Strategy):
             modules = self.stage_modules
             if self.cfg.training.torch_compile:
                 modules = [torch.compile(m) for m in modules]
-            stages = [PipelineStage(m, s, self.num_stages, self.d.device)
+            stages = [PipelineStage(m, s, self.num_stages, self.d.device, group=self.pp_group)
                       for m, s in zip(modules, self.ids)]
             klass = get_schedule_class(self.cfg.distributed.pipeline.schedule)
             single = issubclass(klass, PipelineScheduleSingle)
@@ -178,15 +201,34 @@ class PipelineStrategy(Strategy):
                 self.meter.add_bytes("pp_activation_grads", size * self.n_micro)
 
     def loss_divisor(self, local_targets: int, step: int) -> float:
-        return float(local_targets)  # the whole batch is on every rank
+        """The step's target count: a pipeline's whole batch is on each of its ranks; the
+        replicas' batches are added up (their gradients are summed, not averaged)."""
+        if self.replicas == 1:
+            return float(local_targets)
+        t = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.d.device)
+        all_reduce(t, self.meter, "loss_normaliser", group=self.dp_group)
+        return float(t.item())
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Pipeline x data parallel: each stage's gradients summed over its replicas."""
+        if self.replicas == 1:
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, self.meter, "pp_dp_grad_all_reduce", group=self.dp_group)
+        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+            p.grad = chunk.view_as(p).clone() if p.grad is None else p.grad.copy_(
+                chunk.view_as(p))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global gradient norm over all stages (each rank holds different parameters)."""
+        """The global gradient norm over this pipeline's stages (each rank holds different
+        parameters; the replicas hold the same gradients by now)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         local = (torch.nn.utils.get_total_norm([p.grad for p in params]) if params
                  else torch.zeros((), device=self.d.device))
         squared = (local.double() ** 2).reshape(1)
-        all_reduce(squared, self.meter, "pp_grad_norm")
+        all_reduce(squared, self.meter, "pp_grad_norm", group=self.pp_group)
         total = squared.sqrt().squeeze().float()
         if params and math.isfinite(max_norm):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
@@ -216,6 +258,7 @@ class PipelineStrategy(Strategy):
         stage's summed loss and target count are shared."""
         self.module.eval()
         starts = list(range(0, len(dataset), batch_size))[:max_batches or None]
+        starts = starts[self.d.rank // self.pipe::self.replicas]  # each replica its share
         loss_sum, tokens = 0.0, 0
         with self.meter.pause():
             for start in starts:

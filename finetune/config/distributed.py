@@ -211,6 +211,11 @@ class DistributedConfig(Section):
                                  "single, or set nproc_per_node >= 2)")
             if self.pipeline is None:
                 self.pipeline = PipelineConfig()
+            dp = self.pipeline.data_parallel_size
+            if world % dp or world // dp < 2:
+                raise ValueError(
+                    f"distributed.pipeline.data_parallel_size {dp} must divide the world size "
+                    f"{world} and leave at least 2 ranks per pipeline")
         sharded_diloco = self.diloco is not None and self.diloco.fsdp_group_size > 1
         for name, owner in (("fsdp", "fsdp2"), ("diloco", "diloco"), ("pipeline", "pipeline")):
             if name == "fsdp" and sharded_diloco:

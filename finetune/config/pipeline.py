@@ -5,6 +5,10 @@ torch.distributed.pipelining's schedules by their torch names. The decoder layer
 the final norm and the output layer with the last); each rank holds `stages_per_rank` of them,
 in a loop (rank r: stages r, r + W, ...) or a V (rank r: r and 2W - 1 - r, what ZBVZeroBubble
 needs). Each optimizer step's micro-batch is cut into `n_microbatches` pipeline micro-batches.
+With `data_parallel_size` D > 1 the ranks form a (D x W/D) mesh: D pipelines of W/D ranks
+each (contiguous ranks, so activations stay between neighbours), each pipeline reading its own
+share of the batches, their gradients all-reduced stage by stage (pipeline x data parallel).
+Below, W is the ranks of one pipeline.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ class PipelineConfig(Section):
         "and 2W - 1 - r; ZBVZeroBubble's layout). None: v for ZBVZeroBubble, else loop.",
     )
 
+    data_parallel_size: int = Field(
+        1, gt=0,
+        description="Pipeline replicas (pipeline x data parallel on a 2-D mesh): the world "
+        "size must divide by it and leave >= 2 ranks per pipeline; each replica reads its own "
+        "batches (per_device_train_batch_size each) and the replicas' gradients are summed "
+        "per stage before the optimizer step.",
+    )
+
     @model_validator(mode="after")
     def _layout(self) -> "PipelineConfig":
         per_rank, style = self.resolved_stages_per_rank, self.resolved_stage_type
@@ -72,8 +84,12 @@ class PipelineConfig(Section):
             return self.pp_stage_type
         return "v" if self.schedule == "ZBVZeroBubble" else "loop"
 
+    def pipeline_ranks(self, world_size: int) -> int:
+        """Ranks per pipeline (W above)."""
+        return world_size // self.data_parallel_size
+
     def stages(self, world_size: int) -> int:
-        return world_size * self.resolved_stages_per_rank
+        return self.pipeline_ranks(world_size) * self.resolved_stages_per_rank
 
     def microbatches(self, world_size: int) -> int:
         return self.n_microbatches or self.stages(world_size)
