@@ -217,9 +217,8 @@ class PipelineStrategy(Strategy):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         all_reduce(flat, self.meter, "pp_dp_grad_all_reduce", group=self.dp_group)
-        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
-            p.grad = chunk.view_as(p).clone() if p.grad is None else p.grad.copy_(
-                chunk.view_as(p))
+        for p, g, chunk in zip(params, grads, flat.split([g.numel() for g in grads])):
+            p.grad = g.copy_(chunk.view_as(g))
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm over this pipeline's stages (each rank holds different
