@@ -64,7 +64,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     construction: dict[str, Any] = {}
     meta = t.construct_model_on == "meta"
     sharded_meta = meta and cfg.distributed.shards_with_fsdp
-    ref = resolve_model_ref(cfg.model.name_or_path, root)
+    ref = resolve_model_ref(cfg.model.name_or_path, root) if meta else ""
     if sharded_meta:
         sources = defer_to_meta(model, d.device)
     elif meta:
