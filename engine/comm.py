@@ -69,6 +69,26 @@ def all_reduce(tensor: torch.Tensor, meter: CommMeter | None, kind: str = "all_r
     dist.all_reduce(tensor, group=group)
 
 
+def all_reduce_count(value: float, meter: CommMeter | None, kind: str, device: torch.device,
+                     group=None) -> float:
+    """A count (target tokens) summed over `group` as one float64: exact for integers."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    all_reduce(t, meter, kind, group=group)
+    return float(t.item())
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], meter: CommMeter | None, kind: str,
+                    group=None, divide: float = 1.0) -> None:
+    """Several tensors (gradients) summed over `group` in one collective on a flat copy, each
+    divided by `divide` first (an average), written back in place."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if divide != 1.0:
+        flat.div_(divide)
+    all_reduce(flat, meter, kind, group=group)
+    for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(chunk.view_as(t))
+
+
 def ddp_counting_hook(meter, bucket):
     """DDP's default averaging all-reduce, with the bucket's bytes counted. (No annotations:
     DDP rejects any return annotation but the exact Future[Tensor] object, and this module's

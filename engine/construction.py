@@ -92,37 +92,60 @@ def checkpoint_files(ref: str, revision: str | None) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _load(model, files: dict[str, Path], device: torch.device) -> tuple[int, int]:
-    """Every placeholder of `model`, read from its file onto `device` (each file opened once,
-    each shared tensor read once). Returns (tensors, bytes) read."""
-    from safetensors import safe_open
+class _StoredTensors:
+    """The checkpoint's tensors by name, each safetensors file opened once."""
 
-    handles: dict[Path, object] = {}
+    def __init__(self, ref: str, revision: str | None):
+        self.files = checkpoint_files(ref, revision)
+        self._handles: dict[Path, object] = {}
+
+    def open(self, names: list[str]):
+        """(the open file, the name) of the first of `names` the checkpoint has."""
+        from safetensors import safe_open
+
+        found = next((n for n in names if n in self.files), None)
+        if found is None:
+            raise PipelineError(f"{KEY}: the checkpoint has no tensor {names[0]}; use "
+                                "construct_model_on: default")
+        path = self.files[found]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path], found
+
+
+def _swap_placeholders(model, make) -> int:
+    """Every placeholder in `model` replaced by `make(placeholder)`, called once per tensor
+    (a tied weight stays one tensor). Returns how many were made."""
     made: dict[int, torch.Tensor] = {}
-    read_bytes = 0
     for module in model.modules():
         for slot in (module._parameters, module._buffers):
             for name, t in list(slot.items()):
-                names = getattr(t, SOURCE, None) if t is not None else None
-                if names is None:
+                if t is None or not hasattr(t, SOURCE):
                     continue
                 if id(t) not in made:
-                    found = next((n for n in names if n in files), None)
-                    if found is None:
-                        raise PipelineError(f"{KEY}: the checkpoint has no tensor {names[0]}; "
-                                            "use construct_model_on: default")
-                    path = files[found]
-                    if path not in handles:
-                        handles[path] = safe_open(str(path), framework="pt")
-                    value = handles[path].get_tensor(found).to(device=device, dtype=t.dtype)
-                    if value.shape != t.shape:
-                        raise PipelineError(f"{KEY}: {found} is {tuple(value.shape)} in the "
-                                            f"checkpoint, the model wants {tuple(t.shape)}")
-                    read_bytes += value.numel() * value.element_size()
+                    value = make(t)
                     made[id(t)] = (nn.Parameter(value, requires_grad=t.requires_grad)
                                    if isinstance(t, nn.Parameter) else value)
                 slot[name] = made[id(t)]
-    return len(made), read_bytes
+    return len(made)
+
+
+def _load(model, stored: _StoredTensors, device: torch.device) -> tuple[int, int]:
+    """Every placeholder of `model`, read from its file onto `device`. Returns (tensors,
+    bytes) read."""
+    read_bytes = 0
+
+    def read(t: torch.Tensor) -> torch.Tensor:
+        nonlocal read_bytes
+        handle, found = stored.open(getattr(t, SOURCE))
+        value = handle.get_tensor(found).to(device=device, dtype=t.dtype)
+        if value.shape != t.shape:
+            raise PipelineError(f"{KEY}: {found} is {tuple(value.shape)} in the checkpoint, "
+                                f"the model wants {tuple(t.shape)}")
+        read_bytes += value.numel() * value.element_size()
+        return value
+
+    return _swap_placeholders(model, read), read_bytes
 
 
 def _compute_buffers(model, device: torch.device) -> None:
@@ -147,7 +170,7 @@ def _compute_buffers(model, device: torch.device) -> None:
 def materialise(model, ref: str, revision: str | None, device: torch.device) -> dict:
     """Read every placeholder left in `model` (this rank's part) onto `device`, compute the
     non-persistent buffers, move the rest (adapters) there. Returns what was read."""
-    tensors, read = _load(model, checkpoint_files(ref, revision), device)
+    tensors, read = _load(model, _StoredTensors(ref, revision), device)
     _compute_buffers(model, device)
     model.to(device)
     return {"construct_tensors_read": tensors, "construct_bytes_read": read}
@@ -165,24 +188,10 @@ def defer_to_meta(model, device: torch.device) -> dict[str, list[str]]:
     """Placeholders -> meta tensors, computed buffers made on `device`; returns each stored
     tensor's qualified name -> the checkpoint names it may be stored under."""
     _compute_buffers(model, device)
-    sources: dict[str, list[str]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for slot in (module._parameters, module._buffers):
-            for name, t in slot.items():
-                if t is not None and hasattr(t, SOURCE):
-                    sources[f"{dot}{name}"] = getattr(t, SOURCE)
-    made: dict[int, torch.Tensor] = {}  # one meta tensor per placeholder: ties stay tied
-    for module in model.modules():
-        for slot in (module._parameters, module._buffers):
-            for name, t in list(slot.items()):
-                if t is None or not hasattr(t, SOURCE):
-                    continue
-                if id(t) not in made:
-                    empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
-                    made[id(t)] = (nn.Parameter(empty, requires_grad=t.requires_grad)
-                                   if isinstance(t, nn.Parameter) else empty)
-                slot[name] = made[id(t)]
+    every = [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
+    sources = {name: getattr(t, SOURCE) for name, t in every if hasattr(t, SOURCE)}
+    _swap_placeholders(model, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
     return sources
 
 
@@ -202,14 +211,11 @@ def read_shards(model, sources: dict[str, list[str]], ref: str, revision: str | 
                 device: torch.device) -> dict:
     """After the strategy sharded the meta model: allocate this rank's shards on `device`
     and fill them (stored tensors as slices of the checkpoint, the rest as they were)."""
-    from safetensors import safe_open
-
-    files = checkpoint_files(ref, revision)
+    stored = _StoredTensors(ref, revision)
     named = lambda: [*model.named_parameters(), *model.named_buffers()]  # noqa: E731
     kept = {name: local.detach().clone() for name, t in named()
             if not (local := _local_part(t)[0]).is_meta}
     model.to_empty(device=device)
-    handles: dict[Path, object] = {}
     tensors = read_bytes = 0
     with torch.no_grad():
         for name, t in named():
@@ -217,15 +223,8 @@ def read_shards(model, sources: dict[str, list[str]], ref: str, revision: str | 
             if name in kept:
                 local.copy_(kept[name])
                 continue
-            names = sources.get(name, [name])
-            found = next((n for n in names if n in files), None)
-            if found is None:
-                raise PipelineError(f"{KEY}: the checkpoint has no tensor {names[0]}; use "
-                                    "construct_model_on: default")
-            path = files[found]
-            if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt")
-            part = handles[path].get_slice(found)[where] if local.numel() else None
+            handle, found = stored.open(sources.get(name, [name]))
+            part = handle.get_slice(found)[where] if local.numel() else None
             if part is not None:
                 local.copy_(part.to(dtype=local.dtype))
                 read_bytes += part.numel() * part.element_size()

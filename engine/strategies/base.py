@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from engine.comm import CommMeter, all_reduce
+from engine.comm import CommMeter, all_reduce_count
 from engine.data import token_loss_sum
 from engine.distributed import Dist
 from engine.evaluation import evaluate_loss
@@ -71,9 +71,8 @@ class Strategy:
         global targets / world size, so the averaged gradient is the global token mean."""
         if self.d.world_size == 1:
             return float(local_targets)
-        t = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.d.device)
-        all_reduce(t, self.meter, "loss_normaliser")
-        return float(t.item()) / self.d.world_size
+        total = all_reduce_count(local_targets, self.meter, "loss_normaliser", self.d.device)
+        return total / self.d.world_size
 
     def sync_context(self, last_micro_batch: bool):
         """Gradient sync only on the last micro-batch of an accumulation."""

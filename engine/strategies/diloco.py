@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
-from engine.comm import all_reduce
+from engine.comm import all_reduce, all_reduce_count, all_reduce_flat
 from engine.distributed import node_group
 from engine.strategies.base import Strategy
 
@@ -100,14 +100,13 @@ class DiLoCoStrategy(Strategy):
             return super().loss_divisor(local_targets, step)
         worker_targets = float(local_targets)
         if self.group_size > 1:  # FSDP2 averages gradients over the worker's group
-            t = torch.tensor([worker_targets], dtype=torch.float64, device=self.d.device)
-            all_reduce(t, self.meter, "loss_normaliser", group=self._group)
-            worker_targets = float(t.item())
+            worker_targets = all_reduce_count(worker_targets, self.meter, "loss_normaliser",
+                                              self.d.device, group=self._group)
         self.tokens_since_sync += worker_targets
         if self.node_size > 1:  # the node averages gradients: weight by the node's targets
-            t = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.d.device)
-            all_reduce(t, self.meter, "loss_normaliser", group=self.node)
-            return max(float(t.item()), 1.0) / self.node_size
+            node_targets = all_reduce_count(local_targets, self.meter, "loss_normaliser",
+                                            self.d.device, group=self.node)
+            return max(node_targets, 1.0) / self.node_size
         return max(worker_targets, 1.0) / self.group_size
 
     def sync_context(self, last_micro_batch: bool):
@@ -124,17 +123,12 @@ class DiLoCoStrategy(Strategy):
         (within a worker, FSDP2 has already averaged them over the group). After it, with
         post_local_gradient_allreduce, average them over this node's ranks."""
         if not self._local_phase(step):
-            if self.workers > 1:
-                self._average_gradients(self.workers, self.replicas, "grad_all_reduce")
-        elif self.node_size > 1:
-            self._average_gradients(self.node_size, self.node, "post_local_grad_all_reduce")
-
-    def _average_gradients(self, size: int, group, label: str) -> None:
-        grads = [_local(p.grad) for _, p in self.local]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(size)
-        all_reduce(flat, self.meter, label, group=group)
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
+            size, group, kind = self.workers, self.replicas, "grad_all_reduce"
+        else:
+            size, group, kind = self.node_size, self.node, "post_local_grad_all_reduce"
+        if size > 1:
+            all_reduce_flat([_local(p.grad) for _, p in self.local], self.meter, kind,
+                            group=group, divide=size)
 
     def after_optimizer_step(self, step: int) -> dict[str, float]:
         # `step` optimizer steps are done; steps before `start` ran synchronously.

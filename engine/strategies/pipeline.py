@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from engine.comm import all_reduce
+from engine.comm import all_reduce, all_reduce_count, all_reduce_flat
 from engine.data import IGNORE_INDEX, collate, count_targets, take_rows
 from engine.distributed import Dist, all_reduce_sum
 from engine.loss import _chunk_loss, target_rows
@@ -205,20 +205,19 @@ class PipelineStrategy(Strategy):
         replicas' batches are added up (their gradients are summed, not averaged)."""
         if self.replicas == 1:
             return float(local_targets)
-        t = torch.tensor([float(local_targets)], dtype=torch.float64, device=self.d.device)
-        all_reduce(t, self.meter, "loss_normaliser", group=self.dp_group)
-        return float(t.item())
+        return all_reduce_count(local_targets, self.meter, "loss_normaliser", self.d.device,
+                                group=self.dp_group)
 
     def before_optimizer_step(self, step: int) -> None:
         """Pipeline x data parallel: each stage's gradients summed over its replicas."""
         if self.replicas == 1:
             return
         params = [p for p in self.module.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce(flat, self.meter, "pp_dp_grad_all_reduce", group=self.dp_group)
-        for p, g, chunk in zip(params, grads, flat.split([g.numel() for g in grads])):
-            p.grad = g.copy_(chunk.view_as(g))
+        for p in params:  # a stage parameter without a gradient still takes the replicas'
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_flat([p.grad for p in params], self.meter, "pp_dp_grad_all_reduce",
+                        group=self.dp_group)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global gradient norm over this pipeline's stages (each rank holds different
