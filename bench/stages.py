@@ -44,7 +44,7 @@ def tokenize_throughput(project: Path, repeats: int = 10) -> dict:
     ids2 = tok(texts["completion"].tolist(), add_special_tokens=False)["input_ids"]
     bare = time.perf_counter() - started
     tokens = sum(map(len, ids)) + sum(map(len, ids2))
-    from tasks.tokenize import token_ids
+    from finetune.datatypes.encoding import token_ids
 
     if token_ids(tok, texts["prompt"].tolist() + texts["completion"].tolist()) != ids + ids2:
         raise SystemExit("the stage's token ids differ from the bare tokenizer's: comparison void")

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune.datatypes.encoding import IGNORE_INDEX
 from finetune.errors import PipelineError
 from finetune.imports import load_object
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model import bos_prefix_id
+from finetune.datatypes.encoding import bos_prefix_id
 
 
 def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int | None) -> list[list[int]]:

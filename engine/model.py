@@ -85,15 +85,6 @@ def choose_pad_token(tok) -> str:
     return tok.eos_token
 
 
-def bos_prefix_id(tok) -> int | None:
-    """BOS to prepend, only if the tokenizer itself would (Llama yes, GPT-2 no): training
-    sequences and generation prompts must start the same way."""
-    if tok.bos_token_id is None:
-        return None
-    ids = tok("a", add_special_tokens=True)["input_ids"]
-    return tok.bos_token_id if ids and ids[0] == tok.bos_token_id else None
-
-
 def load_model_config(cfg: ModelConfig, root: Path):
     from transformers import AutoConfig
 

@@ -1,38 +1,22 @@
-"""pandera data contracts, one per stage boundary.
+"""pandera data contracts at the generic stage boundaries: raw splits and tokenized splits.
 
-Each returns nothing on success and raises a one-line `PipelineError` that names the split,
-the column and the first offending row, because a pandera report table is not what a user at a
-terminal (or a Prefect log) needs.
+What a formatted row is belongs to its dataset type (finetune.datatypes); these two hold for
+every type. Each raises a one-line `PipelineError` naming split, column and first bad row.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 import pandera.pandas as pa
-from pandera.errors import SchemaError, SchemaErrors
 
+from finetune.datatypes.contract import check_frame
 from finetune.errors import PipelineError
 
 
-def _check(schema: pa.DataFrameSchema, frame: pd.DataFrame, where: str) -> None:
-    try:
-        schema.validate(frame, lazy=True)
-    except SchemaErrors as exc:
-        cases = exc.failure_cases
-        first = cases.iloc[0]
-        column = first.get("column") or first.get("schema_context")
-        index = first.get("index")
-        row = "" if pd.isna(index) else f" row {int(index)}"
-        raise PipelineError(
-            f"{where}: column '{column}'{row} fails {first['check']} "
-            f"({len(cases)} failing value(s); first: {first['failure_case']!r})"
-        ) from None
-    except SchemaError as exc:  # pragma: no cover - lazy=True raises SchemaErrors
-        raise PipelineError(f"{where}: {exc}") from None
-
-
-def validate_raw_split(frame: pd.DataFrame, required: list[str], where: str) -> None:
-    """Raw data: at least one row; every column a template names exists and has no nulls."""
+def validate_raw_split(frame: pd.DataFrame, required: list[str], where: str,
+                       nullable: tuple[str, ...] = ()) -> None:
+    """Raw data: at least one row; every column the type reads exists, and has no nulls unless
+    the type drops such rows itself (`nullable`: a classifier's unlabeled rows)."""
     if frame.empty:
         raise PipelineError(f"{where}: no rows")
     missing = [c for c in required if c not in frame.columns]
@@ -42,23 +26,9 @@ def validate_raw_split(frame: pd.DataFrame, required: list[str], where: str) -> 
             f"(columns: {', '.join(map(str, frame.columns))})"
         )
     schema = pa.DataFrameSchema(
-        {c: pa.Column(nullable=False) for c in required}, strict=False, name="raw"
+        {c: pa.Column(nullable=c in nullable) for c in required}, strict=False, name="raw"
     )
-    _check(schema, frame, where)
-
-
-def validate_formatted(frame: pd.DataFrame, where: str, allow_empty_prompt: bool) -> None:
-    """Formatted data: prompt and completion are strings; completion never empty."""
-    non_empty = pa.Check(lambda s: s.str.len() > 0, element_wise=False, name="non-empty string")
-    schema = pa.DataFrameSchema(
-        {
-            "prompt": pa.Column(str, [] if allow_empty_prompt else [non_empty], nullable=False),
-            "completion": pa.Column(str, [non_empty], nullable=False),
-        },
-        strict=False,
-        name="formatted",
-    )
-    _check(schema, frame, where)
+    check_frame(schema, frame, where)
 
 
 def validate_tokenized(frame: pd.DataFrame, max_len: int, where: str) -> None:
@@ -74,4 +44,4 @@ def validate_tokenized(frame: pd.DataFrame, max_len: int, where: str) -> None:
         ],
         name="tokenized",
     )
-    _check(schema, frame, where)
+    check_frame(schema, frame, where)

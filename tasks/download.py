@@ -1,10 +1,11 @@
 """Stage 1, download: hub dataset or local file -> `data/raw/{train,test}.parquet`.
 
 Hub datasets go through the real `datasets.load_dataset` (users with network); local
-json/jsonl/csv/parquet files are read directly. When only a train split exists, a seeded
-`split_ratio` of it is kept for training (seed 004's meaning) and the rest is the test split. A pandera contract checks that the columns the prompt and
-completion templates name are present and never null, so a bad source fails here, not three
-stages later.
+json/jsonl/csv/parquet files are read directly, and so is `dataset_name` when it names a local
+file or folder (as seed 004's examples name the dataset). When only a train split exists, a
+seeded `split_ratio` of it is kept for training (seed 004's meaning) and the rest is the test
+split. A pandera contract checks that the columns the dataset type reads are present and never
+null, so a bad source fails here, not three stages later.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from finetune.errors import PipelineError, TransientError
 from finetune.files import atomic_dir
 from finetune.workspace import Workspace
 from tasks.contracts import validate_raw_split
-from tasks.templates import template_columns
 
 READERS = {
     ".jsonl": lambda p: pd.read_json(p, lines=True),
@@ -55,7 +55,6 @@ def _download_source(ws: Workspace, data: DataConfig, name: str | None,
         train = train.head(data.max_train_samples)
     if test is not None and data.max_eval_samples:
         test = test.head(data.max_eval_samples)
-    required = template_columns(data)
     label = f"source '{name}' ({_source_label(data)})" if name else _source_label(data)
     written = {}
     for role, split, frame in (("train", data.train_split, train),
@@ -63,7 +62,7 @@ def _download_source(ws: Workspace, data: DataConfig, name: str | None,
         if frame is None:
             continue
         frame = frame.reset_index(drop=True)
-        validate_raw_split(frame, required, f"{label} split '{split}'")
+        _check_raw(frame, data, f"{label} split '{split}'")
         frame.to_parquet(folder / f"{role}.parquet", index=False)
         written[role] = folder / f"{role}.parquet"
     return written
@@ -80,35 +79,59 @@ def _download_eval_only(ws: Workspace, data: DataConfig, name: str,
     if data.max_eval_samples:
         test = test.head(data.max_eval_samples)
     test = test.reset_index(drop=True)
-    validate_raw_split(test, template_columns(data),
-                       f"source '{name}' ({_source_label(data)}, eval only)")
+    _check_raw(test, data, f"source '{name}' ({_source_label(data)}, eval only)")
     test.to_parquet(folder / "test.parquet", index=False)
     return {"test": folder / "test.parquet"}
 
 
+def _check_raw(frame: pd.DataFrame, data: DataConfig, where: str) -> None:
+    """The raw contract of the source's dataset type."""
+    datatype = data.datatype
+    validate_raw_split(frame, datatype.required_columns(), where, datatype.nullable_columns())
+
+
 def _download_streamed(ws: Workspace) -> dict[str, Path]:
-    """Streaming: only the test split is written; the train split's first rows are checked
-    against the same contract, and `stream.json` records what the trainer will read."""
+    """Streaming: only the test splits are written (an eval-only source's rows whole); each
+    train stream's first rows are checked against the same contract, and `stream.json`
+    records what the trainer will read."""
     from tasks import stream
     from tasks.stream_manifest import write_manifest
 
-    data = ws.config.data
-    source = stream.open_source(data, ws.root)
-    required = template_columns(data)
-    validate_raw_split(stream.head(data, source), required,
-                       f"{_source_label(data)} split '{data.train_split}' (first streamed rows)")
-    test = stream.materialise_test(data, source)
+    top = ws.config.data
     out: dict[str, Path] = {}
+    manifests: dict[str, dict] = {}
     with atomic_dir(ws.layout.raw) as staging:
-        if test is not None:
-            validate_raw_split(test, required, f"{_source_label(data)} split '{data.test_split}'")
-            test.to_parquet(staging / "test.parquet", index=False)
-            out["test"] = ws.layout.raw / "test.parquet"
-        write_manifest(staging, stream.source_manifest(data, source, ws.root))
+        for name, data in top.parts():
+            folder = staging / name if name else staging
+            folder.mkdir(exist_ok=True)
+            label = f"source '{name}' ({_source_label(data)})" if name else _source_label(data)
+            source = stream.open_source(data, ws.root)
+            if top.eval_only(name):
+                test = stream.eval_only_rows(data, source)
+            else:
+                _check_raw(stream.head(data, source), data,
+                           f"{label} split '{data.train_split}' (first streamed rows)")
+                test = stream.materialise_test(data, source)
+                manifests[name] = stream.source_manifest(data, source, ws.root)
+            if test is not None:
+                _check_raw(test, data, f"{label} split '{data.test_split}'")
+                test.to_parquet(folder / "test.parquet", index=False)
+                out[f"{name}/test" if name else "test"] = ws.layout.raw / (
+                    folder / "test.parquet").relative_to(staging)
+        write_manifest(staging, manifests[None] if None in manifests else {
+            "sources": manifests, "weights": {s.name: s.weight for s in top.sources},
+            "mixing": top.mixing, "stopping_strategy": top.stopping_strategy, "seed": top.seed})
     return out
 
 
 def _load_splits(ws: Workspace, data: DataConfig) -> dict[str, pd.DataFrame]:
+    from tasks.stream import local_dataset
+
+    local = local_dataset(data, ws.root)
+    if local is not None and local.is_dir():
+        return _load_hub(str(local), data.subset)  # datasets reads a local folder's splits
+    if local is not None:
+        return {data.train_split: _read_local(local)}
     if data.dataset_name:
         return _load_hub(data.dataset_name, data.subset)
     files = data.data_files or {data.train_split: data.json_file_path}

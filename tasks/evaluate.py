@@ -1,10 +1,14 @@
-"""Stage 5, evaluate: loss, perplexity and generation metrics of the base and fine-tuned model.
+"""Stage 5, evaluate: loss, perplexity and the dataset type's metrics of the base and
+fine-tuned model.
 
 Loss numbers come from the same tokenized test split with the same token-weighted loss the
-trainer uses, so "fine-tuned below base" is an apples-to-apples claim. Generation metrics
-(exact match, ROUGE) come from greedy generations on the first `eval.max_generation_samples`
-formatted test rows, the prompt encoded exactly as in training. Results go to a DVC metrics
-file (`dvc metrics diff`, `dvc exp show`), a samples table, and the training's MLflow run.
+trainer uses, so "fine-tuned below base" is an apples-to-apples claim. A language model's
+predictions are greedy generations on the first `eval.max_generation_samples` prompts of the
+formatted test rows (the prompt encoded exactly as in training); a classifier's are its
+head's classes on the tokenized test split. The dataset type says what the prompts and
+references are and scores the predictions (exact match and ROUGE for generations, accuracy and
+macro-F1 for a classifier). Results go to a DVC metrics file (`dvc metrics diff`, `dvc exp
+show`), a samples table, and the training's MLflow run.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from engine.loss import class_loss_sum
 from engine.model import (load_base_model, load_tokenizer, load_trained, max_positions,
                           read_labels)
 from engine.quantization import quantized_copy
+from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
-from tasks.metrics import classification_metrics, generation_metrics
 
 
 def _training_seed(ws: Workspace) -> int:
@@ -51,9 +55,8 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     torch.manual_seed(_training_seed(ws))
     test = load_tokenized(test_dir)
     tok = load_tokenizer(cfg.model, ws.root)
-    labels = read_labels(ws.layout.trained)
-    if labels:
-        return _evaluate_classifier(ws, test, tok, labels)
+    if cfg.data.task.classifier:
+        return _evaluate_classifier(ws, test, tok)
     rows = _generation_rows(ws) if cfg.eval.wants_generation else None
     # The whole split: eval.eval_batches caps only the quick in-training evals.
     args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
@@ -73,10 +76,8 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
         del quantized
     if rows is not None:
         generations["finetuned"] = _generate(ws, tuned_model, tok, rows)
-        references = rows["completion"].tolist()
         for name, texts in generations.items():
-            scores = generation_metrics(cfg.eval.generation_metrics, texts, references,
-                                        cfg.eval.answer_regex)
+            scores = _score(ws, rows, texts, DataContext(ws.root, lambda: tok))
             results[name].update({k: round(v, 6) for k, v in scores.items()})
     metrics = {**results, "eval_tokens": tuned_loss["tokens"],
                "generation_rows": 0 if rows is None else len(rows)}
@@ -84,10 +85,17 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     return _write(ws, metrics, samples)
 
 
-def _evaluate_classifier(ws: Workspace, test, tok, labels: list[str]) -> dict[str, Path]:
-    """Loss, accuracy and macro-F1 of the base model (its head untrained: chance) and the
-    fine-tuned classifier; the samples table shows text, label and both predictions."""
+def _evaluate_classifier(ws: Workspace, test, tok) -> dict[str, Path]:
+    """Loss and the type's scores (accuracy, macro-F1) of the base model (its head untrained:
+    chance) and the fine-tuned classifier; the samples table shows text, label and both
+    predictions."""
     cfg = ws.config
+    labels = read_labels(ws.layout.trained)
+    if not labels:
+        raise PipelineError(f"{ws.layout.trained}/labels.json missing: the trained classifier "
+                            "has no label map; run the train stage again")
+    ctx = DataContext(ws.root, lambda: tok, labels=labels)
+    datatype = cfg.data.parts()[0][1].datatype
     args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
     base_model = load_base_model(cfg.model, ws.root, labels=labels)
     results, predictions = {}, {}
@@ -96,7 +104,7 @@ def _evaluate_classifier(ws: Workspace, test, tok, labels: list[str]) -> dict[st
             cfg.model, cfg.peft, ws.root, ws.layout.trained, base=base_model)
         loss = evaluate_loss(model, *args, loss_sum_fn=class_loss_sum)
         predicted, true = predict_classes(model, *args)
-        scores = classification_metrics(predicted, true, len(labels))
+        scores = datatype.score(predicted, true, cfg.eval, ctx)
         results[name] = {"loss": round(loss["loss"], 6),
                          **{k: round(v, 6) for k, v in scores.items()}}
         predictions[name] = predicted
@@ -129,17 +137,38 @@ def _loss_entry(result: dict) -> dict:
 
 
 def _generation_rows(ws: Workspace) -> pd.DataFrame:
-    """The formatted test rows (each source's, in order, for a mixture), the first
-    `eval.max_generation_samples` of them."""
+    """The prompts and references each source's type makes of its formatted test rows (the
+    sources in order, column `part` numbering them), the first `eval.max_generation_samples`
+    of them."""
     frames = []
-    for name, _ in ws.config.data.parts():
+    for i, (name, data) in enumerate(ws.config.data.parts()):
         test = (ws.layout.formatted / name if name else ws.layout.formatted) / "test.parquet"
         if not test.exists():
             raise PipelineError(f"{test} missing; run the format stage first")
-        frames.append(pd.read_parquet(test, columns=["prompt", "completion"]))
+        frames.append(data.datatype.eval_rows(pd.read_parquet(test)).assign(part=i))
     rows = pd.concat(frames, ignore_index=True)
     limit = ws.config.eval.max_generation_samples
     return rows.head(limit) if limit else rows
+
+
+def _score(ws: Workspace, rows: pd.DataFrame, predictions: list[str],
+           ctx: DataContext) -> dict[str, float]:
+    """Each source's type scores its own rows; sources of one type are scored together, and
+    several types' scores (means over rows) are combined weighted by their rows."""
+    parts = ws.config.data.parts()
+    groups: dict[type, list[int]] = {}
+    for i, part in enumerate(rows["part"]):
+        groups.setdefault(type(parts[part][1].datatype), []).append(i)
+    scored = []
+    for positions in groups.values():
+        datatype = parts[int(rows["part"].iloc[positions[0]])][1].datatype
+        scored.append((len(positions), datatype.score(
+            [predictions[i] for i in positions], rows["reference"].iloc[positions].tolist(),
+            ws.config.eval, ctx)))
+    if len(scored) == 1:
+        return scored[0][1]
+    return {key: sum(n * scores.get(key, 0.0) for n, scores in scored) / len(rows)
+            for key in {k for _, scores in scored for k in scores}}
 
 
 def _generate(ws: Workspace, model, tok, rows: pd.DataFrame) -> list[str]:
@@ -164,5 +193,5 @@ def _samples(rows: pd.DataFrame | None, generations: dict[str, list[str]], n: in
     return [
         {"prompt": prompt, "reference": reference,
          "generation": generations["finetuned"][i], "base_generation": generations["base"][i]}
-        for i, (prompt, reference) in enumerate(zip(head["prompt"], head["completion"]))
+        for i, (prompt, reference) in enumerate(zip(head["prompt"], head["reference"]))
     ]

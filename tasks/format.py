@@ -1,7 +1,12 @@
-"""Stage 2, format: raw rows -> `data/formatted/{train,test}.parquet` (prompt, completion).
+"""Stage 2, format: raw rows -> `data/formatted/{train,test}.parquet`, each source's rows as its
+dataset type makes them (finetune.datatypes): at least a prompt and a completion, which the
+evaluate stage prompts with and compares against.
 
-Templates use `{column}` placeholders; `module:function` callables take the row as a dict. A
-missing column or a failing function is reported with the split and row number.
+Rows with nothing to learn (an empty completion, a conversation with an empty assistant turn,
+a classification row without a label) are dropped and counted, as tokenize drops rows left
+with no trainable token: `data/metrics/format.json` has the counts, and a split where more than
+`data.max_dropped_fraction` is dropped fails the stage. A classifier's label map is made here,
+from every training source, and written next to the splits (`labels.json`).
 """
 
 from __future__ import annotations
@@ -11,150 +16,113 @@ from pathlib import Path
 import pandas as pd
 
 from finetune.config.data import DataConfig
+from finetune.datatypes import DataContext
+from finetune.datatypes.classification import class_names
+from finetune.datatypes.contract import check_frame
 from finetune.errors import PipelineError
-from finetune.files import atomic_dir
+from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
-from tasks.contracts import validate_formatted
 from tasks.stream_manifest import carry_manifest
-from tasks.templates import builder
 
 
 def format_prompts(ws: Workspace) -> dict[str, Path]:
     """Run the stage; each source of a mixture is formatted with its own keys into its own
     folder (`<source>/<split>` in the result)."""
     top = ws.config.data
+    ctx = data_context(ws)
     out: dict[str, Path] = {}
+    stats: dict = {}
     with atomic_dir(ws.layout.formatted) as staging:
+        ctx.labels = label_map(ws, top)
+        if ctx.labels is not None:
+            from engine.model import write_labels
+
+            out["labels"] = ws.layout.formatted / write_labels(staging, ctx.labels).name
         for name, data in top.parts():
             folder = staging / name if name else staging
             folder.mkdir(exist_ok=True)
             raw = ws.layout.raw / name if name else ws.layout.raw
-            for key, file in _format_source(ws, data, raw, folder, name).items():
-                out[f"{name}/{key}" if name else key] = (
-                    ws.layout.formatted / file.relative_to(staging))
-        carry_manifest(ws.layout.raw, staging, **{
-            k: getattr(top, k) for k in ("prompt_template", "prompt_func", "completion_template",
-                                         "completion_func", "text_field", "dataset_type",
-                                         "messages_field", "chat_template", "system_prompt")})
+            source_stats = stats.setdefault("sources", {}).setdefault(name, {}) if name else stats
+            for raw_file in sorted(raw.glob("*.parquet")):
+                role = raw_file.stem
+                split = f"{name}/{role}" if name else role  # how errors name it
+                frame = pd.read_parquet(raw_file)
+                rows, source_stats[role] = format_split(data, frame, split, ctx,
+                                                        top.max_dropped_fraction)
+                rows.to_parquet(folder / f"{role}.parquet", index=False)
+                out[f"{name}/{role}" if name else role] = ws.layout.formatted / (
+                    folder / f"{role}.parquet").relative_to(staging)
+        if top.sources:  # the mixture's totals per split
+            for role in {r for s in stats["sources"].values() for r in s}:
+                parts = [s[role] for s in stats["sources"].values() if role in s]
+                stats[role] = {k: sum(p[k] for p in parts) for k in ("rows", "dropped_rows")}
+        carry_manifest(ws.layout.raw, staging, **applied_keys(top))
     if not out and not top.streaming:  # streaming without a test split: nothing to format
         raise PipelineError(f"{ws.layout.raw}: no raw splits; run the download stage first")
+    write_json_atomic(ws.layout.metrics / "format.json", stats)
     return out
 
 
-def _format_source(ws: Workspace, data: DataConfig, raw: Path, folder: Path,
-                   name: str | None) -> dict[str, Path]:
-    """One source's raw splits (in `raw`) -> formatted splits (in `folder`)."""
-    prompt_fn = builder(data, "prompt")
-    completion_fn = builder(data, "completion")
-    chat = _chat_renderer(ws, data) if data.dataset_type == "chat" else None
-    classify = (_classifier(data, raw, prompt_fn) if data.dataset_type == "classification"
-                else None)
-    out: dict[str, Path] = {}
-    if classify is not None:
-        out["labels"] = classify.write_labels(folder)
-    for raw_file in sorted(raw.glob("*.parquet")):
-        role = raw_file.stem
-        split = f"{name}/{role}" if name else role  # how errors name it
-        frame = pd.read_parquet(raw_file)
-        if chat is not None:
-            result = chat(frame, split)
-        elif classify is not None:
-            result = classify(frame, split)
-        elif data.text_mode:
-            column = detect_text_field(frame, data.text_field, split)
-            result = pd.DataFrame({"prompt": [""] * len(frame),
-                                   "completion": frame[column].astype(str).tolist()})
-        else:
-            prompts, completions = render(frame, prompt_fn, completion_fn, split)
-            result = pd.DataFrame({"prompt": prompts, "completion": completions})
-        validate_formatted(result, f"format split '{split}'", allow_empty_prompt=data.text_mode)
-        result.to_parquet(folder / f"{role}.parquet", index=False)
-        out[role] = folder / f"{role}.parquet"
-    return out
+def format_split(data: DataConfig, frame: pd.DataFrame, split: str, ctx: DataContext,
+                 max_fraction: float) -> tuple[pd.DataFrame, dict]:
+    """One raw split -> its formatted rows (checked against the type's contract) and counts."""
+    datatype = data.datatype
+    formatted = datatype.format(frame, split, ctx)
+    check_dropped(len(formatted.dropped), len(frame), max_fraction,
+                  f"format split '{split}'", formatted.reason,
+                  formatted.dropped[0] if formatted.dropped else None)
+    check_frame(datatype.formatted_schema(), formatted.rows, f"format split '{split}'")
+    return formatted.rows, {"rows": len(formatted.rows), "dropped_rows": len(formatted.dropped)}
 
 
-def _chat_renderer(ws: Workspace, data: DataConfig):
-    """(frame, split) -> formatted chat rows, with the model's tokenizer and chat template."""
+def check_dropped(dropped: int, total: int, max_fraction: float, where: str, reason: str,
+                  first: int | None, fix: str = "clean the data or raise "
+                  "data.max_dropped_fraction") -> None:
+    """The rule format and tokenize share: rows with nothing to learn are dropped, unless a
+    larger fraction than `data.max_dropped_fraction` of the split is (then the data or the
+    settings are wrong, and training on the rest would hide it)."""
+    if total == 0:
+        raise PipelineError(f"{where}: no rows")
+    if dropped / total > max_fraction:
+        raise PipelineError(
+            f"{where}: {dropped}/{total} rows have {reason} (first: row {first}); above "
+            f"data.max_dropped_fraction {max_fraction}: {fix}")
+
+
+def data_context(ws: Workspace) -> DataContext:
+    """What the types get from a data stage: the root and the tokenizer, loaded on first use
+    (with our own truncation: its length limit is not the stage's)."""
     from engine.model import load_tokenizer
-    from tasks.chat import chat_template, format_chat
 
-    tok = load_tokenizer(ws.config.model, ws.root)
-    template = chat_template(data, tok, ws.root)
-    return lambda frame, split: format_chat(frame, data, tok, template, split)
+    def tokenizer():
+        tok = load_tokenizer(ws.config.model, ws.root)
+        tok.model_max_length = int(1e9)
+        return tok
+
+    return DataContext(ws.root, tokenizer)
 
 
-class _classifier:
-    """(frame, split) -> text/label rows, with the label map read from the raw train split."""
-
-    def __init__(self, data: DataConfig, raw: Path, prompt_fn):
-        from tasks.classification import class_names
-
-        self.data = data
-        train = raw / "train.parquet"
+def label_map(ws: Workspace, top: DataConfig) -> list[str] | None:
+    """A classifier's class names in id order: `data.labels`, else the labels of every
+    training source's raw train split; None for a model without classes."""
+    if not top.task.classifier:
+        return None
+    if top.labels:
+        return list(top.labels)
+    found: set[str] = set()
+    for name, data in top.parts():
+        if top.eval_only(name):
+            continue
+        train = (ws.layout.raw / name if name else ws.layout.raw) / "train.parquet"
         if not train.exists():
             raise PipelineError(f"{train} missing; run the download stage first")
-        self.names = class_names(pd.read_parquet(train), self.data)
-        self.prompt_fn = prompt_fn if self.data.input_template_key else None
-
-    def write_labels(self, folder: Path) -> Path:
-        from engine.model import write_labels
-
-        return write_labels(folder, self.names)
-
-    def __call__(self, frame: pd.DataFrame, split: str) -> pd.DataFrame:
-        from tasks.classification import format_classification
-
-        if self.prompt_fn is not None:
-            texts, _ = render(frame, self.prompt_fn, lambda row: "", split)
-        else:
-            column = detect_text_field(frame, self.data.text_field, split,
-                                       exclude=self.data.label_column)
-            texts = frame[column].astype(str).tolist()
-        return format_classification(frame, self.data, self.names, texts, split)
+        found.update(data.datatype.label_values(pd.read_parquet(train)))
+    return class_names(found, None)
 
 
-def render(frame: pd.DataFrame, prompt_fn, completion_fn, role: str,
-           first_row: int = 0) -> tuple[list, list]:
-    """Prompt and completion strings for each row (the streamed train split calls this per
-    chunk; `first_row` keeps error messages' row numbers absolute)."""
-    prompts, completions = [], []
-    for i, row in enumerate(frame.to_dict("records"), start=first_row):
-        for part, fn, sink in (("prompt", prompt_fn, prompts), ("completion", completion_fn, completions)):
-            try:
-                value = fn(row)
-            except KeyError as exc:
-                raise PipelineError(
-                    f"data.{part}_template names column {exc} which split '{role}' lacks "
-                    f"(row {i}; columns: {', '.join(frame.columns)})"
-                ) from None
-            except Exception as exc:
-                raise PipelineError(
-                    f"data.{part}_func failed on split '{role}' row {i}: {type(exc).__name__}: {exc}"
-                ) from None
-            if not isinstance(value, str):
-                raise PipelineError(
-                    f"data.{part}_func returned {type(value).__name__} on split '{role}' row {i}; "
-                    "it must return a string"
-                )
-            sink.append(value)
-    return prompts, completions
-
-
-def detect_text_field(frame: pd.DataFrame, text_field: str | None, role: str,
-                      exclude: str | None = None) -> str:
-    """`text_field` if given, else a column named text/content, else the only string column."""
-    if text_field:
-        if text_field not in frame.columns:
-            raise PipelineError(f"data.text_field '{text_field}' is not a column of split '{role}'")
-        return text_field
-    for name in ("text", "content"):
-        if name in frame.columns:
-            return name
-    strings = [c for c in frame.columns
-               if c != exclude and pd.api.types.is_string_dtype(frame[c])]
-    if len(strings) == 1:
-        return strings[0]
-    raise PipelineError(
-        f"no templates set and no text column found in split '{role}' "
-        f"(string columns: {', '.join(strings) or 'none'}); set data.text_field or the templates"
-    )
+def applied_keys(top: DataConfig) -> dict:
+    """The format settings a stream's manifest carries on (its examples change with them)."""
+    parts = {name or "": data.model_dump(mode="json", include=set(data.datatype.keys)
+                                         | {"dataset_type"})
+             for name, data in top.parts()}
+    return parts[""] if "" in parts else {"sources": parts}

@@ -46,8 +46,7 @@ def run_paths(ws: Workspace) -> RunPaths:
         plots_dir=layout.plots,
         # a streamed split is identified by its manifest (source file hashes, sampling)
         train_identity=layout.tokenized / MANIFEST if streamed else None,
-        labels=(layout.tokenized / "labels.json"
-                if ws.config.data.dataset_type == "classification" else None),
+        labels=layout.tokenized / "labels.json" if ws.config.data.task.classifier else None,
     )
 
 

@@ -122,20 +122,22 @@ def use_tracking_uri(uri: str):
 
 
 def log_and_register(tracking_uri: str, run_id: str, model, tokenizer, name: str,
-                     max_new_tokens: int, card: str, classify: bool = False) -> str:
+                     max_new_tokens: int, card: str, pipeline_tag: str = "text-generation"
+                     ) -> str:
     """Log `model` (a merged transformers model) into the run and register it; the version.
 
-    `card` (our model card) is passed so MLflow does not try to fetch one from the Hub. A
-    classifier (`classify`) is logged as a text-classification pipeline (MLflow's default
-    signature for it: text in, label and score out)."""
+    `card` (our model card) is passed so MLflow does not try to fetch one from the Hub.
+    `pipeline_tag`: the transformers pipeline it serves as (the dataset type's model task); a
+    text-classification pipeline gets MLflow's default signature for it (text in, label and
+    score out)."""
     import mlflow
     from huggingface_hub import ModelCard
     from mlflow.models import infer_signature
 
-    if classify:
-        task, signature, model_config = "text-classification", None, None
+    task = pipeline_tag
+    if task != "text-generation":
+        signature, model_config = None, None
     else:
-        task = "text-generation"
         signature = infer_signature(["prompt"], ["generated text"],
                                     params={"max_new_tokens": max_new_tokens})
         model_config = {"max_new_tokens": max_new_tokens, "do_sample": False}

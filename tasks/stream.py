@@ -1,12 +1,16 @@
 """Streaming (`data.streaming: true`): the train split is never written to disk.
 
-The source (a hub dataset or local files) is opened as a `datasets` IterableDataset. The
-download stage materialises only the test split (or, when the source has none, the first
-`data.max_eval_samples` streamed rows, which the train stream then skips) and checks the train
-split's first rows against the raw contract. Each training rank then reads the train stream,
-shuffled through a `data.shuffle_buffer` buffer seeded with `data.seed + epoch`, and formats and
-tokenizes it on the fly with the format and tokenize stages' own row functions, so a streamed
-example is token for token what the materialised pipeline would have produced.
+Each source (a hub dataset, a local folder or local files) is opened as a `datasets`
+IterableDataset. The download stage materialises only the test split (or, when the source has
+none, the first `data.max_eval_samples` streamed rows, which the train stream then skips) and
+checks the train split's first rows against the raw contract. Each training rank then reads
+the train stream, shuffled through a `data.shuffle_buffer` buffer seeded with `data.seed +
+epoch`, and turns it into examples with its dataset type's own format and encoder
+(`DatasetType.examples`), chunk by chunk, so a streamed example is token for token what the
+format and tokenize stages would have produced, for every type. A mixture's sources are
+streamed the same way each and mixed with datasets' `interleave_datasets` (weights as
+probabilities, seeded) or one after the other (concatenate). Rows with nothing to learn are
+left out on the fly (a stream cannot be counted ahead).
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ from __future__ import annotations
 import os
 from itertools import islice
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 
 from finetune.config.schema import DataConfig, FinetuneConfig
+from finetune.datatypes import DataContext
 from finetune.errors import PipelineError, TransientError
 from finetune.files import file_sha256
 
@@ -33,7 +38,8 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
     """{split name: IterableDataset}; nothing is read yet."""
     import datasets
 
-    if data.dataset_name:
+    local = local_dataset(data, root)
+    if data.dataset_name and local is None:
         try:
             return dict(datasets.load_dataset(data.dataset_name, data.subset, streaming=True))
         except Exception as exc:  # the hub client raises many types; all mean "not reachable"
@@ -42,7 +48,10 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
             raise error(f"data.dataset_name '{data.dataset_name}': cannot stream "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); connect to "
                         "the network, or point data.data_files at local files") from exc
-    files = data.data_files or {data.train_split: data.json_file_path}
+    if local is not None and local.is_dir():
+        return dict(datasets.load_dataset(str(local), streaming=True))
+    files = ({data.train_split: str(local)} if local is not None
+             else data.data_files or {data.train_split: data.json_file_path})
     out = {}
     for split, ref in files.items():
         path = root / ref
@@ -55,6 +64,16 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
         out[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split,
                                            streaming=True)
     return out
+
+
+def local_dataset(data: DataConfig, root: Path) -> Path | None:
+    """`data.dataset_name` when it names a local file or folder (seed 004's examples name the
+    dataset there; a path that exists is read locally, anything else is a hub id)."""
+    if not data.dataset_name:
+        return None
+    path = Path(data.dataset_name)
+    path = path if path.is_absolute() else root / path
+    return path if path.exists() else None
 
 
 def holdout_rows(data: DataConfig, source: dict[str, Any]) -> int:
@@ -87,6 +106,18 @@ def materialise_test(data: DataConfig, source: dict[str, Any]) -> pd.DataFrame |
     return pd.DataFrame(rows)
 
 
+def eval_only_rows(data: DataConfig, source: dict[str, Any]) -> pd.DataFrame:
+    """An eval-only source's rows (its train split, bounded by max_eval_samples)."""
+    if data.train_split not in source:
+        raise PipelineError(f"data.train_split '{data.train_split}' not found "
+                            f"(splits: {', '.join(source)})")
+    stream = source[data.train_split]
+    rows = list(stream.take(data.max_eval_samples) if data.max_eval_samples else stream)
+    if not rows:
+        raise PipelineError(f"data.streaming: the '{data.train_split}' split has no rows")
+    return pd.DataFrame(rows)
+
+
 def train_rows(data: DataConfig, source: dict[str, Any]):
     """The train split as the trainer reads it: holdout skipped, capped, shuffled per epoch."""
     stream = source[data.train_split]
@@ -109,10 +140,16 @@ def head(data: DataConfig, source: dict[str, Any], n: int = HEAD_ROWS) -> pd.Dat
 
 
 def source_manifest(data: DataConfig, source: dict[str, Any], root: Path) -> dict[str, Any]:
-    """What the download stage decided about the train stream, and the local files' hashes:
-    the streamed split is no DVC output, so this manifest is what changes when it does."""
+    """What the download stage decided about a train stream, and the local files' hashes: the
+    streamed split is no DVC output, so this manifest is what changes when it does."""
     files = {}
-    if not data.dataset_name:
+    local = local_dataset(data, root)
+    if local is not None:
+        for path in sorted(local.rglob("*")) if local.is_dir() else [local]:
+            if path.is_file():
+                files[str(path.relative_to(root) if path.is_relative_to(root) else path)] = (
+                    file_sha256(path))
+    elif not data.dataset_name:
         for split, ref in (data.data_files or {data.train_split: data.json_file_path}).items():
             files[split] = file_sha256(root / ref)
     return {"train_split": data.train_split, "dataset_name": data.dataset_name,
@@ -125,40 +162,48 @@ def open_train_stream(cfg: FinetuneConfig, root: Path) -> Callable[[int], Iterat
     """The trainer's example source: `epoch -> iterator of {input_ids, labels}`.
 
     Called by the torchrun worker (named in the job file), once per rank."""
-    from engine.model import bos_prefix_id, load_tokenizer
-    from tasks.format import detect_text_field, render
-    from tasks.templates import builder
-    from tasks.tokenize import encode_batch
+    from engine.model import load_tokenizer
+
+    def tokenizer():
+        tok = load_tokenizer(cfg.model, root)
+        tok.model_max_length = int(1e9)  # we truncate ourselves
+        return tok
 
     data = cfg.data
-    rows = train_rows(data, open_source(data, root))
-    tok = load_tokenizer(cfg.model, root)
-    tok.model_max_length = int(1e9)  # we truncate ourselves
-    bos = bos_prefix_id(tok)
-    prompt_fn, completion_fn = builder(data, "prompt"), builder(data, "completion")
+    ctx = DataContext(root, tokenizer, labels=list(data.labels) if data.labels else None)
+    streams, weights = [], []
+    for name, part in data.parts():
+        if data.eval_only(name):
+            continue
+        source = open_source(part, root)
+        rows = train_rows(part, source)
+        columns = rows.column_names or list(head(part, source, 1).columns)  # hub: unknown
+        streams.append(rows.map(_examples, batched=True, batch_size=CHUNK, with_indices=True,
+                                remove_columns=columns,
+                                fn_kwargs={"datatype": part.datatype, "ctx": ctx}))
+        weights.append(next((s.weight for s in data.sources or () if s.name == name), 1.0))
+    mixed = streams[0] if len(streams) == 1 else _mix(streams, weights, data)
 
     def examples(epoch: int) -> Iterator[dict]:
-        rows.set_epoch(epoch)  # datasets reshuffles with seed + epoch
-        seen = 0
-        for chunk in _chunks(rows, CHUNK):
-            frame = pd.DataFrame(chunk)
-            if data.text_mode:
-                prompts = [""] * len(frame)
-                completions = frame[detect_text_field(frame, data.text_field, "train")]
-                completions = completions.astype(str).tolist()
-            else:
-                prompts, completions = render(frame, prompt_fn, completion_fn, "train", seen)
-            seen += len(frame)
-            enc = encode_batch({"prompt": prompts, "completion": completions}, tok, bos,
-                               data.max_seq_length)
-            for ids, labels, n in zip(enc["input_ids"], enc["labels"], enc["n_trainable"]):
-                if n:  # no trainable token (prompt fills the window): dropped, as tokenize does
-                    yield {"input_ids": ids, "labels": labels}
+        mixed.set_epoch(epoch)  # datasets reshuffles (buffers and the interleaving) per epoch
+        return iter(mixed)
 
     return examples
 
 
-def _chunks(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
-    it = iter(rows)
-    while chunk := list(islice(it, size)):
-        yield chunk
+def _examples(batch: dict[str, list], indices: list[int], datatype, ctx: DataContext
+              ) -> dict[str, list]:
+    """One chunk of raw rows -> its training examples (the type's format and encoder)."""
+    found = datatype.examples(pd.DataFrame(batch), "train", ctx, first_row=indices[0])
+    return {"input_ids": [e["input_ids"] for e in found],
+            "labels": [e["labels"] for e in found]}
+
+
+def _mix(streams: list, weights: list[float], data: DataConfig):
+    import datasets
+
+    if data.mixing == "concatenate":
+        return datasets.concatenate_datasets(streams)
+    total = sum(weights)
+    return datasets.interleave_datasets(streams, probabilities=[w / total for w in weights],
+                                        seed=data.seed, stopping_strategy=data.stopping_strategy)

@@ -1,10 +1,10 @@
-"""Stage 3, tokenize: formatted pairs -> `data/tokenized/{train,test}` (Arrow) + token stats.
+"""Stage 3, tokenize: formatted rows -> `data/tokenized/{train,test}` (Arrow) + token stats.
 
-Tokenization happens here, once, never on the training ranks. Labels are completion-only
-(prompt tokens are -100), EOS is appended and trained, sequences are truncated to
-`max_seq_length`. Rows left with no trainable token (prompt fills the window) are dropped and
-counted; above `data.max_dropped_fraction` the stage fails instead of training on nothing,
-the silent failure TRL users report.
+Tokenization happens here, once, never on the training ranks, with each source's dataset type's
+encoder (finetune.datatypes): input_ids and labels, -100 where nothing is trained (the prompt,
+the user turns), sequences truncated to `max_seq_length`. Rows left with no trainable token
+(the prompt fills the window) are dropped and counted; above `data.max_dropped_fraction` the
+stage fails instead of training on nothing, the silent failure TRL users report.
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ from typing import Any
 
 import pandas as pd
 
-from engine.model import bos_prefix_id, load_tokenizer, max_positions, read_labels, write_labels
-from finetune.config.data import DataConfig
+from engine.model import max_positions, read_labels, write_labels
+from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
 from tasks.contracts import validate_tokenized
-from tasks.encoding import token_ids
+from tasks.format import check_dropped, data_context
 from tasks.mixture import mix
 from tasks.stream_manifest import carry_manifest
-
-IGNORE_INDEX = -100
 
 
 def tokenize(ws: Workspace) -> dict[str, Path]:
@@ -38,21 +36,19 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
             f"data.max_seq_length {data.max_seq_length} exceeds the model's "
             f"max_position_embeddings {limit}; set data.max_seq_length <= {limit}"
         )
-    tok = load_tokenizer(ws.config.model, ws.root)
-    if tok.eos_token_id is None:
+    ctx = data_context(ws)
+    if ctx.tokenizer.eos_token_id is None:
         raise PipelineError(f"model.name_or_path {ws.config.model.name_or_path}: tokenizer has no EOS token")
-    bos = bos_prefix_id(tok)
-    tok.model_max_length = int(1e9)  # we truncate ourselves; silence the length warning
+    ctx.labels = read_labels(ws.layout.formatted)  # a classifier's label map, else None
     stats: dict[str, Any] = {}
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.tokenized) as staging:
         splits: dict[str, list] = {}  # role -> [(source name, tokenized split)]
         for name, part in data.parts():
             formatted = ws.layout.formatted / name if name else ws.layout.formatted
-            fn, kwargs = encoder(ws, part, formatted, tok, bos)
             for file in sorted(formatted.glob("*.parquet")):
                 role = f"{name}/{file.stem}" if name else file.stem  # how errors name it
-                ds, split_stats = _tokenize_file(file, fn, kwargs, tok, bos, role, ws)
+                ds, split_stats = _tokenize_file(file, part.datatype, ctx, role, ws)
                 splits.setdefault(file.stem, []).append((name, ds))
                 if name:
                     stats.setdefault("sources", {}).setdefault(name, {})[file.stem] = split_stats
@@ -67,8 +63,8 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
                 ds = parts[0][1]
             ds.save_to_disk(str(staging / role))
             out[role] = ws.layout.tokenized / role
-        if data.dataset_type == "classification":
-            write_labels(staging, read_labels(ws.layout.formatted))
+        if ctx.labels is not None:
+            write_labels(staging, ctx.labels)
         carry_manifest(ws.layout.formatted, staging, max_seq_length=data.max_seq_length,
                        model=ws.config.model.name_or_path, revision=ws.config.model.revision)
     if not out and not data.streaming:  # streaming without a test split: nothing to tokenize
@@ -77,16 +73,17 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
     return out
 
 
-def _tokenize_file(file: Path, fn, kwargs: dict, tok, bos: int | None, role: str,
-                   ws: Workspace):
+def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Workspace):
     """One formatted split -> (tokenized split, its stats), rows without a trainable token
     dropped (up to data.max_dropped_fraction) and the result checked."""
     import datasets
 
     data = ws.config.data
+    fn, kwargs = datatype.encoder(ctx)
+    tok = ctx.tokenizer
     ds = datasets.Dataset.from_pandas(pd.read_parquet(file), preserve_index=False)
-    fingerprint = _fingerprint(file, tok, bos, data.max_seq_length,
-                               ws.config.model.name_or_path, kwargs)
+    fingerprint = _fingerprint(file, tok, ctx.bos, data.max_seq_length,
+                               ws.config.model.name_or_path, kwargs, datatype)
     ds = ds.map(
         fn,
         batched=True,
@@ -105,48 +102,6 @@ def _tokenize_file(file: Path, fn, kwargs: dict, tok, bos: int | None, role: str
     ds = ds.add_column("length", counts["n_tokens"].tolist(),
                        new_fingerprint=f"{fingerprint}-length")
     return ds, _stats(counts, dropped)
-
-
-def encoder(ws: Workspace, data: DataConfig, formatted: Path, tok, bos: int | None):
-    """The map function for this source's dataset type and its arguments (besides the
-    tokenizer); `formatted`: the source's formatted folder."""
-    if data.dataset_type == "classification":
-        from tasks.classification import encode_classification_batch
-
-        names = read_labels(formatted)
-        if names is None:
-            raise PipelineError(f"{formatted}/labels.json missing; run the format "
-                                "stage again (data.dataset_type is classification)")
-        return encode_classification_batch, {"bos": bos, "max_len": data.max_seq_length,
-                                             "names": names}
-    if data.dataset_type != "chat":
-        return encode_batch, {"bos": bos, "max_len": data.max_seq_length}
-    from tasks.chat import chat_template, encode_chat_batch
-
-    return encode_chat_batch, {
-        "template": chat_template(data, tok, ws.root), "bos": bos,
-        "max_len": data.max_seq_length, "assistant_only": data.assistant_only_loss,
-        "last_only": data.last_turn_only}
-
-
-def encode_batch(batch: dict[str, list], tok, bos: int | None, max_len: int) -> dict[str, list]:
-    """Prompt and completion are tokenized apart so the mask boundary is exact."""
-    n = len(batch["prompt"])
-    ids_of = token_ids(tok, list(batch["prompt"]) + list(batch["completion"]))
-    prompts, completions = ids_of[:n], ids_of[n:]
-    eos = tok.eos_token_id
-    out: dict[str, list] = {"input_ids": [], "labels": [], "n_trainable": [], "truncated": []}
-    for p, c in zip(prompts, completions):
-        head = ([bos] if bos is not None else []) + p
-        ids = head + c + [eos]
-        labels = [IGNORE_INDEX] * len(head) + c + [eos]
-        truncated = len(ids) > max_len
-        ids, labels = ids[:max_len], labels[:max_len]
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["n_trainable"].append(sum(1 for x in labels if x != IGNORE_INDEX))
-        out["truncated"].append(truncated)
-    return out
 
 
 def _pool_size(num_proc: int, rows: int) -> int | None:
@@ -170,7 +125,7 @@ def _counts(ds) -> pd.DataFrame:
 
 
 def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
-                 kwargs: dict) -> str:
+                 kwargs: dict, datatype) -> str:
     """A content-derived datasets fingerprint, so `state.json` (and the DVC hash of the
     tokenized folder) is identical when the same inputs are tokenized again, on any machine.
     datasets would otherwise draw a random one (it cannot hash the tokenizer object)."""
@@ -180,26 +135,21 @@ def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
     h.update(json.dumps([max_len, bos, tok.eos_token_id, len(tok), model_ref]).encode())
     h.update(json.dumps(kwargs, sort_keys=True).encode())
     h.update(Path(__file__).read_bytes())
-    for module in ("chat.py", "classification.py", "encoding.py"):
-        h.update((Path(__file__).parent / module).read_bytes())
+    from finetune.datatypes import encoding
+
+    for source in (Path(encoding.__file__), *datatype.source_files()):
+        h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
 
 def _drop_untrainable(ds, counts: pd.DataFrame, role: str, max_fraction: float,
                       fingerprint: str):
-    total = len(counts)
     keep = counts["n_trainable"] > 0
-    dropped = int(total - keep.sum())
-    if total == 0:
-        raise PipelineError(f"tokenize split '{role}': no rows")
-    if dropped / total > max_fraction:
-        first = int(keep.idxmin())
-        raise PipelineError(
-            f"tokenize split '{role}': {dropped}/{total} rows have no trainable token "
-            f"(prompt fills max_seq_length or completion empty; first: row {first}); "
-            f"above data.max_dropped_fraction {max_fraction}: raise data.max_seq_length or "
-            "shorten the prompts"
-        )
+    dropped = int(len(counts) - keep.sum())
+    check_dropped(dropped, len(counts), max_fraction, f"tokenize split '{role}'",
+                  "no trainable token (prompt fills max_seq_length or completion empty)",
+                  None if keep.all() else int(keep.idxmin()),
+                  "raise data.max_seq_length or shorten the prompts")
     if dropped:
         ds = ds.select(counts.index[keep].tolist(), new_fingerprint=f"{fingerprint}-kept")
         counts = counts[keep].reset_index(drop=True)

@@ -59,7 +59,9 @@ def preflight(ws: Workspace) -> None:
     if cfg.data.streaming:
         from tasks.stream import holdout_rows, open_source
 
-        holdout_rows(cfg.data, open_source(cfg.data, ws.root))  # the train split exists
+        for name, part in cfg.data.parts():  # each training source's train split exists
+            if not cfg.data.eval_only(name):
+                holdout_rows(part, open_source(part, ws.root))
     elif not (ws.layout.tokenized / "train").exists():
         raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
     elif cfg.data.collate_fn:

@@ -1,4 +1,4 @@
-"""Chat datasets (data.dataset_type: chat, tasks/chat.py): the loss mask is the assistant turns
+"""Chat datasets (data.dataset_type: chat, finetune/datatypes/chat.py): the loss mask is the assistant turns
 with their end-of-turn marker under two templates, bad conversations are one line naming the
 row, and a chat dataset runs through all six stages."""
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT, copy_project, error_line, run_cli, stages_here, write_params
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
-from tasks.chat import IGNORE_INDEX, assistant_spans, encode_chat_batch, normalise
+from finetune.datatypes.chat import IGNORE_INDEX, assistant_spans, encode_chat_batch, normalise
 
 #: ends every assistant turn with the EOS token, so generation stops there
 PLAIN = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
@@ -79,8 +79,6 @@ def test_a_template_that_rewrites_earlier_turns_cannot_mark_them(tok):
 @pytest.mark.parametrize("conversation,message", [
     ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}],
      "message 1: unknown role 'bot'"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}],
-     "message 1 is an empty assistant turn"),
     ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
      "message 1 is user, expected assistant"),
     ([{"role": "user", "content": "hi"}], "does not end on an assistant turn"),
@@ -97,6 +95,18 @@ def test_conversations_are_checked_naming_the_row(conversation, message):
         normalise(conversation, None, where)
 
 
+@pytest.mark.parametrize("conversation", [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+     {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}],
+    [], None,
+])
+def test_a_conversation_with_nothing_to_learn_is_dropped_not_refused(conversation):
+    """No messages, or an empty assistant turn anywhere: None (the format step drops and
+    counts the row), where a malformed conversation is an error."""
+    assert normalise(conversation, None, "split 'train' row 3 column 'messages'") is None
+
+
 def test_keys_of_another_dataset_type_are_a_conflict():
     base = {"json_file_path": "x.jsonl"}
     with pytest.raises(ValueError, match="prompt_template does not apply to dataset_type chat"):
@@ -104,7 +114,7 @@ def test_keys_of_another_dataset_type_are_a_conflict():
     with pytest.raises(ValueError, match="chat_template does not apply to dataset_type "
                        "completion"):
         DataConfig(**base, chat_template=PLAIN)
-    assert DataConfig(**base, dataset_type="text").text_mode
+    assert DataConfig(**base, dataset_type="text").datatype.name == "text"
 
 
 def _chat_rows(n: int) -> list[dict]:

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from finetune.config.schema import FinetuneConfig
-from tasks.metrics import classification_metrics
+from finetune.datatypes.metrics import classification_metrics
 from conftest import copy_project, error_line, run_cli, stages_here, write_params
 
 WORDS = {"positive": "good", "negative": "bad"}
@@ -58,7 +58,7 @@ def test_classification_config_derives_the_classifier_and_refuses_lm_keys():
         ({"eval": {"generation_metrics": ["rouge"]}}, "does not combine with "
          "eval.generation_metrics"),
         ({"model": {"auto_class_name": "AutoModelForCausalLM"}}, "model.auto_class_name: "
-         "AutoModelForCausalLM does not classify"),
+         "AutoModelForCausalLM does not fit data.dataset_type classification"),
         ({"data": {**base["data"], "completion_template": "{x}"}},
          "completion_template does not apply to dataset_type classification"),
         ({"data": {**base["data"], "labels": ["a", "a"]}}, "repeats a class name"),

@@ -11,7 +11,8 @@ from finetune.errors import PipelineError
 from finetune.workspace import Workspace
 from tasks.download import download
 from tasks.format import format_prompts
-from tasks.tokenize import IGNORE_INDEX, tokenize
+from finetune.datatypes.encoding import IGNORE_INDEX
+from tasks.tokenize import tokenize
 
 from conftest import ROOT, copy_project, error_line, run_cli, stages_here, write_params
 
@@ -238,7 +239,7 @@ def test_token_ids_equal_the_tokenizer_call(kind):
     Rust backend was left in (truncation, special-token splitting)."""
     from transformers import AutoTokenizer
 
-    from tasks.tokenize import token_ids
+    from finetune.datatypes.encoding import token_ids
 
     if kind == "stories260K":
         tok = AutoTokenizer.from_pretrained(ROOT / "data/models/stories260K")

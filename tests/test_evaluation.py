@@ -23,7 +23,7 @@ GSM8K = r"####\s*(.+)"
     ("#### Paris", "#### paris."),        # non-numeric answers compare as plain text
 ])
 def test_exact_match_normalises_final_answers(prediction, reference):
-    from tasks.metrics import is_exact_match
+    from finetune.datatypes.metrics import is_exact_match
 
     assert is_exact_match(prediction, reference, GSM8K)
 
@@ -35,13 +35,13 @@ def test_exact_match_normalises_final_answers(prediction, reference):
     ("#### 18 then #### 19", "#### 19"),  # the first marked answer counts
 ])
 def test_exact_match_rejects_wrong_answers(prediction, reference):
-    from tasks.metrics import is_exact_match
+    from finetune.datatypes.metrics import is_exact_match
 
     assert not is_exact_match(prediction, reference, GSM8K)
 
 
 def test_exact_match_is_a_fraction_of_rows():
-    from tasks.metrics import exact_match
+    from finetune.datatypes.metrics import exact_match
 
     assert exact_match(["#### 1", "#### 2", "#### 9", "x"], ["#### 1", "#### 2", "#### 3",
                                                             "#### 4"], GSM8K) == 0.5
@@ -50,7 +50,7 @@ def test_exact_match_is_a_fraction_of_rows():
 def test_rouge_equals_the_packages_own_scores():
     from rouge_score import rouge_scorer
 
-    from tasks.metrics import generation_metrics
+    from finetune.datatypes.metrics import generation_metrics
 
     preds = ["the cat sat on the mat", "a quick brown dog jumps", "nothing in common"]
     refs = ["the cat is sitting on the mat", "the quick brown fox jumps over", "zebra"]

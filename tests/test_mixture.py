@@ -43,7 +43,9 @@ def test_mixture_config_errors_name_the_source():
         ({"sources": [two[0], {**two[1], "name": "a"}]}, "names must differ"),
         ({"sources": [two[0], {**two[1], "dataset_type": "classification",
                                "prompt_template": None, "completion_template": None}]},
-         "classification sources do not mix"),
+         r"sources\[1\] \(b\): dataset_type classification trains "
+         "AutoModelForSequenceClassification, sources\\[0\\] AutoModelForCausalLM; the sources of a "
+         "mixture train one model"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

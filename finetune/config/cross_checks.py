@@ -28,7 +28,7 @@ def check_pipeline(cfg) -> None:
         ("training.padding_free", t.padding_free, "stages pass fixed-shape activations"),
         ("data.collate_fn", bool(cfg.data.collate_fn),
          "the pipeline pads every batch to data.max_seq_length itself"),
-        ("data.dataset_type", cfg.data.dataset_type == "classification",
+        ("data.dataset_type", cfg.data.task.classifier,
          "the stages are a causal LM's decoder layers and head"),
         ("data.streaming", cfg.data.streaming, "not supported with pipeline stages yet"),
     )
@@ -119,7 +119,7 @@ def check_meta_construction(cfg) -> None:
         ("model.device_map", bool(m.device_map), "the strategy places the weights"),
         ("model.added_tokens", bool(m.added_tokens or m.special_tokens),
          "new embedding rows are the mean of the stored ones"),
-        ("data.dataset_type", cfg.data.dataset_type == "classification",
+        ("data.dataset_type", cfg.data.task.classifier,
          "a new classification head is initialised, not read"),
         ("training.qat_recipe", bool(t.qat_recipe), "QAT swaps the layers being built"),
         ("distributed.diloco.fsdp_group_size",

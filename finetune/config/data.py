@@ -57,16 +57,20 @@ class DataConfig(Section):
     )
     text_field: str | None = Field(
         None,
-        description="Plain-text training column when no templates are set "
-        "(auto-detected: 'text' or the only string column).",
+        description="The text column of a text or classification row, and of a completion "
+        "row when no template is set (auto-detected when omitted: 'text', 'content' or the "
+        "only string column). Setting it with no template or function set trains on it.",
     )
-    dataset_type: Literal["completion", "text", "chat", "classification"] = Field(
+    dataset_type: str = Field(
         "completion",
-        description="completion: prompt/completion from the templates (loss on the completion); "
-        "text: every token of one text column (text_field); chat: conversations in a messages "
-        "column (role/content, or ShareGPT from/value) rendered with a chat template, loss on "
-        "the assistant turns; classification: a text (text_field, or prompt_template/"
-        "prompt_func) and a label column, trained with AutoModelForSequenceClassification.",
+        description="What a row is. completion (alias seq_completion): prompt/completion from "
+        "the templates or functions (loss on the completion; no template: the text column); "
+        "text: every token of one text column (text_field); chat (aliases conversational, "
+        "sharegpt): conversations in a messages column (role/content, or ShareGPT from/value) "
+        "rendered with a chat template, loss on the assistant turns; classification: a text "
+        "(text_field, or prompt_template/prompt_func) and a label column, trained with "
+        "AutoModelForSequenceClassification; or a project's own type as 'module:Class' (a "
+        "finetune.datatypes.DatasetType subclass).",
     )
     label_column: str = Field(
         "label", validation_alias=AliasChoices("label_column", "target_column"),
@@ -104,7 +108,11 @@ class DataConfig(Section):
         0.05,
         ge=0,
         le=1,
-        description="Fail tokenize when more than this fraction of rows has no trainable token.",
+        description="Rows with nothing to learn are dropped and counted: in format, an empty "
+        "or whitespace-only completion, a conversation with an empty assistant turn, a "
+        "classification row without a label; in tokenize, a row left with no trainable token "
+        "(the prompt fills max_seq_length). A split where more than this fraction is dropped "
+        "fails the stage instead.",
     )
     num_proc: int = Field(1, gt=0, description="Worker processes for tokenization.")
     seed: int = Field(42, description="Seed for the train/test split and the stream shuffle.")
@@ -127,8 +135,30 @@ class DataConfig(Section):
         "reshuffled per epoch with seed + epoch.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _template_defaults_step_aside(cls, raw):
+        """The template defaults are the embedded GSM8K example's prompt and completion: they
+        apply to a completion dataset whose params say nothing about how rows become text.
+        A file that sets a template, a prompt or completion function or the text field, or
+        another dataset type, gets none of them (instead of a clash with its own choice)."""
+        if not isinstance(raw, dict) or raw.get("sources"):
+            return raw
+        shaping = [k for k in TEXT_KEYS if raw.get(k) is not None]
+        completion = _canonical_or_same(raw.get("dataset_type", "completion")) == "completion"
+        if shaping or not completion:
+            raw = {**{k: None for k in TEMPLATE_KEYS}, **raw}
+        return raw
+
+    @field_validator("dataset_type")
+    @classmethod
+    def _known_type(cls, name: str) -> str:
+        from finetune.datatypes.registry import canonical
+
+        return canonical(name)
+
     @model_validator(mode="after")
-    def _sources_and_templates(self) -> "DataConfig":
+    def _sources_and_type(self) -> "DataConfig":
         sources = [k for k in ("dataset_name", "json_file_path", "data_files") if getattr(self, k)]
         if self.sources is not None:
             self._check_mixture(sources)
@@ -142,20 +172,21 @@ class DataConfig(Section):
         if self.input_columns and not (self.prompt_func or self.completion_func):
             raise ValueError("input_columns selects what prompt_func/completion_func receive; "
                              "set one of them, or remove input_columns")
-        if self.dataset_type != "completion":
-            return self
-        for part in ("prompt", "completion"):
-            if getattr(self, f"{part}_template") is not None and getattr(self, f"{part}_func"):
-                raise ValueError(
-                    f"{part}_template and {part}_func are exclusive; set one of them to null"
-                )
-        has_prompt = self.prompt_template is not None or self.prompt_func
-        has_completion = self.completion_template is not None or self.completion_func
-        if has_prompt and not has_completion:
-            raise ValueError("a prompt is set but no completion_template/completion_func")
-        if has_completion and not has_prompt and self.text_field is None:
-            raise ValueError("a completion is set but no prompt_template/prompt_func")
+        self.datatype.check()
         return self
+
+    @property
+    def datatype(self):
+        """This (one-source) config's dataset type: the stages ask it, never the name."""
+        from finetune.datatypes.registry import type_class
+
+        return type_class(self.dataset_type)(self)
+
+    @property
+    def task(self):
+        """The model the data trains (finetune.datatypes.ModelTask); a mixture's sources all
+        train the same one (checked)."""
+        return self.parts()[0][1].datatype.task
 
     def _check_mixture(self, top_level: list[str]) -> None:
         """With `sources`, each source names its own dataset and is checked as the one-source
@@ -172,8 +203,7 @@ class DataConfig(Section):
         if self.mixing == "concatenate" and any(s.weight != 1.0 for s in self.sources):
             raise ValueError("sources: weights need mixing: interleave (concatenate keeps every "
                              "row of every source once)")
-        if self.streaming:
-            raise ValueError("streaming reads one source; set streaming: false with data.sources")
+        tasks = []
         for i, source in enumerate(self.sources):
             try:
                 part = self.for_source(source)
@@ -183,17 +213,26 @@ class DataConfig(Section):
                 msg = first["msg"].removeprefix("Value error, ")
                 raise ValueError(f"sources[{i}] ({source.name}): "
                                  f"{where + ': ' if where else ''}{msg}") from None
-            if part.dataset_type == "classification":
-                raise ValueError(f"sources[{i}] ({source.name}): classification sources do not "
-                                 "mix (one label map per model); use one source")
+            tasks.append(part.datatype.task)
+            if tasks[i] != tasks[0]:
+                raise ValueError(
+                    f"sources[{i}] ({source.name}): dataset_type {part.dataset_type} trains "
+                    f"{tasks[i].auto_class}, sources[0] {tasks[0].auto_class}; the sources of "
+                    "a mixture train one model")
 
     def for_source(self, source: "SourceConfig") -> "DataConfig":
         """The one-source config a source stands for: the keys it sets, the data section's
         for the rest (its templates, split_ratio, max_seq_length, seed, ...)."""
-        shared = {k: getattr(self, k) for k in type(self).model_fields
-                  if k not in SOURCE_LOCATION and k not in MIXTURE_KEYS}
         own = {k: getattr(source, k) for k in source.model_fields_set
                if k not in ("name", "weight", "eval_only")}
+        shared = {k: getattr(self, k) for k in self.model_fields_set
+                  if k not in SOURCE_LOCATION and k not in MIXTURE_KEYS and k not in own}
+        # how rows become text is the source's own when it says anything about it (or is of
+        # another type): the data section's templates step aside rather than clash
+        if any(own.get(k) is not None for k in TEXT_KEYS) or (
+                "dataset_type" in own and _canonical_or_same(own["dataset_type"])
+                != _canonical_or_same(self.dataset_type)):
+            shared = {k: v for k, v in shared.items() if k not in TEXT_KEYS}
         return DataConfig(**{**shared, **own})
 
     def eval_only(self, name: str | None) -> bool:
@@ -208,33 +247,17 @@ class DataConfig(Section):
         return [(s.name, self.for_source(s)) for s in self.sources]
 
     def _check_type_keys(self) -> None:
-        """Keys of another dataset type, set in the params file, are a conflict, not ignored
-        (the template defaults belong to `completion` and are not used by the others)."""
-        templates = ("prompt_template", "prompt_func", "completion_template", "completion_func")
-        chat = ("messages_field", "chat_template", "system_prompt", "assistant_only_loss",
-                "last_turn_only")
-        classes = ("label_column", "labels")
-        foreign = {"completion": chat + classes, "text": templates + chat + classes,
-                   "chat": templates + ("text_field",) + classes,
-                   "classification": templates[2:] + chat}[self.dataset_type]
+        """A key that belongs to other dataset types only, set in the params file, is a
+        conflict, not ignored."""
+        from finetune.datatypes.registry import type_keys
+
         fields = type(self).model_fields
+        foreign = sorted(type_keys() - set(self.datatype.keys), key=list(fields).index)
         clash = [k for k in foreign if k in self.model_fields_set
                  and getattr(self, k) not in (None, fields[k].default)]
         if clash:
             raise ValueError(f"{clash[0]} does not apply to dataset_type {self.dataset_type}; "
                              "remove it or change data.dataset_type")
-        if self.last_turn_only and not self.assistant_only_loss:
-            raise ValueError("last_turn_only needs assistant_only_loss: true")
-        if self.streaming and self.dataset_type in ("chat", "classification"):
-            raise ValueError(f"streaming reads completion and text datasets; a "
-                             f"{self.dataset_type} dataset is formatted and tokenized by its "
-                             "stages: set streaming: false")
-        if self.dataset_type == "classification":
-            if self.input_template_key and self.text_field:
-                raise ValueError(f"text_field and {self.input_template_key} both name the "
-                                 "classification input; set one of them")
-            if self.labels and len(set(self.labels)) != len(self.labels):
-                raise ValueError(f"labels {self.labels} repeats a class name")
 
     sources: list["SourceConfig"] | None = Field(
         None, min_length=2,
@@ -256,26 +279,6 @@ class DataConfig(Section):
         "source has been seen whole (the others repeat: oversampling).",
     )
 
-    @property
-    def text_mode(self) -> bool:
-        """Train on every token of one text column: dataset_type text, or no templates at
-        all."""
-        if self.dataset_type != "completion":
-            return self.dataset_type == "text"
-        return not any(
-            (self.prompt_template, self.prompt_func, self.completion_template, self.completion_func)
-        )
-
-    @property
-    def input_template_key(self) -> str | None:
-        """classification: the prompt key that renders the input text, when one is set to
-        another value than its default (the defaults belong to `completion`)."""
-        fields = type(self).model_fields
-        for key in ("prompt_template", "prompt_func"):
-            if getattr(self, key) not in (None, fields[key].default):
-                return key
-        return None
-
 
 #: keys that belong to one source (a `sources` entry may set them, else it inherits the data
 #: section's; the rest are shared by all)
@@ -287,6 +290,19 @@ PER_SOURCE = ("dataset_name", "subset", "json_file_path", "data_files", "train_s
 #: the keys that say where a source's rows come from (never at the top level with sources)
 SOURCE_LOCATION = ("dataset_name", "json_file_path", "data_files")
 MIXTURE_KEYS = ("sources", "mixing", "stopping_strategy")
+TEMPLATE_KEYS = ("prompt_template", "prompt_func", "completion_template", "completion_func")
+#: the keys that say how a row becomes text
+TEXT_KEYS = TEMPLATE_KEYS + ("text_field",)
+
+
+def _canonical_or_same(name):
+    """An alias's type name (validation proper reports an unknown one)."""
+    from finetune.datatypes.registry import canonical
+
+    try:
+        return canonical(name) if isinstance(name, str) else name
+    except ValueError:
+        return name
 
 
 def _source_fields() -> dict[str, Any]:

@@ -12,12 +12,10 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator
 
 from finetune.config.section import Section
+from finetune.datatypes.metrics import CLASSIFICATION_METRICS, GENERATION_METRICS, ROUGE_KEYS
 
-GENERATION_METRICS = ("exact_match", "rouge")
-ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
-CLASSIFICATION_GATES = ("eval.accuracy", "eval.macro_f1")
 GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
-                *(f"eval.{k}" for k in ROUGE_KEYS), *CLASSIFICATION_GATES)
+                *(f"eval.{k}" for k in ROUGE_KEYS), *(f"eval.{k}" for k in CLASSIFICATION_METRICS))
 
 
 class EvalConfig(Section):

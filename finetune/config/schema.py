@@ -16,8 +16,8 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from finetune.config import reads
 from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
-from finetune.config.outputs import (CLASSIFICATION_GATES, EvalConfig, ExportConfig,
-                                     RegistryConfig)
+from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
+from finetune.datatypes.base import CAUSAL_LM, SEQUENCE_CLASSIFICATION
 from finetune.config.cross_checks import (check_diloco, check_meta_construction, check_pipeline,
                                           check_streaming)
 from finetune.config.reporting import LoggingConfig
@@ -35,6 +35,11 @@ SCHEDULERS = (
     "warmup_stable_decay",
 )
 
+
+#: the model classes and peft tasks the dataset types derive: set by hand, one of another task
+#: is a conflict (a project's own class is its business)
+_TASK_DEFAULTS = {"auto_class_name": {t.auto_class for t in (CAUSAL_LM, SEQUENCE_CLASSIFICATION)},
+                  "task_type": {t.peft_task_type for t in (CAUSAL_LM, SEQUENCE_CLASSIFICATION)}}
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                       "cls_token", "mask_token", "additional_special_tokens")
@@ -287,9 +292,14 @@ class FinetuneConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _data_tokenizer_name(cls, raw):
-        """Seeds 003/004 write the tokenizer under data (`data.tokenizer_name`); it is the
-        model section's tokenizer_name_or_path."""
+    def _seed_names(cls, raw):
+        """Seed 004 calls the data section `dataset:`; seeds 003/004 write the tokenizer under
+        it (`data.tokenizer_name`), which is the model section's tokenizer_name_or_path."""
+        if isinstance(raw, dict) and "dataset" in raw:
+            if "data" in raw:
+                raise ValueError("the params file has both a data: and a dataset: section "
+                                 "(dataset is seed 004's name for data); keep one")
+            raw = {("data" if k == "dataset" else k): v for k, v in raw.items()}
         if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
             return raw
         if "tokenizer_name" not in raw["data"]:
@@ -345,7 +355,7 @@ class FinetuneConfig(Section):
                 "checkpoint.save_on_each_node needs each node to hold the whole training state, "
                 "but FSDP2 shards it across the nodes; keep the checkpoint folder on storage all "
                 "nodes share, or use ddp")
-        self._check_classification()
+        self._check_model_task()
         self._check_best_model()
         self._check_resume_ignore_changes()
         if self.data.streaming:
@@ -367,31 +377,31 @@ class FinetuneConfig(Section):
                     "base_model); keys outside it never block a resume"
                 )
 
-    def _check_classification(self) -> None:
-        """A classification dataset trains a sequence classifier: the model class and peft task
-        follow from it unless set, and what only fits a language model is refused."""
-        classify = self.data.dataset_type == "classification"
-        derived = (("model", "auto_class_name", "AutoModelForCausalLM",
-                    "AutoModelForSequenceClassification"),
-                   ("peft", "task_type", "CAUSAL_LM", "SEQ_CLS"))
-        for section_name, key, lm, classifier in derived:
+    def _check_model_task(self) -> None:
+        """The dataset type decides the model (finetune.datatypes.ModelTask): its class and
+        peft task follow unless set, a gate metric must be one the type reports, and what only
+        fits a language model is refused for a classifier."""
+        task = self.data.task
+        derived = (("model", "auto_class_name", task.auto_class),
+                   ("peft", "task_type", task.peft_task_type))
+        for section_name, key, wanted in derived:
             section = getattr(self, section_name)
-            wanted = classifier if classify else lm
             if key not in section.model_fields_set:
                 if getattr(section, key) != wanted:
                     setattr(section, key, wanted)
                     section.model_fields_set.discard(key)  # still the derived default
-            elif classify and getattr(section, key) == lm:
-                raise ValueError(f"{section_name}.{key}: {lm} does not classify; remove it (data."
-                                 f"dataset_type classification uses {classifier})")
-            elif not classify and getattr(section, key) == classifier and section_name == "peft":
-                raise ValueError(f"peft.task_type: SEQ_CLS needs data.dataset_type: "
-                                 "classification")
-        gate = self.registry.gate_metric
-        if not classify:
-            if gate in CLASSIFICATION_GATES:
-                raise ValueError(f"registry.gate_metric {gate} is computed for data.dataset_type "
-                                 "classification only")
+            elif getattr(section, key) in _TASK_DEFAULTS[key] - {wanted}:
+                raise ValueError(f"{section_name}.{key}: {getattr(section, key)} does not fit "
+                                 f"data.dataset_type {self.data.dataset_type} (it trains "
+                                 f"{task.auto_class} with peft task {task.peft_task_type}); "
+                                 "remove it")
+        gate = self.registry.gate_metric.removeprefix("eval.")
+        reported = {m for _, part in self.data.parts() for m in part.datatype.reported_metrics()}
+        if gate not in reported:
+            raise ValueError(f"registry.gate_metric eval.{gate} is not reported for "
+                             f"data.dataset_type {self.data.dataset_type} (it reports "
+                             f"{', '.join('eval.' + m for m in sorted(reported))})")
+        if not task.classifier:
             return
         t = self.training
         refused = (("training.packing", t.packing, "a row is one labelled text"),
@@ -400,12 +410,13 @@ class FinetuneConfig(Section):
                     "a classifier does not generate; it reports accuracy and macro_f1"))
         for key, hit, why in refused:
             if hit:
-                raise ValueError(f"data.dataset_type classification does not combine with {key} "
-                                 f"({why})")
+                raise ValueError(f"data.dataset_type {self.data.dataset_type} trains a "
+                                 f"classifier, which does not combine with {key} ({why})")
         default_chunk = type(t).model_fields["loss_chunk_tokens"].default
         if t.loss_chunk_tokens not in (None, default_chunk):
             raise ValueError("training.loss_chunk_tokens chunks a vocabulary head; a classifier "
-                             "has none: remove it for data.dataset_type classification")
+                             "has none: remove it for data.dataset_type "
+                             f"{self.data.dataset_type}")
 
     def _check_best_model(self) -> None:
         """HF's rules: the best model needs an eval at every checkpoint it could be."""

@@ -1,4 +1,5 @@
-"""Generation metrics: exact match of a final answer, and ROUGE from the rouge-score package.
+"""Evaluation metrics the dataset types report: exact match of a final answer and ROUGE (from
+the rouge-score package) on generations, accuracy and macro-F1 on a classifier's predictions.
 
 Exact match compares *normalised final answers*, not whole texts: a GSM8K reference ends in
 `#### 1,000` and a model may write `#### $1000.00`; both are the number 1000. Numbers compare
@@ -11,8 +12,10 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from finetune.config.outputs import ROUGE_KEYS
-
+#: eval.generation_metrics choices; rouge reports the three ROUGE_KEYS
+GENERATION_METRICS = ("exact_match", "rouge")
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+CLASSIFICATION_METRICS = ("accuracy", "macro_f1")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 

@@ -1,11 +1,11 @@
-"""Chat conversations (`data.dataset_type: chat`): checked messages, rendered with a chat
-template, trained on the assistant turns.
+"""`chat`: conversations rendered with a chat template, trained on the assistant turns.
 
 Rows hold a list of messages, OpenAI style (`role`/`content`, column `messages`) or ShareGPT
-(`from`/`value`, column `conversations`; `human` -> user, `gpt` -> assistant). The format stage
-checks and normalises them (roles, order, non-empty assistant turns, a conversation ending on
-an assistant turn) and renders, for evaluation, the prompt up to the last assistant turn with
-the template's generation prompt; the tokenize stage renders the whole conversation.
+(`from`/`value`, column `conversations`; `human` -> user, `gpt` -> assistant). The format step
+checks and normalises them (roles, order, a conversation ending on an assistant turn) and
+renders, for evaluation, the prompt up to the last assistant turn with the template's
+generation prompt; tokenization renders the whole conversation. A conversation with nothing to
+learn (no messages, or an empty assistant turn) is dropped and counted.
 
 The loss mask comes from the template's own rendering, not from searching for the response
 text: for each assistant turn the conversation is rendered up to the turn with the generation
@@ -22,35 +22,81 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
-from finetune.config.data import DataConfig
+from finetune.datatypes.base import DataContext, DatasetType, Formatted
+from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding
 from finetune.errors import PipelineError
 
-IGNORE_INDEX = -100
 FIELDS = ("messages", "conversations")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "system": "system"}
 
 
-def messages_field(frame: pd.DataFrame, data: DataConfig, split: str) -> str:
+class ChatType(DatasetType):
+    name = "chat"
+    aliases = ("conversational", "sharegpt")  # TRL's and Axolotl's names
+    keys = ("messages_field", "chat_template", "system_prompt", "assistant_only_loss",
+            "last_turn_only")
+
+    def check(self) -> None:
+        if self.data.last_turn_only and not self.data.assistant_only_loss:
+            raise ValueError("last_turn_only needs assistant_only_loss: true")
+
+    def required_columns(self) -> list[str]:
+        return [self.data.messages_field] if self.data.messages_field else []
+
+    def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
+        """Formatted rows: the checked conversation (JSON), and for evaluation the prompt up to
+        the last assistant turn with the generation prompt and that turn's content."""
+        import pandas as pd
+
+        field = messages_field(frame, self.data, split)
+        tok, template = ctx.tokenizer, chat_template(self.data, ctx.tokenizer, ctx.root)
+        # generation prompts get BOS from the evaluate stage where the tokenizer adds one
+        strip_bos = tok.bos_token if ctx.bos is not None else None
+        messages, prompts, completions, dropped = [], [], [], []
+        for i, value in enumerate(frame[field].tolist(), start=first_row):
+            conv = normalise(value, self.data.system_prompt,
+                             f"split '{split}' row {i} column '{field}'")
+            if conv is None:
+                dropped.append(i)
+                continue
+            messages.append(json.dumps(conv, ensure_ascii=False))
+            prompt = render(tok, template, conv[:-1], generation_prompt=True)
+            if strip_bos and prompt.startswith(strip_bos):
+                prompt = prompt[len(strip_bos):]
+            prompts.append(prompt)
+            completions.append(conv[-1]["content"])
+        rows = pd.DataFrame({"prompt": prompts, "completion": completions, "messages": messages})
+        return Formatted(rows, dropped, "no messages or an empty assistant turn")
+
+    def encoder(self, ctx: DataContext):
+        d = self.data
+        return encode_chat_batch, {
+            "template": chat_template(d, ctx.tokenizer, ctx.root), "bos": ctx.bos,
+            "max_len": d.max_seq_length, "assistant_only": d.assistant_only_loss,
+            "last_only": d.last_turn_only}
+
+
+def messages_field(frame, data, split: str) -> str:
     """`data.messages_field`, else `messages`, else `conversations`."""
     if data.messages_field:
         if data.messages_field not in frame.columns:
             raise PipelineError(f"data.messages_field '{data.messages_field}' is not a column of "
-                                f"split '{split}' (columns: {', '.join(frame.columns)})")
+                                f"split '{split}' (columns: {', '.join(map(str, frame.columns))})")
         return data.messages_field
     found = next((f for f in FIELDS if f in frame.columns), None)
     if found is None:
         raise PipelineError(f"dataset_type chat: split '{split}' has no 'messages' or "
-                            f"'conversations' column (columns: {', '.join(frame.columns)}); set "
-                            "data.messages_field")
+                            f"'conversations' column (columns: "
+                            f"{', '.join(map(str, frame.columns))}); set data.messages_field")
     return found
 
 
-def normalise(value: Any, system_prompt: str | None, where: str) -> list[dict[str, str]]:
+def normalise(value: Any, system_prompt: str | None, where: str) -> list[dict[str, str]] | None:
     """One row's conversation as [{role, content}], checked: an optional system message first,
-    then user and assistant alternating from a user turn, ending on a non-empty assistant turn."""
+    then user and assistant alternating from a user turn, ending on an assistant turn. None
+    when it has nothing to learn: no messages, or an assistant turn that is empty or
+    whitespace only (training on it would teach the model to answer nothing)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -59,8 +105,10 @@ def normalise(value: Any, system_prompt: str | None, where: str) -> list[dict[st
                                 ) from None
     if hasattr(value, "tolist"):  # a numpy array from parquet
         value = value.tolist()
-    if not isinstance(value, list) or not value:
-        raise PipelineError(f"{where}: not a non-empty list of messages")
+    if value is None or (isinstance(value, list) and not value):
+        return None
+    if not isinstance(value, list):
+        raise PipelineError(f"{where}: not a list of messages")
     out = []
     for turn, m in enumerate(value):
         m = dict(m) if hasattr(m, "keys") else m
@@ -88,15 +136,14 @@ def normalise(value: Any, system_prompt: str | None, where: str) -> list[dict[st
             raise PipelineError(f"{where}: message {turn + len(out) - len(body)} is "
                                 f"{m['role']}, expected {expected} (user and assistant "
                                 "alternate from a user turn; a system message only first)")
-        if expected == "assistant" and not m["content"].strip():
-            raise PipelineError(f"{where}: message {turn + len(out) - len(body)} is an empty "
-                                "assistant turn")
     if not body or body[-1]["role"] != "assistant":
         raise PipelineError(f"{where}: the conversation does not end on an assistant turn")
+    if any(m["role"] == "assistant" and not m["content"].strip() for m in body):
+        return None
     return out
 
 
-def chat_template(data: DataConfig, tok, root: Path) -> str:
+def chat_template(data, tok, root: Path) -> str:
     """`data.chat_template` (a Jinja string, or a file relative to the project), else the
     tokenizer's own; none is one line."""
     given = data.chat_template
@@ -119,27 +166,6 @@ def render(tok, template: str, messages: list[dict], generation_prompt: bool = F
                                    add_generation_prompt=generation_prompt)
 
 
-def format_chat(frame: pd.DataFrame, data: DataConfig, tok, template: str,
-                split: str) -> pd.DataFrame:
-    """Formatted rows: the checked conversation (JSON), and for evaluation the prompt up to the
-    last assistant turn with the generation prompt and that turn's content as the reference."""
-    from engine.model import bos_prefix_id
-
-    field = messages_field(frame, data, split)
-    # generation prompts get BOS from the evaluate stage where the tokenizer adds one
-    strip_bos = tok.bos_token if bos_prefix_id(tok) is not None else None
-    messages, prompts, completions = [], [], []
-    for i, value in enumerate(frame[field].tolist()):
-        conv = normalise(value, data.system_prompt, f"split '{split}' row {i} column '{field}'")
-        messages.append(json.dumps(conv, ensure_ascii=False))
-        prompt = render(tok, template, conv[:-1], generation_prompt=True)
-        if strip_bos and prompt.startswith(strip_bos):
-            prompt = prompt[len(strip_bos):]
-        prompts.append(prompt)
-        completions.append(conv[-1]["content"])
-    return pd.DataFrame({"prompt": prompts, "completion": completions, "messages": messages})
-
-
 def assistant_spans(tok, template: str, conv: list[dict], where: str) -> tuple[str, list]:
     """The rendered conversation and the [start, end) characters of each assistant turn."""
     full = render(tok, template, conv)
@@ -160,17 +186,15 @@ def assistant_spans(tok, template: str, conv: list[dict], where: str) -> tuple[s
 
 def encode_chat_batch(batch: dict[str, list], tok, template: str, bos: int | None,
                       max_len: int, assistant_only: bool, last_only: bool) -> dict[str, list]:
-    """The tokenize stage's map function for chat rows (the columns of tasks/tokenize.py's
-    encode_batch). `assistant_only`: train the assistant turns (else every token);
-    `last_only`: only the last assistant turn."""
-    out: dict[str, list] = {"input_ids": [], "labels": [], "n_trainable": [], "truncated": []}
+    """The tokenize map function for chat rows. `assistant_only`: train the assistant turns
+    (else every token); `last_only`: only the last assistant turn."""
+    out = empty_encoding()
     for i, text in enumerate(batch["messages"]):
         full, spans = assistant_spans(tok, template, json.loads(text), f"row {i}")
         if last_only:
             spans = spans[-1:]
         enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
         head = [bos] if bos is not None and not full.startswith(tok.bos_token or "\0") else []
-        ids = head + enc["input_ids"]
         if assistant_only:
             # a token overlapping a turn is trained: a word piece may carry the space before
             # the turn's first word ("Assistant: It" -> "▁It")
@@ -180,9 +204,5 @@ def encode_chat_batch(batch: dict[str, list], tok, template: str, bos: int | Non
             trained = [True] * len(enc["input_ids"])
         labels = [IGNORE_INDEX] * len(head) + [t if keep else IGNORE_INDEX
                                                for t, keep in zip(enc["input_ids"], trained)]
-        out["truncated"].append(len(ids) > max_len)
-        ids, labels = ids[:max_len], labels[:max_len]
-        out["input_ids"].append(ids)
-        out["labels"].append(labels)
-        out["n_trainable"].append(sum(1 for x in labels if x != IGNORE_INDEX))
+        add_row(out, head + enc["input_ids"], labels, max_len)
     return out

@@ -1,0 +1,204 @@
+"""The `DatasetType` interface: everything the pipeline needs to know about one kind of row.
+
+A dataset type owns its rows from the raw file to the metrics: which data keys it reads and
+their rules (config), which raw columns it needs (download's contract), how a raw row becomes a
+formatted row and which rows have nothing to learn (format), how a formatted row becomes tokens
+with its label mask (tokenize, and the stream, which chains the two), what the evaluate stage
+prompts with, compares against and reports, and which model it trains (`task`: export, the
+model class and the engine's loss follow from it). The stages ask the type; none of them knows
+a type's name.
+
+A type is one module: a subclass with a `name`, its `keys`, and `format` and `encoder`.
+Built-in types are listed in finetune.datatypes.registry; a project's own is named in the
+params file as `module:Class` (or `path/to/file:Class`) like the other extension points.
+Configs are not imported here (the config imports this package): `data` is the validated
+`finetune.config.data.DataConfig` of one source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from finetune.datatypes.encoding import bos_prefix_id
+
+#: a tokenize map function: (batch of formatted columns, tok=..., **kwargs) -> encoded columns
+Encoder = Callable[..., dict[str, list]]
+
+
+@dataclass(frozen=True)
+class ModelTask:
+    """The model a type trains: what loads it, what PEFT adapts, how it is served."""
+
+    auto_class: str
+    peft_task_type: str
+    pipeline_tag: str
+    #: one label per row (its class id, on the last token): a classification head, the class
+    #: names next to the data and the weights, predictions instead of generations
+    classifier: bool
+
+
+CAUSAL_LM = ModelTask("AutoModelForCausalLM", "CAUSAL_LM", "text-generation", False)
+SEQUENCE_CLASSIFICATION = ModelTask("AutoModelForSequenceClassification", "SEQ_CLS",
+                                    "text-classification", True)
+
+
+@dataclass
+class DataContext:
+    """What a stage hands a type: the project root (template and function files), the
+    tokenizer (loaded on first use: most types format without one) and, for a classifier, the
+    class names in id order."""
+
+    root: Path
+    load_tokenizer: Callable[[], Any]
+    labels: list[str] | None = None
+    _tokenizer: Any = field(default=None, repr=False)
+    _bos: Any = field(default=False, repr=False)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = self.load_tokenizer()
+        return self._tokenizer
+
+    @property
+    def bos(self) -> int | None:
+        """BOS to prepend to every sequence (None when the tokenizer adds none)."""
+        if self._bos is False:
+            self._bos = bos_prefix_id(self.tokenizer)
+        return self._bos
+
+
+@dataclass
+class Formatted:
+    """A split after the format step: the rows kept, in order, and the row numbers dropped for
+    having nothing to learn (empty completion, empty assistant turn, no label)."""
+
+    rows: Any  # pandas.DataFrame with at least prompt and completion (evaluate reads them)
+    dropped: list[int]
+    #: why the dropped rows have nothing to learn, for the count's message
+    reason: str = "nothing to train on"
+
+    @classmethod
+    def without_empty(cls, rows, first_row: int, reason: str) -> "Formatted":
+        """Prompt/completion rows minus those whose completion is empty or whitespace only
+        (nothing to learn)."""
+        empty = rows["completion"].str.strip() == ""
+        dropped = [first_row + int(i) for i in rows.index[empty]]
+        return cls(rows[~empty].reset_index(drop=True), dropped, reason)
+
+
+class DatasetType:
+    """One kind of row. Subclasses set `name`, `keys` (and `aliases`, `task` where they differ)
+    and implement `format` and `encoder`; the rest has defaults that fit prompt/completion
+    rows."""
+
+    #: the value of data.dataset_type
+    name: ClassVar[str] = ""
+    #: other names users write for it (seed 004's `seq_completion`)
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: the data keys only this type reads; another type's key set in a params file is a
+    #: conflict, not silently ignored
+    keys: ClassVar[tuple[str, ...]] = ()
+    task: ClassVar[ModelTask] = CAUSAL_LM
+
+    def __init__(self, data):
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    # -- config ------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Rules among this type's own keys, run when the params file is validated; raise
+        ValueError with one line naming the key."""
+
+    # -- download ----------------------------------------------------------------------------
+    def required_columns(self) -> list[str]:
+        """Raw columns the type reads, required present and non-null in every split (empty:
+        found while formatting, e.g. an auto-detected text column)."""
+        return []
+
+    def nullable_columns(self) -> tuple[str, ...]:
+        """Required columns whose nulls mark rows the format step drops and counts."""
+        return ()
+
+    # -- format ------------------------------------------------------------------------------
+    def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
+        """Raw rows (a pandas DataFrame) -> formatted rows: `prompt` and `completion` (what
+        evaluate prompts with and compares against) and whatever the encoder reads. Rows with
+        nothing to learn are dropped and reported in `Formatted.dropped`; a row that cannot
+        be one at all (wrong type, unknown label) is a PipelineError naming split and row.
+        `first_row`: the number of the frame's first row (a stream formats chunk by chunk)."""
+        raise NotImplementedError
+
+    def formatted_schema(self):
+        """The pandera contract of formatted rows."""
+        from finetune.datatypes.contract import pair_schema
+
+        return pair_schema(empty_prompt=False)
+
+    def label_values(self, train) -> list[str] | None:
+        """A classifier's labels as they occur in a raw train split (the label map is made
+        from every training source's); None: the type has no labels."""
+        return None
+
+    # -- tokenize ----------------------------------------------------------------------------
+    def encoder(self, ctx: DataContext) -> tuple[Encoder, dict[str, Any]]:
+        """The tokenize map function and its arguments besides `tok`: a module-level function
+        (datasets may run it in worker processes) and JSON-able kwargs (they are part of the
+        tokenized split's fingerprint). It returns finetune.datatypes.encoding's columns."""
+        raise NotImplementedError
+
+    # -- stream ------------------------------------------------------------------------------
+    def examples(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> list[dict]:
+        """Raw rows -> training examples, as format then tokenize would make them (rows with
+        nothing to learn, or no trainable token after truncation, left out): the streamed
+        train split's form of the type."""
+        formatted = self.format(frame, split, ctx, first_row)
+        fn, kwargs = self.encoder(ctx)
+        enc = fn(formatted.rows.to_dict("list"), tok=ctx.tokenizer, **kwargs)
+        return [{"input_ids": ids, "labels": labels}
+                for ids, labels, n in zip(enc["input_ids"], enc["labels"], enc["n_trainable"])
+                if n]
+
+    # -- evaluate ----------------------------------------------------------------------------
+    def eval_rows(self, formatted):
+        """The evaluate stage's prompts and references (columns `prompt`, `reference`) from a
+        formatted test split."""
+        return formatted[["prompt", "completion"]].rename(columns={"completion": "reference"})
+
+    def reported_metrics(self) -> tuple[str, ...]:
+        """Every metric the evaluate stage can report for this type (registry.gate_metric
+        names one of them)."""
+        from finetune.datatypes.metrics import GENERATION_METRICS, ROUGE_KEYS
+
+        named = tuple(m for m in GENERATION_METRICS if m != "rouge")
+        return ("loss", "perplexity", *named, *ROUGE_KEYS)
+
+    def score(self, predictions: list, references: list, ev, ctx: DataContext
+              ) -> dict[str, float]:
+        """Metrics of one model's predictions (generated texts, or class ids for a
+        classifier) against the references; `ev`: the eval section."""
+        from finetune.datatypes.metrics import generation_metrics
+
+        return generation_metrics(ev.generation_metrics, predictions, references,
+                                  ev.answer_regex)
+
+    # -- the source of a type's code, for fingerprints ----------------------------------------
+    @classmethod
+    def source_files(cls) -> list[Path]:
+        """The files whose code decides this type's output (its class and its bases'), so a
+        change to any of them changes the tokenized split's fingerprint."""
+        import inspect
+
+        files = []
+        for klass in cls.__mro__:
+            if klass is object:
+                continue
+            try:
+                files.append(Path(inspect.getfile(klass)))
+            except TypeError:
+                continue
+        return list(dict.fromkeys(files))

@@ -1,0 +1,67 @@
+"""`completion` (seed 004: `seq_completion`): a prompt and a completion rendered from each row's
+columns by `{column}` templates or `module:function` callables; the loss is on the completion
+(and its EOS) only.
+
+With no template and no function it is the `text` type: every token of one text column is
+trained (seeds 000/001: the text field is auto-detected when omitted).
+"""
+
+from __future__ import annotations
+
+from finetune.datatypes.base import DataContext, Formatted
+from finetune.datatypes.rows import TEMPLATE_KEYS, builder, placeholders, render
+from finetune.datatypes.text import TextType
+
+
+class CompletionType(TextType):
+    name = "completion"
+    aliases = ("seq_completion",)
+    keys = TEMPLATE_KEYS + ("input_columns", "text_field")
+
+    @property
+    def plain_text(self) -> bool:
+        """No template and no function: the text type's rows."""
+        return not any(getattr(self.data, k) for k in TEMPLATE_KEYS)
+
+    def check(self) -> None:
+        d = self.data
+        for part in ("prompt", "completion"):
+            if getattr(d, f"{part}_template") is not None and getattr(d, f"{part}_func"):
+                raise ValueError(
+                    f"{part}_template and {part}_func are exclusive; set one of them to null")
+        has_prompt = d.prompt_template is not None or d.prompt_func
+        has_completion = d.completion_template is not None or d.completion_func
+        if has_prompt and not has_completion:
+            raise ValueError("a prompt is set but no completion_template/completion_func")
+        if has_completion and not has_prompt:
+            raise ValueError("a completion is set but no prompt_template/prompt_func")
+        if d.text_field and not self.plain_text:
+            raise ValueError("text_field names the column trained on when no template is set; "
+                             "with templates it would be unused: remove it or the templates")
+
+    def required_columns(self) -> list[str]:
+        d = self.data
+        if self.plain_text:
+            return super().required_columns()
+        cols: list[str] = []
+        for key in ("prompt_template", "completion_template"):
+            if getattr(d, key) is not None:
+                cols += placeholders(getattr(d, key), key)
+        if (d.prompt_func or d.completion_func) and d.input_columns:
+            cols += d.input_columns
+        return list(dict.fromkeys(cols))
+
+    def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
+        import pandas as pd
+
+        if self.plain_text:
+            return super().format(frame, split, ctx, first_row)
+        texts = render(frame, {"prompt": builder(self.data, "prompt"),
+                               "completion": builder(self.data, "completion")},
+                       split, first_row)
+        return Formatted.without_empty(pd.DataFrame(texts), first_row, "empty completion")
+
+    def formatted_schema(self):
+        from finetune.datatypes.contract import pair_schema
+
+        return pair_schema(empty_prompt=self.plain_text)
