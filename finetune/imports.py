@@ -1,8 +1,9 @@
 """`module:name` references: how a params file names user code (callbacks, model classes,
 prompt functions) and how the launcher names the worker's stream source. The module may also be
 a file of the project, as the seeds write it: `preprocess/alpaca_func:create_alpaca_prompt` is
-`preprocess/alpaca_func.py` (relative to the working directory, the project root in every stage
-and worker), `name` in it.
+`preprocess/alpaca_func.py` of the project, `name` in it: relative to the project root while a
+params file is validated (`project_files`), else to the working directory (the project root in
+every stage and worker).
 
 One loader so that every such key fails the same way: one line naming the key, the reference
 and why it could not be imported.
@@ -10,14 +11,29 @@ and why it could not be imported.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from finetune.errors import PipelineError
+
+_project_root: Path | None = None
+
+
+@contextlib.contextmanager
+def project_files(root: Path) -> Iterator[None]:
+    """While a params file is validated, its file references resolve against its project (a
+    `finetune validate -p other/params.yaml` run from anywhere finds the project's files)."""
+    global _project_root
+    before, _project_root = _project_root, root
+    try:
+        yield
+    finally:
+        _project_root = before
 
 
 def load_object(ref: str, key: str) -> Any:
@@ -44,7 +60,8 @@ def load_object(ref: str, key: str) -> Any:
 
 def _from_file(name: str):
     """`path/to/file` or `path/to/file.py` -> that file, loaded once as a module."""
-    path = Path(name if name.endswith(".py") else f"{name}.py").resolve()
+    path = Path(name if name.endswith(".py") else f"{name}.py")
+    path = (_project_root / path if _project_root and not path.is_absolute() else path).resolve()
     if not path.is_file():
         raise ImportError(f"no file {path}")
     module_name = f"finetune_user_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}_{path.stem}"

@@ -88,8 +88,9 @@ def cmd_stage(args) -> int:
     bind_to_orchestrator_if_asked()  # under the orchestrator's dvc: a cancelled task ends us too
 
     ws = Workspace.load(args.params, args.overrides)
-    # project modules named in params ('module:function' / 'module:Class') import from the
-    # project root in every stage, as they do in the torchrun workers (PYTHONPATH)
+    # project modules named in params ('module:function', 'path/to/file:Class') import from
+    # the project root in every stage, as they do in the torchrun workers (cwd, PYTHONPATH)
+    os.chdir(ws.root)
     if str(ws.root) not in sys.path:
         sys.path.insert(0, str(ws.root))
     from finetune.config import reads

@@ -16,6 +16,7 @@ left out on the fly (a stream cannot be counted ahead).
 from __future__ import annotations
 
 import os
+import re
 from itertools import islice
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,6 +33,8 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parqu
 CHUNK = 256
 #: train rows the download stage checks against the raw contract
 HEAD_ROWS = 100
+#: a split, or rows of it by number: `train`, `train[:1000]`, `train[100:600]`
+ROW_SLICE = re.compile(r"^([^\[\]+%]+?)(?:\[(\d*):(\d*)\])?$")
 
 
 def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
@@ -50,8 +53,9 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
                         "the network, or point data.data_files at local files") from exc
     if local is not None and local.is_dir():
         return dict(datasets.load_dataset(str(local), streaming=True))
-    files = ({data.train_split: str(local)} if local is not None
-             else data.data_files or {data.train_split: data.json_file_path})
+    train = split_name(data.train_split)
+    files = ({train: str(local)} if local is not None
+             else data.data_files or {train: data.json_file_path})
     out = {}
     for split, ref in files.items():
         path = root / ref
@@ -76,12 +80,34 @@ def local_dataset(data: DataConfig, root: Path) -> Path | None:
     return path if path.exists() else None
 
 
+def split_name(spec: str) -> str:
+    """`train` of `train[:1000]`."""
+    return spec.split("[", 1)[0]
+
+
+def rows_of(source: dict[str, Any], spec: str, key: str):
+    """The stream of a split, or of rows of it by number (`train[100:600]`): a stream can
+    skip and take, not count to a percentage or join splits."""
+    match = ROW_SLICE.match(spec)
+    if match is None:
+        raise PipelineError(f"{key} '{spec}': a stream is sliced by row numbers only "
+                            "(train[:1000], train[100:600]); percentages and unions of splits "
+                            "need data.streaming: false")
+    name, start, stop = match.groups()
+    if name not in source:
+        raise PipelineError(f"{key} '{spec}' not found (splits: {', '.join(source)})")
+    stream = source[name]
+    if start:
+        stream = stream.skip(int(start))
+    if stop:
+        stream = stream.take(max(int(stop) - int(start or 0), 0))
+    return stream
+
+
 def holdout_rows(data: DataConfig, source: dict[str, Any]) -> int:
     """Rows at the head of the train stream that form the test split (the source has none)."""
-    if data.train_split not in source:
-        raise PipelineError(f"data.train_split '{data.train_split}' not found "
-                            f"(splits: {', '.join(source)})")
-    if data.test_split is None or data.test_split in source:
+    rows_of(source, data.train_split, "data.train_split")  # it exists and slices
+    if data.test_split is None or split_name(data.test_split) in source:
         return 0
     if not data.max_eval_samples:
         raise PipelineError(
@@ -97,9 +123,9 @@ def materialise_test(data: DataConfig, source: dict[str, Any]) -> pd.DataFrame |
         return None
     holdout = holdout_rows(data, source)
     if holdout:
-        rows = list(source[data.train_split].take(holdout))
+        rows = list(rows_of(source, data.train_split, "data.train_split").take(holdout))
     else:
-        stream = source[data.test_split]
+        stream = rows_of(source, data.test_split, "data.test_split")
         rows = list(stream.take(data.max_eval_samples) if data.max_eval_samples else stream)
     if not rows:
         raise PipelineError(f"data.streaming: the '{data.test_split}' split has no rows")
@@ -108,10 +134,7 @@ def materialise_test(data: DataConfig, source: dict[str, Any]) -> pd.DataFrame |
 
 def eval_only_rows(data: DataConfig, source: dict[str, Any]) -> pd.DataFrame:
     """An eval-only source's rows (its train split, bounded by max_eval_samples)."""
-    if data.train_split not in source:
-        raise PipelineError(f"data.train_split '{data.train_split}' not found "
-                            f"(splits: {', '.join(source)})")
-    stream = source[data.train_split]
+    stream = rows_of(source, data.train_split, "data.train_split")
     rows = list(stream.take(data.max_eval_samples) if data.max_eval_samples else stream)
     if not rows:
         raise PipelineError(f"data.streaming: the '{data.train_split}' split has no rows")
@@ -120,7 +143,7 @@ def eval_only_rows(data: DataConfig, source: dict[str, Any]) -> pd.DataFrame:
 
 def train_rows(data: DataConfig, source: dict[str, Any]):
     """The train split as the trainer reads it: holdout skipped, capped, shuffled per epoch."""
-    stream = source[data.train_split]
+    stream = rows_of(source, data.train_split, "data.train_split")
     holdout = holdout_rows(data, source)
     if holdout:
         stream = stream.skip(holdout)

@@ -320,7 +320,6 @@ def train_in_place(dest: Path) -> InProcess:
     from finetune.workspace import Workspace
     from tasks.launch import job_spec
 
-    ws = Workspace.load(dest / "params/default.yaml")
     import torch._dynamo.config as dynamo
     import torch._functorch.config as functorch
 
@@ -329,12 +328,17 @@ def train_in_place(dest: Path) -> InProcess:
              torch.get_default_dtype(), dynamo.recompile_limit,
              functorch.activation_memory_budget)
     before = set(sys.modules)
-    sys.path.insert(0, str(dest))  # 'module:Class' from the project, as the workers see it
+    # as the workers run: in the project folder, its 'module:Class' references importable
+    here = os.getcwd()
+    os.chdir(dest)
+    sys.path.insert(0, str(dest))
     out = io.StringIO()
     try:
+        ws = Workspace.load(dest / "params/default.yaml")
         with contextlib.redirect_stdout(out):
             run_job(job_spec(ws))
     finally:
+        os.chdir(here)
         sys.path.remove(str(dest))
         for name in set(sys.modules) - before:  # the project's own modules, if any
             if getattr(sys.modules[name], "__file__", "") and str(dest) in (

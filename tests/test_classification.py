@@ -66,8 +66,8 @@ def test_classification_config_derives_the_classifier_and_refuses_lm_keys():
     for extra, message in bad:
         with pytest.raises(ValueError, match=message):
             FinetuneConfig.model_validate({**base, **extra})
-    with pytest.raises(ValueError, match="eval.accuracy is computed for data.dataset_type "
-                       "classification only"):
+    with pytest.raises(ValueError, match="registry.gate_metric eval.accuracy is not reported "
+                       "for data.dataset_type completion"):
         FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"},
                                        "registry": {"gate_metric": "eval.accuracy"}})
 

@@ -229,9 +229,7 @@ def test_bare_yaml_no_means_the_choice_no(tmp_path):
 
 def test_one_example_params_file_per_dataset_type():
     """Each dataset type has a shipped example that validates and names files that exist."""
-    from typing import get_args
-
-    from finetune.config.data import DataConfig
+    from finetune.datatypes.registry import type_names
 
     by_type: dict[str, list[str]] = {}
     for path in PARAMS:
@@ -239,8 +237,8 @@ def test_one_example_params_file_per_dataset_type():
         by_type.setdefault(cfg.data.dataset_type, []).append(path.name)
         for file in (cfg.data.data_files or {}).values():
             assert (ROOT / file).exists(), f"{path.name}: {file} is not shipped"
-    types = get_args(DataConfig.model_fields["dataset_type"].annotation)
-    assert set(types) <= set(by_type), by_type
+    assert set(type_names()) == {"completion", "text", "chat", "classification"}
+    assert set(type_names()) <= set(by_type), by_type
     classification = load_config(ROOT / "params/classification-gsm8k.yaml")
     assert classification.model.auto_class_name == "AutoModelForSequenceClassification"
 

@@ -260,29 +260,69 @@ def test_token_ids_equal_the_tokenizer_call(kind):
         assert token_ids(tok, ["<|endoftext|>"]) == [[tok.eos_token_id]]
 
 
-def test_the_seed_004_alpaca_example_runs_as_written(tmp_path):
-    """params/alpaca-seed004.yaml as shipped (prompt_func by path, completion_template,
-    split_ratio 0.8 as the train fraction), with only the dataset pointed at a local Alpaca-
-    shaped file and the run shortened to a few steps."""
+#: seed 004's Alpaca example block, exactly as the document writes it
+SEED_004_BLOCK = """\
+dataset:
+  tokenizer_name: "meta-llama/Llama-3.2-1B"
+  dataset_type: "seq_completion"
+  dataset_name: "yahma/alpaca-cleaned"
+  train_split: "train"
+  test_split: "test"
+  max_seq_length: 512
+  prompt_func: "preprocess/alpaca_func:create_alpaca_prompt"
+  completion_template: "{output}"
+"""
+#: and its prompt function file (preprocess/alpaca_func.py), as the document gives it
+SEED_004_PROMPT_FUNC = """\
+def prompt_no_input(row):
+    return ("Below is an instruction that describes a task. "
+            "Write a response that appropriately completes the request.\\n\\n"
+            "### Instruction:\\n{instruction}\\n\\n### Response:\\n").format_map(row)
+
+
+def prompt_input(row):
+    return ("Below is an instruction that describes a task, paired with an input that provides further context. "
+            "Write a response that appropriately completes the request.\\n\\n"
+            "### Instruction:\\n{instruction}\\n\\n### Input:\\n{input}\\n\\n### Response:\\n").format_map(row)
+
+
+def create_alpaca_prompt(row):
+    return prompt_no_input(row) if row["input"] == "" else prompt_input(row)
+"""
+
+
+def test_the_seed_004_alpaca_block_pasted_verbatim_trains(tmp_path):
+    """Seed 004's block in place of our data section (`dataset:`, seq_completion, the
+    tokenizer in the dataset section, the prompt function by path clashing with no default),
+    only dataset_name pointed at a local Alpaca-shaped file and tokenizer_name at the local
+    model; its test split is missing from the file, so split_ratio's 0.8 is kept for
+    training. One empty output among the rows is dropped and counted."""
+    import yaml
+
     project = copy_project(tmp_path / "p")
     rows = [{"instruction": f"Add {i} and {i + 1}.", "input": "" if i % 2 else f"n={i}",
-             "output": f"{2 * i + 1}"} for i in range(40)]
+             "output": "" if i == 5 else f"{2 * i + 1}"} for i in range(80)]
     (project / "data/alpaca.json").write_text(json.dumps(rows))  # a JSON array, as Alpaca's
-    write_params(project, {"data.dataset_name": None, "data.json_file_path": "data/alpaca.json",
-                           "training.max_steps": 2, "eval.max_generation_samples": 2,
-                           "eval.generation_max_new_tokens": 8,
-                           "distributed.threads_per_process": 1},
-                 name="params/alpaca-seed004.yaml")
-    stages_here(project, "download", "format", "tokenize", "train", "evaluate",
-                params="params/alpaca-seed004.yaml")
+    (project / "preprocess/alpaca_func.py").write_text(SEED_004_PROMPT_FUNC)
+    params = yaml.safe_load((project / "params/default.yaml").read_text())
+    del params["data"]
+    params["training"]["max_steps"] = 2
+    block = (SEED_004_BLOCK.replace("yahma/alpaca-cleaned", "data/alpaca.json")
+             .replace("meta-llama/Llama-3.2-1B", "data/models/stories260K"))
+    (project / "params/default.yaml").write_text(yaml.safe_dump(params) + block)
+    assert run_cli(project, "validate").returncode == 0
+    stages_here(project, "download", "format", "tokenize", "train")
     train = pd.read_parquet(project / "data/formatted/train.parquet")
     test = pd.read_parquet(project / "data/formatted/test.parquet")
-    assert (len(train), len(test)) == (32, 8)  # split_ratio 0.8: the train fraction
-    with_input = train[train.prompt.str.contains("### Input:")]
-    assert len(with_input) and train.prompt.str.startswith("Below is an instruction").all()
+    counts = json.loads((project / "data/metrics/format.json").read_text())
+    assert len(train) + len(test) == 79 and counts["train"]["rows"] + counts["test"]["rows"] == 79
+    assert counts["train"]["dropped_rows"] + counts["test"]["dropped_rows"] == 1
+    assert counts["train"]["rows"] + counts["train"]["dropped_rows"] == 64  # 0.8 of 80
+    assert train.prompt.str.startswith("Below is an instruction").all()
+    assert train.prompt.str.contains("### Input:").any()
     assert train.prompt.str.endswith("### Response:\n").all()
-    evaluation = json.loads((project / "data/metrics/eval.json").read_text())
-    assert "rougeL" in evaluation["finetuned"]
+    metrics = json.loads((project / "data/metrics/train.json").read_text())
+    assert metrics["global_step"] == 2
 
 
 def test_split_slices_as_datasets_writes_them(project):

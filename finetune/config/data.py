@@ -286,7 +286,8 @@ PER_SOURCE = ("dataset_name", "subset", "json_file_path", "data_files", "train_s
               "test_split", "split_ratio", "prompt_template", "prompt_func",
               "completion_template", "completion_func", "input_columns", "text_field",
               "dataset_type", "messages_field", "chat_template", "system_prompt",
-              "assistant_only_loss", "last_turn_only", "max_train_samples", "max_eval_samples")
+              "assistant_only_loss", "last_turn_only", "label_column", "max_train_samples",
+              "max_eval_samples")
 #: the keys that say where a source's rows come from (never at the top level with sources)
 SOURCE_LOCATION = ("dataset_name", "json_file_path", "data_files")
 MIXTURE_KEYS = ("sources", "mixing", "stopping_strategy")
@@ -318,7 +319,8 @@ def _source_fields() -> dict[str, Any]:
     }
     for key in PER_SOURCE:
         f = DataConfig.model_fields[key]
-        fields[key] = (f.annotation, Field(f.default, description=f.description))
+        fields[key] = (f.annotation, Field(f.default, description=f.description,
+                                           validation_alias=f.validation_alias))
     return fields
 
 

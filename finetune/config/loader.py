@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from finetune.config.schema import FinetuneConfig
 from finetune.config.section import section_model
 from finetune.errors import PipelineError
+from finetune.imports import project_files
 
 
 def project_root_for(params_path: Path) -> Path:
@@ -95,7 +96,8 @@ def load_config(
     if isinstance(overrides, list):
         overrides = dict(parse_override(o) for o in overrides)
     raw = apply_overrides(raw, overrides or {})
-    return validate_raw(raw, source=str(path))
+    with project_files(project_root_for(path)):  # 'path/to/file:Class' references
+        return validate_raw(raw, source=str(path))
 
 
 def validate_raw(raw: dict[str, Any], source: str = "<params>") -> FinetuneConfig:

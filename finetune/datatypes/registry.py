@@ -33,6 +33,11 @@ for _builtin in (CompletionType, TextType, ChatType, ClassificationType):
     register_dataset_type(_builtin)
 
 
+def type_names() -> list[str]:
+    """The registered types' names (aliases not included)."""
+    return list(_TYPES)
+
+
 def known_names() -> list[str]:
     return [*_TYPES, *_ALIASES]
 
