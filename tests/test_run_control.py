@@ -208,16 +208,15 @@ def not_a_schedule(optimizer, **kwargs):
 """
 
 
-def test_user_optimizer_class_and_scheduler_function(tokenized, tmp_path, monkeypatch):
+def test_user_optimizer_class_and_scheduler_function(tokenized, tmp_path):
     project = tmp_path / "o"
     shutil.copytree(tokenized, project, symlinks=True)
     (project / "user_optim.py").write_text(USER_OPTIM)
-    monkeypatch.chdir(project)
     run, _ = train_here(project, tmp_path / "r", {
         **BASE, "optimizer.name": "user_optim:CountingAdamW",
         "scheduler.name": "user_optim:flat", "scheduler.kwargs": {"factor": 0.5},
         "scheduler.warmup_steps": 0})
-    assert (project / "optimizer_steps.txt").read_text() == "4"
+    assert (run / "optimizer_steps.txt").read_text() == "4"  # the run's cwd: its project
     assert set(_column(run, "learning_rate")) == {0.0025}  # 0.005 x factor, never decayed
     for key, value, message in (
             ("optimizer.name", "user_optim:flat", "is not a torch.optim.Optimizer subclass"),
@@ -292,13 +291,12 @@ def test_model_init_builds_the_base_model(tokenized, tmp_path, monkeypatch):
         train_here(project, tmp_path / "bad", {**BASE, "model.model_init": "user_model:not_a_model"})
 
 
-def test_training_type_picks_the_loop(tokenized, tmp_path, monkeypatch):
+def test_training_type_picks_the_loop(tokenized, tmp_path):
     project = tmp_path / "t"
     shutil.copytree(tokenized, project, symlinks=True)
     (project / "user_loop.py").write_text(USER_LOOP)
-    monkeypatch.chdir(project)
-    train_here(project, tmp_path / "r", {**BASE, "training.type": "user_loop:CountingRun"})
-    assert (project / "loop_steps.txt").read_text() == "xxxx"
+    run, _ = train_here(project, tmp_path / "r", {**BASE, "training.type": "user_loop:CountingRun"})
+    assert (run / "loop_steps.txt").read_text() == "xxxx"  # the run's cwd: its project
     with pytest.raises(PipelineError, match=r"training.type 'dpo': no such trainer "
                        r"\(registered: sft"):
         train_here(project, tmp_path / "bad", {**BASE, "training.type": "dpo"})
