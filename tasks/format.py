@@ -17,7 +17,7 @@ import pandas as pd
 
 from finetune.config.data import DataConfig
 from finetune.datatypes import DataContext
-from finetune.datatypes.classification import class_names
+from finetune.datatypes.base import class_names
 from finetune.datatypes.contract import check_frame
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic

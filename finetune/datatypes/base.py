@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from finetune.datatypes.encoding import bos_prefix_id
+from finetune.errors import PipelineError
 
 #: a tokenize map function: (batch of formatted columns, tok=..., **kwargs) -> encoded columns
 Encoder = Callable[..., dict[str, list]]
@@ -202,3 +203,16 @@ class DatasetType:
             except TypeError:
                 continue
         return list(dict.fromkeys(files))
+
+
+def class_names(values: set[str], given: list[str] | None) -> list[str]:
+    """The label map, in id order: `data.labels`, else the distinct labels found (numeric order
+    when every label is an integer, else alphabetical)."""
+    if given:
+        return list(given)
+    numeric = all(v.lstrip("-").isdigit() for v in values)
+    names = sorted(values, key=(lambda v: int(v)) if numeric else None)
+    if len(names) < 2:
+        raise PipelineError(f"data.label_column: the train split has {len(names)} class(es) "
+                            f"({', '.join(map(repr, names))}); a classifier needs two or more")
+    return names

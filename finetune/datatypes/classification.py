@@ -114,19 +114,6 @@ class ClassificationType(DatasetType):
         return classification_metrics(predictions, references, len(ctx.labels))
 
 
-def class_names(values: set[str], given: list[str] | None) -> list[str]:
-    """The label map, in id order: `data.labels`, else the distinct labels found (numeric order
-    when every label is an integer, else alphabetical)."""
-    if given:
-        return list(given)
-    numeric = all(v.lstrip("-").isdigit() for v in values)
-    names = sorted(values, key=(lambda v: int(v)) if numeric else None)
-    if len(names) < 2:
-        raise PipelineError(f"data.label_column: the train split has {len(names)} class(es) "
-                            f"({', '.join(map(repr, names))}); a classifier needs two or more")
-    return names
-
-
 def _labels(frame, data, split: str):
     """The label column as strings ('' where a row has none); integral floats (pandas reads an
     int column with a gap as floats) as ints."""
