@@ -87,9 +87,14 @@ def example_lengths(train_data, column: str) -> tuple[int, ...]:
 
     from finetune.errors import PipelineError
 
+    import pyarrow as pa
+
     ds = datasets.load_from_disk(str(train_data))
     if column in ds.column_names:
-        return tuple(ds.with_format("arrow")[:][column].to_pylist())
+        values = ds.with_format("arrow")[:][column]
+        if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+            values = pc.list_value_length(values)  # a token column (seed 004's input_ids)
+        return tuple(values.to_pylist())
     if column == "length":
         return tuple(pc.list_value_length(ds.with_format("arrow")[:]["input_ids"]).to_pylist())
     raise PipelineError(f"training.length_column_name '{column}' is not a column of the "

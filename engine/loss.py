@@ -52,6 +52,23 @@ def _chunk_loss(head_forward, flat: torch.Tensor, rows: torch.Tensor,
     return torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
 
 
+def head_loss_sum(head_forward, hidden: torch.Tensor, labels: torch.Tensor,
+                  chunk_tokens: int | None) -> torch.Tensor:
+    """The summed next-token loss of `labels` from the last hidden states, the output layer
+    applied to the target rows `chunk_tokens` at a time (None: all at once): never the full
+    fp32 logits of every position. For a module that holds the head itself (a pipeline's
+    last stage); ChunkedLoss installs the same on a whole model."""
+    rows, targets = target_rows(labels)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    rows, targets = rows.to(flat.device), targets.to(flat.device)
+    size = chunk_tokens or max(len(rows), 1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, max(len(rows), 1), size):
+        total = total + _chunk_loss(head_forward, flat, rows[start:start + size],
+                                    targets[start:start + size])
+    return total
+
+
 class FullLoss:
     """The plain way: the model's logits, upcast, one cross entropy."""
 

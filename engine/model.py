@@ -105,11 +105,7 @@ def _quantization(cfg: ModelConfig, build: bool = True) -> dict[str, Any]:
     if not (cfg.load_in_4bit or cfg.load_in_8bit):
         return {}
     key = "model.load_in_4bit" if cfg.load_in_4bit else "model.load_in_8bit"
-    if not torch.cuda.is_available():
-        raise PipelineError(
-            f"{key}: bitsandbytes quantised loading needs a CUDA GPU and none is visible; "
-            f"set {key}: false to train in {cfg.dtype} on this machine"
-        )
+    # its CUDA GPU: a machine row of finetune/config/compat.py, checked before any load
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

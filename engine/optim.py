@@ -34,13 +34,14 @@ def fused_default(klass, device: torch.device, kwargs: dict) -> dict:
     return {"fused": True} if "fused" in inspect.signature(klass).parameters else {}
 
 
-def optimizer_class(name: str):
-    """optimizer.name: a torch.optim class, or 'module:Class' naming an Optimizer subclass."""
+def optimizer_class(name: str, key: str = "optimizer.name"):
+    """An optimizer key's class: a torch.optim class name, or 'module:Class' naming an
+    Optimizer subclass (optimizer.name, distributed.diloco.outer_optimizer)."""
     if ":" not in name:
         return getattr(torch.optim, name)
-    klass = load_object(name, "optimizer.name")
+    klass = load_object(name, key)
     if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
-        raise PipelineError(f"optimizer.name: '{name}' is not a torch.optim.Optimizer subclass")
+        raise PipelineError(f"{key}: '{name}' is not a torch.optim.Optimizer subclass")
     return klass
 
 

@@ -92,22 +92,11 @@ def check_convertible(recipe: str, device: torch.device) -> None:
 
 def check_low_precision(t, device: torch.device) -> None:
     """Before launch: what the training section's fp8/QAT recipe needs, as one line."""
-    if t.fp8_recipe:
-        _check_fp8(t.fp8_recipe, device)
+    if t.fp8_recipe:  # its GPU: a machine row of finetune/config/compat.py
         torchao_module("training.fp8_recipe")
     if t.qat_recipe:
         torchao_module("training.qat_recipe")
         check_convertible(t.qat_recipe, device)
-
-
-def _check_fp8(recipe: str, device: torch.device) -> None:
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
-        return
-    where = "no CUDA GPU" if device.type != "cuda" else (
-        f"a GPU of compute capability {torch.cuda.get_device_capability(device)}")
-    raise PipelineError(
-        f"training.fp8_recipe {recipe}: fp8 matmuls need a CUDA GPU with compute capability "
-        f">= 8.9 (H100, L4, RTX 40xx); this run has {where}. Use mixed_precision: bf16 here")
 
 
 def prepare_qat(model: nn.Module, recipe: str, group_size: int, log) -> None:
@@ -172,8 +161,8 @@ def load_quantized(folder: Path) -> nn.Module:
 
 def convert_to_fp8(model: nn.Module, recipe: str, alignment: int, device: torch.device,
                    log) -> None:
-    """Float8Linear training (torchao.float8) on a CUDA GPU with SM >= 8.9, else one line."""
-    _check_fp8(recipe, device)
+    """Float8Linear training (torchao.float8) on a CUDA GPU with SM >= 8.9 (the machine rows
+    of finetune/config/compat.py refuse it elsewhere, before this runs)."""
     torchao_module("training.fp8_recipe")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -39,10 +39,11 @@ from engine.optim_in_backward import OptimizerInBackward
 from engine.progress import Progress
 from engine.reporters import Console, build_reporters
 from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
-                            autocast_dtype, check_cuda_only, compile_stats, configure_torch)
+                            autocast_dtype, compile_stats, configure_torch)
 from engine.stream import ExampleSource
 from engine.trainers import register_trainer, trainer_class
 from finetune.config import FinetuneConfig
+from finetune.config.compat import check_machine
 from finetune.files import atomic_dir, write_json_atomic
 
 Go = Callable[[], Any]
@@ -124,7 +125,7 @@ class TrainingRun:
         """Everything, in the order that fixes the random streams (init, LoRA, data)."""
         t, d = self.cfg.training, self.dist
         follow_log_level(self.cfg.logging.log_level)
-        check_cuda_only(t, d.device)
+        check_machine(self.cfg, d.device)  # what this device cannot run: one line
         configure_torch(t)
         self.node_group = node_group(d) if self.cfg.checkpoint.save_on_each_node else None
         if self.cfg.distributed.nnodes > 1:  # training.seed null: node 0's stage drew it
@@ -346,7 +347,7 @@ class TrainingRun:
         last = step == self.max_steps
         save_now = due(c.effective_save_strategy, c.save_steps, step, epoch_end, last)
         on_save = e.eval_on_save  # read every step: dvc.yaml's completeness test sees it
-        eval_now = due(e.eval_strategy, e.eval_steps, step, epoch_end, last) and (
+        eval_now = due(e.effective_eval_strategy, e.eval_steps, step, epoch_end, last) and (
             e.eval_delay <= (self.progress.epoch + int(epoch_end) if e.eval_strategy == "epoch"
                              else step))
         if epoch_end and self.reporters:

@@ -21,15 +21,9 @@ from finetune.errors import PipelineError
 
 
 def autocast_dtype(t: TrainingConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of `mixed_precision`; fp16 off CUDA is refused (the stage calls
-    this before launching, so the refusal comes before any process starts)."""
-    mp = t.mixed_precision
-    if mp == "fp16" and device.type != "cuda":
-        raise PipelineError(
-            "training.mixed_precision: fp16 on CPU is refused (about 100x slower than fp32 "
-            "here); use bf16 or fp32"
-        )
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
+    """The autocast dtype of `mixed_precision` (fp16 off CUDA is refused by the machine's
+    rows of finetune/config/compat.py, before this runs)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.mixed_precision)
 
 
 def configure_torch(t: TrainingConfig) -> None:
@@ -54,24 +48,6 @@ def configure_torch(t: TrainingConfig) -> None:
             functorch.activation_memory_budget = t.activation_memory_budget
 
 
-#: options that only mean something on a CUDA device, and why
-CUDA_ONLY = {
-    "enable_activation_offloading": "it moves saved activations from the GPU to host memory, "
-                                    "where a CPU run keeps them already",
-    "gc_threshold": "it tunes the CUDA caching allocator",
-}
-
-
-def check_cuda_only(t: TrainingConfig, device: torch.device) -> None:
-    """One line for a CUDA-only option set on another device."""
-    if device.type == "cuda":
-        return
-    for key, why in CUDA_ONLY.items():
-        if getattr(t, key) not in (None, False):
-            raise PipelineError(f"training.{key} needs a CUDA GPU ({why}); remove it on "
-                                f"{device.type}")
-
-
 def apply_allocator_settings(t: TrainingConfig) -> None:
     """training.gc_threshold into PYTORCH_CUDA_ALLOC_CONF, before CUDA allocates anything
     (the allocator reads it once); other settings already there are kept."""
@@ -91,23 +67,9 @@ def activation_offloading(t: TrainingConfig, device: torch.device):
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
-#: the SDPA kernels a CPU has (the others need CUDA)
-CPU_SDPA = ("flash_attention", "math")
 #: on CUDA by default: never cuDNN while flash or memory-efficient attention can run, since
 #: cuDNN plans every new sequence length on the host (~3 ms per call measured on an H100)
 CUDA_SDPA = ("flash_attention", "efficient_attention", "cudnn_attention", "math")
-
-
-def check_sdpa_backends(t: TrainingConfig, device: torch.device) -> list[str] | None:
-    """`t.sdpa_backend`, refused with one line where one of them cannot run on `device`."""
-    names = t.sdpa_backend
-    if names is not None and device.type != "cuda":
-        missing = [n for n in names if n not in CPU_SDPA]
-        if missing:
-            raise PipelineError(
-                f"training.sdpa_backend: {missing[0]} needs a CUDA GPU; on {device.type} use "
-                f"{' or '.join(CPU_SDPA)} (or null)")
-    return names
 
 
 @contextlib.contextmanager
@@ -116,7 +78,7 @@ def attention_backends(t: TrainingConfig, device: torch.device):
     `sdpa_set_priority`); the default is CUDA_SDPA on CUDA and torch's choice elsewhere."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    names = check_sdpa_backends(t, device)
+    names = t.sdpa_backend  # kernels this device lacks: refused by finetune/config/compat.py
     if names is None and device.type != "cuda":
         yield
         return
@@ -166,24 +128,36 @@ def maybe_compile(model, t: TrainingConfig):
     module (one graph per model, breaks at the chunked loss head)."""
     if not t.torch_compile:
         return model
+    return compile_part(model, t, block_names(model))
+
+
+def compile_part(module, t: TrainingConfig, blocks: set[str]):
+    """`module` (a model, or a pipeline stage cut from one) compiled as the training section
+    says: backend, mode, dynamic, fullgraph, and the scope (the whole module, or each of its
+    decoder blocks, the classes named in `blocks`). The one place the engine calls
+    torch.compile, so every strategy honours every compile option."""
     options = dict(backend=t.torch_compile_backend, mode=t.torch_compile_mode,
                    dynamic=t.torch_compile_dynamic, fullgraph=t.torch_compile_fullgraph)
     if t.torch_compile_scope == "model":
-        return torch.compile(model, **options)
-    blocks = decoder_blocks(model)
-    if not blocks:
+        return torch.compile(module, **options)
+    found = [m for m in module.modules() if type(m).__name__ in blocks]
+    if not found and not blocks:
         raise PipelineError(
-            f"training.torch_compile_scope: blocks: {type(base_model(model)).__name__} names no "
+            f"training.torch_compile_scope: blocks: {type(base_model(module)).__name__} names no "
             "decoder block class (_no_split_modules); set torch_compile_scope: model")
-    for block in blocks:
+    for block in found:
         block.forward = torch.compile(block.forward, **options)
-    return model
+    return module
+
+
+def block_names(model) -> set[str]:
+    """The repeated blocks of a transformers model: the classes it names as never to be split
+    across devices (`_no_split_modules`, what HF's device maps and FSDP wrapping use)."""
+    return set(getattr(base_model(model), "_no_split_modules", None) or ())
 
 
 def decoder_blocks(model) -> list[torch.nn.Module]:
-    """The repeated blocks of a transformers model: the classes it names as never to be split
-    across devices (`_no_split_modules`, what HF's device maps and FSDP wrapping use)."""
-    names = set(getattr(base_model(model), "_no_split_modules", None) or ())
+    names = block_names(model)
     return [m for m in model.modules() if type(m).__name__ in names]
 
 

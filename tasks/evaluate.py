@@ -27,6 +27,8 @@ from engine.model import (load_base_model, load_tokenizer, load_trained, max_pos
                           read_labels)
 from engine.quantization import quantized_copy
 from finetune.datatypes import DataContext
+from engine.distributed import choose_device
+from finetune.config.compat import check_machine
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -47,6 +49,7 @@ def _training_seed(ws: Workspace) -> int:
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
     cfg = ws.config
+    check_machine(cfg, choose_device(cfg.training.resolved_device))  # e.g. 4-bit on a CPU
     test_dir = ws.layout.tokenized / "test"
     if not test_dir.exists():
         raise PipelineError(f"{test_dir} missing: set data.test_split (or split_ratio) and rerun")

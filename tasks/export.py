@@ -18,6 +18,8 @@ import yaml
 from engine.model import (load_tokenizer, load_trained, read_labels, resolve_model_ref,
                           write_labels)
 from engine.quantization import quantized_copy, save_quantized
+from engine.distributed import choose_device
+from finetune.config.compat import check_machine
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
@@ -33,6 +35,7 @@ CARD_SECTIONS = ("model", "peft", "data", "training", "optimizer", "scheduler", 
 
 def export(ws: Workspace) -> dict[str, Path]:
     cfg = ws.config
+    check_machine(cfg, choose_device(cfg.training.resolved_device))  # e.g. 4-bit on a CPU
     if not ws.layout.trained.exists():
         raise PipelineError(f"{ws.layout.trained} missing; run the train stage first")
     metrics_file = ws.layout.metrics / "eval.json"

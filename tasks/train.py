@@ -33,11 +33,10 @@ def preflight(ws: Workspace) -> None:
     from engine.optim import optimizer_class, scheduler_factory
     from engine.quantization import check_low_precision
     from engine.run import trainer_class  # imported there: the registry knows sft
-    from engine.runtime import autocast_dtype, check_cuda_only, check_sdpa_backends
+    from finetune.config.compat import check_machine
 
     cfg = ws.config
     device = choose_device(cfg.training.resolved_device)
-    cuda = device.type == "cuda"
     model_class(cfg.model.auto_class_name)  # an unknown class fails here, not in every rank
     for spec in cfg.logging.callbacks:
         check_user_callback(spec)
@@ -47,15 +46,11 @@ def preflight(ws: Workspace) -> None:
                      ("model.model_init", cfg.model.model_init)):
         if ref and not callable(load_object(ref, key)):
             raise PipelineError(f"{key}: '{ref}' is not a function")
+    check_machine(cfg, device)  # fp16, 4-bit, CUDA-only options, nccl, fp8 on this device
     check_quantization(cfg.model)
-    autocast_dtype(cfg.training, device)  # refuses fp16 on CPU
-    check_sdpa_backends(cfg.training, device)
-    check_cuda_only(cfg.training, device)
     check_low_precision(cfg.training, device)
     if "wandb" in cfg.logging.report_to:
         wandb_module()
-    if cfg.distributed.backend == "nccl" and not cuda:
-        raise PipelineError("distributed.backend: nccl needs CUDA GPUs; use gloo or auto on CPU")
     if cfg.data.streaming:
         from tasks.stream import holdout_rows, open_source
 

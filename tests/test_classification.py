@@ -54,9 +54,10 @@ def test_classification_config_derives_the_classifier_and_refuses_lm_keys():
     alias = {"data": {**base["data"], "target_column": "sentiment"}}
     assert FinetuneConfig.model_validate(alias).data.label_column == "sentiment"
     bad = [
-        ({"training": {"packing": True}}, "does not combine with training.packing"),
-        ({"eval": {"generation_metrics": ["rouge"]}}, "does not combine with "
-         "eval.generation_metrics"),
+        ({"training": {"packing": True}}, "training.packing: true does not combine with a "
+         "classification dataset"),
+        ({"eval": {"generation_metrics": ["rouge"]}}, r'eval.generation_metrics: \["rouge"\] '
+         "does not combine with a classification dataset"),
         ({"model": {"auto_class_name": "AutoModelForCausalLM"}}, "model.auto_class_name: "
          "AutoModelForCausalLM does not fit data.dataset_type classification"),
         ({"data": {**base["data"], "completion_template": "{x}"}},

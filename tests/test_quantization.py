@@ -43,7 +43,6 @@ def test_qat_trains_fake_quantised_and_the_export_ships_it_converted(tokenized, 
 
 
 @pytest.mark.parametrize("training, message", [
-    ({"fp8_recipe": "rowwise"}, "fp8 matmuls need a CUDA GPU with compute capability >= 8.9"),
     ({"qat_recipe": "int4-weight-only"}, "int4-weight-only: its quantised kernels need a CUDA"),
     ({"qat_recipe": "float8-dynamic-act-float8-weight"}, "float8 .SM >= 8.9"),
 ])
@@ -54,7 +53,18 @@ def test_what_needs_a_gpu_is_one_line_here(training, message):
         check_low_precision(TrainingConfig.model_validate(training), torch.device("cpu"))
 
 
+def test_fp8_needs_a_gpu_of_compute_capability_8_9():
+    from finetune.config.compat import check_machine
+    from finetune.config.schema import FinetuneConfig
+
+    cfg = FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"},
+                                         "training": {"fp8_recipe": "rowwise"}})
+    with pytest.raises(PipelineError, match="training.fp8_recipe: rowwise needs a CUDA GPU of "
+                       "compute capability >= 8.9"):
+        check_machine(cfg, torch.device("cpu"))
+
+
 def test_fp8_and_qat_are_exclusive():
-    with pytest.raises(ValueError, match="fp8_recipe rowwise and qat_recipe"):
+    with pytest.raises(ValueError, match="qat_recipe: int4-weight-only does not combine with fp8_recipe"):
         TrainingConfig.model_validate({"fp8_recipe": "rowwise",
                                        "qat_recipe": "int4-weight-only"})

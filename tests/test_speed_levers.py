@@ -40,7 +40,7 @@ def test_pad_to_multiple_of_rounds_every_width_and_keeps_the_loss():
 
 
 def test_padding_free_with_pad_to_multiple_of_is_refused():
-    with pytest.raises(ValueError, match="pad_to_multiple_of: padding_free rows are never"):
+    with pytest.raises(ValueError, match="pad_to_multiple_of: 8 does not combine with padding_free"):
         TrainingConfig(padding_free=True, pad_to_multiple_of=8)
 
 
@@ -58,9 +58,15 @@ def test_sdpa_backend_decides_the_kernel_and_cpu_refuses_cuda_only_ones():
     math = _sdpa_ops(TrainingConfig(sdpa_backend=["math"]))
     assert "aten::_scaled_dot_product_attention_math" in math
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in math
-    with pytest.raises(PipelineError, match="training.sdpa_backend: cudnn_attention needs a "
-                       "CUDA GPU; on cpu use flash_attention or math"):
-        _sdpa_ops(TrainingConfig(sdpa_backend=["math", "cudnn_attention"]))
+    from finetune.config.compat import check_machine
+    from finetune.config.schema import FinetuneConfig
+
+    cfg = FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"}, "training": {
+        "sdpa_backend": ["math", "cudnn_attention"]}})
+    with pytest.raises(PipelineError, match=r'training.sdpa_backend: \["math", "cudnn_attention"\] '
+                       "needs a CUDA GPU \\(only flash_attention and math run on a CPU\\)"):
+        check_machine(cfg, torch.device("cpu"))
+    check_machine(cfg, torch.device("cuda"))  # accepted where it means something
 
 
 def test_the_optimizer_is_fused_on_cuda_unless_the_user_chose():
@@ -104,7 +110,7 @@ def test_compile_and_dtype_knobs_reach_torch_and_compile_ones_need_compile():
         dynamo.recompile_limit, functorch.activation_memory_budget = saved[1], saved[2]
         torch.set_float32_matmul_precision(saved[3])
     for key, value in (("dynamo_recompile_limit", 3), ("activation_memory_budget", 0.5)):
-        with pytest.raises(ValueError, match=f"{key} tunes torch.compile"):
+        with pytest.raises(ValueError, match=f"{key}: .* needs torch_compile: true"):
             TrainingConfig(**{key: value})
     with pytest.raises(ValueError, match="speed_metrics_start_step 4 leaves no step"):
         TrainingConfig(max_steps=4, speed_metrics_start_step=4)
@@ -164,21 +170,24 @@ def test_fsdp2_root_only_wrapping_makes_one_unit(tmp_path):
         assert units({"shard_transformer_layers": False}) == 1
     finally:
         dist.destroy_process_group()
-    with pytest.raises(ValueError, match="shard_transformer_layers is false"):
+    with pytest.raises(ValueError, match="needs shard_transformer_layers: true"):
         FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"}, "distributed": {
             "strategy": "fsdp2", "fsdp": {"shard_transformer_layers": False,
                                           "shard_modules": ["model.layers"]}}})
 
 
 def test_cuda_only_memory_options_refuse_a_cpu_and_reach_cuda(monkeypatch):
-    from engine.runtime import activation_offloading, apply_allocator_settings, check_cuda_only
+    from engine.runtime import activation_offloading, apply_allocator_settings
+    from finetune.config.compat import check_machine
+    from finetune.config.schema import FinetuneConfig
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for key, value in (("enable_activation_offloading", True), ("gc_threshold", 0.6)):
-        t = TrainingConfig(**{key: value})
-        with pytest.raises(PipelineError, match=f"training.{key} needs a CUDA GPU"):
-            check_cuda_only(t, cpu)
-        check_cuda_only(t, cuda)  # accepted where it means something
+        cfg = FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"},
+                                             "training": {key: value}})
+        with pytest.raises(PipelineError, match=f"training.{key}: .* needs a CUDA GPU"):
+            check_machine(cfg, cpu)
+        check_machine(cfg, cuda)  # accepted where it means something
     offload = activation_offloading(TrainingConfig(enable_activation_offloading=True), cuda)
     assert isinstance(offload, torch.autograd.graph.save_on_cpu)
     assert not isinstance(activation_offloading(TrainingConfig(), cuda),
@@ -194,7 +203,7 @@ def test_training_device_forces_the_cpu_and_refuses_a_missing_gpu(monkeypatch):
     from engine.distributed import choose_device
 
     assert TrainingConfig(use_cpu=True).resolved_device == "cpu"
-    with pytest.raises(ValueError, match="use_cpu: true and device: cuda contradict"):
+    with pytest.raises(ValueError, match="use_cpu: true does not combine with device: cuda"):
         TrainingConfig(use_cpu=True, device="cuda")
     if not torch.cuda.is_available():
         with pytest.raises(PipelineError, match="training.device cuda: no CUDA GPU is visible"):

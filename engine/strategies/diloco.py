@@ -28,6 +28,7 @@ from transformers import get_scheduler
 
 from engine.comm import all_reduce, all_reduce_count, all_reduce_flat
 from engine.distributed import node_group
+from engine.optim import optimizer_class
 from engine.strategies.base import Strategy
 
 OUTER_SCHEDULES = {"none": "constant", "cosine": "cosine", "linear": "linear",
@@ -83,7 +84,7 @@ class DiLoCoStrategy(Strategy):
             self.node_size = min(self.d.local_world_size, self.d.world_size)
         self.local = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.globals = _GlobalParams([(n, _local(p)) for n, p in self.local])
-        klass = getattr(torch.optim, c.outer_optimizer)
+        klass = optimizer_class(c.outer_optimizer, "distributed.diloco.outer_optimizer")
         self.outer = klass(self.globals.parameters(), **c.outer_optimizer_kwargs())
         self.outer_schedule = get_scheduler(
             OUTER_SCHEDULES[c.outer_lr_schedule], self.outer, num_warmup_steps=0,

@@ -25,12 +25,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from engine.comm import all_reduce, all_reduce_count, all_reduce_flat
 from engine.data import IGNORE_INDEX, collate, count_targets, take_rows
 from engine.distributed import Dist, all_reduce_sum
-from engine.loss import _chunk_loss, target_rows
+from engine.loss import head_loss_sum
 from engine.pipeline_stages import cut_stages, decoder_of, stage_ids
+from engine.runtime import block_names, compile_part
 from engine.strategies.base import Strategy
 
-#: rows of the output layer applied at a time in the last stage's loss
-LOSS_CHUNK_ROWS = 4096
 #: fills the columns a batch is padded to max_seq_length with: after every real token, with
 #: label -100, so any id does (causal attention never looks ahead)
 PAD_ID = 0
@@ -83,6 +82,7 @@ class PipelineStrategy(Strategy):
                                     mesh_dim_names=("dp", "pp"))
             self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         lm, inner = decoder_of(model)
+        self.blocks = block_names(model)  # what torch_compile_scope: blocks compiles
         self.hidden = lm.config.hidden_size
         self.act_dtype = inner.embed_tokens.weight.dtype  # the residual stream's
         self.stage_modules, self.ranges = cut_stages(model, self.ids, self.num_stages)
@@ -110,9 +110,9 @@ class PipelineStrategy(Strategy):
         fixed once inferred)."""
         key = rows
         if key not in self.schedules:
-            modules = self.stage_modules
-            if self.cfg.training.torch_compile:
-                modules = [torch.compile(m) for m in modules]
+            modules, t = self.stage_modules, self.cfg.training
+            if t.torch_compile:
+                modules = [compile_part(m, t, self.blocks) for m in modules]
             stages = [PipelineStage(m, s, self.num_stages, self.d.device, group=self.pp_group)
                       for m, s in zip(modules, self.ids)]
             klass = get_schedule_class(self.cfg.distributed.pipeline.schedule)
@@ -124,13 +124,9 @@ class PipelineStrategy(Strategy):
     # -- one step ------------------------------------------------------------------------
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one pipeline micro-batch: the output layer over the rows
-        that predict a target, in chunks; summed, then divided by the step's targets."""
-        rows, targets = target_rows(labels)  # on CUDA: one sync per micro-batch (nonzero)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, max(len(rows), 1), LOSS_CHUNK_ROWS):
-            part = slice(start, start + LOSS_CHUNK_ROWS)
-            total = total + _chunk_loss(self.head, flat, rows[part], targets[part])
+        that predict a target, training.loss_chunk_tokens at a time; summed, then divided by
+        the step's targets. (On CUDA: one sync per micro-batch, finding the target rows.)"""
+        total = head_loss_sum(self.head, hidden, labels, self.cfg.training.loss_chunk_tokens)
         self._sums.append(total.detach())
         return total / self._divisor
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, create_model, field_validator, model_validator
 
+from finetune.config import compat
 from finetune.config.section import Section
 
 
@@ -72,10 +73,10 @@ class DataConfig(Section):
         "AutoModelForSequenceClassification; or a project's own type as 'module:Class' (a "
         "finetune.datatypes.DatasetType subclass).",
     )
-    label_column: str = Field(
+    label_column: str | None = Field(
         "label", validation_alias=AliasChoices("label_column", "target_column"),
         description="classification: the label column (strings or ints). Alias: target_column "
-        "(seed 004).",
+        "(seed 004; its default null means no classification, as for any other type).",
     )
     labels: list[str] | None = Field(
         None, min_length=2,
@@ -115,7 +116,8 @@ class DataConfig(Section):
         "fails the stage instead.",
     )
     num_proc: int = Field(1, gt=0, description="Worker processes for tokenization.")
-    seed: int = Field(42, description="Seed for the train/test split and the stream shuffle.")
+    seed: int = Field(42, ge=0, le=2**32 - 1,
+                      description="Seed for the train/test split and the stream shuffle.")
     collate_fn: str | None = Field(
         None,
         description="'module:function' that turns a list of examples ({input_ids, labels} "
@@ -158,21 +160,13 @@ class DataConfig(Section):
         return canonical(name)
 
     @model_validator(mode="after")
-    def _sources_and_type(self) -> "DataConfig":
-        sources = [k for k in ("dataset_name", "json_file_path", "data_files") if getattr(self, k)]
+    def _compat(self) -> "DataConfig":
+        compat.check(self, "data")  # the rules among data keys (finetune/config/compat.py)
         if self.sources is not None:
-            self._check_mixture(sources)
-            return self
-        if len(sources) != 1:
-            raise ValueError(
-                "set exactly one of dataset_name, json_file_path, data_files "
-                f"(got {', '.join(sources) or 'none'})"
-            )
-        self._check_type_keys()
-        if self.input_columns and not (self.prompt_func or self.completion_func):
-            raise ValueError("input_columns selects what prompt_func/completion_func receive; "
-                             "set one of them, or remove input_columns")
-        self.datatype.check()
+            self._check_sources()
+            compat.check(self, "data.sources")
+        else:
+            self.datatype.check()  # the rules among the type's own keys
         return self
 
     @property
@@ -188,37 +182,19 @@ class DataConfig(Section):
         train the same one (checked)."""
         return self.parts()[0][1].datatype.task
 
-    def _check_mixture(self, top_level: list[str]) -> None:
+    def _check_sources(self) -> None:
         """With `sources`, each source names its own dataset and is checked as the one-source
         config it stands for (data section keys it does not set included), its errors naming
         it."""
-        if top_level:
-            raise ValueError(f"{top_level[0]} is set next to data.sources; move it into a source "
-                             "(each source names its own dataset)")
-        if all(s.eval_only for s in self.sources):
-            raise ValueError("sources: every source is eval_only; at least one must train")
-        names = [s.name for s in self.sources]
-        if len(set(names)) != len(names):
-            raise ValueError(f"sources: names must differ (got {', '.join(names)})")
-        if self.mixing == "concatenate" and any(s.weight != 1.0 for s in self.sources):
-            raise ValueError("sources: weights need mixing: interleave (concatenate keeps every "
-                             "row of every source once)")
-        tasks = []
         for i, source in enumerate(self.sources):
             try:
-                part = self.for_source(source)
+                self.for_source(source)
             except ValueError as exc:
                 first = getattr(exc, "errors", lambda: [{"msg": str(exc), "loc": ()}])()[0]
                 where = ".".join(str(p) for p in first["loc"])
                 msg = first["msg"].removeprefix("Value error, ")
                 raise ValueError(f"sources[{i}] ({source.name}): "
                                  f"{where + ': ' if where else ''}{msg}") from None
-            tasks.append(part.datatype.task)
-            if tasks[i] != tasks[0]:
-                raise ValueError(
-                    f"sources[{i}] ({source.name}): dataset_type {part.dataset_type} trains "
-                    f"{tasks[i].auto_class}, sources[0] {tasks[0].auto_class}; the sources of "
-                    "a mixture train one model")
 
     def for_source(self, source: "SourceConfig") -> "DataConfig":
         """The one-source config a source stands for: the keys it sets, the data section's
@@ -245,19 +221,6 @@ class DataConfig(Section):
         if self.sources is None:
             return [(None, self)]
         return [(s.name, self.for_source(s)) for s in self.sources]
-
-    def _check_type_keys(self) -> None:
-        """A key that belongs to other dataset types only, set in the params file, is a
-        conflict, not ignored."""
-        from finetune.datatypes.registry import type_keys
-
-        fields = type(self).model_fields
-        foreign = sorted(type_keys() - set(self.datatype.keys), key=list(fields).index)
-        clash = [k for k in foreign if k in self.model_fields_set
-                 and getattr(self, k) not in (None, fields[k].default)]
-        if clash:
-            raise ValueError(f"{clash[0]} does not apply to dataset_type {self.dataset_type}; "
-                             "remove it or change data.dataset_type")
 
     sources: list["SourceConfig"] | None = Field(
         None, min_length=2,

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from finetune.config import compat
 from finetune.config.pipeline import PipelineConfig
 from finetune.config.section import Section
 
@@ -24,8 +25,13 @@ TORCH_OPTIMIZERS = frozenset({
 
 
 def torch_optimizer_name(name: str) -> str:
-    """A torch.optim class name, or 'module:Class' (checked when the stage loads it)."""
-    if name in TORCH_OPTIMIZERS or ":" in name:
+    """A torch.optim class name, or 'module:Class' (checked when the stage loads it);
+    'torch.optim:SGD' is SGD (one name, one fingerprint, SGD's momentum keys apply)."""
+    if name.startswith("torch.optim:"):
+        name = name.removeprefix("torch.optim:")
+    elif ":" in name:
+        return name
+    if name in TORCH_OPTIMIZERS:
         return name
     import torch.optim
 
@@ -62,10 +68,8 @@ class FsdpConfig(Section):
     cpu_offload: bool = Field(False, description="Keep sharded params/grads/optimizer on CPU.")
 
     @model_validator(mode="after")
-    def _units(self) -> "FsdpConfig":
-        if self.shard_modules and not self.shard_transformer_layers:
-            raise ValueError("shard_modules names units to shard one by one, but "
-                             "shard_transformer_layers is false (root only); set one of them")
+    def _compat(self) -> "FsdpConfig":
+        compat.check(self, "distributed.fsdp")
         return self
 
 
@@ -83,7 +87,10 @@ class DilocoConfig(Section):
         ..., gt=0, description="H: local optimizer steps per outer loop (required); a worker "
         "trains inner_steps x diloco_loops steps, which training.max_steps may repeat.")
     diloco_loops: int = Field(1, gt=0, description="Outer loops (syncs); total steps = H x loops.")
-    outer_optimizer: str = Field("SGD", description="torch.optim class for the outer step.")
+    outer_optimizer: str = Field(
+        "SGD", description="The outer step's optimizer: a torch.optim class name, or "
+        "'module:Class' (an Optimizer subclass), as optimizer.name; outer_momentum and "
+        "outer_nesterov apply to SGD, outer_kwargs to any.")
     outer_lr: float = Field(0.7, gt=0, description="Outer learning rate.")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum (SGD).")
     outer_nesterov: bool = Field(True, description="Nesterov outer momentum (SGD).")
@@ -117,13 +124,8 @@ class DilocoConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _hierarchy(self) -> "DilocoConfig":
-        if self.post_local_gradient_allreduce and self.fsdp_group_size > 1:
-            raise ValueError(
-                "post_local_gradient_allreduce averages the gradients of a node's workers, but "
-                f"fsdp_group_size {self.fsdp_group_size} already makes a worker a group of "
-                "sharded processes; set one of them (fsdp_group_size: 1 or "
-                "post_local_gradient_allreduce: false)")
+    def _compat(self) -> "DilocoConfig":
+        compat.check(self, "distributed.diloco")
         return self
 
     @field_validator("outer_optimizer")
@@ -182,49 +184,10 @@ class DistributedConfig(Section):
         None, description="Pipeline options (strategy pipeline only; defaults apply when unset).")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "DistributedConfig":
-        world = self.nproc_per_node * self.nnodes
-        if self.strategy == "single" and world > 1:
-            raise ValueError(
-                f"strategy 'single' runs one process but nproc_per_node x nnodes = {world}; "
-                "use strategy ddp or set nproc_per_node: 1"
-            )
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank {self.node_rank} must be < nnodes {self.nnodes}")
-        if self.skip_all_reduce_unused_params and not self.find_unused_parameters:
-            raise ValueError("skip_all_reduce_unused_params needs find_unused_parameters: true "
-                             "(DDP finds the unused parameters it skips)")
-        if self.strategy == "diloco" and self.diloco is None:
-            raise ValueError(
-                "strategy 'diloco' needs its outer-loop settings: add a distributed.diloco "
-                "section (at least diloco_loops; outer_lr, outer_momentum have defaults)"
-            )
-        if self.diloco is not None and self.world_size % self.diloco.fsdp_group_size:
-            raise ValueError(
-                f"distributed.diloco.fsdp_group_size {self.diloco.fsdp_group_size} must divide "
-                f"the world size {self.world_size}"
-            )
-        if self.strategy == "pipeline":
-            if world == 1:
-                raise ValueError("strategy pipeline splits the model over processes; with "
-                                 "nproc_per_node x nnodes = 1 there is nothing to split (use "
-                                 "single, or set nproc_per_node >= 2)")
-            if self.pipeline is None:
-                self.pipeline = PipelineConfig()
-            dp = self.pipeline.data_parallel_size
-            if world % dp or world // dp < 2:
-                raise ValueError(
-                    f"distributed.pipeline.data_parallel_size {dp} must divide the world size "
-                    f"{world} and leave at least 2 ranks per pipeline")
-        sharded_diloco = self.diloco is not None and self.diloco.fsdp_group_size > 1
-        for name, owner in (("fsdp", "fsdp2"), ("diloco", "diloco"), ("pipeline", "pipeline")):
-            if name == "fsdp" and sharded_diloco:
-                continue
-            if getattr(self, name) is not None and self.strategy != owner:
-                raise ValueError(
-                    f"distributed.{name} is set but strategy is '{self.strategy}'; it would be "
-                    f"ignored: set strategy: {owner} or remove the section"
-                )
+    def _compat(self) -> "DistributedConfig":
+        if self.strategy == "pipeline" and self.pipeline is None:
+            self.pipeline = PipelineConfig()  # its defaults apply
+        compat.check(self, "distributed")
         return self
 
     @property

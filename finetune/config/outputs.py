@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from finetune.config.section import Section
 from finetune.datatypes.metrics import CLASSIFICATION_METRICS, GENERATION_METRICS, ROUGE_KEYS
@@ -33,8 +33,9 @@ class EvalConfig(Section):
         "(epoch), HF's rule: an evaluation is due when eval_delay <= step (or epoch).",
     )
     eval_batches: int | None = Field(
-        None, gt=0, description="Cap the in-training eval batches (None, 0 or -1: the whole "
-        "test split, the seeds' '0 disables' the cap and max_eval_steps -1). Alias: "
+        None, ge=0, description="Batches of the test split each in-training evaluation reads "
+        "(None or -1: all of them, max_eval_steps' -1; 0: no in-training evaluation, seed 001's "
+        "eval_batches > 0 turns it on). The evaluate stage always reads the whole split. Alias: "
         "max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
     )
     eval_on_save: bool = Field(
@@ -71,7 +72,12 @@ class EvalConfig(Section):
     @field_validator("eval_batches", mode="before")
     @classmethod
     def _no_cap(cls, value):
-        return None if isinstance(value, int) and value in (0, -1) else value
+        return None if isinstance(value, int) and value == -1 else value
+
+    @property
+    def effective_eval_strategy(self) -> str:
+        """eval_strategy with the seeds' "0 disables" applied (eval_batches 0: no evals)."""
+        return "no" if self.eval_batches == 0 else self.eval_strategy
 
     @field_validator("answer_regex")
     @classmethod
@@ -129,16 +135,9 @@ class RegistryConfig(Section):
             return self.greater_is_better
         return not self.gate_metric.endswith(("loss", "perplexity"))
 
-    def check_against(self, ev: EvalConfig) -> None:
-        """A generation metric as the gate needs that metric computed."""
-        if not self.register_model:
-            return
-        name = self.gate_metric.removeprefix("eval.")
-        needed = "rouge" if name in ROUGE_KEYS else name
-        if needed in GENERATION_METRICS and needed not in ev.generation_metrics:
-            raise ValueError(
-                f"registry.gate_metric {self.gate_metric} needs '{needed}' in "
-                f"eval.generation_metrics (now {ev.generation_metrics})"
-            )
-        if self.candidate_alias == self.champion_alias:
-            raise ValueError("registry.candidate_alias and champion_alias must differ")
+    @model_validator(mode="after")
+    def _compat(self) -> "RegistryConfig":
+        from finetune.config import compat
+
+        compat.check(self, "registry")
+        return self

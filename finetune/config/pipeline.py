@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from finetune.config import compat
 from finetune.config.section import Section
 
 #: schedules with one stage per rank; the others run several (PipelineScheduleMulti)
@@ -56,21 +57,19 @@ class PipelineConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _layout(self) -> "PipelineConfig":
-        per_rank, style = self.resolved_stages_per_rank, self.resolved_stage_type
-        if self.schedule in SINGLE_STAGE and per_rank != 1:
-            raise ValueError(f"pipeline.schedule {self.schedule} runs one stage per rank; "
-                             f"stages_per_rank {per_rank} needs Interleaved1F1B, "
-                             "InterleavedZeroBubble or ZBVZeroBubble")
-        if self.schedule in MULTI_STAGE and per_rank < 2:
-            raise ValueError(f"pipeline.schedule {self.schedule} runs several stages per rank; "
-                             "set stages_per_rank >= 2 (or use GPipe / 1F1B)")
-        if style == "v" and per_rank != 2:
-            raise ValueError("pipeline.pp_stage_type v places exactly 2 stages on each rank "
-                             f"(got stages_per_rank {per_rank})")
-        if self.schedule == "ZBVZeroBubble" and style != "v":
-            raise ValueError("pipeline.schedule ZBVZeroBubble needs pp_stage_type v")
+    def _compat(self) -> "PipelineConfig":
+        compat.check(self, "distributed.pipeline")
         return self
+
+    @property
+    def one_stage_per_rank(self) -> bool:
+        """The schedule runs one stage on each rank (GPipe, 1F1B); the others several."""
+        return self.schedule in SINGLE_STAGE
+
+    @property
+    def zero_bubble(self) -> bool:
+        """The schedule splits the backward (input and weight gradients apart)."""
+        return self.schedule in ZERO_BUBBLE
 
     @property
     def resolved_stages_per_rank(self) -> int:

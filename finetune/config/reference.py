@@ -1,4 +1,5 @@
-"""Render the params reference (every key: type, default, meaning) from the schema.
+"""Render the params reference (every key: type, default, meaning, where it applies) from the
+schema and the compatibility table (finetune/config/compat.py).
 
 `finetune reference` prints it; README.md embeds it between markers and a test fails when the
 two drift apart, so the documentation cannot go stale.
@@ -12,6 +13,7 @@ import typing
 
 from pydantic import BaseModel
 
+from finetune.config.compat import applies_to
 from finetune.config.schema import FinetuneConfig
 from finetune.config.section import section_model
 
@@ -45,21 +47,21 @@ def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> No
     """One table per section; optional sub-sections (e.g. distributed.fsdp) get their own."""
     doc = " ".join((model.__doc__ or "").split())
     lines.append(f"\n### `{prefix}`\n\n{doc}\n")
-    lines.append("| key | type | default | meaning |\n|---|---|---|---|")
+    lines.append("| key | type | default | meaning | applies to |\n|---|---|---|---|---|")
     nested = []
     for name, f in model.model_fields.items():
         item = _list_item_section(f.annotation)
         if item is not None:  # a list of sections (data.sources): one table for an item
             nested.append((f"{prefix}.{name}[]", item))
             lines.append(f"| `{prefix}.{name}` | list of sections or None | `null` | "
-                         f"{f.description or ''} (item keys below) |")
+                         f"{f.description or ''} (item keys below) | {_where(prefix, name)} |")
             continue
         sub = section_model(f.annotation)
         if sub is not None:
             nested.append((f"{prefix}.{name}", sub))
             kind, shown = ("section or None", "null") if f.default is None else ("section", "{}")
             lines.append(f"| `{prefix}.{name}` | {kind} | `{shown}` | {f.description or ''} "
-                         f"(keys below) |")
+                         f"(keys below) | {_where(prefix, name)} |")
             continue
         if f.is_required():
             shown = "required"
@@ -67,9 +69,15 @@ def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> No
             default = f.default_factory() if f.default_factory else f.default
             shown = json.dumps(default).replace("|", "\\|")
         lines.append(f"| `{prefix}.{name}` | {_type_name(f.annotation)} | `{shown}` | "
-                     f"{f.description or ''} |")
+                     f"{f.description or ''} | {_where(prefix, name)} |")
     for sub_prefix, sub in nested:
         _render_section(sub_prefix, sub, lines)
+
+
+def _where(prefix: str, name: str) -> str:
+    """Where the key does not apply, from the compatibility table (empty: everywhere)."""
+    dotted = f"{prefix}.{name}".replace("[]", "")
+    return applies_to(dotted).replace("|", "\\|") or "all"
 
 
 def render() -> str:

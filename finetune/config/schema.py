@@ -13,13 +13,10 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from finetune.config import reads
+from finetune.config import compat, reads
 from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
-from finetune.datatypes.base import CAUSAL_LM, SEQUENCE_CLASSIFICATION
-from finetune.config.cross_checks import (check_diloco, check_meta_construction, check_pipeline,
-                                          check_streaming)
 from finetune.config.reporting import LoggingConfig
 from finetune.config.section import Section
 from finetune.config.training import TrainingConfig
@@ -35,11 +32,6 @@ SCHEDULERS = (
     "warmup_stable_decay",
 )
 
-
-#: the model classes and peft tasks the dataset types derive: set by hand, one of another task
-#: is a conflict (a project's own class is its business)
-_TASK_DEFAULTS = {"auto_class_name": {t.auto_class for t in (CAUSAL_LM, SEQUENCE_CLASSIFICATION)},
-                  "task_type": {t.peft_task_type for t in (CAUSAL_LM, SEQUENCE_CLASSIFICATION)}}
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                       "cls_token", "mask_token", "additional_special_tokens")
@@ -110,9 +102,8 @@ class ModelConfig(Section):
         return tokens
 
     @model_validator(mode="after")
-    def _one_quantisation(self) -> "ModelConfig":
-        if self.load_in_4bit and self.load_in_8bit:
-            raise ValueError("load_in_4bit and load_in_8bit are exclusive; set one to false")
+    def _compat(self) -> "ModelConfig":
+        compat.check(self, "model")
         return self
 
 
@@ -199,9 +190,8 @@ class SchedulerConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _one_warmup(self) -> "SchedulerConfig":
-        if self.warmup_steps and self.warmup_ratio:
-            raise ValueError("warmup_steps and warmup_ratio are exclusive; set one to 0")
+    def _compat(self) -> "SchedulerConfig":
+        compat.check(self, "scheduler")
         return self
 
 
@@ -317,134 +307,21 @@ class FinetuneConfig(Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> "FinetuneConfig":
-        t = self.training
-        world = self.distributed.world_size
-        if t.global_batch_size is not None:
-            derived = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
-            if derived != t.global_batch_size:
-                raise ValueError(
-                    f"training.global_batch_size {t.global_batch_size} != "
-                    f"per_device_train_batch_size {t.per_device_train_batch_size} x "
-                    f"gradient_accumulation_steps {t.gradient_accumulation_steps} x "
-                    f"world size {world} = {derived}"
-                )
-        if self.distributed.strategy == "diloco":
-            check_diloco(self)
-        if t.mixed_precision == "fp16" and self.distributed.shards_with_fsdp:
-            raise ValueError(
-                "training.mixed_precision: fp16 with FSDP2 sharding needs a sharded GradScaler, "
-                "which this trainer does not use; use bf16 (distributed.fsdp.param_dtype: "
-                "bfloat16)"
-            )
-        self.registry.check_against(self.eval)
-        if t.fuse_optim_with_backward and self.distributed.strategy != "single":
-            raise ValueError(
-                f"training.fuse_optim_with_backward does not combine with distributed.strategy "
-                f"{self.distributed.strategy} (the update would run before the gradients are "
-                "all-reduced); use strategy single")
-        if self.data.collate_fn and (t.packing or t.padding_free):
-            raise ValueError(
-                "data.collate_fn does not combine with training.packing or padding_free (their "
-                "batches are built by the trainer's own packing collators); drop one of them")
-        if self.distributed.strategy == "pipeline":
-            check_pipeline(self)
-        if t.construct_model_on == "meta":
-            check_meta_construction(self)
-        if self.checkpoint.save_on_each_node and self.distributed.shards_with_fsdp:
-            raise ValueError(
-                "checkpoint.save_on_each_node needs each node to hold the whole training state, "
-                "but FSDP2 shards it across the nodes; keep the checkpoint folder on storage all "
-                "nodes share, or use ddp")
-        self._check_model_task()
-        self._check_best_model()
-        self._check_resume_ignore_changes()
-        if self.data.streaming:
-            check_streaming(self)
-        elif t.epoch_train_steps is not None:
-            raise ValueError("training.epoch_train_steps sizes a streamed split's epoch; a stored "
-                             "split knows its length (set data.streaming: true, or drop it)")
+        self._derive_model_task()
+        compat.check(self, "config")  # every rule across sections (finetune/config/compat.py)
         return self
 
-    def _check_resume_ignore_changes(self) -> None:
-        from finetune.config.fingerprint import CONTENT_KEYS, config_part
-
-        known = set(config_part(self)) | set(CONTENT_KEYS)
-        for key in self.checkpoint.resume_ignore_changes:
-            if key not in known:
-                raise ValueError(
-                    f"checkpoint.resume_ignore_changes: '{key}' is not part of the checkpoint "
-                    "fingerprint (a dotted key such as training.max_steps, or train_data, "
-                    "base_model); keys outside it never block a resume"
-                )
-
-    def _check_model_task(self) -> None:
+    def _derive_model_task(self) -> None:
         """The dataset type decides the model (finetune.datatypes.ModelTask): its class and
-        peft task follow unless set, a gate metric must be one the type reports, and what only
-        fits a language model is refused for a classifier."""
+        peft task follow from it unless the params file sets them (a conflicting choice is the
+        table's to refuse)."""
         task = self.data.task
-        derived = (("model", "auto_class_name", task.auto_class),
-                   ("peft", "task_type", task.peft_task_type))
-        for section_name, key, wanted in derived:
+        for section_name, key, wanted in (("model", "auto_class_name", task.auto_class),
+                                          ("peft", "task_type", task.peft_task_type)):
             section = getattr(self, section_name)
-            if key not in section.model_fields_set:
-                if getattr(section, key) != wanted:
-                    setattr(section, key, wanted)
-                    section.model_fields_set.discard(key)  # still the derived default
-            elif getattr(section, key) in _TASK_DEFAULTS[key] - {wanted}:
-                raise ValueError(f"{section_name}.{key}: {getattr(section, key)} does not fit "
-                                 f"data.dataset_type {self.data.dataset_type} (it trains "
-                                 f"{task.auto_class} with peft task {task.peft_task_type}); "
-                                 "remove it")
-        gate = self.registry.gate_metric.removeprefix("eval.")
-        reported = {m for _, part in self.data.parts() for m in part.datatype.reported_metrics()}
-        if gate not in reported:
-            raise ValueError(f"registry.gate_metric eval.{gate} is not reported for "
-                             f"data.dataset_type {self.data.dataset_type} (it reports "
-                             f"{', '.join('eval.' + m for m in sorted(reported))})")
-        if not task.classifier:
-            return
-        t = self.training
-        refused = (("training.packing", t.packing, "a row is one labelled text"),
-                   ("training.padding_free", t.padding_free, "a row is one labelled text"),
-                   ("eval.generation_metrics", self.eval.generation_metrics,
-                    "a classifier does not generate; it reports accuracy and macro_f1"))
-        for key, hit, why in refused:
-            if hit:
-                raise ValueError(f"data.dataset_type {self.data.dataset_type} trains a "
-                                 f"classifier, which does not combine with {key} ({why})")
-        default_chunk = type(t).model_fields["loss_chunk_tokens"].default
-        if t.loss_chunk_tokens not in (None, default_chunk):
-            raise ValueError("training.loss_chunk_tokens chunks a vocabulary head; a classifier "
-                             "has none: remove it for data.dataset_type "
-                             f"{self.data.dataset_type}")
-
-    def _check_best_model(self) -> None:
-        """HF's rules: the best model needs an eval at every checkpoint it could be."""
-        c, e = self.checkpoint, self.eval
-        if c.preserve_n_best and c.metric_for_best_model is None:
-            raise ValueError("checkpoint.preserve_n_best keeps the best checkpoints by "
-                             "checkpoint.metric_for_best_model: set it (e.g. eval_loss)")
-        monitored = (c.load_best_model_at_end or e.early_stopping_patience is not None
-                     or c.preserve_n_best is not None)
-        if monitored and c.metric_for_best_model is None:
-            raise ValueError("checkpoint.load_best_model_at_end / eval.early_stopping_patience "
-                             "need checkpoint.metric_for_best_model (e.g. eval_loss)")
-        if monitored and e.eval_strategy == "no":
-            raise ValueError("checkpoint.metric_for_best_model is computed by evaluation: set "
-                             "eval.eval_strategy to steps or epoch")
-        if c.load_best_model_at_end:
-            if c.save_strategy != e.eval_strategy and not e.eval_on_save:
-                raise ValueError(
-                    f"checkpoint.load_best_model_at_end: save_strategy {c.save_strategy} and "
-                    f"eval.eval_strategy {e.eval_strategy} differ; make them equal or set "
-                    "eval.eval_on_save: true"
-                )
-            if (c.save_strategy == "steps" and e.eval_strategy == "steps" and not e.eval_on_save
-                    and e.eval_steps and c.save_steps % e.eval_steps):
-                raise ValueError(
-                    f"checkpoint.load_best_model_at_end: save_steps {c.save_steps} must be a "
-                    f"multiple of eval.eval_steps {e.eval_steps} (or set eval.eval_on_save)"
-                )
+            if key not in section.model_fields_set and getattr(section, key) != wanted:
+                setattr(section, key, wanted)
+                section.model_fields_set.discard(key)  # still the derived default
 
     @property
     def total_steps_hint(self) -> int | None:

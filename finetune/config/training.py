@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, Field, model_validator
 
+from finetune.config import compat
 from finetune.config.section import Section
 
 
@@ -203,7 +204,7 @@ class TrainingConfig(Section):
         "fp32", description="Autocast dtype; fp32/no = full precision."
     )
     seed: int | None = Field(
-        42,
+        42, ge=0, le=2**32 - 1,
         description="Seed for init, dropout and data order. null: unseeded (seed 003): the "
         "train stage draws one, logs it (MLflow param, train metrics, checkpoints) and a "
         "resume continues with the checkpoint's.",
@@ -265,97 +266,11 @@ class TrainingConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _loader(self) -> "TrainingConfig":
-        if self.dataloader_num_workers == 0 and (self.dataloader_prefetch_factor is not None
-                                                 or self.dataloader_persistent_workers):
-            raise ValueError("dataloader_prefetch_factor / dataloader_persistent_workers need "
-                             "dataloader_num_workers > 0")
-        return self
-
-    @model_validator(mode="after")
-    def _one_low_precision(self) -> "TrainingConfig":
-        if self.fp8_recipe and self.qat_recipe:
-            raise ValueError(f"fp8_recipe {self.fp8_recipe} and qat_recipe {self.qat_recipe} "
-                             "are exclusive (fp8 trains in fp8; QAT simulates another format); "
-                             "set one")
+    def _compat(self) -> "TrainingConfig":
+        compat.check(self, "training")  # the rules among these keys (finetune/config/compat.py)
         return self
 
     @property
     def resolved_device(self) -> str:
         """training.device with use_cpu applied."""
         return "cpu" if self.use_cpu else self.device
-
-    @model_validator(mode="after")
-    def _one_device(self) -> "TrainingConfig":
-        if self.use_cpu and self.device == "cuda":
-            raise ValueError("use_cpu: true and device: cuda contradict each other; set one")
-        return self
-
-    @model_validator(mode="after")
-    def _optimizer_in_backward(self) -> "TrainingConfig":
-        if not self.fuse_optim_with_backward:
-            return self
-        refused = (("max_grad_norm", self.max_grad_norm is not None,
-                    "clipping needs every gradient before the update; set it to null"),
-                   ("gradient_accumulation_steps", self.gradient_accumulation_steps > 1,
-                    "the update would run on every micro-batch"),
-                   ("mixed_precision", self.mixed_precision == "fp16",
-                    "the GradScaler unscales all gradients before the update"))
-        for key, hit, why in refused:
-            if hit:
-                raise ValueError(f"fuse_optim_with_backward does not combine with {key}: "
-                                 f"{getattr(self, key)} ({why})")
-        return self
-
-    @model_validator(mode="after")
-    def _compile_only(self) -> "TrainingConfig":
-        for key in ("dynamo_recompile_limit", "activation_memory_budget"):
-            if getattr(self, key) is not None and not self.torch_compile:
-                raise ValueError(f"{key} tunes torch.compile; set torch_compile: true or remove "
-                                 "it")
-        if self.max_steps > 0 and self.speed_metrics_start_step >= self.max_steps:
-            raise ValueError(f"speed_metrics_start_step {self.speed_metrics_start_step} leaves no "
-                             f"step of max_steps {self.max_steps} to measure")
-        return self
-
-    @model_validator(mode="after")
-    def _compile_mode(self) -> "TrainingConfig":
-        if (self.torch_compile and self.torch_compile_mode == "max-autotune"
-                and self.gradient_accumulation_steps > 1):
-            raise ValueError(
-                "torch_compile_mode max-autotune captures CUDA graphs, which replay stale "
-                "gradients under gradient_accumulation_steps > 1; use "
-                "max-autotune-no-cudagraphs or accumulation 1"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _fullgraph(self) -> "TrainingConfig":
-        if (self.torch_compile and self.torch_compile_fullgraph
-                and self.torch_compile_scope == "model" and self.loss_chunk_tokens):
-            raise ValueError(
-                "torch_compile_fullgraph with torch_compile_scope: model cannot hold the "
-                "chunked loss (it runs eager, a graph break); use torch_compile_scope: blocks "
-                "or loss_chunk_tokens: null"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _one_row_layout(self) -> "TrainingConfig":
-        if self.padding_free and self.pad_to_multiple_of:
-            raise ValueError(
-                "pad_to_multiple_of: padding_free rows are never padded; set it with packing "
-                "or padded batches, or remove it"
-            )
-        if self.padding_free and self.packing:
-            raise ValueError(
-                "padding_free and packing are alternatives: padding_free puts each micro-batch "
-                "in one row without padding, packing in rows of packed_sequence_length; set one"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _budget(self) -> "TrainingConfig":
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            raise ValueError("set max_steps > 0 or num_train_epochs > 0; both give no steps")
-        return self

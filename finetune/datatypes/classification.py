@@ -40,6 +40,9 @@ class ClassificationType(DatasetType):
 
     def check(self) -> None:
         d = self.data
+        if d.label_column is None:
+            raise ValueError("label_column (target_column) is null; a classification dataset "
+                             "names the column holding each row's label")
         if self.input_template_key and d.text_field:
             raise ValueError(f"text_field and {self.input_template_key} both name the "
                              "classification input; set one of them")

@@ -1,0 +1,822 @@
+"""Which options combine: every rule that relates two or more options, as one table.
+
+A row is about one option (`key`, the one a user set) and says where it does not apply:
+- `Refuse`: in use, it does not combine with a setting of other options (`where`), and why;
+- `Needs`: in use, it needs another setting (`needs`), and why;
+- `Agree`: values of several options that must agree (arithmetic), with its own message.
+Rows whose option belongs to the machine (CUDA-only features) are checked where the device is
+known (`check_machine`: `finetune validate` and the train stage, before any process starts).
+
+Each section's validator runs its scope's rows (`check(section, scope)`), so a section alone
+(a data source, a training section built by a test) is checked as the whole file is, and the
+error names the keys relative to the section the loader names. The README's reference ("applies
+to") and tests/test_compat.py (one example per row that must be refused) derive from the rows.
+Adding an option that depends on another is one row here, nothing elsewhere. Rules among one
+dataset type's own keys live with the type (finetune/datatypes), which is one module by design.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+#: the contexts sections are checked in, in the order the table lists them
+SCOPES = ("model", "scheduler", "training", "distributed.fsdp", "distributed.diloco",
+          "distributed.pipeline", "distributed", "data", "data.sources", "registry", "config",
+          "machine")
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def shown(value) -> str:
+    """A value as a params file writes it (true, null, 3, a string as is; a section: {...})."""
+    if isinstance(value, str):
+        return value
+    if hasattr(value, "model_fields"):
+        return "{...}"
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return str(value)
+
+
+def _set(value) -> bool:
+    return value not in (None, False, 0, "", [], {}, ())
+
+
+@dataclass(frozen=True)
+class When:
+    """A setting of other options, named as messages and the README say it (`name`, or
+    `said(obj)` where the message names the value the setting has)."""
+
+    name: str
+    holds: Callable[[Any], bool]
+    said: Callable[[Any], str] | None = None
+
+    def named(self, obj) -> str:
+        return self.said(obj) if self.said else self.name
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """`key`, in use, does not combine with `where`."""
+
+    scope: str
+    key: str
+    where: When
+    why: str
+    used: Callable[[Any], bool] | None = None  # default: the key is set (not false/null/0)
+    #: overrides (dotted, from the top) that make the row refuse: tests/test_compat.py
+    example: dict = field(default_factory=dict)
+
+    def in_use(self, obj) -> bool:
+        return self.used(obj) if self.used else _set(_get(obj, self.key))
+
+    def broken(self, obj) -> str | None:
+        if self.in_use(obj) and self.where.holds(obj):
+            return (f"{self.key}: {shown(_get(obj, self.key))} does not combine with "
+                    f"{self.where.named(obj)} ({self.why})")
+        return None
+
+
+@dataclass(frozen=True)
+class Needs:
+    """`key`, in use, needs `needs`."""
+
+    scope: str
+    key: str
+    needs: When
+    why: str
+    used: Callable[[Any], bool] | None = None
+    example: dict = field(default_factory=dict)
+
+    def in_use(self, obj) -> bool:
+        return self.used(obj) if self.used else _set(_get(obj, self.key))
+
+    def broken(self, obj) -> str | None:
+        if self.in_use(obj) and not self.needs.holds(obj):
+            return (f"{self.key}: {shown(_get(obj, self.key))} needs {self.needs.name} "
+                    f"({self.why})")
+        return None
+
+
+@dataclass(frozen=True)
+class Agree:
+    """Values of `keys` that must agree; `message(obj)` says how they do not (None: they do)."""
+
+    scope: str
+    keys: tuple[str, ...]
+    message: Callable[[Any], str | None]
+    example: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return self.keys[0]
+
+    def broken(self, obj) -> str | None:
+        return self.message(obj)
+
+
+Rule = Refuse | Needs | Agree
+
+
+def check(obj, scope: str) -> None:
+    """Run the rows of `scope` on `obj` (the section, or the config); the first broken one is
+    a ValueError with its one line."""
+    for rule in RULES:
+        if rule.scope == scope:
+            message = rule.broken(obj)
+            if message:
+                raise ValueError(message)
+
+
+class Machine:
+    """What the machine rows look at: the config's sections, and the device the run gets."""
+
+    def __init__(self, cfg, device):
+        self.cfg, self.device = cfg, device
+
+    def __getattr__(self, name: str):
+        return getattr(self.cfg, name)
+
+
+def check_machine(cfg, device) -> None:
+    """The machine's rows, for `device` (a torch.device); a broken one raises PipelineError
+    (this runs outside validation, in `finetune validate` and the train stage)."""
+    from finetune.errors import PipelineError
+
+    try:
+        check(Machine(cfg, device), "machine")
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def rules_for(dotted: str) -> list[Rule]:
+    """The rows about one option (its full dotted key), for the README's reference."""
+    return [r for r in RULES if full_key(r) == dotted]
+
+
+def full_key(rule: Rule) -> str:
+    """A row's option as a full dotted key (rows of a section name keys relative to it)."""
+    if rule.scope in ("config", "machine"):
+        return rule.key
+    return f"{rule.scope.removesuffix('.sources')}.{rule.key}"
+
+
+def applies_to(dotted: str) -> str:
+    """The README's column: where the option does not apply, in a few words."""
+    parts = []
+    for rule in rules_for(dotted):
+        if isinstance(rule, Refuse):
+            parts.append(f"not with {rule.where.name}")
+        elif isinstance(rule, Needs):
+            parts.append(f"needs {rule.needs.name}")
+    return "; ".join(dict.fromkeys(parts))
+
+
+# -- the settings rows refer to ----------------------------------------------------------------
+
+def _world(c) -> int:
+    return c.distributed.nproc_per_node * c.distributed.nnodes
+
+
+PIPELINE = When("distributed.strategy pipeline", lambda c: c.distributed.strategy == "pipeline")
+FSDP = When("FSDP2 sharding (strategy fsdp2, or diloco with fsdp_group_size > 1)",
+            lambda c: c.distributed.shards_with_fsdp)
+META = When("training.construct_model_on meta",
+            lambda c: c.training.construct_model_on == "meta")
+STREAMING = When("data.streaming", lambda c: c.data.streaming)
+STORED = When("data.streaming: true", lambda c: c.data.streaming)
+CLASSIFIER = When("a classification dataset", lambda c: c.data.task.classifier)
+DILOCO = When("distributed.strategy diloco", lambda c: c.distributed.strategy == "diloco")
+SINGLE = When("distributed.strategy single", lambda c: c.distributed.strategy == "single")
+PACKED = When("training.packing or training.padding_free",
+              lambda c: c.training.packing or c.training.padding_free)
+NO_NOMINAL_EPOCH = When("data.streaming without training.epoch_train_steps",
+                        lambda c: c.data.streaming and c.training.epoch_train_steps is None)
+ZERO_BUBBLE_PIPELINE = When(
+    "a zero-bubble pipeline schedule", lambda c: c.distributed.strategy == "pipeline"
+    and c.distributed.pipeline.zero_bubble)
+EVALUATING = When("in-training evaluation (eval.eval_strategy steps or epoch)",
+                  lambda c: c.eval.effective_eval_strategy != "no")
+METRIC = When("checkpoint.metric_for_best_model (e.g. eval_loss)",
+              lambda c: c.checkpoint.metric_for_best_model is not None)
+CUDA = When("a CUDA GPU", lambda m: m.device.type == "cuda")
+
+
+def _fp8_gpu(m) -> bool:
+    import torch
+
+    return m.device.type == "cuda" and torch.cuda.get_device_capability(m.device) >= (8, 9)
+
+
+FP8_GPU = When("a CUDA GPU of compute capability >= 8.9 (H100, L4, RTX 40xx)", _fp8_gpu)
+
+
+def _in(name: str, test) -> When:
+    """A setting of this section's own options, named by its key."""
+    return When(name, test)
+
+
+# -- messages of the arithmetic rows ---------------------------------------------------------
+
+def _global_batch(c) -> str | None:
+    t = c.training
+    if t.global_batch_size is None:
+        return None
+    derived = t.per_device_train_batch_size * t.gradient_accumulation_steps * _world(c)
+    if derived == t.global_batch_size:
+        return None
+    return (f"training.global_batch_size {t.global_batch_size} != per_device_train_batch_size "
+            f"{t.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{t.gradient_accumulation_steps} x world size {_world(c)} = {derived}")
+
+
+def _diloco_total(c) -> str | None:
+    if c.distributed.diloco is None or c.distributed.strategy != "diloco":
+        return None
+    d = c.distributed.diloco
+    total = d.inner_steps * d.diloco_loops
+    if c.training.max_steps > 0 and c.training.max_steps != total:
+        return (f"training.max_steps {c.training.max_steps} != distributed.diloco.inner_steps "
+                f"{d.inner_steps} x diloco_loops {d.diloco_loops} = {total} (a worker's total "
+                "optimizer steps); fix one of them, or set training.max_steps: -1")
+    return None
+
+
+def _diloco_multiple(key: str, strategy_key: str) -> Callable[[Any], str | None]:
+    def message(c) -> str | None:
+        if c.distributed.diloco is None or c.distributed.strategy != "diloco":
+            return None
+        h, every = c.distributed.diloco.inner_steps, _get(c, key)
+        if _get(c, strategy_key) == "steps" and every % h:
+            where = ("evaluate the global model, at an outer-loop end" if key.startswith("eval")
+                     else "checkpoints are taken at sync points")
+            return (f"{key} {every} must be a multiple of distributed.diloco.inner_steps {h} "
+                    f"under diloco ({where})")
+        return None
+    return message
+
+
+def _local_start(d) -> str | None:
+    start, h = d.local_sgd_start_step, d.inner_steps
+    if start % h:
+        return (f"local_sgd_start_step {start} must be a multiple of inner_steps {h} (outer "
+                "syncs fall on multiples of H)")
+    if start >= h * d.diloco_loops:
+        return (f"local_sgd_start_step {start} >= total steps {h * d.diloco_loops}: the run "
+                "would never go local")
+    return None
+
+
+def _pipeline_batches(c) -> str | None:
+    if c.distributed.strategy != "pipeline":
+        return None
+    n = c.distributed.pipeline.microbatches(c.distributed.world_size)
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        if getattr(c.training, key) % n:
+            return (f"training.{key} {getattr(c.training, key)} does not divide into "
+                    f"distributed.pipeline n_microbatches {n}")
+    return None
+
+
+def _pipeline_ranks(d) -> str | None:
+    if d.strategy != "pipeline":
+        return None
+    world = d.world_size
+    if world == 1:
+        return ("strategy pipeline splits the model over processes; with nproc_per_node x "
+                "nnodes = 1 there is nothing to split (use single, or set nproc_per_node >= 2)")
+    dp = (d.pipeline.data_parallel_size if d.pipeline else 1)
+    if world % dp or world // dp < 2:
+        return (f"pipeline.data_parallel_size {dp} must divide the world size {world} and "
+                "leave at least 2 ranks per pipeline")
+    return None
+
+
+def _stage_layout(p) -> str | None:
+    per_rank, style = p.resolved_stages_per_rank, p.resolved_stage_type
+    if p.one_stage_per_rank and per_rank != 1:
+        return (f"schedule {p.schedule} runs one stage per rank; stages_per_rank {per_rank} "
+                "needs Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble")
+    if not p.one_stage_per_rank and per_rank < 2:
+        return (f"schedule {p.schedule} runs several stages per rank; set stages_per_rank >= 2 "
+                "(or use GPipe / 1F1B)")
+    if style == "v" and per_rank != 2:
+        return f"pp_stage_type v places exactly 2 stages on each rank (got stages_per_rank {per_rank})"
+    if p.schedule == "ZBVZeroBubble" and style != "v":
+        return "schedule ZBVZeroBubble needs pp_stage_type v"
+    return None
+
+
+def _model_task(c) -> str | None:
+    """A model class or peft task set by hand must be the dataset type's (it derives them)."""
+    from finetune.datatypes.base import CAUSAL_LM, SEQUENCE_CLASSIFICATION
+
+    tasks, task = (CAUSAL_LM, SEQUENCE_CLASSIFICATION), c.data.task
+    for section, key, wanted, known in (
+            ("model", "auto_class_name", task.auto_class, {t.auto_class for t in tasks}),
+            ("peft", "task_type", task.peft_task_type, {t.peft_task_type for t in tasks})):
+        value = getattr(getattr(c, section), key)
+        if value in known - {wanted}:
+            return (f"{section}.{key}: {value} does not fit data.dataset_type "
+                    f"{c.data.dataset_type} (it trains {task.auto_class} with peft task "
+                    f"{task.peft_task_type}); remove it")
+    return None
+
+
+def _gate_reported(c) -> str | None:
+    gate = c.registry.gate_metric.removeprefix("eval.")
+    reported = {m for _, part in c.data.parts() for m in part.datatype.reported_metrics()}
+    if gate in reported:
+        return None
+    return (f"registry.gate_metric eval.{gate} is not reported for data.dataset_type "
+            f"{c.data.dataset_type} (it reports "
+            f"{', '.join('eval.' + m for m in sorted(reported))})")
+
+
+def _gate_computed(c) -> str | None:
+    from finetune.datatypes.metrics import GENERATION_METRICS, ROUGE_KEYS
+
+    r = c.registry
+    if not r.register_model:
+        return None
+    name = r.gate_metric.removeprefix("eval.")
+    needed = "rouge" if name in ROUGE_KEYS else name
+    if needed in GENERATION_METRICS and needed not in c.eval.generation_metrics:
+        return (f"registry.gate_metric {r.gate_metric} needs '{needed}' in "
+                f"eval.generation_metrics (now {c.eval.generation_metrics})")
+    return None
+
+
+def _best_model_cadence(c) -> str | None:
+    ck, e = c.checkpoint, c.eval
+    if not ck.load_best_model_at_end:
+        return None
+    if ck.save_strategy != e.eval_strategy and not e.eval_on_save:
+        return (f"checkpoint.load_best_model_at_end: save_strategy {ck.save_strategy} and "
+                f"eval.eval_strategy {e.eval_strategy} differ; make them equal or set "
+                "eval.eval_on_save: true")
+    if (ck.save_strategy == "steps" and e.eval_strategy == "steps" and not e.eval_on_save
+            and e.eval_steps and ck.save_steps % e.eval_steps):
+        return (f"checkpoint.load_best_model_at_end: save_steps {ck.save_steps} must be a "
+                f"multiple of eval.eval_steps {e.eval_steps} (or set eval.eval_on_save)")
+    return None
+
+
+def _unknown_fingerprint_key(c) -> str | None:
+    from finetune.config.fingerprint import CONTENT_KEYS, config_part
+
+    known = set(config_part(c)) | set(CONTENT_KEYS)
+    for key in c.checkpoint.resume_ignore_changes:
+        if key not in known:
+            return (f"checkpoint.resume_ignore_changes: '{key}' is not part of the checkpoint "
+                    "fingerprint (a dotted key such as training.max_steps, or train_data, "
+                    "base_model); keys outside it never block a resume")
+    return None
+
+
+_CUDA_ONLY_WHY = {
+    "training.enable_activation_offloading":
+        "it moves saved activations from the GPU to host memory, where a CPU run keeps them",
+    "training.gc_threshold": "it tunes the CUDA caching allocator",
+}
+#: the SDPA kernels a CPU has (the others need CUDA)
+CPU_SDPA = ("flash_attention", "math")
+
+
+def _mixture(d) -> str | None:
+    """A mixture's own rules (its sources each pass the rest of the table as one-source
+    data sections, checked by DataConfig)."""
+    if d.sources is None:
+        return None
+    located = [k for k in ("dataset_name", "json_file_path", "data_files") if getattr(d, k)]
+    if located:
+        return (f"{located[0]} is set next to data.sources; move it into a source (each "
+                "source names its own dataset)")
+    if all(s.eval_only for s in d.sources):
+        return "sources: every source is eval_only; at least one must train"
+    names = [s.name for s in d.sources]
+    if len(set(names)) != len(names):
+        return f"sources: names must differ (got {', '.join(names)})"
+    if d.mixing == "concatenate" and any(s.weight != 1.0 for s in d.sources):
+        return ("sources: weights need mixing: interleave (concatenate keeps every row of every "
+                "source once)")
+    return None
+
+
+def _one_location(d) -> str | None:
+    if d.sources is not None:
+        return None
+    located = [k for k in ("dataset_name", "json_file_path", "data_files") if getattr(d, k)]
+    if len(located) != 1:
+        return ("set exactly one of dataset_name, json_file_path, data_files "
+                f"(got {', '.join(located) or 'none'})")
+    return None
+
+
+def _type_keys(d) -> str | None:
+    """A key that only other dataset types read, set in the params file."""
+    from finetune.datatypes.registry import type_keys
+
+    if d.sources is not None:
+        return None
+    fields = type(d).model_fields
+    foreign = sorted(type_keys() - set(d.datatype.keys), key=list(fields).index)
+    clash = [k for k in foreign if k in d.model_fields_set
+             and getattr(d, k) not in (None, fields[k].default)]
+    if clash:
+        return (f"{clash[0]} does not apply to dataset_type {d.dataset_type}; remove it or "
+                "change data.dataset_type")
+    return None
+
+
+def _task_of_sources(d) -> str | None:
+    if d.sources is None:
+        return None
+    tasks = [(s, part.datatype.task, part.dataset_type)
+             for s, (_, part) in zip(d.sources, d.parts())]
+    first = tasks[0][1]
+    for i, (source, task, name) in enumerate(tasks):
+        if task != first:
+            return (f"sources[{i}] ({source.name}): dataset_type {name} trains "
+                    f"{task.auto_class}, sources[0] {first.auto_class}; the sources of a "
+                    "mixture train one model")
+    return None
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+RULES: list[Rule] = [
+    # model
+    Refuse("model", "load_in_8bit", _in("load_in_4bit", lambda m: m.load_in_4bit),
+           "one quantisation; set one of them to false",
+           example={"model.load_in_4bit": True, "model.load_in_8bit": True}),
+    # scheduler
+    Refuse("scheduler", "warmup_ratio", _in("warmup_steps", lambda s: s.warmup_steps > 0),
+           "exclusive: set one of them to 0", example={"scheduler.warmup_ratio": 0.1}),
+    # training
+    Needs("training", "dataloader_prefetch_factor",
+          _in("dataloader_num_workers > 0", lambda t: t.dataloader_num_workers > 0),
+          "it tunes the loader's worker processes",
+          used=lambda t: t.dataloader_prefetch_factor is not None,
+          example={"training.dataloader_prefetch_factor": 2}),
+    Needs("training", "dataloader_persistent_workers",
+          _in("dataloader_num_workers > 0", lambda t: t.dataloader_num_workers > 0),
+          "it keeps the loader's worker processes", example={
+              "training.dataloader_persistent_workers": True}),
+    Refuse("training", "qat_recipe", _in("fp8_recipe", lambda t: bool(t.fp8_recipe)),
+           "fp8 trains in fp8; QAT simulates another format: set one",
+           example={"training.fp8_recipe": "tensorwise",
+                    "training.qat_recipe": "int8-dynamic-act-int4-weight"}),
+    Refuse("training", "use_cpu", _in("device: cuda", lambda t: t.device == "cuda"),
+           "they contradict each other; set one",
+           example={"training.use_cpu": True, "training.device": "cuda"}),
+    Refuse("training", "fuse_optim_with_backward", _in("max_grad_norm", lambda t: t.max_grad_norm
+                                                       is not None),
+           "clipping needs every gradient before the update; set max_grad_norm: null",
+           example={"training.fuse_optim_with_backward": True}),
+    Refuse("training", "fuse_optim_with_backward",
+           _in("gradient_accumulation_steps > 1", lambda t: t.gradient_accumulation_steps > 1),
+           "the update would run on every micro-batch",
+           example={"training.fuse_optim_with_backward": True, "training.max_grad_norm": None,
+                    "training.gradient_accumulation_steps": 2}),
+    Refuse("training", "fuse_optim_with_backward",
+           _in("mixed_precision fp16", lambda t: t.mixed_precision == "fp16"),
+           "the GradScaler unscales all gradients before the update",
+           example={"training.fuse_optim_with_backward": True, "training.max_grad_norm": None,
+                    "training.mixed_precision": "fp16"}),
+    Needs("training", "dynamo_recompile_limit", _in("torch_compile: true",
+                                                    lambda t: t.torch_compile),
+          "it tunes torch.compile", used=lambda t: t.dynamo_recompile_limit is not None,
+          example={"training.dynamo_recompile_limit": 8}),
+    Needs("training", "activation_memory_budget", _in("torch_compile: true",
+                                                      lambda t: t.torch_compile),
+          "it tunes torch.compile", used=lambda t: t.activation_memory_budget is not None,
+          example={"training.activation_memory_budget": 0.5}),
+    Agree("training", ("speed_metrics_start_step", "max_steps"), lambda t: (
+        f"speed_metrics_start_step {t.speed_metrics_start_step} leaves no step of max_steps "
+        f"{t.max_steps} to measure") if 0 < t.max_steps <= t.speed_metrics_start_step else None,
+          example={"training.speed_metrics_start_step": 200}),
+    Refuse("training", "torch_compile_mode",
+           _in("gradient_accumulation_steps > 1", lambda t: t.gradient_accumulation_steps > 1),
+           "max-autotune captures CUDA graphs, which replay stale gradients under "
+           "accumulation; use max-autotune-no-cudagraphs or accumulation 1",
+           used=lambda t: t.torch_compile and t.torch_compile_mode == "max-autotune",
+           example={"training.torch_compile": True, "training.torch_compile_mode":
+                    "max-autotune", "training.gradient_accumulation_steps": 2}),
+    Refuse("training", "torch_compile_fullgraph",
+           _in("torch_compile_scope: model with the chunked loss (loss_chunk_tokens)",
+               lambda t: t.torch_compile_scope == "model" and bool(t.loss_chunk_tokens)),
+           "the chunked loss runs eager, a graph break; use torch_compile_scope: blocks or "
+           "loss_chunk_tokens: null",
+           used=lambda t: t.torch_compile and t.torch_compile_fullgraph,
+           example={"training.torch_compile": True, "training.torch_compile_fullgraph": True,
+                    "training.torch_compile_scope": "model"}),
+    Refuse("training", "pad_to_multiple_of", _in("padding_free", lambda t: t.padding_free),
+           "padding_free rows are never padded; set it with packing or padded batches",
+           example={"training.padding_free": True, "training.pad_to_multiple_of": 8}),
+    Refuse("training", "packing", _in("padding_free", lambda t: t.padding_free),
+           "alternatives: padding_free puts each micro-batch in one row without padding, "
+           "packing in rows of packed_sequence_length; set one",
+           example={"training.padding_free": True, "training.packing": True}),
+    Agree("training", ("max_steps", "num_train_epochs"), lambda t: (
+        "set max_steps > 0 or num_train_epochs > 0; both give no steps")
+          if t.max_steps <= 0 and t.num_train_epochs <= 0 else None,
+          example={"training.max_steps": -1, "training.num_train_epochs": 0}),
+    # distributed sub-sections
+    Needs("distributed.fsdp", "shard_modules",
+          _in("shard_transformer_layers: true", lambda f: f.shard_transformer_layers),
+          "it names units to shard one by one; false shards the root only",
+          example={"distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2,
+                   "distributed.fsdp.shard_modules": ["model.layers"],
+                   "distributed.fsdp.shard_transformer_layers": False}),
+    Refuse("distributed.diloco", "post_local_gradient_allreduce",
+           _in("fsdp_group_size > 1", lambda d: d.fsdp_group_size > 1),
+           "it averages a node's workers' gradients, but each worker is already a group of "
+           "sharded processes; set one of them (fsdp_group_size: 1 or "
+           "post_local_gradient_allreduce: false)",
+           example={"distributed.strategy": "diloco", "distributed.nproc_per_node": 2,
+                    "distributed.diloco.inner_steps": 75, "distributed.diloco.diloco_loops": 2,
+                    "distributed.diloco.fsdp_group_size": 2, "eval.eval_steps": 75,
+                    "checkpoint.save_steps": 75,
+                    "distributed.diloco.post_local_gradient_allreduce": True}),
+    Agree("distributed.diloco", ("local_sgd_start_step", "inner_steps"), _local_start,
+          example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+                   "distributed.diloco.diloco_loops": 2, "eval.eval_strategy": "no",
+                   "checkpoint.save_strategy": "no",
+                   "distributed.diloco.local_sgd_start_step": 300}),
+    Agree("distributed.pipeline", ("schedule", "stages_per_rank", "pp_stage_type"),
+          _stage_layout, example={"distributed.strategy": "pipeline",
+                                  "distributed.nproc_per_node": 2,
+                                  "distributed.pipeline.stages_per_rank": 2}),
+    # distributed
+    Agree("distributed", ("strategy", "nproc_per_node", "nnodes"), lambda d: (
+        f"strategy 'single' runs one process but nproc_per_node x nnodes = {d.world_size}; use "
+        "strategy ddp or set nproc_per_node: 1") if d.strategy == "single" and d.world_size > 1
+          else None, example={"distributed.nproc_per_node": 2}),
+    Agree("distributed", ("node_rank", "nnodes"), lambda d: (
+        f"node_rank {d.node_rank} must be < nnodes {d.nnodes}")
+          if d.node_rank >= d.nnodes else None, example={"distributed.node_rank": 1}),
+    Needs("distributed", "skip_all_reduce_unused_params",
+          _in("find_unused_parameters: true", lambda d: d.find_unused_parameters),
+          "DDP finds the unused parameters it skips",
+          example={"distributed.skip_all_reduce_unused_params": True}),
+    Agree("distributed", ("strategy", "diloco"), lambda d: (
+        "strategy 'diloco' needs its outer-loop settings: add a distributed.diloco section (at "
+        "least inner_steps; outer_lr, outer_momentum have defaults)")
+          if d.strategy == "diloco" and d.diloco is None else None,
+          example={"distributed.strategy": "diloco", "eval.eval_steps": 75,
+                   "checkpoint.save_steps": 75}),
+    Agree("distributed", ("diloco.fsdp_group_size", "nproc_per_node"), lambda d: (
+        f"diloco.fsdp_group_size {d.diloco.fsdp_group_size} must divide the world size "
+        f"{d.world_size}") if d.diloco is not None and d.world_size % d.diloco.fsdp_group_size
+          else None, example={"distributed.strategy": "diloco",
+                              "distributed.diloco.inner_steps": 75,
+                              "distributed.diloco.diloco_loops": 2,
+                              "distributed.diloco.fsdp_group_size": 2,
+                              "eval.eval_steps": 75, "checkpoint.save_steps": 75}),
+    Agree("distributed", ("strategy", "pipeline.data_parallel_size"), _pipeline_ranks,
+          example={"distributed.strategy": "pipeline"}),
+    *(Refuse("distributed", name, When(f"a strategy other than {owner}",
+                                        lambda d, owner=owner, name=name: d.strategy != owner
+                                        and not (name == "fsdp" and d.diloco is not None
+                                                 and d.diloco.fsdp_group_size > 1),
+                                        lambda d: f"strategy {d.strategy}"),
+             f"the section would be ignored: set strategy: {owner} or remove it",
+             used=lambda d, name=name: getattr(d, name) is not None,
+             example={f"distributed.{name}.{probe}": value})
+      for name, owner, probe, value in (("fsdp", "fsdp2", "cpu_offload", True),
+                                        ("diloco", "diloco", "inner_steps", 2),
+                                        ("pipeline", "pipeline", "n_microbatches", 2))),
+    # data (each source is checked as a one-source section)
+    Agree("data", ("dataset_name", "json_file_path", "data_files"), _one_location,
+          example={"data.json_file_path": "x.jsonl"}),
+    Agree("data", ("sources",), _mixture, example={"data.data_files": None, "data.sources": [
+        {"name": "a", "json_file_path": "a.jsonl", "eval_only": True},
+        {"name": "b", "json_file_path": "b.jsonl", "eval_only": True}]}),
+    Agree("data.sources", ("sources", "dataset_type"), _task_of_sources, example={
+        "data.data_files": None, "data.sources": [
+            {"name": "a", "json_file_path": "a.jsonl"},
+            {"name": "b", "json_file_path": "b.jsonl", "dataset_type": "classification"}]}),
+    Agree("data", ("dataset_type",), _type_keys,
+          example={"data.chat_template": "{{ messages }}"}),
+    Needs("data", "input_columns",
+          _in("data.prompt_func or data.completion_func",
+              lambda d: bool(d.prompt_func or d.completion_func)),
+          "it selects what the functions receive",
+          used=lambda d: d.sources is None and bool(d.input_columns),
+          example={"data.input_columns": ["question"]}),
+    # registry
+    Agree("registry", ("candidate_alias", "champion_alias"), lambda r: (
+        "candidate_alias and champion_alias must differ")
+          if r.candidate_alias == r.champion_alias else None,
+          example={"registry.candidate_alias": "champion"}),
+    # across sections
+    Agree("config", ("training.global_batch_size", "training.per_device_train_batch_size",
+                     "training.gradient_accumulation_steps", "distributed.nproc_per_node"),
+          _global_batch, example={"training.global_batch_size": 64}),
+    Agree("config", ("training.max_steps", "distributed.diloco.inner_steps"), _diloco_total,
+          example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 50,
+                   "distributed.diloco.diloco_loops": 2}),
+    Refuse("config", "eval.eval_strategy", DILOCO,
+           "epoch ends are not sync points; use steps with a multiple of H",
+           used=lambda c: c.eval.eval_strategy == "epoch",
+           example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+                    "distributed.diloco.diloco_loops": 2, "eval.eval_strategy": "epoch",
+                    "checkpoint.save_steps": 75}),
+    Refuse("config", "checkpoint.save_strategy", DILOCO,
+           "epoch ends are not sync points; use steps with a multiple of H",
+           used=lambda c: c.checkpoint.save_strategy == "epoch",
+           example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+                    "distributed.diloco.diloco_loops": 2, "checkpoint.save_strategy": "epoch",
+                    "eval.eval_steps": 75}),
+    Agree("config", ("eval.eval_steps", "distributed.diloco.inner_steps"),
+          _diloco_multiple("eval.eval_steps", "eval.eval_strategy"),
+          example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+                   "distributed.diloco.diloco_loops": 2, "eval.eval_steps": 45,
+                   "checkpoint.save_steps": 75}),
+    Agree("config", ("checkpoint.save_steps", "distributed.diloco.inner_steps"),
+          _diloco_multiple("checkpoint.save_steps", "checkpoint.save_strategy"),
+          example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 10,
+                   "distributed.diloco.diloco_loops": 2, "training.max_steps": 20,
+                   "eval.eval_steps": 10, "checkpoint.save_steps": 15}),
+    Refuse("config", "training.mixed_precision", FSDP,
+           "it would need a sharded GradScaler, which this trainer does not use; use bf16 "
+           "(distributed.fsdp.param_dtype: bfloat16)",
+           used=lambda c: c.training.mixed_precision == "fp16",
+           example={"distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2,
+                    "training.mixed_precision": "fp16"}),
+    Needs("config", "training.fuse_optim_with_backward", SINGLE,
+          "the update would run before the gradients are all-reduced",
+          example={"training.fuse_optim_with_backward": True, "training.max_grad_norm": None,
+                   "distributed.strategy": "ddp", "distributed.nproc_per_node": 2}),
+    Refuse("config", "data.collate_fn", PACKED,
+           "their batches are built by the trainer's own packing collators; drop one of them",
+           example={"data.collate_fn": "m:f", "training.packing": True}),
+    Refuse("config", "checkpoint.save_on_each_node", FSDP,
+           "each node would hold the whole training state, which FSDP2 shards across the "
+           "nodes; keep the checkpoint folder on storage all nodes share, or use ddp",
+           example={"checkpoint.save_on_each_node": True, "distributed.strategy": "fsdp2",
+                    "distributed.nproc_per_node": 2}),
+    Agree("config", ("training.per_device_train_batch_size", "distributed.pipeline"),
+          _pipeline_batches, example={"distributed.strategy": "pipeline",
+                                      "distributed.nproc_per_node": 2,
+                                      "training.per_device_train_batch_size": 3}),
+    *(Refuse("config", key, PIPELINE, why, used=used, example={
+        "distributed.strategy": "pipeline", "distributed.nproc_per_node": 2, **extra})
+      for key, used, why, extra in (
+        ("training.dataloader_drop_last", lambda c: not c.training.dataloader_drop_last,
+         "every pipeline step needs whole batches", {"training.dataloader_drop_last": False}),
+        ("training.mixed_precision", lambda c: c.training.mixed_precision == "fp16",
+         "fp16's loss scaling does not run through the pipeline schedules; use bf16",
+         {"training.mixed_precision": "fp16"}),
+        ("training.packing", None, "stages pass fixed-shape activations",
+         {"training.packing": True}),
+        ("training.padding_free", None, "stages pass fixed-shape activations",
+         {"training.padding_free": True}),
+        ("data.collate_fn", None, "the pipeline pads every batch to data.max_seq_length itself",
+         {"data.collate_fn": "m:f"}),
+        ("data.dataset_type", lambda c: c.data.task.classifier,
+         "the stages are a causal LM's decoder layers and head",
+         {"data.dataset_type": "classification", "data.prompt_template": None,
+          "data.completion_template": None, "eval.generation_metrics": []}),
+        ("data.streaming", None, "not supported with pipeline stages yet",
+         {"data.streaming": True}),
+        ("training.compute_loss_func", None, "the last stage computes the loss from the "
+         "hidden states in chunks (training.loss_chunk_tokens); a loss of full logits does "
+         "not run there", {"training.compute_loss_func": "m:f"}),
+    )),
+    Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
+           "zero-bubble schedules split the backward, which compiled stages cannot",
+           example={"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2,
+                    "distributed.pipeline.schedule": "ZBVZeroBubble",
+                    "training.torch_compile": True}),
+    *(Refuse("config", key, META, why + "; use construct_model_on: default or device",
+             used=used, example={"training.construct_model_on": "meta", **extra})
+      for key, used, why, extra in (
+        ("model.model_init", None, "the factory builds the model itself",
+         {"model.model_init": "m:f"}),
+        ("model.load_in_4bit", None, "quantised loading is from_pretrained's",
+         {"model.load_in_4bit": True}),
+        ("model.load_in_8bit", None, "quantised loading is from_pretrained's",
+         {"model.load_in_8bit": True}),
+        ("model.device_map", None, "the strategy places the weights",
+         {"model.device_map": "cpu"}),
+        ("model.added_tokens", lambda c: bool(c.model.added_tokens or c.model.special_tokens),
+         "new embedding rows are the mean of the stored ones",
+         {"model.added_tokens": ["<extra>"]}),
+        ("data.dataset_type", lambda c: c.data.task.classifier,
+         "a new classification head is initialised, not read",
+         {"data.dataset_type": "classification", "data.prompt_template": None,
+          "data.completion_template": None, "eval.generation_metrics": []}),
+        ("training.qat_recipe", None, "QAT swaps the layers being built",
+         {"training.qat_recipe": "int8-dynamic-act-int4-weight"}),
+        ("distributed.diloco.fsdp_group_size",
+         lambda c: c.distributed.diloco is not None and c.distributed.diloco.fsdp_group_size > 1,
+         "DiLoCo copies the sharded weights before the shards are read",
+         {"distributed.strategy": "diloco", "distributed.nproc_per_node": 2,
+          "distributed.diloco.inner_steps": 75, "distributed.diloco.diloco_loops": 2,
+          "distributed.diloco.fsdp_group_size": 2, "eval.eval_steps": 75,
+          "checkpoint.save_steps": 75}),
+    )),
+    Needs("config", "data.streaming",
+          When("training.max_steps > 0 or training.epoch_train_steps",
+               lambda c: c.training.max_steps > 0 or c.training.epoch_train_steps is not None),
+          "a stream has no length, so epochs cannot size the run",
+          example={"data.streaming": True, "training.max_steps": -1}),
+    *(Refuse("config", key, STREAMING, why, used=used, example={"data.streaming": True,
+                                                                **extra})
+      for key, used, why, extra in (
+        ("training.group_by_length", None, "needs every example's length",
+         {"training.group_by_length": True}),
+        ("training.dataloader_num_workers", None,
+         "streamed batches are built in the main process",
+         {"training.dataloader_num_workers": 2}),
+        ("training.dataloader_drop_last", lambda c: not c.training.dataloader_drop_last,
+         "false refills from the epoch start, which a stream cannot revisit",
+         {"training.dataloader_drop_last": False}),
+    )),
+    *(Refuse("config", key, NO_NOMINAL_EPOCH,
+             "epoch ends are unknown; set training.epoch_train_steps",
+             used=lambda c, key=key: _get(c, key) == "epoch",
+             example={"data.streaming": True, key: "epoch"})
+      for key in ("eval.eval_strategy", "checkpoint.save_strategy")),
+    Needs("config", "training.epoch_train_steps", STORED,
+          "it sizes a streamed split's epoch; a stored split knows its length",
+          used=lambda c: c.training.epoch_train_steps is not None,
+          example={"training.epoch_train_steps": 2}),
+    Agree("config", ("model.auto_class_name", "peft.task_type", "data.dataset_type"),
+          _model_task, example={"data.dataset_type": "classification",
+                                "data.prompt_template": None, "data.completion_template": None,
+                                "eval.generation_metrics": [],
+                                "model.auto_class_name": "AutoModelForCausalLM"}),
+    Agree("config", ("registry.gate_metric", "data.dataset_type"), _gate_reported,
+          example={"registry.gate_metric": "eval.accuracy"}),
+    Agree("config", ("registry.gate_metric", "eval.generation_metrics"), _gate_computed,
+          example={"registry.gate_metric": "eval.exact_match", "eval.generation_metrics": []}),
+    *(Refuse("config", key, CLASSIFIER, why, used=used, example={
+        "data.dataset_type": "classification", "data.prompt_template": None,
+        "data.completion_template": None, "eval.generation_metrics": [], **extra})
+      for key, used, why, extra in (
+        ("training.packing", None, "its sequence classifier reads one labelled text a row",
+         {"training.packing": True}),
+        ("training.padding_free", None, "its sequence classifier reads one labelled text a row",
+         {"training.padding_free": True}),
+        ("eval.generation_metrics", None,
+         "a classifier does not generate; it reports accuracy and macro_f1",
+         {"eval.generation_metrics": ["rouge"]}),
+        ("training.loss_chunk_tokens",
+         lambda c: c.training.loss_chunk_tokens not in (
+             None, type(c.training).model_fields["loss_chunk_tokens"].default),
+         "it chunks a vocabulary head, which a classifier has none of; remove it",
+         {"training.loss_chunk_tokens": 1024}),
+    )),
+    Needs("config", "checkpoint.preserve_n_best", METRIC,
+          "it keeps the best checkpoints by that metric",
+          example={"checkpoint.preserve_n_best": 2}),
+    Needs("config", "checkpoint.load_best_model_at_end", METRIC,
+          "the best model is the best by that metric",
+          example={"checkpoint.load_best_model_at_end": True}),
+    Needs("config", "eval.early_stopping_patience", METRIC,
+          "patience counts evaluations that do not improve that metric",
+          used=lambda c: c.eval.early_stopping_patience is not None,
+          example={"eval.early_stopping_patience": 3}),
+    Needs("config", "checkpoint.metric_for_best_model", EVALUATING,
+          "the metric is computed by evaluation",
+          used=lambda c: c.checkpoint.metric_for_best_model is not None and (
+              c.checkpoint.load_best_model_at_end or c.eval.early_stopping_patience is not None
+              or c.checkpoint.preserve_n_best is not None),
+          example={"checkpoint.metric_for_best_model": "eval_loss",
+                   "eval.early_stopping_patience": 3, "eval.eval_strategy": "no"}),
+    Agree("config", ("checkpoint.load_best_model_at_end", "checkpoint.save_strategy",
+                     "eval.eval_strategy"), _best_model_cadence,
+          example={"checkpoint.load_best_model_at_end": True,
+                   "checkpoint.metric_for_best_model": "eval_loss",
+                   "eval.eval_strategy": "epoch"}),
+    Agree("config", ("checkpoint.resume_ignore_changes",), lambda c: _unknown_fingerprint_key(c),
+          example={"checkpoint.resume_ignore_changes": ["training.no_such_key"]}),
+    # the machine (checked where the device is known)
+    Needs("machine", "training.mixed_precision", CUDA,
+          "fp16 on CPU is about 100x slower than fp32 here; use bf16 or fp32",
+          used=lambda m: m.cfg.training.mixed_precision == "fp16"),
+    Needs("machine", "model.load_in_4bit", CUDA,
+          "bitsandbytes quantised loading; set it to false to train in the model's dtype here"),
+    Needs("machine", "model.load_in_8bit", CUDA,
+          "bitsandbytes quantised loading; set it to false to train in the model's dtype here"),
+    *(Needs("machine", key, CUDA, why, used=lambda m, key=key: _get(m, key)
+            not in (None, False))
+      for key, why in _CUDA_ONLY_WHY.items()),
+    Needs("machine", "training.sdpa_backend", CUDA,
+          f"only {' and '.join(CPU_SDPA)} run on a CPU",
+          used=lambda m: any(n not in CPU_SDPA for n in m.cfg.training.sdpa_backend or ())),
+    Needs("machine", "training.fp8_recipe", FP8_GPU,
+          "fp8 matmuls; use mixed_precision: bf16 here"),
+    Needs("machine", "distributed.backend", CUDA, "NCCL runs on GPUs; use gloo or auto",
+          used=lambda m: m.cfg.distributed.backend == "nccl"),
+]
