@@ -25,7 +25,8 @@ def resolve_model_ref(name: str, root: Path) -> str:
     local = local if local.is_absolute() else root / local
     if local.exists():
         return str(local)
-    if name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name:
+    # a hub id is 'name' or 'namespace/name': more path than that is a folder
+    if name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name or name.count("/") > 1:
         raise PipelineError(f"model.name_or_path: local folder {local} not found")
     return name
 
@@ -325,6 +326,7 @@ def apply_peft(model, cfg: PeftSection):
         return model
     from peft import get_peft_model
 
+    _check_targets_exist(model, cfg.target_modules)
     grew = getattr(model, GREW, False)
     extra = _embedding_module_names(model) if grew else None
     out = model.get_output_embeddings()
@@ -333,6 +335,21 @@ def apply_peft(model, cfg: PeftSection):
         return get_peft_model(model, peft_config(cfg, extra, tied))
     except ValueError as exc:
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
+
+
+def _check_targets_exist(model, targets) -> None:
+    """Each module a target_modules list names is in the model: peft ignores a name that
+    matches nothing as long as another one matches (a typo would silently adapt less)."""
+    if not isinstance(targets, list):  # a regex or 'all-linear': peft's own check
+        return
+    names = [n for n, _ in model.named_modules()]
+    for target in targets:
+        if not any(n == target or n.endswith(f".{target}") for n in names):
+            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                             if isinstance(m, torch.nn.Linear)})
+            raise PipelineError(
+                f"peft.target_modules: '{target}' is not a module of the model (its linear "
+                f"layers: {', '.join(leaves)})")
 
 
 def make_adapter_config_reproducible(model, cfg: ModelConfig) -> None:

@@ -152,10 +152,10 @@ def named_checkpoint(value: str, root: Path | None) -> Path:
     return given if given.is_absolute() or root is None else root / given
 
 
-def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
-                    dist_cfg: DistributedConfig, root: Path | None, existing: bool) -> Start:
-    """resume_from_checkpoint: <path> (seeds 000/002/004)."""
-    path = named_checkpoint(ckpt_cfg.resume_from_checkpoint, root)
+def resumable_path(value: str, root: Path | None, dist_cfg: DistributedConfig) -> tuple[Path, dict]:
+    """resume_from_checkpoint's named checkpoint and its meta record: a complete checkpoint,
+    written at this world size and strategy (what can be told without hashing files)."""
+    path = named_checkpoint(value, root)
     if not ckpt.is_valid(path):
         raise PipelineError(
             f"checkpoint.resume_from_checkpoint: {path} is not a complete checkpoint (missing, "
@@ -163,6 +163,13 @@ def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
             "save, or true for the latest")
     meta = ckpt.read_meta(path) or {}
     check_resumable(meta, path, dist_cfg)
+    return path, meta
+
+
+def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
+                    dist_cfg: DistributedConfig, root: Path | None, existing: bool) -> Start:
+    """resume_from_checkpoint: <path> (seeds 000/002/004)."""
+    path, meta = resumable_path(ckpt_cfg.resume_from_checkpoint, root, dist_cfg)
     changed = _changed(meta, fingerprint, ckpt_cfg)
     if changed:
         what = "; ".join(f"{k}: {v}" for k, v in changed.items())

@@ -104,7 +104,13 @@ def cmd_stage(args) -> int:
 
 
 def cmd_validate(args) -> int:
+    from tasks.checks import check_without_data
+
     ws = Workspace.load(args.params, args.overrides)
+    os.chdir(ws.root)  # the params' file references resolve in the project, as in a stage
+    if str(ws.root) not in sys.path:
+        sys.path.insert(0, str(ws.root))
+    check_without_data(ws)
     print(f"ok: {ws.params_path} is valid")
     if args.mark:  # constant content: a valid edit reruns no stage that depends on it
         args.mark.parent.mkdir(parents=True, exist_ok=True)

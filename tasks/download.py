@@ -72,9 +72,7 @@ def _download_eval_only(ws: Workspace, data: DataConfig, name: str,
                         folder: Path) -> dict[str, Path]:
     """An eval-only source: the rows its train split names become its test split."""
     splits = _load_splits(ws, data)
-    if split_name(data.train_split) not in splits:
-        raise PipelineError(f"source '{name}': data.train_split '{data.train_split}' not found "
-                            f"(splits: {', '.join(splits)})")
+    check_split_names(data, list(splits), eval_only=True)
     test = pick(splits, data.train_split, "data.train_split")
     if data.max_eval_samples:
         test = test.head(data.max_eval_samples)
@@ -187,20 +185,12 @@ def _train_and_test(splits: dict[str, pd.DataFrame], data: DataConfig
                     ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """The train and test rows: the named splits (sliced as datasets slices, `train[:1000]`),
     or, when the source has only a train split, a seeded `split_ratio` of it and the rest."""
-    if split_name(data.train_split) not in splits:
-        raise PipelineError(
-            f"data.train_split '{data.train_split}' not found (splits: {', '.join(splits)})"
-        )
+    check_split_names(data, list(splits))
     train = pick(splits, data.train_split, "data.train_split")
     if data.test_split is None:
         return train, None
     if split_name(data.test_split) in splits:
         return train, pick(splits, data.test_split, "data.test_split")
-    if len(splits) > 1:  # the source has its own held-out split(s): a typo must not be carved
-        raise PipelineError(
-            f"data.test_split '{data.test_split}' not found (splits: {', '.join(splits)}); name "
-            "one of them, or null to carve data.split_ratio from the train split"
-        )
     kept = train.sample(frac=data.split_ratio, random_state=data.seed).sort_index()
     test = train.drop(kept.index)
     if test.empty or kept.empty:
@@ -208,6 +198,21 @@ def _train_and_test(splits: dict[str, pd.DataFrame], data: DataConfig
             f"data.split_ratio {data.split_ratio} leaves an empty split for {len(train)} rows"
         )
     return kept, test
+
+
+def check_split_names(data: DataConfig, names: list[str], eval_only: bool = False) -> None:
+    """The splits a source's params name are among the source's `names` (`finetune validate`
+    asks this of the files' split names before any stage runs): the train split, and the test
+    split unless it is carved from a lone train split by split_ratio."""
+    if split_name(data.train_split) not in names:
+        raise PipelineError(
+            f"data.train_split '{data.train_split}' not found (splits: {', '.join(names)})")
+    if eval_only or data.test_split is None or split_name(data.test_split) in names:
+        return
+    if len(names) > 1:  # the source has its own held-out split(s): a typo must not be carved
+        raise PipelineError(
+            f"data.test_split '{data.test_split}' not found (splits: {', '.join(names)}); name "
+            "one of them, or null to carve data.split_ratio from the train split")
 
 
 def split_name(spec: str) -> str:

@@ -49,7 +49,7 @@ def _training_seed(ws: Workspace) -> int:
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
     cfg = ws.config
-    check_machine(cfg, choose_device(cfg.training.resolved_device))  # e.g. 4-bit on a CPU
+    check_machine(cfg, choose_device(cfg.training.resolved_device), sections=("model",))
     test_dir = ws.layout.tokenized / "test"
     if not test_dir.exists():
         raise PipelineError(f"{test_dir} missing: set data.test_split (or split_ratio) and rerun")

@@ -35,7 +35,7 @@ CARD_SECTIONS = ("model", "peft", "data", "training", "optimizer", "scheduler", 
 
 def export(ws: Workspace) -> dict[str, Path]:
     cfg = ws.config
-    check_machine(cfg, choose_device(cfg.training.resolved_device))  # e.g. 4-bit on a CPU
+    check_machine(cfg, choose_device(cfg.training.resolved_device), sections=("model",))
     if not ws.layout.trained.exists():
         raise PipelineError(f"{ws.layout.trained} missing; run the train stage first")
     metrics_file = ws.layout.metrics / "eval.json"

@@ -16,41 +16,22 @@ from pathlib import Path
 
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
-from finetune.imports import load_object
 from finetune.workspace import Workspace
 from tasks import tracking
 from tasks.curves import render_curves
+from tasks.checks import check_world_size, user_code_and_machine
 from tasks.launch import TorchrunJob, run_paths
-from tasks.wandb_tracking import WandbRun, wandb_module
+from tasks.wandb_tracking import WandbRun
 
 
 def preflight(ws: Workspace) -> None:
     """Checks that need the machine; they run while torchrun starts, and rank 0 writes
-    nothing until they passed (tasks/launch.py)."""
-    from engine.callbacks import check_user_callback
+    nothing until they passed (tasks/launch.py). `finetune validate` ran the data-free ones
+    already (tasks/checks.py); a stage run alone runs them here."""
     from engine.distributed import choose_device
-    from engine.model import check_quantization, model_class
-    from engine.optim import optimizer_class, scheduler_factory
-    from engine.quantization import check_low_precision
-    from engine.run import trainer_class  # imported there: the registry knows sft
-    from finetune.config.compat import check_machine
 
     cfg = ws.config
-    device = choose_device(cfg.training.resolved_device)
-    model_class(cfg.model.auto_class_name)  # an unknown class fails here, not in every rank
-    for spec in cfg.logging.callbacks:
-        check_user_callback(spec)
-    optimizer_class(cfg.optimizer.name), scheduler_factory(cfg.scheduler.name)
-    trainer_class(cfg.training.type)
-    for key, ref in (("training.compute_loss_func", cfg.training.compute_loss_func),
-                     ("model.model_init", cfg.model.model_init)):
-        if ref and not callable(load_object(ref, key)):
-            raise PipelineError(f"{key}: '{ref}' is not a function")
-    check_machine(cfg, device)  # fp16, 4-bit, CUDA-only options, nccl, fp8 on this device
-    check_quantization(cfg.model)
-    check_low_precision(cfg.training, device)
-    if "wandb" in cfg.logging.report_to:
-        wandb_module()
+    user_code_and_machine(ws, choose_device(cfg.training.resolved_device))
     if cfg.data.streaming:
         from tasks.stream import holdout_rows, open_source
 
@@ -77,17 +58,6 @@ def check_resume(ws: Workspace) -> None:
     cfg, paths = ws.config, run_paths(ws)
     plan_start(paths.checkpoints, lambda: fingerprint.of_run(cfg, paths), cfg.checkpoint,
                cfg.distributed, log=lambda line: None, root=ws.root)
-
-
-def check_world_size(ws: Workspace) -> None:
-    """Before any process starts: an explicit resume of a checkpoint written at another world
-    size or strategy is refused from its meta.json alone (no file hashing)."""
-    from engine import checkpoint as ckpt
-    from engine.trainer_state import check_resumable
-
-    newest = ckpt.newest_meta(ws.layout.checkpoints)
-    if newest is not None:
-        check_resumable(newest[1], newest[0], ws.config.distributed)
 
 
 RESUME_ENV = "FINETUNE_RESUME"

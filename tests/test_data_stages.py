@@ -156,7 +156,7 @@ BAD_INPUTS = [
     ({"data.max_seq_length": 8}, "tokenize", "no trainable token"),
     ({"data.dataset_name": "openai/gsm8k", "data.data_files": None}, "download", "HF_HUB_OFFLINE"),
     ({"distributed.nproc_per_node": 2}, "train", "strategy 'single' runs one process"),
-    ({"training.mixed_precision": "fp16"}, "train", "fp16 on CPU is refused"),
+    ({"training.mixed_precision": "fp16"}, "train", "fp16 needs a CUDA GPU"),
     ({"model.load_in_4bit": True}, "train", "needs a CUDA GPU"),
     ({"data.test_split": "validation"}, "download",
      "data.test_split 'validation' not found (splits: train, test)"),

@@ -245,6 +245,32 @@ def test_failing_repro_keeps_previous_outputs(repro):
     assert (project / "data/tokenized/train").exists()
 
 
+def test_a_bad_lora_target_stops_repro_in_validate_and_keeps_every_output(repro, tmp_path):
+    """A target module the model does not have (peft would ignore it next to one it has):
+    `dvc repro` stops at the validate stage, so DVC runs, and clears the outputs of, no
+    other stage: every file under data/, the metrics and plots included, is as it was."""
+    import hashlib
+
+    project, _ = repro
+    clone = tmp_path / "c"
+    shutil.copytree(project, clone, symlinks=True)
+
+    def outputs() -> dict[str, str]:
+        return {str(p.relative_to(clone)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted((clone / "data").rglob("*")) if p.is_file()}
+
+    before = outputs()
+    assert "data/metrics/train.json" in before and "data/plots/train.csv" in before
+    write_params(clone, {"peft.target_modules": ["q_proj", "nope_proj"],
+                         "training.max_steps": 5})
+    failed = dvc(clone, "repro", check=False)
+    assert failed.returncode != 0 and ran(failed) == ["validate"], failed.stdout
+    errors = [ln for ln in (failed.stdout + failed.stderr).splitlines()
+              if ln.startswith("error: ")]
+    assert len(errors) == 1 and "peft.target_modules: 'nope_proj' is not a module" in errors[0]
+    assert outputs() == before
+
+
 @pytest.mark.parametrize("text, says", [
     ("trainig:\n  max_steps: 3\n", "unknown key 'trainig'"),
     ("", "is empty"),

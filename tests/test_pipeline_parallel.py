@@ -86,7 +86,7 @@ def test_pipeline_resumes_bitwise_after_sigkill(tokenized, one_f_one_b, tmp_path
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"training.per_device_train_batch_size": 3}, "does not divide into n_microbatches 2"),
+    ({"training.per_device_train_batch_size": 3}, "does not divide into distributed.pipeline n_microbatches 2"),
     ({"training.dataloader_drop_last": False}, "dataloader_drop_last"),
     ({"training.mixed_precision": "fp16"}, "mixed_precision: fp16"),
     ({"training.torch_compile": True, "distributed.pipeline.schedule": "ZBVZeroBubble"},

@@ -151,6 +151,6 @@ def test_epoch_train_steps_gives_a_stream_epochs(streamed, tmp_path):
     assert sorted(p.name for p in (full / "data/checkpoints").iterdir()) == [
         "step-0000002", "step-0000004", "step-0000005"]
     assert _column(full, "epoch")[:2] == [0.5, 1.0]
-    with pytest.raises(PipelineError, match="training.epoch_train_steps sizes a streamed split"):
+    with pytest.raises(PipelineError, match="training.epoch_train_steps: 2 needs data.streaming: true"):
         load_config(full / "params/default.yaml",
                     overrides=["data.streaming=false", "training.epoch_train_steps=2"])

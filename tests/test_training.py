@@ -398,9 +398,10 @@ def baseline(tokenized, tmp_path_factory):
     ({"logging.logging_steps": 0, "logging.logging_first_step": False,
       "checkpoint.save_strategy": "steps",
       "checkpoint.save_steps": 0, "eval.eval_strategy": "steps", "eval.eval_steps": 0,
-      "eval.eval_batches": 0},
+      "eval.eval_batches": -1},
      # the seeds' "0 disables": no periodic rows, no checkpoint, one eval at the last step,
-     # over the whole test split (no cap: another loss than the base's one batch)
+     # over the whole test split (eval_batches -1: no cap, another loss than the base's one
+     # batch; eval_batches 0 evaluates nothing, tests/test_options.py)
      lambda run, base: _column(run, "step") == [4] and _column(run, "step", "eval.csv") == [4]
      and not any((run / "data/checkpoints").glob("step-*"))
      and _column(run, "eval_loss", "eval.csv")[-1] != _column(base, "eval_loss", "eval.csv")[-1]),

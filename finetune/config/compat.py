@@ -145,15 +145,20 @@ class Machine:
         return getattr(self.cfg, name)
 
 
-def check_machine(cfg, device) -> None:
+def check_machine(cfg, device, sections: tuple[str, ...] | None = None) -> None:
     """The machine's rows, for `device` (a torch.device); a broken one raises PipelineError
-    (this runs outside validation, in `finetune validate` and the train stage)."""
+    (this runs outside validation: `finetune validate`, the train stage and its workers, and,
+    for the model section only, the stages that load a model). `sections`: only the rows
+    whose option is in one of them."""
     from finetune.errors import PipelineError
 
-    try:
-        check(Machine(cfg, device), "machine")
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
+    machine = Machine(cfg, device)
+    for rule in RULES:
+        if rule.scope == "machine" and (sections is None
+                                        or rule.key.split(".")[0] in sections):
+            message = rule.broken(machine)
+            if message:
+                raise PipelineError(message)
 
 
 def rules_for(dotted: str) -> list[Rule]:

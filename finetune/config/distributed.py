@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.pipeline import PipelineConfig
-from finetune.config.section import Section
+from finetune.config.section import Section, did_you_mean
 
 FloatDtype = Literal["float32", "bfloat16", "float16"]
 
@@ -37,7 +37,8 @@ def torch_optimizer_name(name: str) -> str:
 
     klass = getattr(torch.optim, name, None)
     if not (isinstance(klass, type) and issubclass(klass, torch.optim.Optimizer)):
-        raise ValueError(f"'{name}' is not a torch.optim optimizer class (e.g. AdamW, SGD)")
+        raise ValueError(f"'{name}' is not a torch.optim optimizer class"
+                         f"{did_you_mean(name, TORCH_OPTIMIZERS)} (e.g. AdamW, SGD)")
     return name
 
 

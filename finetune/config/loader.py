@@ -7,6 +7,7 @@ Every failure becomes a `PipelineError` with one line: the file, the dotted key,
 from __future__ import annotations
 
 import difflib
+import re
 import hashlib
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from finetune.config.schema import FinetuneConfig
-from finetune.config.section import section_model
+from finetune.config.section import did_you_mean, section_model
 from finetune.errors import PipelineError
 from finetune.imports import project_files
 
@@ -124,6 +125,9 @@ def explain(error: dict[str, Any]) -> str:
     msg = error["msg"].removeprefix("Value error, ")
     if not loc:  # cross-section checks name their keys themselves
         return msg
+    if kind == "literal_error" and isinstance(error.get("input"), str):  # one of a set
+        choices = re.findall(r"'([^']*)'", str((error.get("ctx") or {}).get("expected", "")))
+        msg += did_you_mean(error["input"], choices)
     if kind in ("missing",):
         return f"{key}: required key is missing"
     got = error.get("input")

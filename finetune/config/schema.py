@@ -18,7 +18,7 @@ from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig, torch_optimizer_name
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
 from finetune.config.reporting import LoggingConfig
-from finetune.config.section import Section
+from finetune.config.section import Section, did_you_mean
 from finetune.config.training import TrainingConfig
 
 SCHEDULERS = (
@@ -180,7 +180,8 @@ class SchedulerConfig(Section):
     @classmethod
     def _known_schedule(cls, name: str) -> str:
         if name not in SCHEDULERS and ":" not in name:
-            raise ValueError(f"'{name}' is not a schedule ({', '.join(SCHEDULERS)}) nor a "
+            raise ValueError(f"'{name}' is not a schedule{did_you_mean(name, SCHEDULERS)} "
+                             f"({', '.join(SCHEDULERS)}) nor a "
                              "'module:function'")
         return name
     warmup_steps: int = Field(0, ge=0, description="Warmup steps (exclusive with warmup_ratio).")

@@ -52,3 +52,11 @@ def flatten(data: dict[str, Any], prefix: str = "",
         else:
             flat[name] = value
     return flat
+
+
+def did_you_mean(value: str, choices) -> str:
+    """' (did you mean 'x'?)' for the closest of `choices` to a mistyped value, else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

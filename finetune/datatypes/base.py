@@ -115,6 +115,10 @@ class DatasetType:
         """Rules among this type's own keys, run when the params file is validated; raise
         ValueError with one line naming the key."""
 
+    def prepare(self, ctx: DataContext) -> None:
+        """Load what the type reads besides rows (functions, template files), so `finetune
+        validate` finds a missing one before any stage runs."""
+
     # -- download ----------------------------------------------------------------------------
     def required_columns(self) -> list[str]:
         """Raw columns the type reads, required present and non-null in every split (empty:

@@ -41,6 +41,9 @@ class ChatType(DatasetType):
         if self.data.last_turn_only and not self.data.assistant_only_loss:
             raise ValueError("last_turn_only needs assistant_only_loss: true")
 
+    def prepare(self, ctx: DataContext) -> None:
+        chat_template(self.data, ctx.tokenizer, ctx.root)  # a template file: read here
+
     def required_columns(self) -> list[str]:
         return [self.data.messages_field] if self.data.messages_field else []
 

@@ -55,6 +55,9 @@ class ClassificationType(DatasetType):
             raise ValueError("a streamed classification dataset needs its classes in "
                              "data.labels (a stream cannot be read whole for them first)")
 
+    def prepare(self, ctx: DataContext) -> None:
+        builder(self.data, "prompt")  # prompt_func by reference: imported and checked here
+
     def required_columns(self) -> list[str]:
         d = self.data
         cols = [d.label_column] + ([d.text_field] if d.text_field else [])

@@ -39,6 +39,10 @@ class CompletionType(TextType):
             raise ValueError("text_field names the column trained on when no template is set; "
                              "with templates it would be unused: remove it or the templates")
 
+    def prepare(self, ctx: DataContext) -> None:
+        for part in ("prompt", "completion"):
+            builder(self.data, part)  # a function by reference: imported and checked here
+
     def required_columns(self) -> list[str]:
         d = self.data
         if self.plain_text:

@@ -1,0 +1,156 @@
+"""Every check that needs no data: what `finetune validate` (dvc.yaml's first stage) runs
+beyond the schema, so bad input fails before DVC runs (and clears the outputs of) any stage.
+
+What the config alone cannot tell comes from what is cheap to read: the machine (the device a
+run would get), the model's config.json and its module names (a skeleton on the meta device,
+no weights), the tokenizer files, the first row of each data file (its columns; a file is
+never read whole), the functions and template files the params name, and a checkpoint's
+meta.json. The train stage runs the same checks of user code and the machine before it
+launches (`user_code_and_machine`), and its own data-dependent ones after.
+"""
+
+from __future__ import annotations
+
+from finetune.errors import PipelineError
+from finetune.imports import load_object
+from finetune.workspace import Workspace
+
+
+def check_without_data(ws: Workspace) -> None:
+    """One line for the first problem found; nothing is written."""
+    from engine.distributed import choose_device
+
+    device = choose_device(ws.config.training.resolved_device)
+    user_code_and_machine(ws, device)
+    check_model(ws)
+    check_resume_target(ws)
+    check_sources(ws)
+
+
+def user_code_and_machine(ws: Workspace, device) -> None:
+    """The classes and functions the params name load and are what they must be; what this
+    device cannot run is refused (finetune/config/compat.py's machine rows)."""
+    from engine.callbacks import check_user_callback
+    from engine.model import check_quantization, model_class
+    from engine.optim import optimizer_class, scheduler_factory
+    from engine.quantization import check_low_precision
+    from engine.run import trainer_class  # imported there: the registry knows sft
+    from finetune.config.compat import check_machine
+    from tasks.wandb_tracking import wandb_module
+
+    cfg = ws.config
+    check_machine(cfg, device)
+    model_class(cfg.model.auto_class_name)
+    for spec in cfg.logging.callbacks:
+        check_user_callback(spec)
+    optimizer_class(cfg.optimizer.name), scheduler_factory(cfg.scheduler.name)
+    if cfg.distributed.diloco is not None:
+        optimizer_class(cfg.distributed.diloco.outer_optimizer,
+                        "distributed.diloco.outer_optimizer")
+    trainer_class(cfg.training.type)
+    for key, ref in (("training.compute_loss_func", cfg.training.compute_loss_func),
+                     ("model.model_init", cfg.model.model_init),
+                     ("data.collate_fn", cfg.data.collate_fn)):
+        if ref and not callable(load_object(ref, key)):
+            raise PipelineError(f"{key}: '{ref}' is not a function")
+    check_quantization(cfg.model)
+    check_low_precision(cfg.training, device)
+    if "wandb" in cfg.logging.report_to:
+        wandb_module()
+
+
+def check_model(ws: Workspace) -> None:
+    """The model folder (or hub id, offline) and its tokenizer load; data.max_seq_length fits
+    its positions; the adapter's target modules exist (peft applied to a weightless skeleton
+    built from config.json on the meta device)."""
+    cfg = ws.config
+    from engine.model import load_model_config, load_tokenizer
+
+    load_tokenizer(cfg.model, ws.root)
+    if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
+        return
+    config = load_model_config(cfg.model, ws.root)
+    check_positions(cfg, config)
+    if cfg.peft.use_peft:
+        _check_targets(ws, config)
+
+
+def check_positions(cfg, model_config) -> None:
+    """data.max_seq_length within the model's positions (max_position_embeddings)."""
+    limit = (getattr(model_config, "max_position_embeddings", None)
+             or getattr(model_config, "n_positions", None))
+    if limit and cfg.data.max_seq_length > limit:
+        raise PipelineError(
+            f"data.max_seq_length {cfg.data.max_seq_length} exceeds the model's "
+            f"max_position_embeddings {limit}; set data.max_seq_length <= {limit}")
+
+
+def _check_targets(ws: Workspace, model_config) -> None:
+    import torch
+
+    from engine.model import apply_peft, model_class
+
+    cfg = ws.config
+    klass = model_class(cfg.model.auto_class_name)
+    if not hasattr(klass, "from_config"):  # a project's own class: built its own way
+        return
+    if cfg.data.task.classifier:  # a head of any size: only the module names matter here
+        model_config.num_labels = len(cfg.data.labels or ()) or 2
+    with torch.device("meta"):
+        skeleton = klass.from_config(model_config)
+    apply_peft(skeleton, cfg.peft)  # one line naming peft.target_modules when one is missing
+
+
+def check_resume_target(ws: Workspace) -> None:
+    """A named checkpoint exists whole and was written at this world size and strategy; with
+    resume_from_checkpoint: true, the newest one was (meta.json alone, no file hashing)."""
+    from engine.trainer_state import resumable_path
+
+    mode = ws.config.checkpoint.resume_from_checkpoint
+    if isinstance(mode, str) and mode != "auto":
+        resumable_path(mode, ws.root, ws.config.distributed)
+    elif mode is True:
+        check_world_size(ws)
+
+
+def check_sources(ws: Workspace) -> None:
+    """For each local source: its files exist, the splits it names are there (a missing test
+    split only where it can be carved), the first row of each split has the columns its
+    dataset type reads, and the type's functions and template files load. A hub dataset is
+    the download stage's to reach."""
+    from finetune.datatypes import DataContext
+    from tasks.download import check_split_names
+    from tasks.format import data_context
+    from tasks.stream import local_dataset, open_source
+
+    top = ws.config.data
+    ctx: DataContext = data_context(ws)
+    for name, data in top.parts():
+        data.datatype.prepare(ctx)
+        if data.dataset_name and local_dataset(data, ws.root) is None:
+            continue
+        splits = open_source(data, ws.root)  # one line for a missing file or an odd extension
+        label = f"source '{name}'" if name else "data"
+        check_split_names(data, list(splits), eval_only=top.eval_only(name))
+        required = data.datatype.required_columns()
+        for split, rows in splits.items():
+            first = next(iter(rows.take(1)), None)
+            if first is None:
+                raise PipelineError(f"{label} split '{split}': no rows")
+            missing = [c for c in required if c not in first]
+            if missing:
+                raise PipelineError(
+                    f"{label} split '{split}': column '{missing[0]}' that "
+                    f"data.dataset_type {data.dataset_type} reads is missing (columns: "
+                    f"{', '.join(map(str, first))})")
+
+
+def check_world_size(ws: Workspace) -> None:
+    """Before any process starts: a resume of the newest checkpoint written at another world
+    size or strategy is refused from its meta.json alone (no file hashing)."""
+    from engine import checkpoint as ckpt
+    from engine.trainer_state import check_resumable
+
+    newest = ckpt.newest_meta(ws.layout.checkpoints)
+    if newest is not None:
+        check_resumable(newest[1], newest[0], ws.config.distributed)

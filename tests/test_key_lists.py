@@ -1,0 +1,96 @@
+"""The lists kept next to the schema agree with it: every key is classified for the checkpoint
+fingerprint and listed for a DVC stage, no list names a key that no longer exists, and each
+stage's DVC dependencies cover the code that makes its outputs. (What a stage actually reads
+is compared with dvc.yaml during a real repro: tests/test_pipeline.py.)"""
+
+from __future__ import annotations
+
+import ast
+
+import yaml
+
+from conftest import ROOT
+from finetune.config import fingerprint
+from finetune.config.loader import _all_keys
+
+KEYS = _all_keys()
+STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+LISTED = {stage: [k for entry in spec.get("params", []) for k in entry["params/default.yaml"]]
+          for stage, spec in STAGES.items()}
+
+
+def _covers(prefix: str, key: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
+
+
+def test_every_key_is_classified_once_for_the_fingerprint():
+    def left_out(key):
+        return key not in fingerprint.KEPT and not fingerprint.counts(key)
+
+    unclassified = [k for k in KEYS if not left_out(k) and k not in fingerprint.IN_FINGERPRINT]
+    assert unclassified == [], ("classify in finetune/config/fingerprint.py (IN_ or "
+                                f"NOT_IN_FINGERPRINT): {unclassified}")
+    both = [k for k in fingerprint.IN_FINGERPRINT if left_out(k)]
+    assert both == []
+    assert set(fingerprint.IN_FINGERPRINT) <= set(KEYS)  # no stale name
+    for prefix in fingerprint.NOT_IN_FINGERPRINT:
+        assert any(k.startswith(prefix) for k in KEYS), f"stale prefix {prefix}"
+
+
+def test_every_key_is_listed_for_a_stage_and_every_listed_key_exists():
+    unlisted = [k for k in KEYS if not any(_covers(p, k) for ps in LISTED.values() for p in ps)]
+    assert unlisted == [], f"list these in dvc.yaml under the stages that read them: {unlisted}"
+    sections = {k.split(".")[0] for k in KEYS}
+    stale = [(stage, p) for stage, ps in LISTED.items() for p in ps
+             if p not in sections and not any(_covers(p, k) for k in KEYS)]
+    assert stale == []
+
+
+#: plumbing every stage imports that cannot change an output (errors, atomic writes, imports
+#: by reference, paths, package docstrings)
+PLUMBING = {"finetune", "finetune.errors", "finetune.files", "finetune.imports",
+            "finetune.workspace", "tasks", "engine"}
+STAGE_MODULES = {"validate": "tasks.checks", "download": "tasks.download",
+                 "format": "tasks.format", "tokenize": "tasks.tokenize", "train": "tasks.train",
+                 "evaluate": "tasks.evaluate", "export": "tasks.export"}
+
+
+def _modules() -> dict:
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for pkg in ("finetune", "engine", "tasks") for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _imports(path, modules, anywhere: bool) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in (ast.walk(tree) if anywhere else tree.body):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m in modules}
+
+
+def test_each_stage_depends_on_the_code_that_makes_its_outputs():
+    """What a stage's module imports (anywhere in it), followed through those modules' own
+    top-level imports, is under one of the stage's DVC deps: editing it reruns the stage."""
+    modules = _modules()
+    assert set(STAGE_MODULES) == set(STAGES)
+    gaps = {}
+    for stage, start in STAGE_MODULES.items():
+        todo, seen = [start, *_imports(modules[start], modules, anywhere=True)], set()
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(_imports(modules[name], modules, anywhere=False))
+        deps = [d.rstrip("/") for d in STAGES[stage].get("deps", [])]
+        files = [str(modules[m].relative_to(ROOT)) for m in sorted(seen - PLUMBING)]
+        missing = [f for f in files if not any(f == d or f.startswith(d + "/") for d in deps)]
+        if missing:
+            gaps[stage] = missing
+    assert gaps == {}, f"add to dvc.yaml deps: {gaps}"
+    for spec in STAGES.values():  # and no dependency names a file that is gone
+        for dep in spec.get("deps", []):
+            assert (ROOT / dep).exists() or dep.startswith("data/"), dep

@@ -1,0 +1,84 @@
+"""`finetune validate` (dvc.yaml's first stage) checks everything that needs no data: bad input
+fails there with one line, before DVC runs, and clears the outputs of, any later stage."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import BASE, copy_project, train_here, write_params
+from flows.cli import main
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return copy_project(tmp_path_factory.mktemp("validate") / "p")
+
+
+def validate(project, capsys, monkeypatch, *overrides: str) -> tuple[int, str]:
+    """`finetune validate -s ...` in this process; (exit code, its one error line or '')."""
+    monkeypatch.chdir(project)  # validate works in the project; restored after the test
+    code = main(["validate", *[a for o in overrides for a in ("-s", o)]])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert "Traceback" not in err and len(errors) == (code != 0), err
+    return code, errors[0] if errors else ""
+
+
+BAD = [
+    # the held-out cases: each used to pass validate and fail in a later stage
+    ("model.name_or_path=data/models/nope", "model.name_or_path: local folder"),
+    ("model.name_or_path=someone/some-model", "'someone/some-model': cannot load: "
+     "HF_HUB_OFFLINE is set"),
+    ("data.max_seq_length=4096", "data.max_seq_length 4096 exceeds the model's "
+     "max_position_embeddings 512"),
+    ("peft.target_modules=[q_proj, nope_proj]", "peft.target_modules: 'nope_proj' is not a "
+     "module of the model (its linear layers: down_proj, gate_proj, k_proj, lm_head, "
+     "o_proj, q_proj, up_proj, v_proj)"),
+    ("model.load_in_4bit=true", "model.load_in_4bit: true needs a CUDA GPU"),
+    ("training.mixed_precision=fp16", "training.mixed_precision: fp16 needs a CUDA GPU"),
+    ("checkpoint.resume_from_checkpoint=data/checkpoints/step-0000009",
+     "data/checkpoints/step-0000009 is not a complete checkpoint"),
+    # what the data files' first rows tell, and the files the params name
+    ("data.test_split=validation", "data.test_split 'validation' not found (splits: train, "
+     "test)"),
+    ("data.prompt_template='Q: {questio}'", "data split 'train': column 'questio' that "
+     "data.dataset_type completion reads is missing (columns: question, answer)"),
+    ("data.data_files={train: data/source/missing.jsonl}", "data/source/missing.jsonl not found"),
+    ("data.prompt_func=preprocess/nowhere:f", "data.prompt_func: cannot import "
+     "'preprocess/nowhere:f'"),
+    ("data.dataset_type=chat", "data.chat_template: the tokenizer has no chat template"),
+    # a value of a set: the closest one
+    ("scheduler.name=cosine_restart", "(did you mean 'cosine_with_restarts'?)"),
+    ("optimizer.name=AdamWW", "(did you mean 'AdamW'?)"),
+    ("distributed.strategy=dpp", "(did you mean 'ddp'?)"),
+]
+
+
+@pytest.mark.parametrize("override, says", BAD, ids=[b[0].split("=")[0] + b[1][:12]
+                                                     for b in BAD])
+def test_validate_refuses_what_a_later_stage_would(project, capsys, monkeypatch, override,
+                                                   says):
+    extra = (["data.prompt_template=null", "data.completion_template=null"]
+             if override == "data.dataset_type=chat" else [])
+    if override.startswith("data.prompt_func"):
+        extra = ["data.prompt_template=null"]
+    code, line = validate(project, capsys, monkeypatch, override, *extra)
+    assert code == 2 and says in line, line
+
+
+def test_validate_passes_the_default_and_checks_a_resume_at_another_world_size(
+        project, tokenized, tmp_path, capsys, monkeypatch):
+    assert validate(project, capsys, monkeypatch) == (0, "")
+    run, _ = train_here(tokenized, tmp_path / "run", {
+        **BASE, "training.max_steps": 2, "checkpoint.save_strategy": "steps",
+        "checkpoint.save_steps": 2})
+    code, line = validate(run, capsys, monkeypatch, "checkpoint.resume_from_checkpoint=true",
+                          "distributed.strategy=ddp", "distributed.nproc_per_node=2")
+    assert code == 2 and "was written by strategy single with world size 1 but this run is " \
+        "ddp with world size 2" in line, line
+    code, line = validate(run, capsys, monkeypatch,
+                          "checkpoint.resume_from_checkpoint=data/checkpoints/step-0000002",
+                          "distributed.strategy=ddp", "distributed.nproc_per_node=2")
+    assert code == 2 and "world size 1" in line, line
+    write_params(run, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000002"})
+    assert validate(run, capsys, monkeypatch) == (0, "")
