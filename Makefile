@@ -15,7 +15,7 @@ export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run test stack clean-outputs
+.PHONY: setup run test fuzz stack clean-outputs
 
 setup: $(STAMP)
 
@@ -37,6 +37,14 @@ stack: setup
 # use one torch thread per process (tests/conftest.py).
 test: setup
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The config fuzzer at length: FUZZ_EXAMPLES draws from the schema (tests/test_config_fuzz.py),
+# seeded by FUZZ_SEED (default: the time; printed, so a failing run can be drawn again).
+FUZZ_EXAMPLES ?= 2000
+FUZZ_SEED ?= $(shell date +%s)
+fuzz: setup
+	@echo "fuzz: FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED)"
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -s -q tests/test_config_fuzz.py
 
 clean-outputs:
 	rm -rf data/raw data/formatted data/tokenized data/trained data/checkpoints data/export

@@ -44,6 +44,7 @@ from engine.stream import ExampleSource
 from engine.trainers import register_trainer, trainer_class
 from finetune.config import FinetuneConfig
 from finetune.config.compat import check_machine
+from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 
 Go = Callable[[], Any]
@@ -60,7 +61,10 @@ def follow_log_level(level: str) -> None:
                               "error": hf_logging.ERROR}[level])
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int | None) -> None:
+    if seed is None:  # training.seed: null is drawn by the train stage (tasks/train.py)
+        raise PipelineError("training.seed is null in the job: the train stage draws the "
+                            "run's seed before it launches; a job started another way names one")
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

@@ -6,6 +6,7 @@ into a temp folder, initialises git there, and shrinks the default params to sec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -139,7 +140,7 @@ def stages_here(project: Path, *names: str, params: str = "params/default.yaml")
 
     here = os.getcwd()
     os.chdir(project)
-    sys.path.insert(0, str(project))
+    sys.path.append(str(project))  # after this code's own copy (see as_a_worker)
     try:
         for name in names:
             stage_function(name)(Workspace.load(project / params))
@@ -311,15 +312,24 @@ def train_here(src: Path, dest: Path, overrides: dict | None = None):
 
 def train_in_place(dest: Path) -> InProcess:
     """`train_here` on a project as it is (e.g. to resume it)."""
-    import contextlib
-    import io
-
-    import torch
-
     from engine.worker import run_job
     from finetune.workspace import Workspace
     from tasks.launch import job_spec
 
+    with as_a_worker(dest) as out:
+        run_job(job_spec(Workspace.load(dest / "params/default.yaml")))
+    return InProcess(out.getvalue())
+
+
+@contextlib.contextmanager
+def as_a_worker(project: Path):
+    """Run a job in this process as a worker would: in the project folder, its 'module:Class'
+    references importable, stdout captured (yields the buffer); process-wide torch settings a
+    run may change (determinism, anomaly mode, matmul precision, threads, default dtype,
+    dynamo limits) and the project's own modules are restored or dropped afterwards."""
+    import io
+
+    import torch
     import torch._dynamo.config as dynamo
     import torch._functorch.config as functorch
 
@@ -328,20 +338,20 @@ def train_in_place(dest: Path) -> InProcess:
              torch.get_default_dtype(), dynamo.recompile_limit,
              functorch.activation_memory_budget)
     before = set(sys.modules)
-    # as the workers run: in the project folder, its 'module:Class' references importable
     here = os.getcwd()
-    os.chdir(dest)
-    sys.path.insert(0, str(dest))
+    os.chdir(project)
+    # appended: a test project is a copy of this code too, and a second copy of an engine
+    # module imported from it would not be the same module (its classes not the same classes)
+    sys.path.append(str(project))
     out = io.StringIO()
     try:
-        ws = Workspace.load(dest / "params/default.yaml")
         with contextlib.redirect_stdout(out):
-            run_job(job_spec(ws))
+            yield out
     finally:
         os.chdir(here)
-        sys.path.remove(str(dest))
+        sys.path.remove(str(project))
         for name in set(sys.modules) - before:  # the project's own modules, if any
-            if getattr(sys.modules[name], "__file__", "") and str(dest) in (
+            if getattr(sys.modules[name], "__file__", "") and str(project) in (
                     sys.modules[name].__file__ or ""):
                 del sys.modules[name]
         torch.use_deterministic_algorithms(saved[0])
@@ -350,7 +360,6 @@ def train_in_place(dest: Path) -> InProcess:
         torch.set_num_threads(saved[3])
         torch.set_default_dtype(saved[4])
         dynamo.recompile_limit, functorch.activation_memory_budget = saved[5], saved[6]
-    return InProcess(out.getvalue())
 
 
 def resume_from_checkpoint_in_process(src: Path, tmp_path: Path, params: dict, at: int) -> str:

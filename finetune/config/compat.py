@@ -457,6 +457,10 @@ def _task_of_sources(d) -> str | None:
 
 # -- the table ---------------------------------------------------------------------------------
 
+#: the examples' DiLoCo run: 2 outer loops of H = 75 (the default max_steps 150)
+DILOCO_H75 = {"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
+              "distributed.diloco.diloco_loops": 2}
+
 RULES: list[Rule] = [
     # model
     Refuse("model", "load_in_8bit", _in("load_in_4bit", lambda m: m.load_in_4bit),
@@ -629,18 +633,12 @@ RULES: list[Rule] = [
     Agree("config", ("training.max_steps", "distributed.diloco.inner_steps"), _diloco_total,
           example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 50,
                    "distributed.diloco.diloco_loops": 2}),
-    Refuse("config", "eval.eval_strategy", DILOCO,
-           "epoch ends are not sync points; use steps with a multiple of H",
-           used=lambda c: c.eval.eval_strategy == "epoch",
-           example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
-                    "distributed.diloco.diloco_loops": 2, "eval.eval_strategy": "epoch",
-                    "checkpoint.save_steps": 75}),
-    Refuse("config", "checkpoint.save_strategy", DILOCO,
-           "epoch ends are not sync points; use steps with a multiple of H",
-           used=lambda c: c.checkpoint.save_strategy == "epoch",
-           example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,
-                    "distributed.diloco.diloco_loops": 2, "checkpoint.save_strategy": "epoch",
-                    "eval.eval_steps": 75}),
+    *(Refuse("config", key, DILOCO,
+             "epoch ends are not sync points; use steps with a multiple of H",
+             used=lambda c, key=key: _get(c, key) == "epoch",
+             example={**DILOCO_H75, key: "epoch", other: 75})
+      for key, other in (("eval.eval_strategy", "checkpoint.save_steps"),
+                         ("checkpoint.save_strategy", "eval.eval_steps"))),
     Agree("config", ("eval.eval_steps", "distributed.diloco.inner_steps"),
           _diloco_multiple("eval.eval_steps", "eval.eval_strategy"),
           example={"distributed.strategy": "diloco", "distributed.diloco.inner_steps": 75,

@@ -168,10 +168,11 @@ class TrainingConfig(Section):
         "the others need a CUDA GPU (refused with one line before training). Not with "
         "fp8_recipe.",
     )
-    qat_group_size: int = Field(
-        32, gt=0,
-        description="Weights per quantisation group (int4 recipes); layers whose input size "
-        "it does not divide stay in full precision and are listed.",
+    qat_group_size: Literal[32, 64, 128, 256] = Field(
+        32,
+        description="Weights per quantisation group (int4 recipes; the group sizes torchao's "
+        "int4 kernels take); layers whose input size it does not divide stay in full "
+        "precision and are listed.",
     )
     enable_activation_offloading: bool = Field(
         False,
