@@ -326,7 +326,7 @@ def apply_peft(model, cfg: PeftSection):
         return model
     from peft import get_peft_model
 
-    _check_targets_exist(model, cfg.target_modules)
+    check_target_modules(model, cfg.target_modules)
     grew = getattr(model, GREW, False)
     extra = _embedding_module_names(model) if grew else None
     out = model.get_output_embeddings()
@@ -337,19 +337,27 @@ def apply_peft(model, cfg: PeftSection):
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
 
 
-def _check_targets_exist(model, targets) -> None:
-    """Each module a target_modules list names is in the model: peft ignores a name that
-    matches nothing as long as another one matches (a typo would silently adapt less)."""
-    if not isinstance(targets, list):  # a regex or 'all-linear': peft's own check
-        return
-    names = [n for n, _ in model.named_modules()]
-    for target in targets:
-        if not any(n == target or n.endswith(f".{target}") for n in names):
-            leaves = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                             if isinstance(m, torch.nn.Linear)})
-            raise PipelineError(
-                f"peft.target_modules: '{target}' is not a module of the model (its linear "
-                f"layers: {', '.join(leaves)})")
+def check_target_modules(model, targets) -> None:
+    """What peft.target_modules names is in the model, as peft matches it: each name of a
+    list is a module's name or its last parts (peft ignores a name that matches nothing as
+    long as another one matches: a typo would silently adapt less), a string is a regex that
+    must match a module's whole name, 'all-linear' any model with linear layers."""
+    import re
+
+    names = [n for n, _ in model.named_modules() if n]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear)})
+    if targets == "all-linear":
+        missing = [] if linear else ["all-linear"]
+    elif isinstance(targets, str):
+        missing = [] if any(re.fullmatch(targets, n) for n in names) else [targets]
+    else:
+        missing = [t for t in targets
+                   if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        raise PipelineError(
+            f"peft.target_modules: '{missing[0]}' is not a module of the model (its linear "
+            f"layers: {', '.join(linear) or 'none'})")
 
 
 def make_adapter_config_reproducible(model, cfg: ModelConfig) -> None:

@@ -29,44 +29,66 @@ def check_without_data(ws: Workspace) -> None:
 
 def user_code_and_machine(ws: Workspace, device) -> None:
     """The classes and functions the params name load and are what they must be; what this
-    device cannot run is refused (finetune/config/compat.py's machine rows)."""
-    from engine.callbacks import check_user_callback
-    from engine.model import check_quantization, model_class
-    from engine.optim import optimizer_class, scheduler_factory
-    from engine.quantization import check_low_precision
-    from engine.run import trainer_class  # imported there: the registry knows sft
+    device cannot run is refused (finetune/config/compat.py's machine rows). Each check is
+    imported only when the params ask for what it checks (the engine's imports are most of
+    what `finetune validate` costs)."""
     from finetune.config.compat import check_machine
-    from tasks.wandb_tracking import wandb_module
 
-    cfg = ws.config
+    cfg, t = ws.config, ws.config.training
     check_machine(cfg, device)
-    model_class(cfg.model.auto_class_name)
-    for spec in cfg.logging.callbacks:
-        check_user_callback(spec)
-    optimizer_class(cfg.optimizer.name), scheduler_factory(cfg.scheduler.name)
-    if cfg.distributed.diloco is not None:
-        optimizer_class(cfg.distributed.diloco.outer_optimizer,
-                        "distributed.diloco.outer_optimizer")
-    trainer_class(cfg.training.type)
-    for key, ref in (("training.compute_loss_func", cfg.training.compute_loss_func),
+    if cfg.model.auto_class_name not in TRANSFORMERS_CLASSES:
+        from engine.model import model_class
+
+        model_class(cfg.model.auto_class_name)
+    if cfg.logging.callbacks:
+        from engine.callbacks import check_user_callback
+
+        for spec in cfg.logging.callbacks:
+            check_user_callback(spec)
+    refs = [(cfg.optimizer.name, "optimizer.name")] + (
+        [(cfg.distributed.diloco.outer_optimizer, "distributed.diloco.outer_optimizer")]
+        if cfg.distributed.diloco is not None else [])
+    if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
+        from engine.optim import optimizer_class, scheduler_factory
+
+        for name, key in refs:
+            optimizer_class(name, key)
+        scheduler_factory(cfg.scheduler.name)
+    if t.type != "sft":
+        from engine.run import trainer_class  # imported there: the registry knows sft
+
+        trainer_class(t.type)
+    for key, ref in (("training.compute_loss_func", t.compute_loss_func),
                      ("model.model_init", cfg.model.model_init),
                      ("data.collate_fn", cfg.data.collate_fn)):
         if ref and not callable(load_object(ref, key)):
             raise PipelineError(f"{key}: '{ref}' is not a function")
-    check_quantization(cfg.model)
-    check_low_precision(cfg.training, device)
+    if cfg.model.load_in_4bit or cfg.model.load_in_8bit:
+        from engine.model import check_quantization
+
+        check_quantization(cfg.model)
+    if t.fp8_recipe or t.qat_recipe:
+        from engine.quantization import check_low_precision
+
+        check_low_precision(t, device)
     if "wandb" in cfg.logging.report_to:
+        from tasks.wandb_tracking import wandb_module
+
         wandb_module()
 
 
-def check_model(ws: Workspace) -> None:
-    """The model folder (or hub id, offline) and its tokenizer load; data.max_seq_length fits
-    its positions; the adapter's target modules exist (peft applied to a weightless skeleton
-    built from config.json on the meta device)."""
-    cfg = ws.config
-    from engine.model import load_model_config, load_tokenizer
+#: model classes that need no check (transformers has them)
+TRANSFORMERS_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassification")
 
-    load_tokenizer(cfg.model, ws.root)
+
+def check_model(ws: Workspace) -> None:
+    """The model folder (or hub id, offline) has a config; data.max_seq_length fits its
+    positions; the adapter's target modules exist (names matched as peft matches them, on a
+    weightless skeleton built from config.json on the meta device). The tokenizer is the
+    data stages' to load (a chat type's template check loads it here)."""
+    cfg = ws.config
+    from engine.model import load_model_config
+
     if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
         return
     config = load_model_config(cfg.model, ws.root)
@@ -88,7 +110,7 @@ def check_positions(cfg, model_config) -> None:
 def _check_targets(ws: Workspace, model_config) -> None:
     import torch
 
-    from engine.model import apply_peft, model_class
+    from engine.model import check_target_modules, model_class
 
     cfg = ws.config
     klass = model_class(cfg.model.auto_class_name)
@@ -98,7 +120,7 @@ def _check_targets(ws: Workspace, model_config) -> None:
         model_config.num_labels = len(cfg.data.labels or ()) or 2
     with torch.device("meta"):
         skeleton = klass.from_config(model_config)
-    apply_peft(skeleton, cfg.peft)  # one line naming peft.target_modules when one is missing
+    check_target_modules(skeleton, cfg.peft.target_modules)
 
 
 def check_resume_target(ws: Workspace) -> None:

@@ -137,7 +137,7 @@ def test_flow_failures_surface_the_stage_message(flow_project):
                        overrides={"data.data_files": {"train": "data/source/nope.jsonl"}},
                        return_state=True)
     assert missing.is_failed()
-    with pytest.raises(Exception, match="stage 'download' failed: data file .*nope.jsonl not found"):
+    with pytest.raises(Exception, match="stage 'validate' failed: data file .*nope.jsonl not found"):
         missing.result()
     assert subprocess.run([str(BIN / "dvc"), "status"], cwd=flow_project, capture_output=True,
                           text=True).stdout.strip().endswith("up to date.")

@@ -254,6 +254,7 @@ def test_a_bad_lora_target_stops_repro_in_validate_and_keeps_every_output(repro,
     project, _ = repro
     clone = tmp_path / "c"
     shutil.copytree(project, clone, symlinks=True)
+    subprocess.run(["git", "checkout", "params/default.yaml"], cwd=clone, check=True)
 
     def outputs() -> dict[str, str]:
         return {str(p.relative_to(clone)): hashlib.sha256(p.read_bytes()).hexdigest()
