@@ -103,7 +103,8 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
     with discard_on_failure(staging, remove=leader):
         with _single_process_ok():
             dcp.save(dcp_state, checkpoint_id=str(staging), process_group=group)
-        _torch_save(rng_state(), staging / f"rank-{rank:05d}.pt")
+        for r, state in _rng_files(rank, group, leader):
+            _torch_save(state, staging / f"rank-{r:05d}.pt")
         _barrier()
         if leader:
             _torch_save(trainer_state, staging / TRAINER)
@@ -119,6 +120,17 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+def _rng_files(rank: int, group, leader: bool) -> list[tuple[int, dict]]:
+    """The rank files this process writes: its own; with per-node copies (`group`), the
+    node's first rank writes every rank's, gathered: a c10d rendezvous orders the nodes as
+    they join, so after a restart a node may hold other global ranks than when it saved."""
+    if group is None or not dist.is_initialized():
+        return [(rank, rng_state())]
+    states: list = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return list(enumerate(states)) if leader else []
 
 
 def _torch_save(obj: Any, path: Path) -> None:

@@ -160,18 +160,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_nodes(nodes: list, params: dict) -> list[str]:
-    """Both nodes' train stages at once (c10d rendezvous on a fresh loopback port); their
-    stdout."""
+def _run_two_nodes(nodes: list, params: dict, node1_first: bool = False) -> list[str]:
+    """Both nodes' train stages (c10d rendezvous on a fresh loopback port); their stdout.
+    `node1_first`: node 1's stage starts seconds before node 0's, so its torchrun agent has
+    the lower pid and c10d (which sorts a loopback's agents by pid, ignoring --node_rank)
+    gives node 1 global rank 0."""
+    import time
+
     port = _free_port()
     for rank, node in enumerate(nodes):
         write_params(node, {**params, "distributed.nproc_per_node": 1, "distributed.nnodes": 2,
                             "distributed.node_rank": rank,
                             "distributed.rdzv_endpoint": f"127.0.0.1:{port}",
                             "distributed.rdzv_id": f"test-{port}"})
-    procs = [subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=node,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in nodes]
+    procs = {}
+    for node in (reversed(nodes) if node1_first else nodes):
+        procs[node] = subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=node,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if node1_first:
+            time.sleep(4)
+    procs = [procs[node] for node in nodes]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err
@@ -212,7 +220,9 @@ def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
         shutil.rmtree(node / "data/checkpoints/step-0000006")
     shutil.rmtree(nodes[0] / "data/trained")
     (nodes[0] / "data/plots/train.csv").unlink()
-    outs = _run_two_nodes(nodes, {"checkpoint.resume_from_checkpoint": True})
+    # the restart's rendezvous may order the nodes otherwise (c10d sorts its agents, not by
+    # --node_rank): node 1 holds global rank 0 now, and still resumes from its own copy
+    outs = _run_two_nodes(nodes, {"checkpoint.resume_from_checkpoint": True}, node1_first=True)
     assert "step-0000003 at step 3" in outs[0]
     resumed = adapter(nodes[0])
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
