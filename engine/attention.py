@@ -20,8 +20,9 @@ names, which its models pass from `forward(**kwargs)` down to the attention func
   every call is a kernel launch (thousands per step), so it is the fallback there, with cuDNN
   attention kept out (it plans every new shape on the host: ~3 ms per call measured on an H100).
 
-The boundaries stay on the host (engine.data.HOST_KEYS); a CUDA kernel gets one device copy per
-forward, shared by every layer. Registered with transformers' AttentionInterface under
+The flash kernels take the boundaries on the device, copied with the batch (`host_keys()`
+tells the loop which keys stay behind): nothing in a layer reads the host, so compiled blocks
+see no graph break and no sync. Per-example SDPA and FlexAttention's mask read them on the host. Registered with transformers' AttentionInterface under
 VARLEN_ATTENTION; a batch without boundaries (padded evaluation, generation) falls through to the
 stock SDPA function with the stock SDPA mask, so the model stays usable for everything else.
 """
@@ -126,8 +127,22 @@ def _once_per_forward(cu: torch.Tensor, device: torch.device, build):
     return value
 
 
+def host_keys() -> tuple[str, ...]:
+    """The batch keys the chosen kernel reads on the host (the loop copies the rest)."""
+    from engine.data import BOUNDARY_KEYS
+
+    return BOUNDARY_KEYS if _Chosen.kernel in _HOST_READERS else ()
+
+
+#: kernels that slice with the boundaries as Python ints
+_HOST_READERS = ("sdpa_per_example", "flex")
+
+
 def _on_device(cu: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One host-to-device copy per forward."""
+    """The boundaries on the device: as they came when the loop copied them with the batch,
+    else one host-to-device copy per forward (a probe's batch)."""
+    if cu.device == device:
+        return cu
     return _once_per_forward(cu, device, lambda c, d: c.to(device=d, dtype=torch.int32,
                                                              non_blocking=True))
 

@@ -226,44 +226,66 @@ def collate_packed(rows: list[dict], pad_id: int, capacity: int,
     return batch
 
 
-def collate_flat(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_flat(rows: list[dict], pad_id: int, multiple: int | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Padding-free: the micro-batch as one row with no padding at all (see engine.attention).
 
     position_ids restart per example and `cu_seq_lens_q/k` mark where each example starts, so
     the varlen attention keeps examples apart; the all-ones attention_mask tells transformers
     no mask is needed (it would otherwise build a row x row block mask from the positions).
     Each example's first label is ignored, as in collate_packed, so the targets equal the
-    padded batch's. `pad_id` is unused (nothing is padded); kept for one collate signature.
+    padded batch's.
+
+    `multiple` (pad_to_multiple_of) buckets the row for torch.compile and CUDA graphs: the row
+    is padded up to a multiple of that many tokens with a tail that is always there (at least
+    one token: its own sequence, every label ignored), so a micro-batch always has the same
+    number of sequences, and the longest-sequence bound is rounded up to a power of two. A run
+    then sees a few shapes (one per bucket) instead of one per batch, and the attention result
+    of every real token is unchanged (the tail attends only to itself).
     """
     lengths = [len(r["input_ids"]) for r in rows]
-    ids = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
-    labels = torch.as_tensor([t for r in rows for t in r["labels"]], dtype=torch.long)
+    total = sum(lengths)
+    width = round_up(total + 1, multiple) if multiple else total
+    ids = torch.full((width,), pad_id, dtype=torch.long)
+    labels = torch.full((width,), IGNORE_INDEX, dtype=torch.long)
+    ids[:total] = torch.as_tensor([t for r in rows for t in r["input_ids"]], dtype=torch.long)
+    labels[:total] = torch.as_tensor([t for r in rows for t in r["labels"]], dtype=torch.long)
     starts = torch.as_tensor([0] + lengths[:-1], dtype=torch.long).cumsum(0)
     labels[starts] = IGNORE_INDEX
-    positions = torch.cat([torch.arange(n) for n in lengths])
+    pieces = lengths + ([width - total] if width > total else [])
+    positions = torch.cat([torch.arange(n) for n in pieces])
     return {"input_ids": ids[None], "labels": labels[None], "position_ids": positions[None],
-            "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-            **varlen_boundaries(lengths)}
+            "attention_mask": torch.ones(1, width, dtype=torch.long),
+            **varlen_boundaries(pieces, bucketed=multiple is not None)}
 
 
-def varlen_boundaries(lengths: list[int]) -> dict[str, torch.Tensor]:
+def varlen_boundaries(lengths: list[int], bucketed: bool = False) -> dict:
     """What a varlen attention kernel needs: cumulative lengths of the sequences laid end to
-    end (int32) and the longest one, under transformers' keyword names (host tensors)."""
+    end (int32, a host tensor) and the longest one (a Python int), under transformers' keyword
+    names. `bucketed`: the longest as the next power of two (an upper bound is all the flash
+    kernels need), so a compiled graph that specialises on it sees a few values."""
     starts = torch.as_tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    longest = torch.tensor(max(lengths))
+    longest = max(lengths)
+    if bucketed:
+        longest = min(1 << (longest - 1).bit_length(), sum(lengths))
     return {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest,
             "max_length_k": longest}
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
                 "max_length_q", "max_length_k")
-#: read on the host (example boundaries, sliced with Python ints): never copied to a device by
-#: the loop (a CUDA kernel gets one copy per forward, engine.attention)
-HOST_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: example boundaries: read on the host by the kernels that slice with Python ints (per-example
+#: SDPA, FlexAttention's mask); the flash kernels take them on the device, copied with the batch
+#: (engine.attention.host_keys says which)
+BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True)
+def to_device(batch: dict, device: torch.device, host_keys: tuple[str, ...] = BOUNDARY_KEYS
+              ) -> dict:
+    """The batch's tensors on `device` (non-blocking: from pinned memory the copy overlaps the
+    step), but for `host_keys`; plain values (the longest-sequence ints) as they are."""
+    return {k: v.to(device, non_blocking=True)
+            if isinstance(v, torch.Tensor) and k not in host_keys else v
             for k, v in batch.items()}
 
 

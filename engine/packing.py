@@ -127,8 +127,11 @@ def prepare_batch_layout(t, max_seq_length: int, model, pad_id: int, device: tor
     if t.padding_free:
         kernel = choose_kernel(device, compute, t.varlen_kernel)
         enable_varlen(model, kernel, device, amp)
-        log(f"[train] padding-free: each micro-batch is one row, attention kernel {kernel}")
-        return functools.partial(collate_flat, pad_id=pad_id)
+        bucket = (f", padded to a multiple of {t.pad_to_multiple_of} tokens"
+                  if t.pad_to_multiple_of else "")
+        log(f"[train] padding-free: each micro-batch is one row{bucket}, attention kernel "
+            f"{kernel}")
+        return functools.partial(collate_flat, pad_id=pad_id, multiple=t.pad_to_multiple_of)
     if not t.packing:
         return functools.partial(collate, pad_id=pad_id, multiple=t.pad_to_multiple_of)
     capacity = t.packed_sequence_length or max_seq_length

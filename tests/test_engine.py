@@ -162,7 +162,7 @@ def test_collate_packed_restarts_positions_and_drops_boundary_targets():
 
 
 def test_collate_flat_is_one_unpadded_row_with_example_boundaries():
-    from engine.data import HOST_KEYS, collate_flat, count_targets, to_device
+    from engine.data import BOUNDARY_KEYS, collate_flat, count_targets, to_device
 
     rows = [{"input_ids": [1, 2, 3, 4], "labels": [5, 6, 7, 8]},
             {"input_ids": [9, 10], "labels": [11, 12]},
@@ -177,8 +177,40 @@ def test_collate_flat_is_one_unpadded_row_with_example_boundaries():
     assert b["attention_mask"].tolist() == [[1] * 9]
     assert count_targets(b) == count_targets(collate(rows, 0))  # same targets as padded
     moved = to_device(b, torch.device("meta"))
-    assert all(moved[k].device.type == "cpu" for k in HOST_KEYS)
+    assert all(moved[k].device.type == "cpu" for k in BOUNDARY_KEYS)
     assert moved["input_ids"].device.type == "meta"
+    assert to_device(b, torch.device("meta"), host_keys=())["cu_seq_lens_q"].is_meta
+
+
+def test_bucketed_flat_rows_take_a_few_shapes_and_train_the_same_targets():
+    """padding_free with pad_to_multiple_of: the row is padded to a bucket with a tail that is
+    always there (one sequence more, labels ignored) and the longest-sequence bound is a power
+    of two, so 200 random micro-batches give a handful of shapes (compile and CUDA graphs
+    reuse them), where unbucketed rows give nearly one shape per batch; the real tokens, their
+    positions, boundaries and targets are those of the unbucketed row."""
+    from engine.data import collate_flat, count_targets
+
+    g = torch.Generator().manual_seed(0)
+    shapes, plain_shapes = set(), set()
+    for _ in range(200):
+        lengths = torch.randint(20, 400, (8,), generator=g).tolist()
+        rows = [{"input_ids": list(range(3, n + 3)), "labels": list(range(3, n + 3))}
+                for n in lengths]
+        b, plain = collate_flat(rows, 0, multiple=256), collate_flat(rows, 0)
+        total = sum(lengths)
+        width = b["input_ids"].shape[1]
+        assert width % 256 == 0 and width > total
+        assert torch.equal(b["input_ids"][0, :total], plain["input_ids"][0])
+        assert torch.equal(b["position_ids"][0, :total], plain["position_ids"][0])
+        assert (b["labels"][0, total:] == IGNORE_INDEX).all()
+        assert count_targets(b) == count_targets(plain)
+        cu = b["cu_seq_lens_q"].tolist()
+        assert cu[:-1] == plain["cu_seq_lens_q"].tolist() and cu[-1] == width
+        longest = b["max_length_q"]
+        assert longest >= max(max(lengths), width - total) and longest & (longest - 1) == 0
+        shapes.add((width, len(cu), longest))
+        plain_shapes.add((plain["input_ids"].shape[1], plain["max_length_q"]))
+    assert len(shapes) <= 16 and len(plain_shapes) > 150
 
 
 def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alone():

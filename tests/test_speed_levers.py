@@ -39,9 +39,24 @@ def test_pad_to_multiple_of_rounds_every_width_and_keeps_the_loss():
     assert loss(padded) == pytest.approx(loss(collate(rows, 0)), rel=1e-5)
 
 
-def test_padding_free_with_pad_to_multiple_of_is_refused():
-    with pytest.raises(ValueError, match="pad_to_multiple_of: 8 does not combine with padding_free"):
-        TrainingConfig(padding_free=True, pad_to_multiple_of=8)
+def test_padding_free_row_padded_to_a_bucket_keeps_the_loss():
+    """pad_to_multiple_of with padding_free: the flat row's pad tail (a sequence of its own)
+    changes no real token's logits, so the loss is the unbucketed row's."""
+    from engine.data import collate_flat, model_inputs
+    from engine.packing import enable_varlen
+
+    rows = _rows([5, 19, 11])
+    model = _tiny().eval()
+    enable_varlen(model, "sdpa_per_example", torch.device("cpu"))
+    bucketed, plain = collate_flat(rows, 0, multiple=16), collate_flat(rows, 0)
+    assert bucketed["input_ids"].shape == (1, 48) and plain["input_ids"].shape == (1, 35)
+
+    def loss(batch):
+        with torch.no_grad():
+            return float(token_loss_sum(model(**model_inputs(batch)).logits, batch["labels"]))
+
+    assert loss(bucketed) == pytest.approx(loss(plain), rel=1e-5)
+    TrainingConfig(padding_free=True, pad_to_multiple_of=8)  # accepted: it buckets the row
 
 
 def _sdpa_ops(training: TrainingConfig) -> set[str]:
@@ -83,8 +98,8 @@ def test_the_gpu_benchmark_refuses_cleanly_without_a_gpu(tmp_path):
 
     from conftest import ROOT
 
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/gpu.py"), "--tokenized",
-                           str(tmp_path), "--tokenizer", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/gpu.py"), "--data",
+                           str(tmp_path)],
                           capture_output=True, text=True)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
