@@ -15,15 +15,18 @@ for single, DDP, FSDP2 and DiLoCo.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from engine import fingerprint, trainer_state
+from engine.attention import host_keys
 from engine.callbacks import TrainerControl
 from engine.comm import CommMeter
 from engine.data import count_targets, load_tokenized, model_inputs, to_device
@@ -36,7 +39,9 @@ from engine.model_setup import build_model
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
 from engine.optim_in_backward import OptimizerInBackward
+from engine.prefetch import Prefetched
 from engine.progress import Progress
+from engine.readback import Readback
 from engine.reporters import Console, build_reporters
 from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
                             autocast_dtype, compile_stats, configure_torch)
@@ -48,6 +53,21 @@ from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 
 Go = Callable[[], Any]
+
+
+@dataclass
+class LoggedWindow:
+    """A logging row whose device values are on their way to the host (engine.readback): what
+    the host knew at its step, and the device values' readback ([loss_sum, targets, tokens]
+    summed over ranks, then the gradient norm)."""
+
+    step: int
+    epoch: float
+    learning_rate: float
+    elapsed: float
+    steps: int
+    comm: float
+    readback: Readback
 
 
 def follow_log_level(level: str) -> None:
@@ -119,6 +139,7 @@ class TrainingRun:
         self.callback_states: dict = {}  # restored from a checkpoint
         self.history: list[dict] = []  # rows restored from a checkpoint
         self._fingerprint: dict[str, Any] | None = None
+        self.logged: LoggedWindow | None = None  # a row not yet emitted
 
     def log(self, line: str) -> None:
         if self.dist.is_main and self.cfg.logging.log_level in ("debug", "info"):
@@ -208,7 +229,8 @@ class TrainingRun:
     def fit(self) -> dict[str, Any]:
         self.setup()
         self.open_reporters()
-        self.batches = self.open_batches(self.progress.epoch, self.progress.batch_in_epoch)
+        self.batches = self.prefetched(self.open_batches(self.progress.epoch,
+                                                         self.progress.batch_in_epoch))
         self.started, self.first_step_at = time.perf_counter(), None
         self.speed_mark: tuple[float, int, int] | None = None
         self.model.train()
@@ -227,6 +249,14 @@ class TrainingRun:
                 break
         return self.finish()
 
+    def prefetched(self, batches):
+        """The micro-batches, collated ahead on a background thread (engine.prefetch) unless
+        DataLoader workers already do that; deep enough for one whole optimizer step."""
+        t = self.cfg.training
+        if t.dataloader_num_workers > 0:
+            return batches
+        return Prefetched(batches, depth=t.gradient_accumulation_steps + 1)
+
     def train_step(self) -> torch.Tensor:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the
         gradient norm (a device tensor: read only when logged)."""
@@ -235,8 +265,9 @@ class TrainingRun:
                  for _ in range(t.gradient_accumulation_steps)]
         local_targets = sum(count_targets(b) for b in micro)
         divisor = max(self.strategy.loss_divisor(local_targets, progress.step), 1e-9)
+        kept = host_keys()  # what the attention kernel reads on the host
         for i, host_batch in enumerate(micro):
-            batch = to_device(host_batch, d.device)
+            batch = to_device(host_batch, d.device, kept)
             if self.strategy.owns_forward_backward:  # a pipeline schedule
                 progress.add_loss(self.strategy.forward_backward(batch, divisor, self.amp))
                 continue
@@ -304,7 +335,9 @@ class TrainingRun:
                 "speed_metrics_start_step": step_before}
 
     def maybe_log(self, grad_norm: torch.Tensor) -> None:
-        """At a logging step: one reduction for the whole window, then one row."""
+        """At a logging step: one reduction for the whole window, its values sent to the host
+        without a sync (engine.readback); a row is emitted once its values arrived."""
+        self.emit_logged(wait=False)
         step, log_cfg = self.progress.step, self.cfg.logging
         every = log_cfg.logging_steps
         strategy = log_cfg.logging_strategy
@@ -314,35 +347,51 @@ class TrainingRun:
         if not (periodic or step == self.max_steps
                 or (step == 1 and log_cfg.logging_first_step)):
             return
+        self.emit_logged(wait=True)  # the last window's row first
         window, d = self.progress.window, self.dist
         totals = torch.stack([window.loss_sum, *(torch.tensor(
             float(x), dtype=torch.float64, device=d.device) for x in (window.targets,
                                                                        window.tokens))])
         if d.world_size > 1:  # metrics, not training traffic: not metered
             torch.distributed.all_reduce(totals)
-        loss_sum, targets, tokens = totals.tolist()
+        norm = grad_norm.detach().to(totals.device, torch.float64).reshape(1)
+        self.logged = LoggedWindow(
+            step=step, epoch=self.progress.fractional_epoch(self.epoch_len),
+            learning_rate=float(self.scheduler.get_last_lr()[0]),
+            elapsed=time.perf_counter() - window.started, steps=window.steps,
+            comm=self.meter.take_window(), readback=Readback(torch.cat([totals, norm])))
+        self.progress.new_window()
+        self.emit_logged(wait=step == self.max_steps)  # off CUDA: at once
+
+    def emit_logged(self, wait: bool) -> None:
+        """The pending row to the reporters, if its values arrived (`wait`: wait for them)."""
+        logged = self.logged
+        if logged is None or not (wait or logged.readback.ready()):
+            return
+        self.logged = None
+        loss_sum, targets, tokens, grad_norm = logged.readback.values()
         replicas = self.strategy.batch_replicas  # ranks that counted the same batch
         targets, tokens = targets / replicas, tokens / replicas
         self.progress.tokens_seen += int(tokens)
-        elapsed = time.perf_counter() - window.started
-        comm = self.meter.take_window()
-        if self.reporters or self.node_console:
-            logs = {
-                "loss": loss_sum / max(targets, 1),
-                "learning_rate": float(self.scheduler.get_last_lr()[0]),
-                "grad_norm": float(grad_norm),
-                "tokens_per_second": tokens / max(elapsed, 1e-9),
-                "comm_bytes_per_step": comm / max(window.steps, 1),
-                "epoch": self.progress.fractional_epoch(self.epoch_len),
-                "memory_rss_mb": peak_rss_mb(),
-            }
-            if log_cfg.include_num_input_tokens_seen:
-                logs["num_input_tokens_seen"] = self.progress.tokens_seen
-            if d.device.type == "cuda":
-                logs["cuda_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
-            for each in filter(None, (self.reporters, self.node_console)):
-                each.on_log(self.state, logs)
-        self.progress.new_window()
+        if not (self.reporters or self.node_console):
+            return
+        log_cfg = self.cfg.logging
+        logs = {
+            "loss": loss_sum / max(targets, 1),
+            "learning_rate": logged.learning_rate,
+            "grad_norm": grad_norm,
+            "tokens_per_second": tokens / max(logged.elapsed, 1e-9),
+            "comm_bytes_per_step": logged.comm / max(logged.steps, 1),
+            "epoch": logged.epoch,
+            "memory_rss_mb": peak_rss_mb(),
+        }
+        if log_cfg.include_num_input_tokens_seen:
+            logs["num_input_tokens_seen"] = self.progress.tokens_seen
+        if self.dist.device.type == "cuda":
+            logs["cuda_max_memory_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        state = dataclasses.replace(self.state, step=logged.step, epoch=logged.epoch)
+        for each in filter(None, (self.reporters, self.node_console)):
+            each.on_log(state, logs)
 
     def maybe_evaluate_and_save(self) -> bool:
         """Evaluate and checkpoint when due; True when early stopping ends the run here."""
@@ -359,6 +408,8 @@ class TrainingRun:
         asked_stop, asked_save, asked_eval = self.control_requests()
         save_now, eval_now = save_now or asked_save, eval_now or asked_eval
         evaluated = {}
+        if eval_now or save_now or asked_stop or self.monitor.should_stop:
+            self.emit_logged(wait=True)  # a checkpoint's history holds every row so far
         if self.eval_data is not None and (eval_now or (save_now and on_save)):
             evaluated = self.evaluate()
         stop = (self.monitor.should_stop or asked_stop) and not last
@@ -403,7 +454,10 @@ class TrainingRun:
     # -- the end -------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:
         """Final metrics, the best checkpoint if asked, the trained model, the reporters' end."""
+        self.emit_logged(wait=True)
         runtime = time.perf_counter() - self.started
+        if isinstance(self.batches, Prefetched):
+            self.batches.close()
         del self.batches  # stops the loader's workers
         result = self.metrics(runtime)
         if self.cfg.checkpoint.load_best_model_at_end:
