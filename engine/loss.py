@@ -98,6 +98,7 @@ class ChunkedLoss:
                 f"training.loss_chunk_tokens: {type(base_model(model)).__name__} has no output "
                 "embeddings to chunk; set training.loss_chunk_tokens: null"
             )
+        self.head = head
         original = head.forward
         loss = self
 

@@ -102,7 +102,11 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
     if cfg.data.collate_fn:
         collate_fn = user_collate(cfg.data.collate_fn)
     loss = None
-    if not strategy.owns_forward_backward:
+    if t.use_liger_kernel:  # the pipeline and user losses are refused with it (compat)
+        from engine.liger import apply_liger
+
+        loss = apply_liger(model, d.device, amp, log)
+    elif not strategy.owns_forward_backward:
         user_fn = (load_object(t.compute_loss_func, "training.compute_loss_func")
                    if t.compute_loss_func else None)
         loss = build_loss(model, t.loss_chunk_tokens, d.device, amp, classify=bool(labels),

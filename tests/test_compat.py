@@ -51,6 +51,7 @@ USED = {"training.mixed_precision": {"training.mixed_precision": "fp16"},
         "training.gc_threshold": {"training.gc_threshold": 0.6},
         "training.sdpa_backend": {"training.sdpa_backend": ["cudnn_attention"]},
         "training.fp8_recipe": {"training.fp8_recipe": "rowwise"},
+        "training.use_liger_kernel": {"training.use_liger_kernel": True},
         "distributed.backend": {"distributed.backend": "nccl"}}
 
 

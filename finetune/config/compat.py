@@ -527,9 +527,11 @@ RULES: list[Rule] = [
            used=lambda t: t.torch_compile and t.torch_compile_fullgraph,
            example={"training.torch_compile": True, "training.torch_compile_fullgraph": True,
                     "training.torch_compile_scope": "model"}),
-    Refuse("training", "pad_to_multiple_of", _in("padding_free", lambda t: t.padding_free),
-           "padding_free rows are never padded; set it with packing or padded batches",
-           example={"training.padding_free": True, "training.pad_to_multiple_of": 8}),
+    Refuse("training", "use_liger_kernel",
+           _in("compute_loss_func", lambda t: t.compute_loss_func is not None),
+           "Liger's fused linear cross entropy is the loss; a loss of full logits cannot be "
+           "both; set one",
+           example={"training.use_liger_kernel": True, "training.compute_loss_func": "m:f"}),
     Refuse("training", "packing", _in("padding_free", lambda t: t.padding_free),
            "alternatives: padding_free puts each micro-batch in one row without padding, "
            "packing in rows of packed_sequence_length; set one",
@@ -694,6 +696,8 @@ RULES: list[Rule] = [
         ("training.compute_loss_func", None, "the last stage computes the loss from the "
          "hidden states in chunks (training.loss_chunk_tokens); a loss of full logits does "
          "not run there", {"training.compute_loss_func": "m:f"}),
+        ("training.use_liger_kernel", None, "the last stage computes its own chunked loss; "
+         "Liger's fused loss is not wired into the stages", {"training.use_liger_kernel": True}),
     )),
     Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
            "zero-bubble schedules split the backward, which compiled stages cannot",
@@ -771,6 +775,9 @@ RULES: list[Rule] = [
          {"training.packing": True}),
         ("training.padding_free", None, "its sequence classifier reads one labelled text a row",
          {"training.padding_free": True}),
+        ("training.use_liger_kernel", None,
+         "Liger's fused loss is for a vocabulary head; a classifier's head has classes",
+         {"training.use_liger_kernel": True}),
         ("eval.generation_metrics", None,
          "a classifier does not generate; it reports accuracy and macro_f1",
          {"eval.generation_metrics": ["rouge"]}),
@@ -818,6 +825,8 @@ RULES: list[Rule] = [
     Needs("machine", "training.sdpa_backend", CUDA,
           f"only {' and '.join(CPU_SDPA)} run on a CPU",
           used=lambda m: any(n not in CPU_SDPA for n in m.cfg.training.sdpa_backend or ())),
+    Needs("machine", "training.use_liger_kernel", CUDA,
+          "Liger's kernels are Triton programs for CUDA GPUs; set it false here"),
     Needs("machine", "training.fp8_recipe", FP8_GPU,
           "fp8 matmuls; use mixed_precision: bf16 here"),
     Needs("machine", "distributed.backend", CUDA, "NCCL runs on GPUs; use gloo or auto",

@@ -23,7 +23,8 @@ NOT_IN_FINGERPRINT = (
     # speed and memory levers with the same math
     "training.per_device_eval_batch_size", "training.dataloader_", "training.torch_compile",
     "training.gradient_checkpointing", "training.detect_anomaly", "training.varlen_kernel",
-    "training.loss_chunk_tokens", "training.pad_to_multiple_of", "training.sdpa_",
+    "training.loss_chunk_tokens", "training.use_liger_kernel", "training.pad_to_multiple_of",
+    "training.sdpa_",
     "training.construct_model_on", "training.enable_activation_offloading",
     "training.gc_threshold",
     # what is measured and printed, not what is trained

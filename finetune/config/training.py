@@ -106,12 +106,23 @@ class TrainingConfig(Section):
         "layer; a start-up probe refuses such a model with one line). A classifier has no "
         "vocabulary head: another value than the default is refused there.",
     )
+    use_liger_kernel: bool = Field(
+        False,
+        description="Liger's Triton kernels (HF's name; the liger-kernel package, extra "
+        "`liger`): its RMSNorm, RoPE and SwiGLU patched in through Liger's own entry point for "
+        "the model family, and its fused linear cross entropy as the loss (the logits never "
+        "materialise; it replaces the chunked loss, so loss_chunk_tokens does not apply). A "
+        "start-up probe compares loss and gradients with the unpatched model. CUDA only; a "
+        "family Liger does not cover is refused with one line.",
+    )
     pad_to_multiple_of: int | None = Field(
         None, gt=0,
-        description="Pad each batch's rows (padded or packed) to a multiple of this many tokens "
-        "(HF's name): a few shapes instead of one per length, so torch.compile graphs and the "
-        "GPU attention kernels' per-shape plans are reused; packing with the packed length "
-        "here gives every batch one shape (CUDA graphs). Padding-free rows are never padded.",
+        description="Pad each batch's rows to a multiple of this many tokens (HF's name): a "
+        "few shapes instead of one per length, so torch.compile graphs, CUDA graphs and the GPU "
+        "attention kernels' per-shape plans are reused. Padded and packed rows are padded; a "
+        "padding_free row gets a tail of pad tokens (labels ignored, attending only to itself) "
+        "up to the next multiple: its token buckets (e.g. 512) are what compile with dynamic: "
+        "false wants. Packing with the packed length here gives every row one width.",
     )
     sdpa_backend: list[Literal["flash_attention", "efficient_attention", "cudnn_attention",
                                "math"]] | None = Field(
