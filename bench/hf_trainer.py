@@ -10,6 +10,11 @@ settings, and `order`: the example order our trainer uses (its seeded permutatio
 dataset is put in that order and read sequentially, so step k of both trainers sees the same
 examples and the final losses must agree; with Trainer's own RandomSampler they would differ
 by sampling noise and the comparison would say nothing about correctness.
+
+GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
+examples' completion masks from our labels), `liger` its use_liger_kernel, `cudnn: false`
+turns cuDNN SDPA off for the run, and `timer` ({path, boundaries}) marks synchronised times at
+those steps (bench/gpu_timer.py).
 """
 
 from __future__ import annotations
@@ -29,15 +34,20 @@ def main(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(open(spec_path).read())
     torch.set_num_threads(spec["threads"])
+    if not spec.get("cudnn", True):
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    trl = spec.get("trainer", "hf") == "trl"
     rows = datasets.load_from_disk(spec["train"]).select_columns(["input_ids", "labels"])
     rows = rows.select(spec["order"])
+    if trl:  # TRL masks the prompt through completion_mask (it rebuilds labels from ids)
+        rows = rows.map(lambda r: {"completion_mask": [int(x != -100) for x in r["labels"]]})
     tok = AutoTokenizer.from_pretrained(spec["model"])
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
                                                  attn_implementation="sdpa")
-    args = TrainingArguments(
+    common = dict(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"],
         gradient_accumulation_steps=1, max_steps=spec["steps"],
         learning_rate=spec["learning_rate"], weight_decay=spec["weight_decay"],
@@ -46,8 +56,15 @@ def main(spec_path: str, out_path: str) -> None:
         use_cpu=spec.get("device", "cpu") == "cpu",
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
         seed=spec["seed"], train_sampling_strategy="sequential", dataloader_drop_last=True,
-        disable_tqdm=True, remove_unused_columns=False,
+        disable_tqdm=True, remove_unused_columns=False, use_liger_kernel=spec.get("liger", False),
     )
+    if trl:
+        from trl import SFTConfig
+
+        args = SFTConfig(**common, padding_free=True, max_length=None,
+                         dataset_kwargs={"skip_prepare_dataset": True})
+    else:
+        args = TrainingArguments(**common)
     losses: list[float] = []
     slots = {"real": 0, "total": 0}
     per_batch: list[int] = []  # useful tokens of each collated batch (= each step here)
@@ -64,17 +81,40 @@ def main(spec_path: str, out_path: str) -> None:
                 torch.cuda.synchronize()
             step_ends.append(time.perf_counter())
 
-    collator = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
+    callbacks = [Record()]
+    if spec.get("timer"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_timer import hf_timer
 
-    def counting_collator(features):
-        batch = collator(features)
-        slots["real"] += int(batch["attention_mask"].sum())
-        slots["total"] += batch["attention_mask"].numel()
-        per_batch.append(int(batch["attention_mask"].sum()))
-        return batch
+        callbacks.append(hf_timer(spec["timer"]["path"], spec["timer"]["boundaries"]))
+    if trl:
+        from trl import SFTTrainer
 
-    trainer = Trainer(model=model, args=args, train_dataset=rows,
-                      data_collator=counting_collator, callbacks=[Record()])
+        trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tok,
+                             callbacks=callbacks)
+        collator = trainer.data_collator
+
+        def counting_collator(features):
+            batch = collator(features)
+            real = int((batch["position_ids"] >= 0).sum())  # one unpadded row
+            slots["real"] += real
+            slots["total"] += batch["input_ids"].numel()
+            per_batch.append(real)
+            return batch
+
+        trainer.data_collator = counting_collator
+    else:
+        collator = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
+
+        def counting_collator(features):
+            batch = collator(features)
+            slots["real"] += int(batch["attention_mask"].sum())
+            slots["total"] += batch["attention_mask"].numel()
+            per_batch.append(int(batch["attention_mask"].sum()))
+            return batch
+
+        trainer = Trainer(model=model, args=args, train_dataset=rows,
+                          data_collator=counting_collator, callbacks=callbacks)
     started = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - started
@@ -88,7 +128,7 @@ def main(spec_path: str, out_path: str) -> None:
         "train_runtime": result.metrics["train_runtime"], "train_wall": wall,
         "useful_tokens": real, "token_slots": slots["total"],
         "padding_fraction": 1 - real / max(slots["total"], 1),
-        "losses": losses,
+        "losses": losses, "tokens_per_step": per_batch,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "pid": os.getpid(),
     }, open(out_path, "w"))
