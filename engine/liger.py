@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.data import IGNORE_INDEX
-from engine.loss import ChunkedLoss, FullLoss, _Targets
+from engine.loss import ChunkedLoss, FullLoss, PendingTargets
 from engine.model import base_model
 from finetune.errors import PipelineError
 
@@ -42,7 +42,7 @@ class LigerLoss(ChunkedLoss):
         self.fused = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX,
                                                       reduction="sum")
 
-    def _summed(self, head_forward, flat: torch.Tensor, t: _Targets) -> torch.Tensor:
+    def _summed(self, head_forward, flat: torch.Tensor, t: PendingTargets) -> torch.Tensor:
         head = self.head
         if not t.chunks:  # nothing to predict: a zero that still uses the head (DDP wants it)
             return (head_forward(flat[:1]).sum() * 0).reshape(1, 1, 1)

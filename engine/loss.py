@@ -33,7 +33,7 @@ from finetune.errors import PipelineError
 
 
 @dataclass
-class _Targets:
+class PendingTargets:
     rows: torch.Tensor  # flat positions (batch x tokens) whose next token is a target
     labels: torch.Tensor  # those targets
     chunks: list[tuple[int, int]]  # [start, end) of each chunk over the rows (host ints)
@@ -91,7 +91,7 @@ class ChunkedLoss:
 
     def __init__(self, model, chunk_tokens: int, device: torch.device):
         self.chunk_tokens, self.device = chunk_tokens, device
-        self._pending: _Targets | None = None
+        self._pending: PendingTargets | None = None
         head = base_model(model).get_output_embeddings()
         if head is None:
             raise PipelineError(
@@ -111,7 +111,7 @@ class ChunkedLoss:
 
         head.forward = forward
 
-    def _summed(self, head_forward, flat: torch.Tensor, t: _Targets) -> torch.Tensor:
+    def _summed(self, head_forward, flat: torch.Tensor, t: PendingTargets) -> torch.Tensor:
         if not t.chunks:  # nothing to predict: a zero that still uses the head (DDP wants it)
             return (_chunk_loss(head_forward, flat, t.rows.new_zeros(1), t.labels.new_zeros(1))
                     * 0).reshape(1, 1, 1)
@@ -128,7 +128,7 @@ class ChunkedLoss:
         """While open, the model's forward returns the loss of `labels` (a CPU tensor)."""
         rows, targets = target_rows(labels)
         n, size = len(rows), self.chunk_tokens
-        self._pending = _Targets(rows.to(self.device, non_blocking=True),
+        self._pending = PendingTargets(rows.to(self.device, non_blocking=True),
                                  targets.to(self.device, non_blocking=True),
                                  [(s, min(s + size, n)) for s in range(0, n, size)])
         try:
