@@ -64,6 +64,13 @@ def our_rows() -> dict[str, dict]:
                     **settings, **(COMPILE if compiled else {}), **(LIGER if liger else {})}}
     rows["ours padding_free + compile(model) + Liger"] = {"kind": "ours", "overrides": {
         **LAYOUT["padding_free"], **COMPILE, **LIGER, "training.torch_compile_scope": "model"}}
+    whole = {"training.torch_compile_scope": "model"}
+    rows["ours padding_free + compile(model)"] = {"kind": "ours", "overrides": {
+        **LAYOUT["padding_free"], **COMPILE, **whole}}
+    rows[f"ours {LONG}-token rows, packed Alpaca + compile(model)"] = {
+        "kind": "ours", "long": "packed", "overrides": {
+            **LAYOUT["packing"], **COMPILE, **whole,
+            "training.per_device_train_batch_size": 128}}
     rows["ours padding_free + compile (CUDA graphs)"] = {"kind": "ours", "overrides": {
         **LAYOUT["padding_free"], **COMPILE, "training.torch_compile_mode": "reduce-overhead"}}
     for liger in (False, True):
