@@ -10,6 +10,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export DO_NOT_TRACK ?= true
 export MLFLOW_DISABLE_TELEMETRY ?= true
+export DVC_NO_ANALYTICS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site

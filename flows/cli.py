@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _quiet_env() -> None:
     for key, value in (("DO_NOT_TRACK", "true"), ("MLFLOW_DISABLE_TELEMETRY", "true"),
-                       ("TOKENIZERS_PARALLELISM", "false")):
+                       ("DVC_NO_ANALYTICS", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
 
 

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("PREFECT_HOME", str(ROOT / ".prefect"))
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     env.setdefault("DO_NOT_TRACK", "true")
+    env.setdefault("DVC_NO_ANALYTICS", "1")  # DVC ignores DO_NOT_TRACK
     bindir = Path(sys.executable).parent
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
     server = serve = None

@@ -37,3 +37,28 @@ def test_readme_params_reference_is_generated_from_schema():
     readme = (ROOT / "README.md").read_text()
     assert embed(readme) == readme, "run: finetune reference --write-readme"
     assert "`training.per_device_train_batch_size`" in readme
+
+
+def test_dvc_sends_no_usage_analytics_from_the_project():
+    """DVC ignores DO_NOT_TRACK; the project's .dvc/config turns its analytics off for every
+    dvc command run in a clone (asked of DVC itself, with none of our environment set), and
+    the CLI sets DVC_NO_ANALYTICS for the dvc it starts."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DVC_NO_ANALYTICS", "DVC_TEST", "DO_NOT_TRACK")}
+    proc = subprocess.run([sys.executable, "-c", "from dvc.analytics import is_enabled; "
+                           "print(is_enabled())"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=True)
+    assert proc.stdout.strip() == "False"
+    from flows.cli import _quiet_env
+
+    saved = os.environ.pop("DVC_NO_ANALYTICS", None)
+    try:
+        _quiet_env()
+        assert os.environ["DVC_NO_ANALYTICS"] == "1"
+    finally:
+        os.environ.pop("DVC_NO_ANALYTICS", None)
+        if saved is not None:
+            os.environ["DVC_NO_ANALYTICS"] = saved
