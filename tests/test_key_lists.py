@@ -94,3 +94,13 @@ def test_each_stage_depends_on_the_code_that_makes_its_outputs():
     for spec in STAGES.values():  # and no dependency names a file that is gone
         for dep in spec.get("deps", []):
             assert (ROOT / dep).exists() or dep.startswith("data/"), dep
+
+
+def test_each_plot_is_declared_once():
+    """A file that is a stage's plot output and also a top-level plot is drawn twice by
+    `dvc plots show`; the top-level section only adds plots made from data files."""
+    stage_plots = {next(iter(p)) if isinstance(p, dict) else p
+                   for stage in STAGES.values() for p in stage.get("plots", [])}
+    top = yaml.safe_load((ROOT / "dvc.yaml").read_text()).get("plots", [])
+    named = {p for p in top if isinstance(p, str)}
+    assert not named & stage_plots, named & stage_plots
