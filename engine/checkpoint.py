@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from finetune.errors import warn
 from finetune.files import discard_on_failure, file_sha256, replace_dir
 
 PREFIX = "step-"
@@ -216,7 +217,7 @@ def list_checkpoints(directory: Path, validate: bool = True) -> list[Path]:
         if not path.is_dir():
             continue
         if validate and not is_valid(path):
-            warnings.warn(f"checkpoint {path} is incomplete or corrupt; skipping it", stacklevel=2)
+            warn(f"checkpoint {path} is incomplete or corrupt; skipping it")
             continue
         meta = read_meta(path) or {}
         found.append((meta.get("saved_at_ns", 0), path))
@@ -229,7 +230,7 @@ def latest(directory: Path) -> Path | None:
     for path in reversed(list_checkpoints(directory, validate=False)):
         if is_valid(path):
             return path
-        warnings.warn(f"checkpoint {path} is incomplete or corrupt; skipping it", stacklevel=2)
+        warn(f"checkpoint {path} is incomplete or corrupt; skipping it")
     return None
 
 

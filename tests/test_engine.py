@@ -60,7 +60,7 @@ def _dcp_state(v: float):
     return {"model": {"w": torch.full((3,), v)}, "optim": {"step": torch.tensor(v)}}
 
 
-def test_checkpoint_roundtrip_rotation_and_corruption(tmp_path):
+def test_checkpoint_roundtrip_rotation_and_corruption(tmp_path, capsys):
     for step in (1, 2, 3):
         ckpt.save(tmp_path, step, _dcp_state(step), {"history": [step]}, {"world_size": 1}, keep=2)
     names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
@@ -75,15 +75,20 @@ def test_checkpoint_roundtrip_rotation_and_corruption(tmp_path):
     # a torn write of the newest checkpoint's DCP shard: detected, previous one used, warned
     with open(newest / "__0_0.distcp", "r+b") as fh:
         fh.truncate(10)
-    with pytest.warns(UserWarning, match="incomplete or corrupt"):
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning: line, not a Python warning
         assert ckpt.latest(tmp_path).name == "step-0000002"
+    assert capsys.readouterr().err == (f"warning: checkpoint {newest} is incomplete or "
+                                       "corrupt; skipping it\n")
     # one flipped bit in meta.json's step (valid JSON still): detected the same way
     meta_file = tmp_path / "step-0000002/meta.json"
     text = meta_file.read_text()
     assert '"step": 2' in text
     meta_file.write_text(text.replace('"step": 2', '"step": 3'))  # 2 ^ 1 = 3: one bit
-    with pytest.warns(UserWarning, match="step-0000002 is incomplete or corrupt"):
-        assert ckpt.latest(tmp_path) is None
+    assert ckpt.latest(tmp_path) is None
+    assert (f"warning: checkpoint {tmp_path / 'step-0000002'} is incomplete or corrupt; "
+            "skipping it") in capsys.readouterr().err.splitlines()
     meta_file.write_text(text)
     # leftover staging folder from a crash mid-save is ignored
     (tmp_path / ".step-0000004.tmp").mkdir()
