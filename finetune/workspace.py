@@ -122,17 +122,60 @@ class WorkspaceBusy(PipelineError):
     """Another pipeline run holds the workspace lock."""
 
 
+#: set while a process holds the lock ("<pid> <lock path>"): the commands it starts (dvc repro,
+#: each stage's `finetune stage`) inherit it and run under their ancestor's lock
+HOLDER_ENV = "FINETUNE_WORKSPACE_LOCK"
+
+
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:  # Linux: "pid (comm) state ppid ..."
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        try:
+            import psutil
+
+            return psutil.Process(pid).ppid()
+        except Exception:  # no such process, or no way to ask
+            return None
+
+
+def held_by_an_ancestor(path: Path) -> bool:
+    """This process descends from a holder of the lock at `path` (`finetune run` -> dvc
+    repro -> `finetune stage`), per HOLDER_ENV. The holder itself does not count: a second
+    run in the same process (a flow called twice, in threads) must find the lock taken."""
+    held = os.environ.get(HOLDER_ENV, "")
+    pid_text, _, held_path = held.partition(" ")
+    if not pid_text.isdigit() or held_path != str(path):
+        return False
+    holder, pid = int(pid_text), _parent_pid(os.getpid())
+    for _ in range(64):  # the chain from us to the holder is short; a loop never ends here
+        if pid is None or pid <= 1:
+            return False
+        if pid == holder:
+            return True
+        pid = _parent_pid(pid)
+    return False
+
+
 @contextlib.contextmanager
 def workspace_lock(root: Path, wait_seconds: float = 0.0, poll: float = 1.0) -> Iterator[Path]:
-    """An exclusive lock on a project: two runs never train in one workspace at once.
+    """An exclusive lock on a project: two runs never write one workspace at once.
 
-    `flock` is released by the kernel when the holder dies, so a killed run never leaves a
-    stale lock. The second run waits up to `wait_seconds`, then fails with who holds it.
+    Every writer takes it: `finetune run`, the Prefect flow and each `finetune stage` command
+    (so a bare `dvc repro`, which runs those, holds it stage by stage). A command started under
+    a holder (HOLDER_ENV names a live ancestor and this lock) runs under that lock instead of
+    taking it again. `flock` is released by the kernel when the holder dies, so a killed run
+    never leaves a stale lock. The second run waits up to `wait_seconds`, then fails with who
+    holds it.
     """
     import fcntl
     import time
 
-    path = root / ".finetune.lock"
+    path = (root / ".finetune.lock").resolve()
+    if held_by_an_ancestor(path):
+        yield path
+        return
     fh = open(path, "a+")
     deadline = time.monotonic() + wait_seconds
     while True:
@@ -149,13 +192,19 @@ def workspace_lock(root: Path, wait_seconds: float = 0.0, poll: float = 1.0) -> 
                     "wait for it to finish"
                 ) from None
             time.sleep(poll)
+    before = os.environ.get(HOLDER_ENV)
     try:
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
         fh.flush()
+        os.environ[HOLDER_ENV] = f"{os.getpid()} {path}"
         yield path
     finally:
+        if before is None:
+            os.environ.pop(HOLDER_ENV, None)
+        else:
+            os.environ[HOLDER_ENV] = before
         fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
 

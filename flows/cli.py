@@ -97,7 +97,10 @@ def cmd_stage(args) -> int:
 
     reads.start(args.name)  # only with FINETUNE_CONFIG_READS set (tests/test_pipeline.py)
     started = time.perf_counter()
-    outputs = stage_function(args.name)(ws)
+    from finetune.workspace import workspace_lock
+
+    with workspace_lock(ws.root):  # every writer: under finetune run / the flow, theirs
+        outputs = stage_function(args.name)(ws)
     shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())
     print(f"[{args.name}] done in {time.perf_counter() - started:.1f}s: {shown}")
     return 0

@@ -150,3 +150,46 @@ def test_resume_at_another_world_size_is_refused_before_torchrun_starts(tokenize
     finally:
         watching[0] = False
     assert launched == []
+
+
+HOLD_THE_LOCK = """
+import sys, time
+from pathlib import Path
+from finetune.workspace import workspace_lock
+with workspace_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_stage_command_beside_another_run_is_refused_as_busy(tokenized, tmp_path):
+    """Every command that writes a stage's outputs takes the workspace lock: `finetune stage`
+    run beside another run (here a process holding the lock, as `finetune run`, the flow or
+    another stage would) fails with the busy line and writes nothing; once the holder is gone
+    (killed: the kernel drops its lock) the same command runs. Commands started under a
+    holder (finetune run -> dvc repro -> finetune stage) run under its lock: the pipeline
+    tests cover that path."""
+    import hashlib
+    import subprocess
+    import sys
+
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+
+    def formatted() -> dict:
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted((project / "data/formatted").rglob("*")) if p.is_file()}
+
+    before = formatted()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(project)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = error_line(run_cli(project, "stage", "format"))
+        assert "is busy: another pipeline run holds" in line and str(project) in line
+        assert formatted() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = run_cli(project, "stage", "format", check=True)
+    assert "[format] done" in proc.stdout
