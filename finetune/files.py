@@ -103,3 +103,17 @@ def write_json_atomic(path: Path, data: Any) -> Path:
         fh.write("\n")
     os.replace(tmp, path)
     return path
+
+
+def remove_interrupted_writes(folder: Path) -> list[Path]:
+    """Staging and set-aside folders that interrupted writes left in `folder` and one level
+    below (`.NAME.tmp-*` from atomic_dir, `.NAME.old-PID` from replace_dir), removed; returns
+    them. Call only while holding the workspace lock: then no live run owns any of them."""
+    import re
+
+    leftover = re.compile(r"^\..+\.(tmp-[A-Za-z0-9_]+|old-\d+)$")
+    found = [p for p in [*folder.glob(".*"), *folder.glob("*/.*")]
+             if p.is_dir() and not p.is_symlink() and leftover.match(p.name)]
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return found

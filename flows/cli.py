@@ -97,9 +97,12 @@ def cmd_stage(args) -> int:
 
     reads.start(args.name)  # only with FINETUNE_CONFIG_READS set (tests/test_pipeline.py)
     started = time.perf_counter()
+    from finetune.files import remove_interrupted_writes
     from finetune.workspace import workspace_lock
 
     with workspace_lock(ws.root):  # every writer: under finetune run / the flow, theirs
+        for path in remove_interrupted_writes(ws.root / "data"):  # no live run owns them now
+            print(f"[{args.name}] removed {_rel(path, ws.root)}, left by an interrupted write")
         outputs = stage_function(args.name)(ws)
     shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())
     print(f"[{args.name}] done in {time.perf_counter() - started:.1f}s: {shown}")

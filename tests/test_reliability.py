@@ -181,15 +181,22 @@ def test_a_stage_command_beside_another_run_is_refused_as_busy(tokenized, tmp_pa
                 for p in sorted((project / "data/formatted").rglob("*")) if p.is_file()}
 
     before = formatted()
+    # what a kill during a final write leaves: removed by the next stage, never while the
+    # lock's holder (which may own it) is alive
+    leftovers = [project / "data/.trained.tmp-k1ll3d", project / "data/.trained.old-4242"]
+    for path in leftovers:
+        (path / "part").mkdir(parents=True)
     holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(project)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         line = error_line(run_cli(project, "stage", "format"))
         assert "is busy: another pipeline run holds" in line and str(project) in line
-        assert formatted() == before
+        assert formatted() == before and all(p.is_dir() for p in leftovers)
     finally:
         holder.kill()
         holder.wait()
     proc = run_cli(project, "stage", "format", check=True)
     assert "[format] done" in proc.stdout
+    assert not any(p.exists() for p in leftovers)
+    assert "removed data/.trained.tmp-k1ll3d, left by an interrupted write" in proc.stdout
