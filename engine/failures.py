@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from finetune.errors import PipelineError
+from finetune.files import UNWRITABLE
 
 #: the kinds, in the order the launcher prefers them when several ranks report
 KINDS = ("input", "disk", "memory", "crash", "comm")
@@ -80,6 +81,14 @@ def describe(exc: BaseException, rank: int, ddp_timeout: int | None = None) -> R
             f"disk full{at} (rank {rank}): free space on that filesystem, lower "
             f"checkpoint.save_total_limit, or move the project to a larger disk, then run "
             f"again with checkpoint.resume_from_checkpoint: true; {INTACT}"), rank)
+    refused = next((e for e in _chain(exc) if isinstance(e, OSError)
+                    and e.errno in UNWRITABLE), None)
+    if refused is not None:
+        return Report("disk", (
+            f"cannot write {refused.filename or 'the output folder'} (rank {rank}): "
+            f"{refused.strerror}; make that folder writable (chmod u+w, or remount the "
+            "filesystem read-write) or move the project to a writable disk, then run again "
+            f"with checkpoint.resume_from_checkpoint: true; {INTACT}"), rank)
     memory = _out_of_memory(exc, text)
     if memory:
         return Report("memory", (

@@ -52,6 +52,24 @@ def as_disk_full(exc: BaseException, folder: Path) -> BaseException:
     return full
 
 
+#: a write refused by the filesystem or its permissions, not by its size
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def as_unwritable(exc: BaseException, folder: Path) -> BaseException:
+    """`exc`, or an OSError of the same errno naming `folder` when a write under it was
+    refused (read-only filesystem, permissions): writers such as DCP name only their own file
+    ('__0_0.distcp'), which says nothing about where."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in UNWRITABLE:
+            named = OSError(seen.errno, os.strerror(seen.errno), str(folder))
+            named.__cause__ = exc
+            return named
+        seen = seen.__cause__ or seen.__context__
+    return exc
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield an empty staging folder that replaces `final` only if the block succeeds.
@@ -72,13 +90,16 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 @contextlib.contextmanager
 def discard_on_failure(staging: Path, remove: bool = True) -> Iterator[None]:
     """A failing block leaves no half-written `staging` behind (`remove`: this process owns
-    it) and a failure on a full disk is raised as OSError(ENOSPC) whatever the writer raised.
+    it), a failure on a full disk is raised as OSError(ENOSPC) whatever the writer raised, and
+    a refused write (read-only, permissions) as an OSError naming the folder.
     Catches BaseException: torch's distributed checkpoint raises its own BaseException."""
     try:
         yield
     except BaseException as exc:
         error = exc if isinstance(exc, (KeyboardInterrupt, SystemExit)) else as_disk_full(
             exc, staging)  # before the removal frees the space
+        if error is exc and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            error = as_unwritable(exc, staging.parent)
         if remove:
             shutil.rmtree(staging, ignore_errors=True)
         if error is exc:

@@ -177,3 +177,25 @@ def test_out_of_memory_and_disk_full_errors_are_described_by_cause():
     cuda = describe(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1)
     assert cuda.kind == "memory" and cuda.message.startswith("CUDA out of memory"), cuda
     assert describe(ValueError("boom"), 0).message == "training crashed on rank 0: ValueError: boom"
+
+
+def test_a_refused_write_names_the_folder_and_the_fix(tmp_path):
+    """A read-only filesystem (or a folder this user may not write) under a checkpoint or
+    output write: DCP names only its own file ('__0_0.distcp'); the report names the folder
+    being written and what to do, in one line."""
+    import errno
+
+    from engine.failures import describe
+    from finetune.files import discard_on_failure
+
+    folder = tmp_path / "checkpoints"
+    staging = folder / ".step-0000003.tmp"
+    staging.mkdir(parents=True)
+    with pytest.raises(OSError) as caught:
+        with discard_on_failure(staging):
+            raise OSError(errno.EROFS, "Read-only file system", "__0_0.distcp")
+    assert not staging.exists() and caught.value.filename == str(folder)
+    report = describe(caught.value, rank=0)
+    assert report.kind == "disk" and report.message.startswith(
+        f"cannot write {folder} (rank 0): Read-only file system; make that folder writable"), report
+    assert "checkpoint.resume_from_checkpoint: true" in report.message
