@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -53,9 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler stopping the job), raised where the command is:
+    the launcher's `with` blocks stop their children, and the command says where it stopped."""
+
+    def __init__(self, signame: str):
+        super().__init__(signame)
+        self.signame = signame
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _quiet_env()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _raise_interrupted)
     try:
         return COMMANDS[args.command](args)
     except PipelineError as exc:
@@ -63,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"error: interrupted ({getattr(exc, 'signame', 'SIGINT')})", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug, not bad input: say so, and how to see more
         if args.debug:
@@ -103,7 +121,17 @@ def cmd_stage(args) -> int:
     with workspace_lock(ws.root):  # every writer: under finetune run / the flow, theirs
         for path in remove_interrupted_writes(ws.root / "data"):  # no live run owns them now
             print(f"[{args.name}] removed {_rel(path, ws.root)}, left by an interrupted write")
-        outputs = stage_function(args.name)(ws)
+        try:
+            outputs = stage_function(args.name)(ws)
+        except KeyboardInterrupt as exc:
+            where = ""
+            if args.name == "train":
+                from tasks.train import interrupted_summary
+
+                where = "; " + interrupted_summary(ws)
+            signame = getattr(exc, "signame", "SIGINT")
+            print(f"error: stage {args.name} interrupted ({signame}){where}", file=sys.stderr)
+            return 130
     shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())
     print(f"[{args.name}] done in {time.perf_counter() - started:.1f}s: {shown}")
     return 0

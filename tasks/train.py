@@ -127,7 +127,7 @@ def train(ws: Workspace) -> dict[str, Path]:
             if "wandb" in ws.config.logging.report_to:
                 wandb_run = WandbRun(ws, run_id, tracking.run_tags(ws, run_id))
                 relays.append(wandb_run.log)
-            job.go(_fan_out(relays) if relays else None)
+            job.go(_fan_out(relays))  # also keeps the step reached (interrupted_summary)
             job.wait()
         except BaseException:
             tracking.finish_run(ws, run_id, "FAILED")
@@ -147,9 +147,36 @@ def train(ws: Workspace) -> dict[str, Path]:
     return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}
 
 
+def interrupted_summary(ws: Workspace) -> str:
+    """What a user needs after stopping training (Ctrl-C, a scheduler's SIGTERM): the step it
+    reached (the last row the job logged), the newest checkpoint and how to resume."""
+    from engine.checkpoint import newest_meta
+
+    parts = [f"reached step {REACHED['step']}"] if "step" in REACHED else []
+    newest = newest_meta(ws.layout.checkpoints)
+    if newest is None:
+        parts.append("no checkpoint to resume from (checkpoint.save_steps sets how often "
+                     "one is written)")
+    else:
+        path, meta = newest
+        parts.append(f"last checkpoint {path.relative_to(ws.root)} (step {meta['step']}); "
+                     "resume with: finetune stage train -s "
+                     "checkpoint.resume_from_checkpoint=true")
+    return "; ".join(parts)
+
+
+#: the last training step the running job logged (read when the stage is interrupted)
+REACHED: dict[str, int] = {}
+
+
 def _fan_out(relays: list):
-    """One relay callable that hands each row to every tracker (MLflow, W&B)."""
+    """One relay callable that hands each row to every tracker (MLflow, W&B) and notes the
+    step reached."""
+    REACHED.clear()
+
     def relay(row: dict) -> None:
+        if "loss" in row and "step" in row:
+            REACHED["step"] = int(row["step"])
         for each in relays:
             each(row)
 

@@ -200,3 +200,42 @@ def test_a_stage_command_beside_another_run_is_refused_as_busy(tokenized, tmp_pa
     assert "[format] done" in proc.stdout
     assert not any(p.exists() for p in leftovers)
     assert "removed data/.trained.tmp-k1ll3d, left by an interrupted write" in proc.stdout
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_stage_says_where_it_stopped_and_how_to_resume(tokenized, tmp_path,
+                                                                      how):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or a scheduler's
+    SIGTERM to the stage: exit 130 and one line with the step reached, the newest checkpoint
+    and the resume command, no traceback; the workers are gone."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import BIN
+
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    write_params(project, {"training.max_steps": 500, "checkpoint.save_steps": 2,
+                           "checkpoint.save_total_limit": 3, "logging.logging_steps": 1})
+    stage = subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=project,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    for line in stage.stdout:
+        if line.startswith("[train] checkpoint"):
+            break
+    if how == "ctrl-c":
+        os.killpg(stage.pid, signal.SIGINT)
+    else:
+        stage.send_signal(signal.SIGTERM)
+    out, err = stage.communicate(timeout=60)
+    assert stage.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    name = "SIGINT" if how == "ctrl-c" else "SIGTERM"
+    assert line.startswith(f"error: stage train interrupted ({name}); reached step "), line
+    assert "; last checkpoint data/checkpoints/step-" in line
+    assert line.endswith("resume with: finetune stage train -s "
+                         "checkpoint.resume_from_checkpoint=true"), line
+    wait_until_no_process_in(project)
+    assert not (project / "data/trained").exists()
