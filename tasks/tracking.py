@@ -7,6 +7,7 @@ Lineage tags: git commit and dirty flag, params file, config fingerprint, dvc.lo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -192,3 +193,41 @@ def run_tags(ws: Workspace, run_id: str) -> dict[str, str]:
 
 def finish_run(ws: Workspace, run_id: str, status: str = "FINISHED") -> None:
     client(ws).set_terminated(run_id, status=status)
+
+
+def log_data_inputs(ws: Workspace, run_id: str, tokenized: Path, stats: dict) -> None:
+    """Each tokenized split as one of the run's dataset inputs (mlflow.log_input's record:
+    source the split's folder, digest the md5 DVC keeps the tokenized data under in dvc.lock,
+    else a SHA-256 of the split's files; context train/eval), and the tokenize stage's
+    statistics as a table artifact (data/tokenize_stats.json): not as metrics, where 30 of
+    them would bury the loss curve."""
+    _env_quiet()
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    from finetune.files import file_sha256
+
+    dvc_md5 = dvc_out_hashes(ws.root).get(f"dvc_out.{tokenized.relative_to(ws.root)}")
+    inputs = []
+    for split in sorted(p.name for p in tokenized.iterdir() if p.is_dir()) if (
+            tokenized.is_dir()) else []:
+        folder = tokenized / split
+        digest = dvc_md5 or hashlib.sha256("".join(
+            file_sha256(f) for f in sorted(folder.rglob("*")) if f.is_file()).encode(
+        )).hexdigest()[:32]
+        dataset = MetaDataset(resolve_dataset_source(folder.resolve().as_uri()), name=split,
+                              digest=digest[:36])
+        context = "train" if split == "train" else "eval"
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(),
+                                   [InputTag("mlflow.data.context", context)]))
+    c = client(ws)
+    if inputs:
+        c.log_inputs(run_id, datasets=inputs)
+    rows = [(split, key, value) for split, values in stats.items()
+            for key, value in values.items() if isinstance(value, (int, float))]
+    if rows:
+        c.log_table(run_id, data={"split": [r[0] for r in rows],
+                                  "statistic": [r[1] for r in rows],
+                                  "value": [r[2] for r in rows]},
+                    artifact_file="data/tokenize_stats.json")

@@ -184,11 +184,12 @@ def _fan_out(relays: list):
 
 
 def _log_tokenize_stats(ws: Workspace, run_id: str) -> None:
+    """The data as MLflow records data (tracking.log_data_inputs): the tokenized splits as the
+    run's dataset inputs, their statistics as a table artifact; the run's metrics stay the
+    model's."""
     stats_file = ws.layout.metrics / "tokenize.json"
-    if stats_file.exists():
-        stats = json.loads(stats_file.read_text())
-        tracking.log_metrics(ws, run_id, {f"data.{split}.{k}": v for split, s in stats.items()
-                                          for k, v in s.items() if isinstance(v, (int, float))})
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    tracking.log_data_inputs(ws, run_id, ws.layout.tokenized, stats)
 
 
 def _train_worker_node(ws: Workspace) -> dict[str, Path]:

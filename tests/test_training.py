@@ -43,6 +43,21 @@ def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
     assert [m.step for m in history] == [1, 2, 3, 4, 5, 6]
     assert history[-1].value == pytest.approx(losses(project)[-1], abs=1e-5)
     assert client.get_metric_history(run_id, "eval_loss")
+    # the data as MLflow records data: the tokenized splits as inputs (DVC's hash, or the
+    # files' when dvc.lock has none), their statistics as a table; no data.* metrics
+    assert not [k for k in run.data.metrics if k.startswith("data.")], run.data.metrics
+    inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
+    assert set(inputs) == {"train", "test"}
+    assert inputs["train"].dataset.source_type == "local"
+    assert str(project / "data/tokenized/train") in inputs["train"].dataset.source
+    assert [t.value for t in inputs["train"].tags if t.key == "mlflow.data.context"] == ["train"]
+    assert len(inputs["train"].dataset.digest) >= 32
+    from pathlib import Path
+
+    table = json.loads(Path(client.download_artifacts(run_id, "data/tokenize_stats.json"))
+                       .read_text())
+    assert table["columns"] == ["split", "statistic", "value"]
+    assert ["train", "rows"] in [row[:2] for row in table["data"]], table
 
 
 def test_gradient_accumulation_is_token_weighted(tokenized, tmp_path):
