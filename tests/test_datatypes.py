@@ -78,6 +78,10 @@ def test_names_aliases_and_a_did_you_mean():
         DataConfig(**base, dataset_type="finetune.config.data:DataConfig")
     assert DataConfig(**base, dataset_type="classification").task.classifier
     assert not DataConfig(**base).task.classifier
+    # a type that leaves an abstract step out is refused when named, not at its stage
+    with pytest.raises(ValueError, match="'finetune.datatypes.base:DatasetType' does not "
+                       "implement encoder, format"):
+        DataConfig(**base, dataset_type="finetune.datatypes.base:DatasetType")
 
 
 def test_the_template_defaults_step_aside_for_a_users_own_choice():

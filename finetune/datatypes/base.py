@@ -17,6 +17,7 @@ Configs are not imported here (the config imports this package): `data` is the v
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -90,10 +91,10 @@ class Formatted:
         return cls(rows[~empty].reset_index(drop=True), dropped, reason)
 
 
-class DatasetType:
+class DatasetType(ABC):
     """One kind of row. Subclasses set `name`, `keys` (and `aliases`, `task` where they differ)
-    and implement `format` and `encoder`; the rest has defaults that fit prompt/completion
-    rows."""
+    and implement `format` and `encoder` (abstract: a type without them is refused when the
+    params name it); the rest has defaults that fit prompt/completion rows."""
 
     #: the value of data.dataset_type
     name: ClassVar[str] = ""
@@ -130,13 +131,13 @@ class DatasetType:
         return ()
 
     # -- format ------------------------------------------------------------------------------
+    @abstractmethod
     def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
         """Raw rows (a pandas DataFrame) -> formatted rows: `prompt` and `completion` (what
         evaluate prompts with and compares against) and whatever the encoder reads. Rows with
         nothing to learn are dropped and reported in `Formatted.dropped`; a row that cannot
         be one at all (wrong type, unknown label) is a PipelineError naming split and row.
         `first_row`: the number of the frame's first row (a stream formats chunk by chunk)."""
-        raise NotImplementedError
 
     def formatted_schema(self):
         """The pandera contract of formatted rows."""
@@ -150,11 +151,11 @@ class DatasetType:
         return None
 
     # -- tokenize ----------------------------------------------------------------------------
+    @abstractmethod
     def encoder(self, ctx: DataContext) -> tuple[Encoder, dict[str, Any]]:
         """The tokenize map function and its arguments besides `tok`: a module-level function
         (datasets may run it in worker processes) and JSON-able kwargs (they are part of the
         tokenized split's fingerprint). It returns finetune.datatypes.encoding's columns."""
-        raise NotImplementedError
 
     # -- stream ------------------------------------------------------------------------------
     def examples(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> list[dict]:

@@ -73,6 +73,10 @@ def type_class(name: str) -> type[DatasetType]:
         raise ValueError(str(exc).removeprefix("data.dataset_type: ")) from None
     if not (isinstance(cls, type) and issubclass(cls, DatasetType)):
         raise ValueError(f"'{name}' is not a finetune.datatypes.DatasetType subclass")
+    if cls.__abstractmethods__:
+        raise ValueError(f"'{name}' does not implement "
+                         f"{', '.join(sorted(cls.__abstractmethods__))} (DatasetType's "
+                         "abstract methods)")
     return cls
 
 
