@@ -77,6 +77,17 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def data_hash(identity: Path | None) -> str | None:
+    """The content hash the fingerprint records for a tokenized split (a folder) or a stream
+    manifest (a file), through the same cache of file hashes (a split the run's fingerprint
+    hashed is not read again)."""
+    cache = _HashCache.open()
+    try:
+        return _data_hash(identity, cache)
+    finally:
+        cache.close()
+
+
 def _data_hash(identity: Path | None, cache: "_HashCache") -> str | None:
     if identity is None or not identity.exists():
         return None

@@ -7,7 +7,6 @@ Lineage tags: git commit and dirty flag, params file, config fingerprint, dvc.lo
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -206,19 +205,16 @@ def log_data_inputs(ws: Workspace, run_id: str, tokenized: Path, stats: dict) ->
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
-    from finetune.files import file_sha256
+    from engine.fingerprint import data_hash
 
     dvc_md5 = dvc_out_hashes(ws.root).get(f"dvc_out.{tokenized.relative_to(ws.root)}")
+    splits = sorted(p for p in tokenized.iterdir() if p.is_dir()) if tokenized.is_dir() else []
     inputs = []
-    for split in sorted(p.name for p in tokenized.iterdir() if p.is_dir()) if (
-            tokenized.is_dir()) else []:
-        folder = tokenized / split
-        digest = dvc_md5 or hashlib.sha256("".join(
-            file_sha256(f) for f in sorted(folder.rglob("*")) if f.is_file()).encode(
-        )).hexdigest()[:32]
-        dataset = MetaDataset(resolve_dataset_source(folder.resolve().as_uri()), name=split,
-                              digest=digest[:36])
-        context = "train" if split == "train" else "eval"
+    for folder in splits:
+        digest = (dvc_md5 or data_hash(folder))[:36]  # MLflow keeps 36 characters
+        dataset = MetaDataset(resolve_dataset_source(folder.resolve().as_uri()),
+                              name=folder.name, digest=digest)
+        context = "train" if folder.name == "train" else "eval"
         inputs.append(DatasetInput(dataset._to_mlflow_entity(),
                                    [InputTag("mlflow.data.context", context)]))
     c = client(ws)
