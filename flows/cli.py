@@ -63,9 +63,21 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signame)
         self.signame = signame
 
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, the shell's convention: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + signal.Signals[self.signame].value
+
 
 def _raise_interrupted(signum, frame) -> None:
     raise Interrupted(signal.Signals(signum).name)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """The signal's name and the exit code for an interrupt (a bare KeyboardInterrupt: SIGINT)."""
+    if isinstance(exc, Interrupted):
+        return exc.signame, exc.exit_code
+    return "SIGINT", 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt as exc:
-        print(f"error: interrupted ({getattr(exc, 'signame', 'SIGINT')})", file=sys.stderr)
-        return 130
+        signame, code = _interrupted(exc)
+        print(f"error: interrupted ({signame})", file=sys.stderr)
+        return code
     except Exception as exc:  # a bug, not bad input: say so, and how to see more
         if args.debug:
             traceback.print_exc()
@@ -129,9 +142,9 @@ def cmd_stage(args) -> int:
                 from tasks.train import interrupted_summary
 
                 where = "; " + interrupted_summary(ws)
-            signame = getattr(exc, "signame", "SIGINT")
+            signame, code = _interrupted(exc)
             print(f"error: stage {args.name} interrupted ({signame}){where}", file=sys.stderr)
-            return 130
+            return code
     shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())
     print(f"[{args.name}] done in {time.perf_counter() - started:.1f}s: {shown}")
     return 0
