@@ -23,11 +23,12 @@ from typing import Callable
 from engine.failures import Report, describe
 from engine.job import JobSpec
 from engine.lifetime import die_with_parent
-from finetune.errors import PipelineError
+from finetune.errors import PipelineError, quiet_import_noise
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_import_noise()
     die_with_parent()  # the torchrun agent gone (killed with the stage): so are we
     job = JobSpec.read(Path(argv[0]))
     try:

@@ -6,7 +6,13 @@ Anything else that escapes is a bug, and the CLI says so. Something the run work
 corrupt checkpoint skipped) is one `warning:` line on stderr, in the same form (`warn`).
 """
 
+import logging
 import sys
+
+#: libraries that log at import what a user cannot act on: torchao's optional kernels built for
+#: another Python (imported by peft whenever torchao is installed), torch's pytree deprecation
+#: notes for torchao's enums. Errors from them still show.
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
 
 
 class PipelineError(Exception):
@@ -27,3 +33,10 @@ class TransientError(PipelineError):
 def warn(message: str) -> None:
     """One `warning: ...` line on stderr (not a Python warning with a source path and line)."""
     print("warning: " + " ".join(message.split()), file=sys.stderr, flush=True)
+
+
+def quiet_import_noise() -> None:
+    """Keep library import chatter (IMPORT_NOISE) off stderr, so our one-line messages are what a
+    user reads; called first by every entry point (the CLI, the torchrun worker)."""
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -131,7 +131,8 @@ def explain(error: dict[str, Any]) -> str:
     if kind in ("missing",):
         return f"{key}: required key is missing"
     got = error.get("input")
-    shown = f" (got {got!r})" if not isinstance(got, dict) and got is not None else ""
+    # a value is worth repeating; a whole section (a dict, or a model a section check got) is not
+    shown = f" (got {got!r})" if got is not None and not isinstance(got, (dict, BaseModel)) else ""
     return f"{key}: {msg}{shown}"
 
 
