@@ -93,7 +93,7 @@ def example_lengths(train_data, column: str) -> tuple[int, ...]:
     if column in ds.column_names:
         values = ds.with_format("arrow")[:][column]
         if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
-            values = pc.list_value_length(values)  # a token column (seed 004's input_ids)
+            values = pc.list_value_length(values)  # a token column (QEfficient's input_ids)
         return tuple(values.to_pylist())
     if column == "length":
         return tuple(pc.list_value_length(ds.with_format("arrow")[:]["input_ids"]).to_pylist())

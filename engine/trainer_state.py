@@ -168,7 +168,7 @@ def resumable_path(value: str, root: Path | None, dist_cfg: DistributedConfig) -
 
 def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
                     dist_cfg: DistributedConfig, root: Path | None, existing: bool) -> Start:
-    """resume_from_checkpoint: <path> (seeds 000/002/004)."""
+    """resume_from_checkpoint: <path> (HF's resume_from_checkpoint path)."""
     path, meta = resumable_path(ckpt_cfg.resume_from_checkpoint, root, dist_cfg)
     changed = _changed(meta, fingerprint, ckpt_cfg)
     if changed:

@@ -1,4 +1,4 @@
-"""Trainer types (`training.type`, seed 004): which run class drives a job.
+"""Trainer types (`training.type`, QEfficient's name): which run class drives a job.
 
 `sft` is `engine.run.TrainingRun`, the loop every strategy and option is built into. A project
 can add its own loop (a subclass that overrides `train_step`, `evaluate`, ...) under a key with

@@ -1,6 +1,6 @@
 """`module:name` references: how a params file names user code (callbacks, model classes,
 prompt functions) and how the launcher names the worker's stream source. The module may also be
-a file of the project, as the seeds write it: `preprocess/alpaca_func:create_alpaca_prompt` is
+a file of the project, as QEfficient writes it: `preprocess/alpaca_func:create_alpaca_prompt` is
 `preprocess/alpaca_func.py` of the project, `name` in it: relative to the project root while a
 params file is validated (`project_files`), else to the working directory (the project root in
 every stage and worker).

@@ -2,8 +2,8 @@
 
 Hub datasets go through the real `datasets.load_dataset` (users with network); local
 json/jsonl/csv/parquet files are read directly, and so is `dataset_name` when it names a local
-file or folder (as seed 004's examples name the dataset). When only a train split exists, a
-seeded `split_ratio` of it is kept for training (seed 004's meaning) and the rest is the test
+file or folder (as QEfficient's examples name the dataset). When only a train split exists, a
+seeded `split_ratio` of it is kept for training (QEfficient's meaning) and the rest is the test
 split. A pandera contract checks that the columns the dataset type reads are present and never
 null, so a bad source fails here, not three stages later.
 """

@@ -71,7 +71,7 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
 
 
 def local_dataset(data: DataConfig, root: Path) -> Path | None:
-    """`data.dataset_name` when it names a local file or folder (seed 004's examples name the
+    """`data.dataset_name` when it names a local file or folder (QEfficient's examples name the
     dataset there; a path that exists is read locally, anything else is a hub id)."""
     if not data.dataset_name:
         return None

@@ -64,7 +64,7 @@ RESUME_ENV = "FINETUNE_RESUME"
 
 
 def with_resolved_seed(ws: Workspace) -> Workspace:
-    """`training.seed: null` (seed 003: unseeded): draw the seed here, once, so every rank
+    """`training.seed: null` (unseeded): draw the seed here, once, so every rank
     gets the same one and the MLflow run, the train metrics and each checkpoint record it.
     A resume continues with the seed of the checkpoint it picks (data order and dropout
     depend on it; the fingerprint then matches)."""

@@ -1,4 +1,4 @@
-"""W&B reporting (`logging.report_to: [wandb]`, the seeds' `log_with: wandb`).
+"""W&B reporting (`logging.report_to: [wandb]`, Accelerate's `log_with: wandb`).
 
 Fed by the same rank-0 row relay as MLflow: the train stage opens the W&B run next to the MLflow
 run and forwards every row the worker logs, so the workers never import wandb (its service

@@ -9,8 +9,8 @@ known (`check_machine`: `finetune validate` and the train stage, before any proc
 
 Each section's validator runs its scope's rows (`check(section, scope)`), so a section alone
 (a data source, a training section built by a test) is checked as the whole file is, and the
-error names the keys relative to the section the loader names. The README's reference ("applies
-to") and tests/test_compat.py (one example per row that must be refused) derive from the rows.
+error names the keys relative to the section the loader names. The params reference's
+"applies to" column (docs/reference.md) and tests/test_compat.py (one example per row that must be refused) derive from the rows.
 Adding an option that depends on another is one row here, nothing elsewhere. Rules among one
 dataset type's own keys live with the type (finetune/datatypes), which is one module by design.
 """
@@ -51,7 +51,7 @@ def _set(value) -> bool:
 
 @dataclass(frozen=True)
 class When:
-    """A setting of other options, named as messages and the README say it (`name`, or
+    """A setting of other options, named as messages and the docs say it (`name`, or
     `said(obj)` where the message names the value the setting has)."""
 
     name: str
@@ -162,7 +162,7 @@ def check_machine(cfg, device, sections: tuple[str, ...] | None = None) -> None:
 
 
 def rules_for(dotted: str) -> list[Rule]:
-    """The rows about one option (its full dotted key), for the README's reference."""
+    """The rows about one option (its full dotted key), for the params reference (docs/reference.md)."""
     return [r for r in RULES if full_key(r) == dotted]
 
 
@@ -174,7 +174,7 @@ def full_key(rule: Rule) -> str:
 
 
 def applies_to(dotted: str) -> str:
-    """The README's column: where the option does not apply, in a few words."""
+    """The params reference's column: where the option does not apply, in a few words."""
     parts = []
     for rule in rules_for(dotted):
         if isinstance(rule, Refuse):

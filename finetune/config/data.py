@@ -36,15 +36,15 @@ class DataConfig(Section):
     split_ratio: float = Field(
         0.8, gt=0, lt=1,
         description="Fraction of the train split kept for TRAINING when the source has no test "
-        "split (seed 004's meaning; the rest, seeded by data.seed, becomes the test split). Until "
-        "issue 19 this key was the TEST fraction: an old params file's 0.1 now trains on 10%.",
+        "split (QEfficient's meaning; the rest, seeded by data.seed, becomes the test split). Earlier "
+        "versions of this pipeline read it as the TEST fraction: an old params file's 0.1 now trains on 10%.",
     )
     prompt_template: str | None = Field(
         "Question: {question}\nAnswer:", description="Prompt with {column} placeholders."
     )
     prompt_func: str | None = Field(
         None, description="'module:function' or 'path/to/file:function' (a project file, as "
-        "the seeds write it) row -> prompt string.")
+        "QEfficient writes it) row -> prompt string.")
     completion_template: str | None = Field(
         " {answer}", description="Completion with {column} placeholders."
     )
@@ -76,7 +76,7 @@ class DataConfig(Section):
     label_column: str | None = Field(
         "label", validation_alias=AliasChoices("label_column", "target_column"),
         description="classification: the label column (strings or ints). Alias: target_column "
-        "(seed 004; its default null means no classification, as for any other type).",
+        "(QEfficient; its default null means no classification, as for any other type).",
     )
     labels: list[str] | None = Field(
         None, min_length=2,
@@ -122,7 +122,7 @@ class DataConfig(Section):
         None,
         description="'module:function' that turns a list of examples ({input_ids, labels} "
         "lists) into a batch ({input_ids, labels, attention_mask} tensors, labels -100 where "
-        "not trained), as HF's data_collator (seed 004); None: dynamic padding. Training "
+        "not trained), as HF's data_collator (QEfficient's collate_fn); None: dynamic padding. Training "
         "batches only (evaluation pads as usual, so eval losses stay comparable); checked on "
         "two train rows before launch; not with packing or padding_free.",
     )

@@ -53,7 +53,7 @@ class FsdpConfig(Section):
     shard_transformer_layers: bool = Field(
         True,
         description="Each transformer block (or shard_modules entry) is its own FSDP unit, "
-        "gathered only while it runs; false: the root alone (seed 002's root-only wrapping: "
+        "gathered only while it runs; false: the root alone (Forgather's root-only wrapping: "
         "one all-gather of every parameter per forward, fewer and larger collectives).",
     )
     reshard_after_forward: bool | int = Field(

@@ -11,7 +11,7 @@ from typing import Any
 
 from finetune.config.section import flatten
 
-#: dotted prefixes left out of the config part of the fingerprint (README: reliability)
+#: dotted prefixes left out of the config part of the fingerprint (docs/reliability.md)
 NOT_IN_FINGERPRINT = (
     # bookkeeping: when to log, save, evaluate, what to export and register
     "logging", "checkpoint", "eval", "export", "registry",

@@ -26,7 +26,7 @@ class EvalConfig(Section):
     )
     eval_steps: int = Field(
         50, ge=0, description="Eval every N steps when eval_strategy=steps; 0: no step evals "
-        "(the seeds' '0 disables'; the final step still evaluates).")
+        "(0 disables, as in Forgather and QEfficient; the final step still evaluates).")
     eval_delay: float = Field(
         0, ge=0,
         description="No evaluation before this many steps (eval_strategy steps) or epochs "
@@ -34,7 +34,7 @@ class EvalConfig(Section):
     )
     eval_batches: int | None = Field(
         None, ge=0, description="Batches of the test split each in-training evaluation reads "
-        "(None or -1: all of them, max_eval_steps' -1; 0: no in-training evaluation, seed 001's "
+        "(None or -1: all of them, max_eval_steps' -1; 0: no in-training evaluation, "
         "eval_batches > 0 turns it on). The evaluate stage always reads the whole split. Alias: "
         "max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
     )
@@ -76,7 +76,7 @@ class EvalConfig(Section):
 
     @property
     def effective_eval_strategy(self) -> str:
-        """eval_strategy with the seeds' "0 disables" applied (eval_batches 0: no evals)."""
+        """eval_strategy with "0 disables" applied (eval_batches 0: no evals)."""
         return "no" if self.eval_batches == 0 else self.eval_strategy
 
     @field_validator("answer_regex")

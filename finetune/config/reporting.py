@@ -13,8 +13,8 @@ class LoggingConfig(Section):
     """Where metrics go: stdout, MLflow (SQLite in the project by default), DVC plots."""
 
     logging_steps: int = Field(
-        10, ge=0, description="Log every N optimizer steps; 0: no periodic rows (the seeds' '0 "
-        "disables'), only the final step's, which carries the run's train_loss.")
+        10, ge=0, description="Log every N optimizer steps; 0: no periodic rows, "
+        "only the final step's, which carries the run's train_loss.")
     logging_first_step: bool = Field(True, description="Also log step 1.")
     logging_strategy: Literal["no", "steps", "epoch"] = Field(
         "steps",
@@ -34,13 +34,13 @@ class LoggingConfig(Section):
         "alone. Files and trackers are written by node 0 either way.",
     )
     run_name: str | None = Field(
-        None, description="The MLflow run's name (seed 003's run name; None: MLflow draws one)."
+        None, description="The MLflow run's name (None: MLflow draws one)."
     )
     report_to: list[Literal["mlflow", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["mlflow", "jsonl"],
         validation_alias=AliasChoices("report_to", "log_with"),
         description="Reporters besides stdout and the DVC plots CSVs (always on); one name or "
-        "a list, 'none' for none (alias log_with, the seeds' name). wandb: the W&B run gets "
+        "a list, 'none' for none (alias log_with, Accelerate's name). wandb: the W&B run gets "
         "every row through the stage's relay, as MLflow does; W&B's environment applies "
         "(WANDB_MODE=offline writes it under logging_dir/wandb without network).",
     )

@@ -54,14 +54,14 @@ class ModelConfig(Section):
     model_init: str | None = Field(
         None,
         description="'module:function' with no arguments returning the base model (a "
-        "transformers PreTrainedModel), used instead of from_pretrained (seed 002); it runs "
+        "transformers PreTrainedModel), used instead of from_pretrained (HF Trainer's model_init, without the trial argument); it runs "
         "after the seed is set, so the same params build the same model in every stage. The "
         "tokenizer still comes from name_or_path (or tokenizer_name_or_path).",
     )
     tokenizer_name_or_path: str | None = Field(
         None, validation_alias=AliasChoices("tokenizer_name_or_path", "tokenizer_name"),
         description="A tokenizer other than the model's (hub id or local folder); None: the "
-        "model's. Alias: tokenizer_name, also as data.tokenizer_name (seeds 003/004). Saved "
+        "model's. Alias: tokenizer_name, also as data.tokenizer_name (QEfficient's place for it). Saved "
         "with the trained and exported model.",
     )
     added_tokens: list[str] = Field(
@@ -205,7 +205,7 @@ class CheckpointConfig(Section):
     )
     save_steps: int = Field(
         50, ge=0, description="Checkpoint every N optimizer steps; 0: no checkpoints at all "
-        "(the seeds' '0 disables', as save_strategy no).")
+        "(0 disables, as save_strategy no).")
     save_total_limit: int | None = Field(
         2, gt=0,
         description="Keep at most N checkpoints: the newest, plus the best by "
@@ -215,13 +215,13 @@ class CheckpointConfig(Section):
     preserve_n_best: int | None = Field(
         None, gt=0,
         description="Also keep the N best checkpoints by metric_for_best_model, apart from the "
-        "newest save_total_limit (seed 002): a checkpoint stays while it is among either. "
+        "newest save_total_limit (Forgather's name): a checkpoint stays while it is among either. "
         "Needs metric_for_best_model.",
     )
     resume_from_checkpoint: bool | Literal["auto"] | str = Field(
         False,
         description="Continue from the latest checkpoint: true refuses one written by another "
-        "run (fingerprint: README, reliability); auto resumes it only when it is this run's, "
+        "run (its fingerprint: docs, Reliability); auto resumes it only when it is this run's, "
         "else starts fresh (what an orchestrator retry uses); a path (a step-* folder, "
         "relative to the project) resumes that checkpoint, checked as true checks the latest, "
         "and moves the folder's later checkpoints aside.",
@@ -256,7 +256,7 @@ class CheckpointConfig(Section):
 
     @property
     def effective_save_strategy(self) -> str:
-        """save_strategy with the seeds' "0 disables" applied (steps every 0: no)."""
+        """save_strategy with "0 disables" applied (steps every 0: no)."""
         return "no" if self.save_strategy == "steps" and self.save_steps == 0 else (
             self.save_strategy)
 
@@ -284,12 +284,12 @@ class FinetuneConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _seed_names(cls, raw):
-        """Seed 004 calls the data section `dataset:`; seeds 003/004 write the tokenizer under
+        """QEfficient calls the data section `dataset:` and writes the tokenizer under
         it (`data.tokenizer_name`), which is the model section's tokenizer_name_or_path."""
         if isinstance(raw, dict) and "dataset" in raw:
             if "data" in raw:
                 raise ValueError("the params file has both a data: and a dataset: section "
-                                 "(dataset is seed 004's name for data); keep one")
+                                 "(dataset is QEfficient's name for data); keep one")
             raw = {("data" if k == "dataset" else k): v for k, v in raw.items()}
         if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
             return raw

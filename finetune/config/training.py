@@ -37,7 +37,7 @@ class TrainingConfig(Section):
     max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
     epoch_train_steps: int | None = Field(
         None, gt=0,
-        description="A streamed train split's nominal epoch, in optimizer steps (seed 002): "
+        description="A streamed train split's nominal epoch, in optimizer steps (Forgather's): "
         "after this many steps the stream starts over, reshuffled (data.seed + epoch), so "
         "epoch save/eval/logging strategies and num_train_epochs work on streams (an epoch "
         "the stream runs out of first ends there). Streaming only: a stored split knows its "
@@ -141,14 +141,14 @@ class TrainingConfig(Section):
     compute_loss_func: str | None = Field(
         None,
         description="'module:function' computing the loss from the model's outputs, called as "
-        "HF's Trainer does: fn(outputs, labels, num_items_in_batch) (seed 002). We pass "
+        "HF's Trainer does: fn(outputs, labels, num_items_in_batch). We pass "
         "num_items_in_batch=1 and normalise by the step's target tokens ourselves, so an HF "
         "function (sum / num_items_in_batch) keeps its meaning. Uses the full logits (the "
         "chunked loss does not apply).",
     )
     type: str = Field(
         "sft",
-        description="Trainer type (seed 004): sft (our loop), a key a project registered with "
+        description="Trainer type (QEfficient's name): sft (our loop), a key a project registered with "
         "engine.trainers.register_trainer, or 'module:Class' (a TrainingRun subclass).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -157,7 +157,7 @@ class TrainingConfig(Section):
         "cpu (also on a GPU machine), cuda (refused with one line where none is visible).",
     )
     use_cpu: bool = Field(
-        False, description="HF's name (seeds 002/004) for device: cpu."
+        False, description="HF's name for device: cpu."
     )
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
         None,
@@ -201,7 +201,7 @@ class TrainingConfig(Section):
         description="Update each parameter inside backward as soon as its gradient is ready and "
         "free that gradient (torchtune's optimizer-in-backward): a step never holds all "
         "gradients. Needs max_grad_norm: null, gradient_accumulation_steps 1, no fp16 and "
-        "strategy single (seed 002's rules).",
+        "strategy single (Forgather's rules).",
     )
     construct_model_on: Literal["default", "device", "meta"] = Field(
         "default",
@@ -217,7 +217,7 @@ class TrainingConfig(Section):
     )
     seed: int | None = Field(
         42, ge=0, le=2**32 - 1,
-        description="Seed for init, dropout and data order. null: unseeded (seed 003): the "
+        description="Seed for init, dropout and data order. null: unseeded: the "
         "train stage draws one, logs it (MLflow param, train metrics, checkpoints) and a "
         "resume continues with the checkpoint's.",
     )

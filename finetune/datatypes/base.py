@@ -98,7 +98,7 @@ class DatasetType(ABC):
 
     #: the value of data.dataset_type
     name: ClassVar[str] = ""
-    #: other names users write for it (seed 004's `seq_completion`)
+    #: other names users write for it (QEfficient's `seq_completion`)
     aliases: ClassVar[tuple[str, ...]] = ()
     #: the data keys only this type reads; another type's key set in a params file is a
     #: conflict, not silently ignored

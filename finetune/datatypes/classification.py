@@ -1,4 +1,4 @@
-"""`classification` (seed 004: `target_column`): a text and a label per row, trained as a
+"""`classification` (QEfficient: `target_column`): a text and a label per row, trained as a
 sequence classifier.
 
 The format step renders the input text (`text_field`, auto-detected, or the prompt template or

@@ -1,9 +1,9 @@
-"""`completion` (seed 004: `seq_completion`): a prompt and a completion rendered from each row's
+"""`completion` (QEfficient: `seq_completion`): a prompt and a completion rendered from each row's
 columns by `{column}` templates or `module:function` callables; the loss is on the completion
 (and its EOS) only.
 
 With no template and no function it is the `text` type: every token of one text column is
-trained (seeds 000/001: the text field is auto-detected when omitted).
+trained (the text field is auto-detected when omitted).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Dataset type names -> types: the built-in four, their aliases, a project's own.
 
 The only place that knows which types exist. `data.dataset_type` names one of them, an alias
-(seed 004's `seq_completion`), a type registered by the project with `register_dataset_type`,
+(QEfficient's `seq_completion`), a type registered by the project with `register_dataset_type`,
 or a class by reference (`module:Class`, `path/to/file:Class`), like the other extension points.
 """
 

@@ -80,7 +80,7 @@ def render(frame, fns: dict[str, RowFn], split: str, first_row: int = 0) -> dict
 def detect_text_field(frame, text_field: str | None, split: str,
                       exclude: str | None = None) -> str:
     """`text_field` if given, else a column named text/content, else the only string column
-    (seeds 000/001: auto-detected when omitted)."""
+    (auto-detected when omitted)."""
     import pandas as pd
 
     if text_field:
