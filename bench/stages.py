@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from workdir import BIN, ROOT, read_json, set_params
+from workdir import BIN, SHARED, read_json, set_params
 
-SHARED = ROOT.parent / "shared"
 GPT2 = SHARED / "models/gpt2-tokenizer"
 
 

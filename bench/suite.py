@@ -4,7 +4,7 @@
     .venv/bin/python bench/suite.py --quick    # smoke run: 1 model, 1 dataset, 6 steps
 
 1. matmul ceiling (fp32, bf16) at each model's shapes; 2. training throughput, ours (padded,
-packed rows, padding-free) vs transformers.Trainer, Alpaca (../shared, by path) and GSM8K, three
+packed rows, padding-free) vs transformers.Trainer, Alpaca (from FINETUNE_BENCH_DATA, bench/workdir.py) and GSM8K, three
 models, fp32 and bf16; 3. tokenize stage vs bare tokenizer; 4. pipeline overheads; 5. the strategy table
 (bench/strategies.py). Prints markdown tables and writes bench/results/suite-<device>.json.
 Every ratio compares numbers measured in this run, in throwaway copies of the project.

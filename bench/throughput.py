@@ -18,9 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from workdir import ROOT, read_json, set_params, stage
+from workdir import ROOT, SHARED, read_json, set_params, stage
 
-SHARED = ROOT.parent / "shared"
 ALPACA = {
     "data.data_files": {"train": str(SHARED / "data/alpaca_2k.json")},
     "data.prompt_template": "Below is an instruction that describes a task. Write a response "

@@ -20,6 +20,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+#: the benchmarks' datasets and models beyond what the project ships (Alpaca's alpaca_2k.json
+#: under data/, the GPT-2 tokenizer under models/gpt2-tokenizer): FINETUNE_BENCH_DATA names the
+#: folder; by default a `shared` folder beside the project
+SHARED = Path(os.environ.get("FINETUNE_BENCH_DATA", ROOT.parent / "shared"))
 OUTPUTS = ("data/raw/", "data/formatted/", "data/tokenized/", "data/trained/", "data/checkpoints/",
            "data/export/", "data/metrics/", "data/plots/", "dvc.lock")
 

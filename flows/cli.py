@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(sub.add_parser("config", help="print the resolved config"))
     _common(sub.add_parser("summary", help="print the last run's results"))
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
-    ref.add_argument("--write-readme", action="store_true", help="update README.md in place")
+    ref.add_argument("--write", action="store_true",
+                     help="update the docs site's reference page (docs/reference.md) in place")
     return parser
 
 
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_env() -> None:
+    from finetune.errors import quiet_import_noise
+
+    quiet_import_noise()
     for key, value in (("DO_NOT_TRACK", "true"), ("MLFLOW_DISABLE_TELEMETRY", "true"),
                        ("DVC_NO_ANALYTICS", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
@@ -209,10 +213,10 @@ def cmd_summary(args) -> int:
 def cmd_reference(args) -> int:
     from finetune.config.reference import embed, render
 
-    if args.write_readme:
-        readme = Path(__file__).resolve().parents[1] / "README.md"
-        readme.write_text(embed(readme.read_text()))
-        print(f"updated {readme}")
+    if args.write:
+        page = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
+        page.write_text(embed(page.read_text()))
+        print(f"updated {page}")
     else:
         print(render(), end="")
     return 0

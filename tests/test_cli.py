@@ -31,14 +31,6 @@ def test_help_lists_stages():
         assert stage in proc.stdout
 
 
-def test_readme_params_reference_is_generated_from_schema():
-    from finetune.config.reference import embed
-
-    readme = (ROOT / "README.md").read_text()
-    assert embed(readme) == readme, "run: finetune reference --write-readme"
-    assert "`training.per_device_train_batch_size`" in readme
-
-
 def test_dvc_sends_no_usage_analytics_from_the_project():
     """DVC ignores DO_NOT_TRACK; the project's .dvc/config turns its analytics off for every
     dvc command run in a clone (asked of DVC itself, with none of our environment set), and

@@ -1,7 +1,8 @@
 """Render the params reference (every key: type, default, meaning, where it applies) from the
 schema and the compatibility table (finetune/config/compat.py).
 
-`finetune reference` prints it; README.md embeds it between markers and a test fails when the
+`finetune reference` prints it; the docs site's reference page (docs/reference.md) embeds it
+between markers (`finetune reference --write` updates it) and tests/test_docs.py fails when the
 two drift apart, so the documentation cannot go stale.
 """
 
@@ -46,7 +47,7 @@ def _list_item_section(annotation) -> type[BaseModel] | None:
 def _render_section(prefix: str, model: type[BaseModel], lines: list[str]) -> None:
     """One table per section; optional sub-sections (e.g. distributed.fsdp) get their own."""
     doc = " ".join((model.__doc__ or "").split())
-    lines.append(f"\n### `{prefix}`\n\n{doc}\n")
+    lines.append(f"\n## `{prefix}`\n\n{doc}\n")
     lines.append("| key | type | default | meaning | applies to |\n|---|---|---|---|---|")
     nested = []
     for name, f in model.model_fields.items():
