@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 from conftest import BIN, ROOT, error_line, run_cli
 
@@ -29,6 +30,48 @@ def test_help_lists_stages():
     proc = subprocess.run([str(BIN / "finetune"), "stage", "--help"], capture_output=True, text=True)
     for stage in ("download", "format", "tokenize", "train", "evaluate", "export"):
         assert stage in proc.stdout
+
+
+def _analytics_daemons() -> list[int]:
+    """Pids of DVC's detached usage-analytics senders (`dvc daemon ... analytics FILE`)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"daemon" in argv and b"analytics" in argv:
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_killed_dvc_repro_leaves_no_analytics_process(project, tmp_path):
+    """DVC sends usage analytics from a detached daemon it spawns as a command ends, Ctrl-C
+    included (offline, that daemon lingers). In a clone of the project, with none of our
+    environment set, a `dvc repro` interrupted mid-stage spawns none: no daemon process, and
+    nothing written to the log file DVC would give it."""
+    import os
+    import signal
+    import sys
+    import time
+
+    log = tmp_path / "dvc-daemon.log"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DVC_NO_ANALYTICS", "DVC_TEST", "DO_NOT_TRACK", "DVC_DAEMON")}
+    env["DVC_DAEMON_LOGFILE"] = str(log)
+    before = set(_analytics_daemons())
+    repro = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=project, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    for line in repro.stdout:
+        if line.startswith("Running stage"):
+            break
+    os.killpg(repro.pid, signal.SIGINT)
+    out = repro.communicate(timeout=60)[0]
+    assert repro.returncode != 0, out
+    time.sleep(2)  # a daemon is spawned as dvc exits
+    assert set(_analytics_daemons()) - before == set()
+    assert not log.exists(), log.read_text()
 
 
 def test_dvc_sends_no_usage_analytics_from_the_project():
