@@ -1,7 +1,8 @@
 """One module per pipeline stage; each exposes one plain function `stage(ws) -> paths`.
 
-The DVC stage commands (`finetune stage NAME`) and the Prefect tasks call these functions and
-nothing else, so there is one code path per step.
+The DVC stage command (`finetune stage NAME`) calls these functions and nothing else; the
+Prefect tasks and `finetune run` go through `dvc repro`, which runs that command. So there is
+one code path per step.
 """
 
 from __future__ import annotations

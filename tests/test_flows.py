@@ -57,6 +57,24 @@ def test_retry_conditions():
     assert not retry_unless_bad_input(None, None, failed(2))
 
 
+def test_the_retry_reads_the_exit_code_from_dvcs_real_output(tmp_path):
+    """The code the retry predicates see is the one parsed from a real failing `dvc repro`'s
+    output: bad input (exit 2) is not retried."""
+    from prefect.states import Failed
+
+    from flows.dvc_runner import StageFailed, repro_stage
+    from flows.finetune import retry_if_transient, retry_unless_bad_input
+
+    project = copy_project(tmp_path / "p", {"training.max_steps": -3,
+                                            "training.num_train_epochs": 0})
+    with pytest.raises(StageFailed) as failure:
+        repro_stage(project, "validate")
+    assert failure.value.stage_exit == 2, str(failure.value)
+    state = Failed(data=failure.value)
+    assert not retry_unless_bad_input(None, None, state)
+    assert not retry_if_transient(None, None, state)
+
+
 @pytest.fixture(scope="module")
 def harness():
     from prefect.testing.utilities import prefect_test_harness
