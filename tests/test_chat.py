@@ -5,11 +5,10 @@ row, and a chat dataset runs through all six stages."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, copy_project, error_line, run_cli, stages_here, write_params
+from helpers import ROOT, copy_project, error_line, run_cli, stages_here, write_params
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from finetune.datatypes.chat import IGNORE_INDEX, assistant_spans, encode_chat_batch, normalise

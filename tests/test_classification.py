@@ -11,7 +11,7 @@ import pytest
 
 from finetune.config.schema import FinetuneConfig
 from finetune.datatypes.metrics import classification_metrics
-from conftest import copy_project, error_line, run_cli, stages_here, write_params
+from helpers import copy_project, error_line, run_cli, stages_here, write_params
 
 WORDS = {"positive": "good", "negative": "bad"}
 

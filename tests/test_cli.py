@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from conftest import BIN, ROOT, error_line, run_cli
+from helpers import BIN, ROOT, error_line, run_cli
 
 
 def test_validate_and_config_print_resolved_values():
@@ -52,7 +52,6 @@ def test_a_killed_dvc_repro_leaves_no_analytics_process(project, tmp_path):
     nothing written to the log file DVC would give it."""
     import os
     import signal
-    import sys
     import time
 
     log = tmp_path / "dvc-daemon.log"

@@ -5,13 +5,12 @@ no validator elsewhere raises on a combination of options."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 from finetune.config import compat
 from finetune.config.loader import apply_overrides, validate_raw
 from finetune.errors import PipelineError

@@ -11,7 +11,7 @@ from finetune.config import load_config, parse_override
 from finetune.config.loader import apply_overrides
 from finetune.errors import PipelineError
 
-from conftest import ROOT
+from helpers import ROOT
 
 # params/deployment.yaml holds the Prefect schedule, not a training config (tested in test_flows).
 PARAMS = sorted(p for p in (ROOT / "params").glob("*.yaml") if p.name != "deployment.yaml")

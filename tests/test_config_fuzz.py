@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY, as_a_worker, copy_project, stages_here
+from helpers import TINY, as_a_worker, copy_project, stages_here
 from finetune.config.loader import _all_keys, apply_overrides, validate_raw
 from finetune.config.schema import FinetuneConfig
 from finetune.config.section import section_model

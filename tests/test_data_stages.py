@@ -14,7 +14,7 @@ from tasks.format import format_prompts
 from finetune.datatypes.encoding import IGNORE_INDEX
 from tasks.tokenize import tokenize
 
-from conftest import ROOT, copy_project, error_line, run_cli, stages_here, write_params
+from helpers import ROOT, copy_project, run_cli, stages_here, write_params
 
 
 def ws_for(project, overrides=None):

@@ -11,7 +11,7 @@ import datasets
 import pandas as pd
 import pytest
 
-from conftest import (copy_project, error_line, run_cli, stages_here, train_here, train_metrics,
+from helpers import (copy_project, error_line, run_cli, stages_here, train_here, train_metrics,
                       write_params)
 from finetune.config import load_config
 from finetune.config.data import DataConfig

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from conftest import BIN, copy_project
+from helpers import BIN, copy_project
 from flows.stack import group_alive
 
 

@@ -414,7 +414,7 @@ def test_group_by_length_batches_similar_lengths_and_keeps_the_epoch():
 def _stories():
     from transformers import AutoModelForCausalLM
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     return AutoModelForCausalLM.from_pretrained(ROOT / "data/models/stories260K")
 

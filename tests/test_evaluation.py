@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from finetune.config import FinetuneConfig
 from finetune.config.outputs import RegistryConfig
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import BIN, error_line, run_cli, stage_outputs, train_here, write_params
+from helpers import BIN, error_line, run_cli, stage_outputs, train_here, write_params
 
 DDP2 = {"distributed.strategy": "ddp", "distributed.nproc_per_node": 2}
 

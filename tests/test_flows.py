@@ -10,7 +10,7 @@ import yaml
 from packaging.version import Version
 from prefect.states import State
 
-from conftest import BIN, ROOT, copy_project
+from helpers import BIN, ROOT, copy_project
 from finetune.workspace import workspace_lock
 
 STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]

@@ -9,7 +9,7 @@ import ast
 
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 from finetune.config import fingerprint
 from finetune.config.loader import _all_keys
 

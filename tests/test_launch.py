@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT, wait_until_no_process_in, write_params
+from helpers import ROOT, wait_until_no_process_in, write_params
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace
 from tasks.launch import _RowTail
@@ -101,7 +101,7 @@ def test_killing_the_stage_process_group_stops_every_worker(tokenized, tmp_path,
     import signal
     import subprocess
 
-    from conftest import BIN, write_params
+    from helpers import BIN, write_params
 
     project = tmp_path / "p"
     shutil.copytree(tokenized, project, symlinks=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import ROOT
+from helpers import ROOT
 
 FLOORS = {"finetune": 0, "engine": 1, "tasks": 2, "flows": 3}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import ROOT
+from helpers import ROOT
 from engine.data import IGNORE_INDEX
 from engine.loss import FullLoss, build_loss
 from finetune.errors import PipelineError

@@ -8,7 +8,7 @@ import pytest
 
 from finetune.config.data import DataConfig
 from tasks.tracking import data_hashes
-from conftest import copy_project, error_line, run_cli, stages_here, write_params
+from helpers import copy_project, error_line, run_cli, stages_here, write_params
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n"
                  "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT
+from helpers import ROOT
 from engine.model import apply_peft, load_base_model, model_class, register_model_class
 from finetune.config.schema import ModelConfig, PeftSection
 from finetune.errors import PipelineError

@@ -8,7 +8,7 @@ import ast
 import pytest
 import torch
 
-from conftest import BASE, ROOT, _column, losses, train_here, train_metrics
+from helpers import BASE, ROOT, logged_column, losses, train_here, train_metrics
 from finetune.config.data import DataConfig
 from finetune.config.outputs import EvalConfig
 from finetune.config.schema import FinetuneConfig
@@ -55,7 +55,7 @@ def test_group_by_length_over_a_token_column_and_no_evaluation_at_eval_batches_0
         **common, "training.length_column_name": "input_ids"})
     length, _ = train_here(tokenized, tmp_path / "length", common)
     assert losses(ids) == losses(length)
-    assert not (ids / "data/plots/eval.csv").exists() or _column(ids, "step", "eval.csv") == []
+    assert not (ids / "data/plots/eval.csv").exists() or logged_column(ids, "step", "eval.csv") == []
     assert "eval_loss" not in train_metrics(ids)
 
 

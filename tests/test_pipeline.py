@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import BIN, copy_project, write_params
+from helpers import BIN, copy_project, write_params
 
 STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]
 

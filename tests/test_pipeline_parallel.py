@@ -7,9 +7,8 @@ Its own file so it runs beside test_strategies.py (pytest-xdist, one file per wo
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import (adapter, assert_weights_close, interrupt_then_resume, losses, train_copy,
+from helpers import (adapter, assert_weights_close, interrupt_then_resume, losses, train_copy,
                       train_here, train_metrics)
 from finetune.config.schema import FinetuneConfig
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import BASE, losses, stages_here, train_here
+from helpers import BASE, losses, stages_here, train_here
 from finetune.config.training import TrainingConfig
 from finetune.errors import PipelineError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (adapter, error_line, kill_train_stage_when, losses, resume_cut_back,
+from helpers import (adapter, error_line, kill_train_stage_when, losses, resume_cut_back,
                       run_cli, stage_outputs, train_here, train_in_place,
                       wait_until_no_process_in, write_params)
 from finetune.errors import PipelineError
@@ -212,7 +212,7 @@ def test_an_interrupted_stage_says_where_it_stopped_and_how_to_resume(tokenized,
     import signal
     import subprocess
 
-    from conftest import BIN
+    from helpers import BIN
 
     project = tmp_path / "p"
     shutil.copytree(tokenized, project, symlinks=True)

@@ -2,7 +2,7 @@
 steer the run, user optimizer/scheduler/loss/model/loop, memory levers, checkpoint retention.
 
 Apart from test_training.py so the two files run side by side (pytest-xdist, one file per
-worker); each trains in-process (tests/conftest.train_here) on the session's tokenized project.
+worker); each trains in-process (tests/helpers.train_here) on the session's tokenized project.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import (BASE, _checkpoints, _column, adapter, assert_weights_close, losses,
+from helpers import (BASE, checkpoint_names, logged_column, adapter, assert_weights_close, losses,
                       train_copy,
                       train_here, train_in_place, train_metrics, write_params)
 from finetune.config.schema import FinetuneConfig
@@ -31,7 +31,7 @@ def test_resume_by_path_picks_that_checkpoint_over_a_newer_one(tokenized, tmp_pa
     write_params(full, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000004"})
     proc = train_in_place(full)
     assert "resumed from" in proc.stdout and "step-0000004 at step 4" in proc.stdout
-    assert _checkpoints(full) == ["step-0000002", "step-0000004", "step-0000006",
+    assert checkpoint_names(full) == ["step-0000002", "step-0000004", "step-0000006",
                                   "step-0000008"]  # 6 and 8 written again by the resume
     moved = next((full / "data/checkpoints.previous").iterdir())
     assert sorted(p.name for p in moved.iterdir()) == ["step-0000006", "step-0000008"]
@@ -52,9 +52,9 @@ def test_optimizer_in_backward_trains_like_the_step_after_backward(tokenized, tm
                                                       "training.fuse_optim_with_backward": True})
     assert losses(fused) == pytest.approx(losses(plain), abs=1e-6)
     assert_weights_close(adapter(fused), adapter(plain))
-    grad_norms = _column(fused, "grad_norm")
+    grad_norms = logged_column(fused, "grad_norm")
     assert all(g != g for g in grad_norms)  # nan: no gradient outlives its update
-    assert all(g == g for g in _column(plain, "grad_norm"))
+    assert all(g == g for g in logged_column(plain, "grad_norm"))
     data = {"data": {"json_file_path": "x.jsonl"}}
     for section, extra, message in (
             ("training", {}, "fuse_optim_with_backward: true does not combine with max_grad_norm"),
@@ -104,7 +104,7 @@ def test_preserve_n_best_keeps_the_best_apart_from_the_newest(tokenized, tmp_pat
         "checkpoint.save_steps": 2, "checkpoint.save_total_limit": 1,
         "checkpoint.metric_for_best_model": "eval_loss", "checkpoint.greater_is_better": True,
         "checkpoint.preserve_n_best": 2})
-    assert _checkpoints(project) == ["step-0000002", "step-0000004", "step-0000008"]
+    assert checkpoint_names(project) == ["step-0000002", "step-0000004", "step-0000008"]
     with pytest.raises(ValueError, match="checkpoint.preserve_n_best: 2 needs checkpoint.metric_for_best_model"):
         FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"},
                                        "checkpoint": {"preserve_n_best": 2}})
@@ -167,7 +167,7 @@ def test_a_callback_steers_the_run_and_its_state_is_checkpointed(tokenized, tmp_
     proc = train_in_place(project)
     assert train_metrics(project)["global_step"] == 3
     assert "stopping at step 3: a callback set control.should_training_stop" in proc.stdout
-    assert _checkpoints(project) == ["step-0000002", "step-0000003"]
+    assert checkpoint_names(project) == ["step-0000002", "step-0000003"]
     steer = json.loads((project / "steer.json").read_text())
     assert steer["counts"] == {"epochs": 1, "steps": 3, "ends": 0} and steer["restored"] is None
     # resume from step 2 with the state restored: the counts continue from the checkpoint's
@@ -217,7 +217,7 @@ def test_user_optimizer_class_and_scheduler_function(tokenized, tmp_path):
         "scheduler.name": "user_optim:flat", "scheduler.kwargs": {"factor": 0.5},
         "scheduler.warmup_steps": 0})
     assert (run / "optimizer_steps.txt").read_text() == "4"  # the run's cwd: its project
-    assert set(_column(run, "learning_rate")) == {0.0025}  # 0.005 x factor, never decayed
+    assert set(logged_column(run, "learning_rate")) == {0.0025}  # 0.005 x factor, never decayed
     for key, value, message in (
             ("optimizer.name", "user_optim:flat", "is not a torch.optim.Optimizer subclass"),
             ("scheduler.name", "user_optim:not_a_schedule", "returned int, not an LR scheduler"),
@@ -474,5 +474,5 @@ def test_a_logged_row_waits_for_its_values_without_stopping_the_loop(tokenized, 
     train_in_place(late)
     assert _seen(late) == ["end 1", "end 2", "log 1", "end 3", "log 2",
                                                  "end 4", "log 3", "log 4"]
-    assert losses(late) == losses(now) and _column(late, "grad_norm") == _column(now,
+    assert losses(late) == losses(now) and logged_column(late, "grad_norm") == logged_column(now,
                                                                                 "grad_norm")

@@ -96,7 +96,7 @@ def test_the_gpu_benchmark_refuses_cleanly_without_a_gpu(tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     proc = subprocess.run([sys.executable, str(ROOT / "bench/gpu.py"), "--data",
                            str(tmp_path)],
@@ -167,7 +167,7 @@ def test_fsdp2_root_only_wrapping_makes_one_unit(tmp_path):
     from engine.model import load_base_model
     from engine.strategies.fsdp2 import FSDP2Strategy
     from finetune.config.schema import FinetuneConfig
-    from conftest import ROOT
+    from helpers import ROOT
 
     def units(fsdp: dict) -> int:
         cfg = FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"}, "distributed": {

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import (BIN, adapter, assert_weights_close, error_line, interrupt_then_resume,
+from helpers import (BIN, adapter, assert_weights_close, error_line, interrupt_then_resume,
                       losses, resume_cut_back, run_cli, train_copy, train_here, train_metrics,
                       write_params)
 

@@ -10,7 +10,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from conftest import (_column, adapter, assert_weights_close, copy_project, error_line, losses,
+from helpers import (logged_column, adapter, assert_weights_close, copy_project, error_line, losses,
                       resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
                       train_metrics, write_params)
 from finetune.config import load_config
@@ -147,10 +147,10 @@ def test_epoch_train_steps_gives_a_stream_epochs(streamed, tmp_path):
     resume_from_checkpoint_in_process(streamed, tmp_path, params, at=4)
     full = tmp_path / "full"
     assert train_metrics(full)["global_step"] == 5 and train_metrics(full)["epoch"] == 2.5
-    assert _column(full, "step", "eval.csv") == [2, 4, 5]
+    assert logged_column(full, "step", "eval.csv") == [2, 4, 5]
     assert sorted(p.name for p in (full / "data/checkpoints").iterdir()) == [
         "step-0000002", "step-0000004", "step-0000005"]
-    assert _column(full, "epoch")[:2] == [0.5, 1.0]
+    assert logged_column(full, "epoch")[:2] == [0.5, 1.0]
     with pytest.raises(PipelineError, match="training.epoch_train_steps: 2 needs data.streaming: true"):
         load_config(full / "params/default.yaml",
                     overrides=["data.streaming=false", "training.epoch_train_steps=2"])

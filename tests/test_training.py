@@ -2,7 +2,7 @@
 
 What crosses a process boundary (the stage's torchrun launch, MLflow relay, SIGKILL, DDP,
 project modules imported by the workers) runs through `finetune stage train`; the options of
-the loop itself run the engine's run object in-process (conftest.train_here), which is the
+the loop itself run the engine's run object in-process (helpers.train_here), which is the
 same code minus ~8 s of process start-up per run."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import (BASE, _checkpoints, _column, adapter, assert_weights_close, error_line,
+from helpers import (BASE, checkpoint_names, logged_column, adapter, assert_weights_close, error_line,
                       interrupt_then_resume, losses,
                       resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
                       train_metrics, write_params)
@@ -175,7 +175,7 @@ def test_epoch_strategies_and_group_by_length(tokenized, tmp_path):
         "checkpoint.save_total_limit": 5, "training.group_by_length": True})
     per_epoch = int(re.search(r"\((\d+)/epoch\)", proc.stdout).group(1))
     assert per_epoch > 5 and train_metrics(project)["global_step"] == 2 * per_epoch
-    assert _checkpoints(project) == [f"step-{per_epoch:07d}", f"step-{2 * per_epoch:07d}"]
+    assert checkpoint_names(project) == [f"step-{per_epoch:07d}", f"step-{2 * per_epoch:07d}"]
     assert _eval_steps(project) == [per_epoch, 2 * per_epoch]
     plain, _ = train_here(tokenized, tmp_path / "p", {"training.max_steps": 12,
                                                       "checkpoint.save_strategy": "no"})
@@ -207,7 +207,7 @@ def test_best_checkpoints_kept_and_loaded_at_end(tokenized, tmp_path):
         "checkpoint.save_steps": 2, "checkpoint.save_total_limit": 2,
         "checkpoint.metric_for_best_model": "eval_loss", "checkpoint.greater_is_better": True,
         "checkpoint.load_best_model_at_end": True})
-    assert _checkpoints(project) == ["step-0000002", "step-0000008"]
+    assert checkpoint_names(project) == ["step-0000002", "step-0000008"]
     assert "load_best_model_at_end: step-0000002" in proc.stdout
     assert train_metrics(project)["loaded_best_step"] == 2
     dcp_to_torch_save(project / "data/checkpoints/step-0000002", tmp_path / "best.pt")
@@ -399,14 +399,14 @@ def baseline(tokenized, tmp_path_factory):
     ({"optimizer.name": "SGD", "optimizer.kwargs": {"momentum": 0.9}},  # step 1 is warmup (lr 0)
      lambda run, base: losses(run)[:2] == losses(base)[:2] and losses(run)[2] != losses(base)[2]),
     ({"scheduler.name": "constant", "scheduler.warmup_steps": 0},
-     lambda run, base: set(_column(run, "learning_rate")) == {0.005}
-     and len(set(_column(base, "learning_rate"))) > 1),
+     lambda run, base: set(logged_column(run, "learning_rate")) == {0.005}
+     and len(set(logged_column(base, "learning_rate"))) > 1),
     ({"scheduler.warmup_steps": 0, "scheduler.warmup_ratio": 0.5},  # 2 of 4 steps warm up
-     lambda run, base: _column(run, "learning_rate")[0] == pytest.approx(0.0025)),
+     lambda run, base: logged_column(run, "learning_rate")[0] == pytest.approx(0.0025)),
     ({"logging.logging_steps": 2, "logging.logging_first_step": False},
-     lambda run, base: _column(run, "step") == [2, 4] and _column(base, "step") == [1, 2, 3, 4]),
+     lambda run, base: logged_column(run, "step") == [2, 4] and logged_column(base, "step") == [1, 2, 3, 4]),
     ({"eval.eval_batches": 2},  # more of the test split: another eval loss
-     lambda run, base: _column(run, "eval_loss", "eval.csv") != _column(base, "eval_loss",
+     lambda run, base: logged_column(run, "eval_loss", "eval.csv") != logged_column(base, "eval_loss",
                                                                         "eval.csv")),
     ({"training.num_train_epochs": 5},  # max_steps > 0 wins over epochs
      lambda run, base: train_metrics(run)["global_step"] == 4),
@@ -417,14 +417,14 @@ def baseline(tokenized, tmp_path_factory):
      # the seeds' "0 disables": no periodic rows, no checkpoint, one eval at the last step,
      # over the whole test split (eval_batches -1: no cap, another loss than the base's one
      # batch; eval_batches 0 evaluates nothing, tests/test_options.py)
-     lambda run, base: _column(run, "step") == [4] and _column(run, "step", "eval.csv") == [4]
+     lambda run, base: logged_column(run, "step") == [4] and logged_column(run, "step", "eval.csv") == [4]
      and not any((run / "data/checkpoints").glob("step-*"))
-     and _column(run, "eval_loss", "eval.csv")[-1] != _column(base, "eval_loss", "eval.csv")[-1]),
+     and logged_column(run, "eval_loss", "eval.csv")[-1] != logged_column(base, "eval_loss", "eval.csv")[-1]),
     ({"eval.eval_strategy": "steps", "eval.eval_steps": 1, "eval.eval_delay": 3},
-     lambda run, base: _column(run, "step", "eval.csv") == [3, 4]),
+     lambda run, base: logged_column(run, "step", "eval.csv") == [3, 4]),
     ({"logging.logging_strategy": "no", "logging.logging_first_step": False,
       "logging.log_level": "warning"},  # one row (the final step's), nothing on stdout
-     lambda run, base: _column(run, "step") == [4] and len(_column(base, "step")) == 4),
+     lambda run, base: logged_column(run, "step") == [4] and len(logged_column(base, "step")) == 4),
     ({"training.speed_metrics_start_step": 2},  # tokens/s counts steps 3 and 4 only
      lambda run, base: train_metrics(run)["speed_metrics_start_step"] == 2
      and train_metrics(base)["speed_metrics_start_step"] == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BASE, copy_project, train_here, write_params
+from helpers import BASE, copy_project, train_here, write_params
 from flows.cli import main
 
 

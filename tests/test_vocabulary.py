@@ -10,7 +10,7 @@ import torch
 from engine.model import choose_pad_token, load_tokenizer
 from finetune.config.schema import ModelConfig
 from finetune.workspace import Workspace
-from conftest import ROOT, copy_project, train_in_place, write_params
+from helpers import ROOT, copy_project, train_in_place, write_params
 
 
 def test_the_pad_token_is_never_eos_when_the_tokenizer_has_another():
