@@ -106,9 +106,9 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
         from engine.liger import apply_liger
 
         loss = apply_liger(model, d.device, amp, log)
-    elif not strategy.owns_forward_backward:
+    else:
         user_fn = (load_object(t.compute_loss_func, "training.compute_loss_func")
                    if t.compute_loss_func else None)
-        loss = build_loss(model, t.loss_chunk_tokens, d.device, amp, classify=bool(labels),
-                          user_fn=user_fn)
+        loss = strategy.make_loss(lambda: build_loss(model, t.loss_chunk_tokens, d.device, amp,
+                                                     classify=bool(labels), user_fn=user_fn))
     return collate_fn, loss

@@ -16,6 +16,7 @@ for single, DDP, FSDP2 and DiLoCo.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -268,18 +269,9 @@ class TrainingRun:
         kept = host_keys()  # what the attention kernel reads on the host
         for i, host_batch in enumerate(micro):
             batch = to_device(host_batch, d.device, kept)
-            if self.strategy.owns_forward_backward:  # a pipeline schedule
-                progress.add_loss(self.strategy.forward_backward(batch, divisor, self.amp))
-                continue
-            with (self.strategy.sync_context(last_micro_batch=i == len(micro) - 1),
-                  activation_offloading(t, d.device)):
-                with (torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None),
-                      self.loss.computing(host_batch["labels"])):
-                    output = self.model(**model_inputs(batch), use_cache=False)
-                loss_sum = self.loss.loss_sum(output, batch["labels"])
-                loss = loss_sum / divisor
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            progress.add_loss(loss_sum)
+            progress.add_loss(self.strategy.forward_backward(
+                functools.partial(self._micro_step, host_batch["labels"]), batch, divisor,
+                self.amp, last_micro_batch=i == len(micro) - 1))
         grad_norm = self._optimizer_step()
         progress.step_done(local_targets)
         self.first_step_at = self.first_step_at or time.time()
@@ -289,6 +281,20 @@ class TrainingRun:
             if outer:
                 self.reporters.on_log(self.state, outer)
         return grad_norm
+
+    def _micro_step(self, host_labels: torch.Tensor, batch: dict, divisor: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch on the device; its summed loss (detached
+        by the caller's bookkeeping). `host_labels`: the labels still on the host, where the
+        loss finds its target rows without a device sync."""
+        t, device = self.cfg.training, self.dist.device
+        with activation_offloading(t, device):
+            with (torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None),
+                  self.loss.computing(host_labels)):
+                output = self.model(**model_inputs(batch), use_cache=False)
+            loss_sum = self.loss.loss_sum(output, batch["labels"])
+            loss = loss_sum / divisor
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss_sum
 
     def _optimizer_step(self) -> torch.Tensor:
         if self.in_backward is not None:  # every parameter was updated during backward

@@ -66,3 +66,45 @@ def test_the_engine_does_not_know_the_pipeline_layout():
             and "finetune.workspace" in deps] == []
     for path in (ROOT / "engine").rglob("*.py"):
         assert "data/" not in path.read_text(), path
+
+
+def _members_called_on_a_strategy() -> dict[str, set[str]]:
+    """member -> the modules outside engine/strategies/ that use it on a strategy object
+    (`strategy.X`, `self.strategy.X`, `built.strategy.X`)."""
+    used: dict[str, set[str]] = {}
+    for pkg in ("engine", "tasks", "flows"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            if "strategies" in path.parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Attribute):
+                    continue
+                owner = node.value
+                if ((isinstance(owner, ast.Name) and owner.id == "strategy")
+                        or (isinstance(owner, ast.Attribute) and owner.attr == "strategy")):
+                    used.setdefault(node.attr, set()).add(_module(path))
+    return used
+
+
+def test_the_strategy_interface_declares_what_is_called_on_it_and_no_flag_is_read():
+    """Everything the loop, model setup and checkpoint code call on a strategy is declared on
+    `Strategy` (each strategy inherits or overrides it), and none of it is a flag the caller
+    branches on (a bool class attribute): behaviour lives in the strategies."""
+    import importlib
+
+    from engine.strategies.base import Strategy
+
+    for name in ("ddp", "fsdp2", "diloco", "pipeline"):
+        importlib.import_module(f"engine.strategies.{name}")
+
+    used = _members_called_on_a_strategy()
+    assert {"forward_backward", "loss_divisor", "wrap", "dcp_state"} <= set(used)
+    undeclared = {m: sorted(w) for m, w in used.items() if not hasattr(Strategy, m)}
+    assert undeclared == {}
+    flags = {m: sorted(w) for m, w in used.items()
+             if isinstance(getattr(Strategy, m), bool)}
+    assert flags == {}
+    strategies = [Strategy, *Strategy.__subclasses__()]
+    assert len(strategies) >= 5
+    for klass in strategies:
+        assert all(hasattr(klass, m) for m in used), klass

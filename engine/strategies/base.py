@@ -9,6 +9,7 @@ is normalised across ranks, and what goes into a (DCP) checkpoint.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
@@ -26,8 +27,6 @@ class Strategy:
     name = "single"
     #: every rank must run the same number of forwards in eval (FSDP2 gathers inside forward)
     eval_lockstep = False
-    #: the strategy runs forward and backward itself (a pipeline schedule), not the loop
-    owns_forward_backward = False
 
     @property
     def batch_replicas(self) -> int:
@@ -77,6 +76,20 @@ class Strategy:
     def sync_context(self, last_micro_batch: bool):
         """Gradient sync only on the last micro-batch of an accumulation."""
         return contextlib.nullcontext()
+
+    def make_loss(self, build: Callable[[], object]):
+        """The loss the run's micro-batch step computes on the model's output: `build()`
+        (the chunked, full or a user's loss). None where forward_backward computes its own
+        (a pipeline's last stage)."""
+        return build()
+
+    def forward_backward(self, step: Callable[[dict, float], torch.Tensor], batch: dict,
+                         divisor: float, amp, last_micro_batch: bool) -> torch.Tensor:
+        """One micro-batch's forward and backward; returns its summed loss. Here: the run's
+        own step (model, loss, scaler) under this strategy's gradient-sync context. A
+        strategy that runs a schedule of its own (the pipeline) overrides it."""
+        with self.sync_context(last_micro_batch=last_micro_batch):
+            return step(batch, divisor)
 
     def before_optimizer_step(self, step: int) -> None:
         """Hook for strategies that sync gradients by hand."""

@@ -38,7 +38,6 @@ PAD_ID = 0
 class PipelineStrategy(Strategy):
     name = "pipeline"
     eval_lockstep = True
-    owns_forward_backward = True
 
     # -- the (data-parallel x pipeline) layout: rank = replica * pipeline_ranks + pp_rank ---
     @property
@@ -139,9 +138,14 @@ class PipelineStrategy(Strategy):
         return {"input_ids": torch.nn.functional.pad(ids, pad, value=PAD_ID),
                 "labels": torch.nn.functional.pad(labels, pad, value=IGNORE_INDEX)}
 
-    def forward_backward(self, batch: dict[str, torch.Tensor], divisor: float,
-                         amp) -> torch.Tensor:
-        """One training micro-batch through the pipeline schedule; its summed loss (0 off
+    def make_loss(self, build):
+        """None: the last stage computes the loss itself (`_loss`, inside the schedule)."""
+        return None
+
+    def forward_backward(self, step, batch: dict[str, torch.Tensor], divisor: float, amp,
+                         last_micro_batch: bool) -> torch.Tensor:
+        """One training micro-batch through the pipeline schedule (the run's `step` is not
+        used: the schedule runs the stages' forwards and backwards); its summed loss (0 off
         the last stage), gradients accumulated on this rank's stages."""
         rows = batch["input_ids"].shape[0]
         schedule = self._schedule(rows)
