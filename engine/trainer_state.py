@@ -117,7 +117,7 @@ def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
         return Start(None, existing)
     if isinstance(mode, str) and mode != "auto":
         return _plan_from_path(directory, fingerprint, ckpt_cfg, dist_cfg, root, existing)
-    path = ckpt.latest(directory)
+    path = resume_candidate(mode, directory, root)
     if path is None:
         log(f"[train] resume_from_checkpoint: no valid checkpoint in {directory}; "
             "starting from scratch")
@@ -144,6 +144,17 @@ def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
 def _changed(meta: dict, fingerprint, ckpt_cfg: CheckpointConfig) -> dict[str, Any]:
     return {k: v for k, v in differences(meta.get("fingerprint"), fingerprint()).items()
             if k not in ckpt_cfg.resume_ignore_changes}
+
+
+def resume_candidate(mode: bool | str, directory: Path, root: Path | None) -> Path | None:
+    """The checkpoint a resume considers: none (false), the one named (a path), or the
+    latest valid one in `directory` (true, auto). plan_start decides with it, and the train
+    stage asks it which checkpoint a null training.seed continues (engine.preflight)."""
+    if not mode:
+        return None
+    if isinstance(mode, str) and mode != "auto":
+        return named_checkpoint(mode, root)
+    return ckpt.latest(directory)
 
 
 def named_checkpoint(value: str, root: Path | None) -> Path:

@@ -12,7 +12,6 @@ launches (`user_code_and_machine`), and its own data-dependent ones after.
 from __future__ import annotations
 
 from finetune.errors import PipelineError
-from finetune.imports import load_object
 from finetune.workspace import Workspace
 
 
@@ -28,57 +27,15 @@ def check_without_data(ws: Workspace) -> None:
 
 
 def user_code_and_machine(ws: Workspace, device) -> None:
-    """The classes and functions the params name load and are what they must be; what this
-    device cannot run is refused (finetune/config/compat.py's machine rows). Each check is
-    imported only when the params ask for what it checks (the engine's imports are most of
-    what `finetune validate` costs)."""
-    from finetune.config.compat import check_machine
+    """The engine's checks of the classes and functions the params name and of the machine
+    (engine.preflight: the train stage runs them too), and W&B when it reports there."""
+    from engine.preflight import check_user_code_and_machine
 
-    cfg, t = ws.config, ws.config.training
-    check_machine(cfg, device)
-    if cfg.model.auto_class_name not in TRANSFORMERS_CLASSES:
-        from engine.model import model_class
-
-        model_class(cfg.model.auto_class_name)
-    if cfg.logging.callbacks:
-        from engine.callbacks import check_user_callback
-
-        for spec in cfg.logging.callbacks:
-            check_user_callback(spec)
-    refs = [(cfg.optimizer.name, "optimizer.name")] + (
-        [(cfg.distributed.diloco.outer_optimizer, "distributed.diloco.outer_optimizer")]
-        if cfg.distributed.diloco is not None else [])
-    if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
-        from engine.optim import optimizer_class, scheduler_factory
-
-        for name, key in refs:
-            optimizer_class(name, key)
-        scheduler_factory(cfg.scheduler.name)
-    if t.type != "sft":
-        from engine.run import trainer_class  # imported there: the registry knows sft
-
-        trainer_class(t.type)
-    for key, ref in (("training.compute_loss_func", t.compute_loss_func),
-                     ("model.model_init", cfg.model.model_init),
-                     ("data.collate_fn", cfg.data.collate_fn)):
-        if ref and not callable(load_object(ref, key)):
-            raise PipelineError(f"{key}: '{ref}' is not a function")
-    if cfg.model.load_in_4bit or cfg.model.load_in_8bit:
-        from engine.model import check_quantization
-
-        check_quantization(cfg.model)
-    if t.fp8_recipe or t.qat_recipe:
-        from engine.quantization import check_low_precision
-
-        check_low_precision(t, device)
-    if "wandb" in cfg.logging.report_to:
+    check_user_code_and_machine(ws.config, device)
+    if "wandb" in ws.config.logging.report_to:
         from tasks.wandb_tracking import wandb_module
 
         wandb_module()
-
-
-#: model classes that need no check (transformers has them)
-TRANSFORMERS_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassification")
 
 
 def check_model(ws: Workspace) -> None:
@@ -169,10 +126,7 @@ def check_sources(ws: Workspace) -> None:
 
 def check_world_size(ws: Workspace) -> None:
     """Before any process starts: a resume of the newest checkpoint written at another world
-    size or strategy is refused from its meta.json alone (no file hashing)."""
-    from engine import checkpoint as ckpt
-    from engine.trainer_state import check_resumable
+    size or strategy is refused from its meta.json alone (engine.preflight)."""
+    from engine.preflight import check_world_size as check
 
-    newest = ckpt.newest_meta(ws.layout.checkpoints)
-    if newest is not None:
-        check_resumable(newest[1], newest[0], ws.config.distributed)
+    check(ws.config, ws.layout.checkpoints)

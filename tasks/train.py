@@ -14,50 +14,30 @@ import os
 import secrets
 from pathlib import Path
 
-from finetune.errors import PipelineError
+from engine import preflight as preflight_engine
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
 from tasks.curves import render_curves
-from tasks.checks import check_world_size, user_code_and_machine
 from tasks.launch import TorchrunJob, run_paths
-from tasks.wandb_tracking import WandbRun
+from tasks.wandb_tracking import WandbRun, wandb_module
 
 
 def preflight(ws: Workspace) -> None:
     """Checks that need the machine; they run while torchrun starts, and rank 0 writes
-    nothing until they passed (tasks/launch.py). `finetune validate` ran the data-free ones
-    already (tasks/checks.py); a stage run alone runs them here."""
-    from engine.distributed import choose_device
-
+    nothing until they passed (tasks/launch.py). The engine's own checks come through its
+    door (engine.preflight: user code, the machine, the data the workers read, the resume);
+    the stage adds what only the pipeline knows (a streamed source's train split, W&B)."""
     cfg = ws.config
-    user_code_and_machine(ws, choose_device(cfg.training.resolved_device))
     if cfg.data.streaming:
         from tasks.stream import holdout_rows, open_source
 
         for name, part in cfg.data.parts():  # each training source's train split exists
             if not cfg.data.eval_only(name):
                 holdout_rows(part, open_source(part, ws.root))
-    elif not (ws.layout.tokenized / "train").exists():
-        raise PipelineError(f"{ws.layout.tokenized / 'train'} missing; run the tokenize stage")
-    elif cfg.data.collate_fn:
-        from engine.data import check_collate, load_tokenized, take_rows, user_collate
-
-        rows = take_rows(load_tokenized(ws.layout.tokenized / "train"), range(2))
-        check_collate(user_collate(cfg.data.collate_fn), rows, cfg.data.collate_fn)
-    if cfg.checkpoint.resume_from_checkpoint:
-        check_resume(ws)
-
-
-def check_resume(ws: Workspace) -> None:
-    """The worker's own resume decision, taken here first, so a checkpoint of another run is
-    refused before rank 0 writes anything (the fingerprint hashes are cached for it)."""
-    from engine import fingerprint
-    from engine.trainer_state import plan_start
-
-    cfg, paths = ws.config, run_paths(ws)
-    plan_start(paths.checkpoints, lambda: fingerprint.of_run(cfg, paths), cfg.checkpoint,
-               cfg.distributed, log=lambda line: None, root=ws.root)
+    preflight_engine.check_before_launch(cfg, run_paths(ws))
+    if "wandb" in cfg.logging.report_to:
+        wandb_module()
 
 
 RESUME_ENV = "FINETUNE_RESUME"
@@ -70,7 +50,7 @@ def with_resolved_seed(ws: Workspace) -> Workspace:
     depend on it; the fingerprint then matches)."""
     if ws.config.training.seed is not None:
         return ws
-    seed = _seed_of_resumed_checkpoint(ws)
+    seed = preflight_engine.seed_of_resumed_checkpoint(ws.config, run_paths(ws))
     how = "continuing the checkpoint's seed" if seed is not None else "drew seed"
     if seed is None:
         seed = secrets.randbelow(2**31)
@@ -78,21 +58,6 @@ def with_resolved_seed(ws: Workspace) -> Workspace:
     cfg = ws.config.model_copy(deep=True)
     cfg.training.seed = seed
     return Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
-
-
-def _seed_of_resumed_checkpoint(ws: Workspace) -> int | None:
-    from engine import checkpoint as ckpt
-    from engine.trainer_state import named_checkpoint
-
-    mode = ws.config.checkpoint.resume_from_checkpoint
-    if not mode:
-        return None
-    if isinstance(mode, str) and mode != "auto":
-        path = named_checkpoint(mode, ws.root)
-    else:
-        path = ckpt.latest(ws.layout.checkpoints)
-    meta = ckpt.read_meta(path) if path is not None and path.is_dir() else None
-    return (meta or {}).get("seed")
 
 
 def train(ws: Workspace) -> dict[str, Path]:
@@ -106,7 +71,7 @@ def train(ws: Workspace) -> dict[str, Path]:
         print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint of this run, "
               "if there is one", flush=True)
     if ws.config.checkpoint.resume_from_checkpoint is True:
-        check_world_size(ws)
+        preflight_engine.check_world_size(ws.config, ws.layout.checkpoints)
     if ws.config.distributed.node_rank > 0:  # its workers take node 0's seed (engine.run)
         preflight(ws)
         return _train_worker_node(ws)
@@ -150,10 +115,8 @@ def train(ws: Workspace) -> dict[str, Path]:
 def interrupted_summary(ws: Workspace) -> str:
     """What a user needs after stopping training (Ctrl-C, a scheduler's SIGTERM): the step it
     reached (the last row the job logged), the newest checkpoint and how to resume."""
-    from engine.checkpoint import newest_meta
-
     parts = [f"reached step {REACHED['step']}"] if "step" in REACHED else []
-    newest = newest_meta(ws.layout.checkpoints)
+    newest = preflight_engine.newest_checkpoint(ws.layout.checkpoints)
     if newest is None:
         parts.append("no checkpoint to resume from (checkpoint.save_steps sets how often "
                      "one is written)")

@@ -108,3 +108,10 @@ def test_the_strategy_interface_declares_what_is_called_on_it_and_no_flag_is_rea
     assert len(strategies) >= 5
     for klass in strategies:
         assert all(hasattr(klass, m) for m in used), klass
+
+
+def test_the_train_stage_enters_the_engine_through_one_door():
+    """tasks/train.py reaches the engine through engine.preflight only: a new check before
+    launch is added in the engine, not in the stage."""
+    engine_deps = {d for d in _imports()["tasks.train"] if d.startswith("engine.")}
+    assert engine_deps == {"engine.preflight"}

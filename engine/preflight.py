@@ -1,0 +1,130 @@
+"""The train stage's one door into the engine: what is checked before torchrun's workers may
+write, and what a run's start is decided by (which checkpoint it continues, with which seed).
+
+tasks/train.py imports this module and no other engine module, so a new "check before launch"
+is added here, next to the engine code it checks, not in the stage; `finetune validate`
+(tasks/checks.py) runs the same user-code and machine checks. Every decision here is the one the
+worker takes again (engine.trainer_state.plan_start, resume_candidate): one rule, asked twice,
+so a refusal comes before any process writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.job import RunPaths
+from finetune.config import FinetuneConfig
+from finetune.errors import PipelineError
+from finetune.imports import load_object
+
+#: model classes that need no check (transformers has them)
+TRANSFORMERS_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassification")
+
+
+def device_for(cfg: FinetuneConfig) -> torch.device:
+    """The device a run of this config gets on this machine."""
+    from engine.distributed import choose_device
+
+    return choose_device(cfg.training.resolved_device)
+
+
+def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> None:
+    """The classes and functions the params name load and are what they must be; what this
+    device cannot run is refused (finetune/config/compat.py's machine rows). Each check is
+    imported only when the params ask for what it checks (the engine's imports are most of
+    what `finetune validate` costs)."""
+    from finetune.config.compat import check_machine
+
+    t = cfg.training
+    check_machine(cfg, device)
+    if cfg.model.auto_class_name not in TRANSFORMERS_CLASSES:
+        from engine.model import model_class
+
+        model_class(cfg.model.auto_class_name)
+    if cfg.logging.callbacks:
+        from engine.callbacks import check_user_callback
+
+        for spec in cfg.logging.callbacks:
+            check_user_callback(spec)
+    refs = [(cfg.optimizer.name, "optimizer.name")] + (
+        [(cfg.distributed.diloco.outer_optimizer, "distributed.diloco.outer_optimizer")]
+        if cfg.distributed.diloco is not None else [])
+    if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
+        from engine.optim import optimizer_class, scheduler_factory
+
+        for name, key in refs:
+            optimizer_class(name, key)
+        scheduler_factory(cfg.scheduler.name)
+    if t.type != "sft":
+        from engine.run import trainer_class  # imported there: the registry knows sft
+
+        trainer_class(t.type)
+    for key, ref in (("training.compute_loss_func", t.compute_loss_func),
+                     ("model.model_init", cfg.model.model_init),
+                     ("data.collate_fn", cfg.data.collate_fn)):
+        if ref and not callable(load_object(ref, key)):
+            raise PipelineError(f"{key}: '{ref}' is not a function")
+    if cfg.model.load_in_4bit or cfg.model.load_in_8bit:
+        from engine.model import check_quantization
+
+        check_quantization(cfg.model)
+    if t.fp8_recipe or t.qat_recipe:
+        from engine.quantization import check_low_precision
+
+        check_low_precision(t, device)
+
+
+def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
+    """What the worker would refuse, asked first: user code and the machine, a user collate
+    function on two real rows, and (when resuming) the checkpoint the worker would continue
+    (its fingerprint hashes are cached for the worker). Rank 0 writes nothing until this
+    passed (tasks/launch.py)."""
+    check_user_code_and_machine(cfg, device_for(cfg))
+    if paths.train_data is not None:
+        if not paths.train_data.exists():
+            raise PipelineError(f"{paths.train_data} missing; run the tokenize stage")
+        if cfg.data.collate_fn:
+            from engine.data import check_collate, load_tokenized, take_rows, user_collate
+
+            rows = take_rows(load_tokenized(paths.train_data), range(2))
+            check_collate(user_collate(cfg.data.collate_fn), rows, cfg.data.collate_fn)
+    if cfg.checkpoint.resume_from_checkpoint:
+        from engine import fingerprint
+        from engine.trainer_state import plan_start
+
+        plan_start(paths.checkpoints, lambda: fingerprint.of_run(cfg, paths), cfg.checkpoint,
+                   cfg.distributed, log=lambda line: None, root=paths.project_root)
+
+
+def check_world_size(cfg: FinetuneConfig, checkpoints: Path) -> None:
+    """Before any process starts: a resume of the newest checkpoint written at another world
+    size or strategy is refused from its meta.json alone (no file hashing)."""
+    from engine import checkpoint as ckpt
+    from engine.trainer_state import check_resumable
+
+    newest = ckpt.newest_meta(checkpoints)
+    if newest is not None:
+        check_resumable(newest[1], newest[0], cfg.distributed)
+
+
+def seed_of_resumed_checkpoint(cfg: FinetuneConfig, paths: RunPaths) -> int | None:
+    """`training.seed: null` and a resume: the seed of the checkpoint the resume would pick
+    (the same choice as plan_start's), so data order and dropout continue and the fingerprint
+    matches; None when there is none to continue."""
+    from engine import checkpoint as ckpt
+    from engine.trainer_state import resume_candidate
+
+    path = resume_candidate(cfg.checkpoint.resume_from_checkpoint, paths.checkpoints,
+                            paths.project_root)
+    meta = ckpt.read_meta(path) if path is not None and path.is_dir() else None
+    return (meta or {}).get("seed")
+
+
+def newest_checkpoint(checkpoints: Path) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint and its meta record (what an interrupted stage points
+    the user to), or None."""
+    from engine.checkpoint import newest_meta
+
+    return newest_meta(checkpoints)
