@@ -123,7 +123,9 @@ def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
 
 class TrainingRun:
     """Model, strategy, optimizer, scheduler, scaler, monitor, reporters and the progress
-    record of one training run on one rank."""
+    record of one training run on one rank. What other code may use of it is
+    engine.run_view.RunView; a trainer type (`training.type`) subclasses it and overrides
+    its hooks (`micro_step`, `evaluate`, `metrics`)."""
 
     def __init__(self, cfg: FinetuneConfig, paths: RunPaths, dist: Dist, go: Go | None = None,
                  stream: ExampleSource | None = None):
@@ -270,7 +272,7 @@ class TrainingRun:
         for i, host_batch in enumerate(micro):
             batch = to_device(host_batch, d.device, kept)
             progress.add_loss(self.strategy.forward_backward(
-                functools.partial(self._micro_step, host_batch["labels"]), batch, divisor,
+                functools.partial(self.micro_step, host_batch["labels"]), batch, divisor,
                 self.amp, last_micro_batch=i == len(micro) - 1))
         grad_norm = self._optimizer_step()
         progress.step_done(local_targets)
@@ -282,10 +284,12 @@ class TrainingRun:
                 self.reporters.on_log(self.state, outer)
         return grad_norm
 
-    def _micro_step(self, host_labels: torch.Tensor, batch: dict, divisor: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch on the device; its summed loss (detached
-        by the caller's bookkeeping). `host_labels`: the labels still on the host, where the
-        loss finds its target rows without a device sync."""
+    def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch on the device; returns its summed loss
+        (the objective before dividing by `divisor`, the step's target count). `host_labels`:
+        the labels still on the host, where the loss finds its target rows without a device
+        sync. The hook a `training.type` subclass overrides for another objective
+        (engine/run_view.py); the strategy runs it under its gradient-sync context."""
         t, device = self.cfg.training, self.dist.device
         with activation_offloading(t, device):
             with (torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None),

@@ -1,6 +1,6 @@
 """What a run puts in a checkpoint and takes back: position, scheduler, scaler, strategy
-extras, monitor, metric history; resume, and load_best_model_at_end. Each takes the run
-(engine.run.TrainingRun) and reads the components it needs from it.
+extras, monitor, metric history; resume, and load_best_model_at_end. Each takes the run as a
+`RunView` (engine/run_view.py: the run's declared surface) and reads the components it needs.
 
 The storage format (DCP folders, hashes, rotation) is engine.checkpoint; this module decides
 the contents, so exact resume is one reviewable place, and `plan_start` is the one rule for
@@ -19,6 +19,7 @@ import torch
 from engine import checkpoint as ckpt
 from engine.fingerprint import differences
 from engine.reporters import History
+from engine.run_view import RunView
 from finetune.config.distributed import DistributedConfig
 from finetune.config.schema import CheckpointConfig
 from finetune.errors import PipelineError
@@ -28,7 +29,7 @@ def history_rows(reporters) -> list[dict]:
     return reporters.find(History).rows if reporters else []
 
 
-def save(run, evaluated: dict) -> Path:
+def save(run: RunView, evaluated: dict) -> Path:
     """Collective: checkpoint the run at its current step."""
     trainer_state = {
         "scheduler": run.scheduler.state_dict(),
@@ -193,7 +194,7 @@ def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
     return Start(path, existing, in_folder=False)
 
 
-def set_aside(run) -> None:
+def set_aside(run: RunView) -> None:
     """Main rank, once it may write: the earlier run's checkpoints leave the folder (after a
     resume by path, those later than the resumed one)."""
     moved, deleted = ckpt.set_aside(run.paths.checkpoints, run.cfg.checkpoint.keep_previous_runs,
@@ -205,14 +206,14 @@ def set_aside(run) -> None:
         run.log(f"[train] fresh run: earlier checkpoints moved to {moved}")
 
 
-def _load(run, path: Path) -> tuple[dict, dict]:
+def _load(run: RunView, path: Path) -> tuple[dict, dict]:
     optimizer, strategy = run.optimizer, run.strategy
     return ckpt.load(path, strategy.dcp_state(optimizer),
                      lambda state: strategy.load_dcp_state(optimizer, state),
                      group=run.node_group)
 
 
-def _on_this_node(run, plan: Start) -> Start:
+def _on_this_node(run: RunView, plan: Start) -> Start:
     """save_on_each_node: the main rank chose a checkpoint of its folder; this node resumes
     its own copy of it (same name, this node's folder), which its first rank checks whole."""
     if run.node_group is None or plan.resume is None or not plan.in_folder:
@@ -226,7 +227,7 @@ def _on_this_node(run, plan: Start) -> Start:
     return replace(plan, resume=local)
 
 
-def load_best(run) -> int | None:
+def load_best(run: RunView) -> int | None:
     """load_best_model_at_end: the best kept checkpoint's weights become the trained model."""
     monitor = run.monitor
     path = _main_decides(lambda: ckpt.best(run.paths.checkpoints, monitor.best_by), run.dist)
@@ -240,7 +241,7 @@ def load_best(run) -> int | None:
     return meta.get("step")
 
 
-def start(run) -> tuple[Start, list[dict]]:
+def start(run: RunView) -> tuple[Start, list[dict]]:
     """Decide how the run starts (main rank, shared with the others) and restore the
     checkpoint it continues; returns the plan and the logged rows the checkpoint held."""
     cfg = run.cfg
@@ -250,7 +251,7 @@ def start(run) -> tuple[Start, list[dict]]:
     return plan, (_restore(run, plan.resume) if plan.resume is not None else [])
 
 
-def _restore(run, path: Path) -> list[dict]:
+def _restore(run: RunView, path: Path) -> list[dict]:
     trainer_state, meta = _load(run, path)
     run.scheduler.load_state_dict(trainer_state["scheduler"])
     if run.scaler and trainer_state.get("scaler"):

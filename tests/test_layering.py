@@ -115,3 +115,27 @@ def test_the_train_stage_enters_the_engine_through_one_door():
     launch is added in the engine, not in the stage."""
     engine_deps = {d for d in _imports()["tasks.train"] if d.startswith("engine.")}
     assert engine_deps == {"engine.preflight"}
+
+
+def _run_members_read(module: str) -> set[str]:
+    """Every `run.X` a module reads or calls."""
+    tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "run"}
+
+
+def test_the_run_surface_is_declared_and_provided():
+    """trainer_state reads only what engine.run_view.RunView declares, and TrainingRun provides
+    every declared member (set in its methods, or defined on the class)."""
+    from engine.run import TrainingRun
+    from engine.run_view import RunView
+
+    declared = {n for n in vars(RunView) if not n.startswith("_")} | set(
+        RunView.__annotations__)
+    read = _run_members_read("engine.trainer_state")
+    assert len(read) > 10 and read - declared == set()
+    assigned = {node.attr for node in ast.walk(ast.parse((ROOT / "engine/run.py").read_text()))
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    provided = assigned | {n for n in dir(TrainingRun) if not n.startswith("_")}
+    assert declared - provided == set()
