@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from finetune.config.schema import ModelConfig, PeftSection
+from finetune.config.model import ModelConfig, PeftSection
 from finetune.errors import PipelineError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from transformers import get_scheduler
 
-from finetune.config.schema import OptimizerConfig, SchedulerConfig
+from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.errors import PipelineError
 from finetune.imports import load_object
 

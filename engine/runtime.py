@@ -16,7 +16,7 @@ import torch
 from engine.cpu_linear import computes_in_bf16_on_cpu, use_layout_aware_linear
 from engine.model import DTYPES, base_model
 from finetune.config.distributed import DistributedConfig
-from finetune.config.schema import TrainingConfig
+from finetune.config.training import TrainingConfig
 from finetune.errors import PipelineError
 
 

@@ -21,7 +21,7 @@ from engine.fingerprint import differences
 from engine.reporters import History
 from engine.run_view import RunView
 from finetune.config.distributed import DistributedConfig
-from finetune.config.schema import CheckpointConfig
+from finetune.config.checkpoint import CheckpointConfig
 from finetune.errors import PipelineError
 
 

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 
 import pandas as pd
 
-from finetune.config.schema import DataConfig, FinetuneConfig
+from finetune.config.data import DataConfig
+from finetune.config.schema import FinetuneConfig
 from finetune.datatypes import DataContext
 from finetune.errors import PipelineError, TransientError
 from finetune.files import file_sha256

@@ -246,7 +246,7 @@ def test_one_example_params_file_per_dataset_type():
 
 def test_report_to_takes_the_seeds_log_with_and_one_name():
     """Seeds 000/001 write `log_with: wandb`; HF writes report_to as one name or 'none'."""
-    from finetune.config.schema import LoggingConfig
+    from finetune.config.reporting import LoggingConfig
 
     assert LoggingConfig.model_validate({"log_with": "wandb"}).report_to == ["wandb"]
     assert LoggingConfig.model_validate({"report_to": "none"}).report_to == []

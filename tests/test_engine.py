@@ -115,7 +115,7 @@ def _tiny_named_params():
 
 def test_optimizer_groups_first_match_wins_and_override_options():
     from engine.optim import build_optimizer
-    from finetune.config.schema import OptimizerConfig
+    from finetune.config.optim import OptimizerConfig
 
     cfg = OptimizerConfig(weight_decay=0.1, optimizer_groups={
         "bias": {"weight_decay": 0.0}, "lin": {"learning_rate": 0.5}})
@@ -133,7 +133,7 @@ def test_optimizer_groups_first_match_wins_and_override_options():
 
 def test_optimizer_groups_bad_input():
     from engine.optim import build_optimizer
-    from finetune.config.schema import OptimizerConfig
+    from finetune.config.optim import OptimizerConfig
     from finetune.errors import PipelineError
 
     with pytest.raises(PipelineError, match=r"optimizer_groups\['attn'\]: matches no trainable"):
@@ -421,7 +421,7 @@ def _stories():
 
 def test_runtime_flags_follow_the_config():
     from engine.runtime import configure_torch
-    from finetune.config.schema import TrainingConfig
+    from finetune.config.training import TrainingConfig
 
     before = torch.get_float32_matmul_precision()
     try:
@@ -442,7 +442,8 @@ def test_runtime_flags_follow_the_config():
 def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
     from engine.model import apply_peft
     from engine.runtime import enable_gradient_checkpointing
-    from finetune.config.schema import PeftSection, TrainingConfig
+    from finetune.config.model import PeftSection
+    from finetune.config.training import TrainingConfig
 
     def forward_calls(checkpointing: bool) -> tuple[int, torch.Tensor]:
         torch.manual_seed(0)
@@ -468,7 +469,7 @@ def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
 
 def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation():
     from engine.runtime import compile_stats, decoder_blocks, maybe_compile
-    from finetune.config.schema import TrainingConfig
+    from finetune.config.training import TrainingConfig
 
     torch._dynamo.reset()
     model = _stories()
@@ -532,7 +533,7 @@ def test_drop_last_false_fills_the_last_step_from_the_epoch_start():
 def test_dataloader_options_reach_the_loader():
     from engine.data import collate
     from engine.loader import make_loader, micro_batches
-    from finetune.config.schema import TrainingConfig
+    from finetune.config.training import TrainingConfig
 
     rows = [{"input_ids": [1] * (i + 1), "labels": [1] * (i + 1)} for i in range(12)]
 

@@ -10,7 +10,7 @@ import torch
 
 from helpers import ROOT
 from engine.model import apply_peft, load_base_model, model_class, register_model_class
-from finetune.config.schema import ModelConfig, PeftSection
+from finetune.config.model import ModelConfig, PeftSection
 from finetune.errors import PipelineError
 
 STORIES = "data/models/stories260K"

@@ -11,7 +11,7 @@ import torch
 from engine.data import collate, collate_packed, token_loss_sum
 from engine.optim import fused_default
 from engine.runtime import attention_backends
-from finetune.config.schema import TrainingConfig
+from finetune.config.training import TrainingConfig
 from finetune.errors import PipelineError
 from test_loss import _tiny
 

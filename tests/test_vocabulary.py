@@ -8,7 +8,7 @@ import shutil
 import torch
 
 from engine.model import choose_pad_token, load_tokenizer
-from finetune.config.schema import ModelConfig
+from finetune.config.model import ModelConfig
 from finetune.workspace import Workspace
 from helpers import ROOT, copy_project, train_in_place, write_params
 
