@@ -1,4 +1,5 @@
-"""Model, tokenizer and adapter loading: the only place `from_pretrained` is called.
+"""Model and tokenizer loading: the only place `from_pretrained` is called (the adapter is
+engine/adapter.py, a classifier's labels engine/labels.py, new tokens engine/vocabulary.py).
 
 A model reference is a local folder when it exists under the project root (or is written as a
 path), otherwise a hub id. Hub failures are turned into one line that explains HF_HUB_OFFLINE
@@ -7,13 +8,14 @@ and what to do, instead of a 40-line traceback from huggingface_hub.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.labels import classifier_kwargs, read_labels
+from engine.vocabulary import grow_vocabulary
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.errors import PipelineError
 
@@ -164,33 +166,6 @@ def model_class(name: str):
     )
 
 
-LABELS_FILE = "labels.json"
-
-
-def write_labels(folder: Path, names: list[str]) -> Path:
-    """A classifier's class names in id order, next to its data or weights."""
-    path = Path(folder) / LABELS_FILE
-    path.write_text(json.dumps(names))
-    return path
-
-
-def read_labels(path: Path | None) -> list[str] | None:
-    """The class names in a folder (or a labels file); None when there are none."""
-    if path is None:
-        return None
-    path = Path(path)
-    path = path / LABELS_FILE if path.is_dir() else path
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def classifier_kwargs(labels: list[str], pad_token_id: int) -> dict[str, Any]:
-    """from_pretrained arguments that size the classification head and store the label map in
-    the model config; the pad id lets the classifier find each row's last real token."""
-    return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-            "label2id": {name: i for i, name in enumerate(labels)},
-            "pad_token_id": pad_token_id}
-
-
 def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
                     labels: list[str] | None = None, construct: str = "default",
                     device: torch.device | None = None):
@@ -234,36 +209,6 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     return model
 
 
-#: set on a model whose vocabulary grew: its embedding and output layers must train
-GREW = "_finetune_grew_vocabulary"
-
-
-def grow_vocabulary(model, size: int) -> int:
-    """Embedding (and output) rows up to `size` tokens; the new rows are the mean of the old
-    ones, so every load of the same base model gives the same weights (transformers' own
-    initialisation draws random rows) and a new token starts as an average token. Returns the
-    rows added."""
-    old = model.get_input_embeddings().weight.shape[0]
-    if size <= old:
-        return 0
-    model.resize_token_embeddings(size, mean_resizing=False)
-    with torch.no_grad():
-        layers = [model.get_input_embeddings(), model.get_output_embeddings()]
-        for layer in {id(m): m for m in layers if m is not None}.values():
-            layer.weight[old:] = layer.weight[:old].mean(dim=0)
-            if getattr(layer, "bias", None) is not None:
-                layer.bias[old:] = layer.bias[:old].mean()
-    setattr(model, GREW, True)
-    return size - old
-
-
-def _embedding_module_names(model) -> list[str]:
-    """The names of the input embedding and output layers (modules_to_save)."""
-    wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                   if id(m) in wanted})
-
-
 def _from_model_init(cfg: ModelConfig, kwargs: dict[str, Any], device=None):
     """model.model_init: the user's factory instead of from_pretrained (dtype applied here);
     `device`: the factory runs with it as the default device (construct_model_on: device)."""
@@ -287,100 +232,6 @@ def _from_model_init(cfg: ModelConfig, kwargs: dict[str, Any], device=None):
     if "dtype" in kwargs:
         model = model.to(kwargs["dtype"])
     return model
-
-
-def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
-                tied: bool = False):
-    """`tied`: the model ties its input and output embeddings and one of them is trained in
-    full: LoRA keeps them one weight (peft's ensure_weight_tying); IA3 cannot."""
-    from peft import IA3Config, LoraConfig
-
-    if cfg.peft_type == "IA3":
-        if tied:
-            raise PipelineError(
-                "peft.peft_type IA3 with added tokens on a model whose input and output "
-                "embeddings are tied: peft's IA3 would untie them; use LORA")
-        return IA3Config(
-            target_modules=cfg.target_modules,
-            feedforward_modules=cfg.feedforward_modules or [],
-            task_type=cfg.task_type,
-            modules_to_save=modules_to_save,
-        )
-    return LoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.lora_alpha,
-        lora_dropout=cfg.lora_dropout,
-        target_modules=cfg.target_modules,
-        bias=cfg.bias,
-        task_type=cfg.task_type,
-        modules_to_save=modules_to_save,
-        ensure_weight_tying=tied,
-    )
-
-
-def apply_peft(model, cfg: PeftSection):
-    """Wrap with an adapter (or leave for full fine-tuning). A grown vocabulary's embedding
-    and output layers train in full and are saved with the adapter (peft's modules_to_save):
-    LoRA alone cannot give the new rows a meaning."""
-    if not cfg.use_peft:
-        return model
-    from peft import get_peft_model
-
-    check_target_modules(model, cfg.target_modules)
-    grew = getattr(model, GREW, False)
-    extra = _embedding_module_names(model) if grew else None
-    out = model.get_output_embeddings()
-    tied = grew and out is not None and out.weight is model.get_input_embeddings().weight
-    try:
-        return get_peft_model(model, peft_config(cfg, extra, tied))
-    except ValueError as exc:
-        raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
-
-
-def check_target_modules(model, targets) -> None:
-    """What peft.target_modules names is in the model, as peft matches it: each name of a
-    list is a module's name or its last parts (peft ignores a name that matches nothing as
-    long as another one matches: a typo would silently adapt less), a string is a regex that
-    must match a module's whole name, 'all-linear' any model with linear layers."""
-    import re
-
-    names = [n for n, _ in model.named_modules() if n]
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                     if isinstance(m, torch.nn.Linear)})
-    if targets == "all-linear":
-        missing = [] if linear else ["all-linear"]
-    elif isinstance(targets, str):
-        missing = [] if any(re.fullmatch(targets, n) for n in names) else [targets]
-    else:
-        missing = [t for t in targets
-                   if not any(n == t or n.endswith(f".{t}") for n in names)]
-    if missing:
-        raise PipelineError(
-            f"peft.target_modules: '{missing[0]}' is not a module of the model (its linear "
-            f"layers: {', '.join(linear) or 'none'})")
-
-
-def make_adapter_config_reproducible(model, cfg: ModelConfig) -> None:
-    """Byte-identical adapter_config.json for identical trainings, on any machine.
-
-    peft stores "all-linear" targets as a set (written in hash-seed order) and the base model
-    as the absolute path it was loaded from (different in every clone); use a sorted list and
-    the name_or_path as written in the params file instead.
-    """
-    for peft_cfg in getattr(model, "peft_config", {}).values():
-        if isinstance(peft_cfg.target_modules, (set, frozenset)):
-            peft_cfg.target_modules = sorted(peft_cfg.target_modules)
-        peft_cfg.base_model_name_or_path = cfg.name_or_path
-
-
-def make_model_card_reproducible(folder: Path, cfg: ModelConfig, root: Path) -> None:
-    """peft's README.md in a saved adapter names the base model by the absolute path it was
-    loaded from, so the trained folder (and its DVC hash) differed between two clones of the
-    same project; name it as the params file does."""
-    card = folder / "README.md"
-    loaded_from = resolve_model_ref(cfg.name_or_path, root)
-    if card.exists() and loaded_from != cfg.name_or_path:
-        card.write_text(card.read_text().replace(loaded_from, cfg.name_or_path))
 
 
 def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_dir: Path,

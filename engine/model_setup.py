@@ -27,11 +27,12 @@ import torch
 from engine.construction import defer_to_meta, materialise, read_shards
 from engine.data import user_collate
 from engine.loss import build_loss
-from engine.model import (apply_peft, count_parameters, load_base_model, resolve_model_ref)
+from engine.adapter import apply_peft
+from engine.model import count_parameters, load_base_model, resolve_model_ref
 from engine.packing import prepare_batch_layout
 from engine.quantization import convert_to_fp8, prepare_qat
-from engine.runtime import (enable_gradient_checkpointing, maybe_compile,
-                            use_fast_bf16_cpu_kernels)
+from engine.compile import maybe_compile
+from engine.runtime import enable_gradient_checkpointing, use_fast_bf16_cpu_kernels
 from engine.strategies import build_strategy
 from engine.strategies.base import Strategy
 from finetune.config import FinetuneConfig

@@ -34,8 +34,9 @@ from engine.data import count_targets, load_tokenized, model_inputs, to_device
 from engine.distributed import Dist, node_group, setup, teardown
 from engine.job import RunPaths
 from engine.loader import open_train_batches
-from engine.model import (load_tokenizer, make_adapter_config_reproducible,
-                          make_model_card_reproducible, read_labels, write_labels)
+from engine.adapter import make_adapter_config_reproducible, make_model_card_reproducible
+from engine.labels import read_labels, write_labels
+from engine.model import load_tokenizer
 from engine.model_setup import build_model
 from engine.monitor import Monitor, due
 from engine.optim import build_scheduler
@@ -44,8 +45,8 @@ from engine.prefetch import Prefetched
 from engine.progress import Progress
 from engine.readback import Readback
 from engine.reporters import Console, build_reporters
-from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
-                            autocast_dtype, compile_stats, configure_torch)
+from engine.compile import compile_stats
+from engine.runtime import activation_offloading, apply_allocator_settings, attention_backends, autocast_dtype, configure_torch
 from engine.stream import ExampleSource
 from engine.trainers import register_trainer, trainer_class
 from finetune.config import FinetuneConfig

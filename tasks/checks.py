@@ -67,7 +67,8 @@ def check_positions(cfg, model_config) -> None:
 def _check_targets(ws: Workspace, model_config) -> None:
     import torch
 
-    from engine.model import check_target_modules, model_class
+    from engine.adapter import check_target_modules
+    from engine.model import model_class
 
     cfg = ws.config
     klass = model_class(cfg.model.auto_class_name)

@@ -23,8 +23,8 @@ from engine.data import load_tokenized
 from engine.evaluation import evaluate_loss, predict_classes
 from engine.generation import encode_prompts, greedy_generate
 from engine.loss import class_loss_sum
-from engine.model import (load_base_model, load_tokenizer, load_trained, max_positions,
-                          read_labels)
+from engine.labels import read_labels
+from engine.model import load_base_model, load_tokenizer, load_trained, max_positions
 from engine.quantization import quantized_copy
 from finetune.datatypes import DataContext
 from engine.distributed import choose_device

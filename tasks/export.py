@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from engine.model import (load_tokenizer, load_trained, read_labels, resolve_model_ref,
-                          write_labels)
+from engine.labels import read_labels, write_labels
+from engine.model import load_tokenizer, load_trained, resolve_model_ref
 from engine.quantization import quantized_copy, save_quantized
 from engine.distributed import choose_device
 from finetune.config.compat import check_machine

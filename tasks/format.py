@@ -35,7 +35,7 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
     with atomic_dir(ws.layout.formatted) as staging:
         ctx.labels = label_map(ws, top)
         if ctx.labels is not None:
-            from engine.model import write_labels
+            from engine.labels import write_labels
 
             out["labels"] = ws.layout.formatted / write_labels(staging, ctx.labels).name
         for name, data in top.parts():

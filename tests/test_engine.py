@@ -440,7 +440,7 @@ def test_runtime_flags_follow_the_config():
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
-    from engine.model import apply_peft
+    from engine.adapter import apply_peft
     from engine.runtime import enable_gradient_checkpointing
     from finetune.config.model import PeftSection
     from finetune.config.training import TrainingConfig
@@ -468,7 +468,7 @@ def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
 
 
 def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation():
-    from engine.runtime import compile_stats, decoder_blocks, maybe_compile
+    from engine.compile import compile_stats, decoder_blocks, maybe_compile
     from finetune.config.training import TrainingConfig
 
     torch._dynamo.reset()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import ROOT
-from engine.model import apply_peft, load_base_model, model_class, register_model_class
+from engine.adapter import apply_peft
+from engine.model import load_base_model, model_class, register_model_class
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.errors import PipelineError
 

@@ -97,7 +97,7 @@ def test_diloco_takes_its_outer_optimizer_by_reference_as_optimizer_name_does(to
 
 def test_the_pipeline_compiles_and_computes_its_loss_through_the_shared_functions():
     """The pipeline's stages are compiled by the one function that reads every compile option
-    (engine.runtime.compile_part) and its loss is the public, chunk-honouring one; nothing else
+    (engine.compile.compile_part) and its loss is the public, chunk-honouring one; nothing else
     in the engine calls torch.compile or a private loss helper."""
     for path in (ROOT / "engine").rglob("*.py"):
         tree = ast.parse(path.read_text())
@@ -105,7 +105,7 @@ def test_the_pipeline_compiles_and_computes_its_loss_through_the_shared_function
                  and ast.unparse(n.func) == "torch.compile"]
         # attention.py compiles FlexAttention's kernel function (no eager fast path on CUDA),
         # not a module of the model
-        if path.name not in ("runtime.py", "attention.py"):
+        if path.name not in ("compile.py", "attention.py"):
             assert calls == [], path
         private = [a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                    and n.module and n.module.startswith("engine") for a in n.names
@@ -148,7 +148,7 @@ def test_the_pipeline_refuses_a_loss_function_of_full_logits():
 def test_compile_part_reads_every_compile_option():
     from torch._dynamo import reset
 
-    from engine.runtime import compile_part
+    from engine.compile import compile_part
     from finetune.config.training import TrainingConfig
 
     seen = []

@@ -27,7 +27,7 @@ from engine.data import IGNORE_INDEX, collate, count_targets, take_rows
 from engine.distributed import Dist, all_reduce_sum
 from engine.loss import head_loss_sum
 from engine.pipeline_stages import cut_stages, decoder_of, stage_ids
-from engine.runtime import block_names, compile_part
+from engine.compile import block_names, compile_part
 from engine.strategies.base import Strategy
 
 #: fills the columns a batch is padded to max_seq_length with: after every real token, with
