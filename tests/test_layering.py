@@ -139,3 +139,41 @@ def test_the_run_surface_is_declared_and_provided():
                 and isinstance(node.value, ast.Name) and node.value.id == "self"}
     provided = assigned | {n for n in dir(TrainingRun) if not n.startswith("_")}
     assert declared - provided == set()
+
+
+def _string_references() -> list[tuple[str, str]]:
+    """(module, reference) for each project module named in a string: `pkg.module:name`
+    references (stage functions, the stream source handed to the worker) and `-m pkg.module`
+    arguments of a command line."""
+    import re
+
+    pattern = re.compile(rf"({'|'.join(FLOORS)})(\.\w+)+(:\w+(\.\w+)*)?")
+    found = []
+    for pkg in FLOORS:
+        for path in (ROOT / pkg).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                        ":" in node.value and pattern.fullmatch(node.value)):
+                    found.append((_module(path), node.value))
+                if isinstance(node, (ast.List, ast.Tuple)):
+                    items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+                    found += [(_module(path), module) for flag, module in zip(items, items[1:])
+                              if flag == "-m" and isinstance(module, str)
+                              and pattern.fullmatch(module)]
+    return found
+
+
+def test_string_module_references_resolve_and_go_one_way():
+    """A module named in a string is imported at run time all the same: it must exist (a
+    moved module breaks no string silently) and sit on the same floor or below."""
+    import importlib
+
+    refs = _string_references()
+    assert {"tasks.train:train", "engine.worker"} <= {r for _, r in refs}
+    for module, ref in refs:
+        target, _, name = ref.partition(":")
+        obj = importlib.import_module(target)
+        for part in filter(None, name.split(".")):
+            obj = getattr(obj, part)
+        assert FLOORS[target.split(".")[0]] <= FLOORS[module.split(".")[0]], (module, ref)
