@@ -33,11 +33,6 @@ class Dist:
         return self.rank == self.main_rank
 
     @property
-    def node_rank(self) -> int:
-        """This process's node (torchrun places each node's processes in one block)."""
-        return self.rank // self.local_world_size if self.local_world_size else 0
-
-    @property
     def leads_another_node(self) -> bool:
         """Local rank 0 of a node other than the main one (multi-node runs only)."""
         return self.local_rank == 0 and not self.is_main and self.world_size > self.local_world_size

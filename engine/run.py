@@ -46,7 +46,8 @@ from engine.progress import Progress
 from engine.readback import Readback
 from engine.reporters import Console, build_reporters
 from engine.compile import compile_stats
-from engine.runtime import activation_offloading, apply_allocator_settings, attention_backends, autocast_dtype, configure_torch
+from engine.runtime import (activation_offloading, apply_allocator_settings, attention_backends,
+                            autocast_dtype, configure_torch)
 from engine.stream import ExampleSource
 from engine.trainers import register_trainer, trainer_class
 from finetune.config import FinetuneConfig
@@ -198,7 +199,8 @@ class TrainingRun:
             log_cfg = self.cfg.logging
             if (log_cfg.log_on_each_node and self.dist.leads_another_node
                     and log_cfg.log_level in ("debug", "info")):
-                self.node_console = Console(f"[train node {self.dist.node_rank}]")
+                # the node as the params name it (global ranks follow rendezvous order)
+                self.node_console = Console(f"[train node {self.cfg.distributed.node_rank}]")
             return
         # user callbacks are built first: one that cannot be built fails before anything moves
         self.reporters = build_reporters(self.cfg.logging, self.paths.plots_dir,

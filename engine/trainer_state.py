@@ -221,9 +221,9 @@ def _on_this_node(run: RunView, plan: Start) -> Start:
     local = run.paths.checkpoints / plan.resume.name
     if run.dist.leads_another_node and not ckpt.is_valid(local):
         raise PipelineError(
-            f"checkpoint.save_on_each_node: node {run.dist.node_rank} has no complete copy of "
-            f"{plan.resume.name} in {run.paths.checkpoints} (missing, half-written or failing "
-            "its SHA-256 check); resume from a checkpoint every node kept, or start fresh")
+            f"checkpoint.save_on_each_node: node {run.cfg.distributed.node_rank} has no complete "
+            f"copy of {plan.resume.name} in {run.paths.checkpoints} (missing, half-written or "
+            "failing its SHA-256 check); resume from a checkpoint every node kept, or start fresh")
     return replace(plan, resume=local)
 
 
