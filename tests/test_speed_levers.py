@@ -137,6 +137,7 @@ def test_ddp_skips_unused_parameter_reductions_when_asked(tmp_path):
 
     from engine.comm import CommMeter
     from engine.distributed import Dist
+    from engine.strategies.base import StrategySetup
     from engine.strategies.ddp import DDPStrategy
     from finetune.config.schema import FinetuneConfig
 
@@ -152,7 +153,7 @@ def test_ddp_skips_unused_parameter_reductions_when_asked(tmp_path):
     try:
         d = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1,
                  device=torch.device("cpu"))
-        model = DDPStrategy(cfg, d, CommMeter()).wrap(torch.nn.Linear(2, 2))
+        model = DDPStrategy(StrategySetup.of(cfg), d, CommMeter()).wrap(torch.nn.Linear(2, 2))
         assert model.skip_all_reduce_unused_params and model.find_unused_parameters
     finally:
         dist.destroy_process_group()
@@ -165,6 +166,7 @@ def test_fsdp2_root_only_wrapping_makes_one_unit(tmp_path):
     from engine.comm import CommMeter
     from engine.distributed import Dist
     from engine.model import load_base_model
+    from engine.strategies.base import StrategySetup
     from engine.strategies.fsdp2 import FSDP2Strategy
     from finetune.config.schema import FinetuneConfig
     from helpers import ROOT
@@ -175,7 +177,7 @@ def test_fsdp2_root_only_wrapping_makes_one_unit(tmp_path):
         model = load_base_model(cfg.model, ROOT)
         d = Dist(rank=0, local_rank=0, world_size=1, local_world_size=1,
                  device=torch.device("cpu"))
-        wrapped = FSDP2Strategy(cfg, d, CommMeter()).wrap(model)
+        wrapped = FSDP2Strategy(StrategySetup.of(cfg), d, CommMeter()).wrap(model)
         return sum(isinstance(m, FSDPModule) for m in wrapped.modules())
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,

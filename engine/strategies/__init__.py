@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.comm import CommMeter
 from engine.distributed import Dist
-from engine.strategies.base import Strategy
+from engine.strategies.base import Strategy, StrategySetup
 from finetune.config import FinetuneConfig
 from finetune.errors import PipelineError
 
@@ -18,23 +18,24 @@ def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
             f"the job runs {d.world_size} processes but distributed.nproc_per_node x nnodes "
             f"is {dist.world_size}; launch it with the configured sizes")
     name = dist.resolved_strategy
+    setup = StrategySetup.of(cfg)  # each strategy sees its part of the config, not all of it
     if name != dist.strategy and d.is_main:
         print(f"[train] strategy {dist.strategy} with world size 1: training single-device",
               flush=True)
     if name == "diloco":
         from engine.strategies.diloco import DiLoCoStrategy
 
-        return DiLoCoStrategy(cfg, d, meter)
+        return DiLoCoStrategy(setup, d, meter)
     if name == "ddp":
         from engine.strategies.ddp import DDPStrategy
 
-        return DDPStrategy(cfg, d, meter)
+        return DDPStrategy(setup, d, meter)
     if name == "pipeline":
         from engine.strategies.pipeline import PipelineStrategy
 
-        return PipelineStrategy(cfg, d, meter)
+        return PipelineStrategy(setup, d, meter)
     if name == "fsdp2":
         from engine.strategies.fsdp2 import FSDP2Strategy
 
-        return FSDP2Strategy(cfg, d, meter)
-    return Strategy(cfg, d, meter)
+        return FSDP2Strategy(setup, d, meter)
+    return Strategy(setup, d, meter)

@@ -9,6 +9,7 @@ is normalised across ranks, and what goes into a (DCP) checkpoint.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,6 +22,29 @@ from engine.distributed import Dist
 from engine.evaluation import evaluate_loss
 from engine.optim import build_optimizer
 from finetune.config import FinetuneConfig
+from finetune.config.distributed import DistributedConfig
+from finetune.config.optim import OptimizerConfig
+from finetune.config.training import TrainingConfig
+
+
+@dataclass(frozen=True)
+class StrategySetup:
+    """What a strategy is given of the config, and nothing more: the `distributed` section (each
+    strategy reads its own part of it: the DDP knobs, `fsdp`, `diloco`, `pipeline`), the
+    optimizer it builds over its module's parameters, and the few values a strategy applies
+    itself (the pipeline compiles its stages and computes the loss; FSDP2 gathers only an
+    adapter's weights for export)."""
+
+    distributed: DistributedConfig
+    optimizer: OptimizerConfig
+    training: TrainingConfig  # compile options and loss_chunk_tokens (the pipeline's stages)
+    max_seq_length: int  # the pipeline's fixed stage shapes
+    trains_adapter: bool  # peft.use_peft
+
+    @classmethod
+    def of(cls, cfg: FinetuneConfig) -> "StrategySetup":
+        return cls(distributed=cfg.distributed, optimizer=cfg.optimizer, training=cfg.training,
+                   max_seq_length=cfg.data.max_seq_length, trains_adapter=cfg.peft.use_peft)
 
 
 class Strategy:
@@ -37,8 +61,8 @@ class Strategy:
         """The ranks as the data loader sees them (which shard this rank reads)."""
         return d
 
-    def __init__(self, cfg: FinetuneConfig, d: Dist, meter: CommMeter):
-        self.cfg, self.d, self.meter = cfg, d, meter
+    def __init__(self, setup: StrategySetup, d: Dist, meter: CommMeter):
+        self.setup, self.d, self.meter = setup, d, meter
         self.model: torch.nn.Module | None = None  # what the loop calls forward on
 
     # -- model and optimizer -------------------------------------------------------------
@@ -58,8 +82,8 @@ class Strategy:
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         log = (lambda line: print(line, flush=True)) if (
-            self.d.is_main and self.cfg.optimizer.log_param_groups) else None
-        return build_optimizer(self.module.named_parameters(), self.cfg.optimizer, log)
+            self.d.is_main and self.setup.optimizer.log_param_groups) else None
+        return build_optimizer(self.module.named_parameters(), self.setup.optimizer, log)
 
     def trainable_names(self) -> set[str]:
         return {n for n, p in self.module.named_parameters() if p.requires_grad}

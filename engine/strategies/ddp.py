@@ -14,7 +14,7 @@ class DDPStrategy(Strategy):
     name = "ddp"
 
     def wrap(self, model):
-        c = self.cfg.distributed
+        c = self.setup.distributed
         self.model = DistributedDataParallel(
             model,
             device_ids=[self.d.local_rank] if self.d.device.type == "cuda" else None,

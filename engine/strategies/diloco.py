@@ -55,7 +55,7 @@ class DiLoCoStrategy(Strategy):
     name = "diloco"
 
     def wrap(self, model):
-        c = self.cfg.distributed.diloco
+        c = self.setup.distributed.diloco
         self.h = c.inner_steps
         self.start = c.local_sgd_start_step
         self.group_size = c.fsdp_group_size
@@ -68,12 +68,12 @@ class DiLoCoStrategy(Strategy):
 
             mesh = init_device_mesh(self.d.device.type, (self.workers, self.group_size),
                                     mesh_dim_names=("replica", "shard"))
-            self.inner = FSDP2Strategy(self.cfg, self.d, self.meter)
+            self.inner = FSDP2Strategy(self.setup, self.d, self.meter)
             self.inner.wrap(model, mesh=mesh["shard"])
             self.replicas = mesh.get_group("replica")
             self._group = mesh.get_group("shard")
         else:
-            self.inner = Strategy(self.cfg, self.d, self.meter)
+            self.inner = Strategy(self.setup, self.d, self.meter)
             self.inner.wrap(model)
         self.eval_lockstep = self.inner.eval_lockstep
         self.model = model
@@ -147,7 +147,7 @@ class DiLoCoStrategy(Strategy):
 
     @torch.no_grad()
     def _outer_step(self) -> dict[str, float]:
-        c = self.cfg.distributed.diloco
+        c = self.setup.distributed.diloco
         sent_before = self.meter.total
         globals_ = list(self.globals.parameters())
         deltas = torch.cat([(g - _local(p)).reshape(-1)

@@ -54,7 +54,7 @@ class FSDP2Strategy(Strategy):
 
     def wrap(self, model, mesh=None):
         """Shard over `mesh` (default: all ranks; DiLoCo passes its worker group's mesh)."""
-        c = self.cfg.distributed.fsdp or FsdpConfig()
+        c = self.setup.distributed.fsdp or FsdpConfig()
         if c.buffer_dtype:
             for module in model.modules():
                 for name, buf in module.named_buffers(recurse=False):
@@ -98,7 +98,7 @@ class FSDP2Strategy(Strategy):
         every rank since each gather is a collective; only the main process keeps them. A PEFT
         export only needs the adapter, so only trainable tensors are gathered then."""
         sd = self.model.state_dict()
-        names = self.trainable_names() if self.cfg.peft.use_peft else set(sd)
+        names = self.trainable_names() if self.setup.trains_adapter else set(sd)
         full = {}
         for name in sorted(names):
             tensor = sd[name]

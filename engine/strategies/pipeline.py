@@ -43,11 +43,11 @@ class PipelineStrategy(Strategy):
     @property
     def pipe(self) -> int:
         """Ranks per pipeline."""
-        return self.cfg.distributed.pipeline.pipeline_ranks(self.d.world_size)
+        return self.setup.distributed.pipeline.pipeline_ranks(self.d.world_size)
 
     @property
     def replicas(self) -> int:
-        return self.cfg.distributed.pipeline.data_parallel_size
+        return self.setup.distributed.pipeline.data_parallel_size
 
     @property
     def batch_replicas(self) -> int:
@@ -63,7 +63,7 @@ class PipelineStrategy(Strategy):
     # -- building ------------------------------------------------------------------------
     def keep_own_part(self, model: torch.nn.Module) -> torch.nn.Module:
         """This rank's stages; the rest of the model is removed (never placed or read)."""
-        pp, world, pipe = self.cfg.distributed.pipeline, self.d.world_size, self.pipe
+        pp, world, pipe = self.setup.distributed.pipeline, self.d.world_size, self.pipe
         self.num_stages = pp.stages(world)
         first = self.d.rank - self.d.rank % pipe  # this pipeline's first global rank
         self.ids = stage_ids(self.d.rank - first, pipe, pp.resolved_stages_per_rank,
@@ -89,7 +89,7 @@ class PipelineStrategy(Strategy):
         return model
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        pp, world = self.cfg.distributed.pipeline, self.d.world_size
+        pp, world = self.setup.distributed.pipeline, self.d.world_size
         self.n_micro = pp.microbatches(world)
         self._sums: list[torch.Tensor] = []
         self._divisor = 1.0
@@ -109,12 +109,12 @@ class PipelineStrategy(Strategy):
         fixed once inferred)."""
         key = rows
         if key not in self.schedules:
-            modules, t = self.stage_modules, self.cfg.training
+            modules, t = self.stage_modules, self.setup.training
             if t.torch_compile:
                 modules = [compile_part(m, t, self.blocks) for m in modules]
             stages = [PipelineStage(m, s, self.num_stages, self.d.device, group=self.pp_group)
                       for m, s in zip(modules, self.ids)]
-            klass = get_schedule_class(self.cfg.distributed.pipeline.schedule)
+            klass = get_schedule_class(self.setup.distributed.pipeline.schedule)
             single = issubclass(klass, PipelineScheduleSingle)
             self.schedules[key] = klass(stages[0] if single else stages, self.n_micro,
                                         loss_fn=self._loss, scale_grads=False)
@@ -125,13 +125,13 @@ class PipelineStrategy(Strategy):
         """The last stage's loss of one pipeline micro-batch: the output layer over the rows
         that predict a target, training.loss_chunk_tokens at a time; summed, then divided by
         the step's targets. (On CUDA: one sync per micro-batch, finding the target rows.)"""
-        total = head_loss_sum(self.head, hidden, labels, self.cfg.training.loss_chunk_tokens)
+        total = head_loss_sum(self.head, hidden, labels, self.setup.training.loss_chunk_tokens)
         self._sums.append(total.detach())
         return total / self._divisor
 
     def _padded(self, batch: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
         """Pad a batch to `rows` rows of data.max_seq_length tokens (pad rows train nothing)."""
-        length = self.cfg.data.max_seq_length
+        length = self.setup.max_seq_length
         ids, labels = batch["input_ids"], batch["labels"]
         extra_rows, extra_cols = rows - ids.shape[0], length - ids.shape[1]
         pad = (0, extra_cols, 0, extra_rows)
@@ -192,7 +192,7 @@ class PipelineStrategy(Strategy):
     def _count_activations(self, rows: int, train: bool) -> None:
         """Bytes this rank sends: activations to the next stage (forward) and their
         gradients to the previous one (backward), where those stages are on another rank."""
-        per_micro = (rows // self.n_micro) * self.cfg.data.max_seq_length * self.hidden
+        per_micro = (rows // self.n_micro) * self.setup.max_seq_length * self.hidden
         size = per_micro * self.act_dtype.itemsize
         for s in self.ids:
             if s + 1 < self.num_stages and self.rank_of[s + 1] != self.d.rank:
