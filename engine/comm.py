@@ -70,11 +70,13 @@ def all_reduce(tensor: torch.Tensor, meter: CommMeter | None, kind: str = "all_r
 
 
 def all_reduce_count(value: float, meter: CommMeter | None, kind: str, device: torch.device,
-                     group=None) -> float:
-    """A count (target tokens) summed over `group` as one float64: exact for integers."""
+                     group=None, on_device: bool = False) -> float | torch.Tensor:
+    """A count (target tokens) summed over `group` as one float64: exact for integers.
+    `on_device`: the sum stays a 0-dim device tensor, so the host does not wait for the
+    collective (and the GPU work queued before it) to use it in the step's math."""
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     all_reduce(t, meter, kind, group=group)
-    return float(t.item())
+    return t[0] if on_device else float(t.item())
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], meter: CommMeter | None, kind: str,

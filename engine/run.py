@@ -270,7 +270,10 @@ class TrainingRun:
         micro = [progress.consume(next(self.batches))
                  for _ in range(t.gradient_accumulation_steps)]
         local_targets = sum(count_targets(b) for b in micro)
-        divisor = max(self.strategy.loss_divisor(local_targets, progress.step), 1e-9)
+        divisor = self.strategy.loss_divisor(local_targets, progress.step)
+        # a device tensor from a collective stays on the device (no host sync per step)
+        divisor = (divisor.clamp_min(1e-9) if isinstance(divisor, torch.Tensor)
+                   else max(divisor, 1e-9))
         kept = host_keys()  # what the attention kernel reads on the host
         for i, host_batch in enumerate(micro):
             batch = to_device(host_batch, d.device, kept)
@@ -287,7 +290,7 @@ class TrainingRun:
                 self.reporters.on_log(self.state, outer)
         return grad_norm
 
-    def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor: float) -> torch.Tensor:
+    def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor) -> torch.Tensor:
         """Forward and backward of one micro-batch on the device; returns its summed loss
         (the objective before dividing by `divisor`, the step's target count). `host_labels`:
         the labels still on the host, where the loss finds its target rows without a device

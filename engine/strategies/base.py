@@ -89,13 +89,16 @@ class Strategy:
         return {n for n, p in self.module.named_parameters() if p.requires_grad}
 
     # -- one optimizer step --------------------------------------------------------------
-    def loss_divisor(self, local_targets: int, step: int) -> float:
+    def loss_divisor(self, local_targets: int, step: int) -> float | torch.Tensor:
         """What a micro-batch's summed loss is divided by. Gradient-averaging strategies use
-        global targets / world size, so the averaged gradient is the global token mean."""
+        global targets / world size, so the averaged gradient is the global token mean. With
+        several ranks it is a device tensor (the all-reduced count, never read on the host:
+        no sync per step)."""
         if self.d.world_size == 1:
             return float(local_targets)
-        total = all_reduce_count(local_targets, self.meter, "loss_normaliser", self.d.device)
-        return total / self.d.world_size
+        total = all_reduce_count(local_targets, self.meter, "loss_normaliser", self.d.device,
+                                 on_device=True)
+        return (total / self.d.world_size).float()  # the loss's dtype, as a Python float was
 
     def sync_context(self, last_micro_batch: bool):
         """Gradient sync only on the last micro-batch of an accumulation."""
@@ -108,7 +111,7 @@ class Strategy:
         return build()
 
     def forward_backward(self, step: Callable[[dict, float], torch.Tensor], batch: dict,
-                         divisor: float, amp, last_micro_batch: bool) -> torch.Tensor:
+                         divisor: float | torch.Tensor, amp, last_micro_batch: bool) -> torch.Tensor:
         """One micro-batch's forward and backward; returns its summed loss. Here: the run's
         own step (model, loss, scaler) under this strategy's gradient-sync context. A
         strategy that runs a schedule of its own (the pipeline) overrides it."""

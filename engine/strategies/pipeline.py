@@ -142,7 +142,7 @@ class PipelineStrategy(Strategy):
         """None: the last stage computes the loss itself (`_loss`, inside the schedule)."""
         return None
 
-    def forward_backward(self, step, batch: dict[str, torch.Tensor], divisor: float, amp,
+    def forward_backward(self, step, batch: dict[str, torch.Tensor], divisor, amp,
                          last_micro_batch: bool) -> torch.Tensor:
         """One training micro-batch through the pipeline schedule (the run's `step` is not
         used: the schedule runs the stages' forwards and backwards); its summed loss (0 off
@@ -200,13 +200,14 @@ class PipelineStrategy(Strategy):
             if train and s > 0 and self.rank_of[s - 1] != self.d.rank:
                 self.meter.add_bytes("pp_activation_grads", size * self.n_micro)
 
-    def loss_divisor(self, local_targets: int, step: int) -> float:
+    def loss_divisor(self, local_targets: int, step: int) -> float | torch.Tensor:
         """The step's target count: a pipeline's whole batch is on each of its ranks; the
-        replicas' batches are added up (their gradients are summed, not averaged)."""
+        replicas' batches are added up (their gradients are summed, not averaged), on the
+        device."""
         if self.replicas == 1:
             return float(local_targets)
         return all_reduce_count(local_targets, self.meter, "loss_normaliser", self.d.device,
-                                group=self.dp_group)
+                                group=self.dp_group, on_device=True).float()
 
     def before_optimizer_step(self, step: int) -> None:
         """Pipeline x data parallel: each stage's gradients summed over its replicas."""
