@@ -62,12 +62,10 @@ class DiLoCoStrategy(Strategy):
         self.workers = self.d.world_size // self.group_size
         self.replicas = None  # process group across workers (None: all ranks)
         if self.group_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
             from engine.strategies.fsdp2 import FSDP2Strategy
+            from engine.strategies.mesh import replica_mesh
 
-            mesh = init_device_mesh(self.d.device.type, (self.workers, self.group_size),
-                                    mesh_dim_names=("replica", "shard"))
+            mesh = replica_mesh(self.d, self.group_size, "shard")  # workers x FSDP2 group
             self.inner = FSDP2Strategy(self.setup, self.d, self.meter)
             self.inner.wrap(model, mesh=mesh["shard"])
             self.replicas = mesh.get_group("replica")

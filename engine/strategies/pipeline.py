@@ -75,11 +75,10 @@ class PipelineStrategy(Strategy):
         # replicas (gradient sums); None = every rank, the layout without replicas
         self.pp_group = self.dp_group = None
         if self.replicas > 1:
-            from torch.distributed.device_mesh import init_device_mesh
+            from engine.strategies.mesh import replica_mesh
 
-            mesh = init_device_mesh(self.d.device.type, (self.replicas, pipe),
-                                    mesh_dim_names=("dp", "pp"))
-            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+            mesh = replica_mesh(self.d, pipe, "pp")  # data-parallel copies x a pipeline
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("replica")
         lm, inner = decoder_of(model)
         self.blocks = block_names(model)  # what torch_compile_scope: blocks compiles
         self.hidden = lm.config.hidden_size
