@@ -266,3 +266,20 @@ def test_save_on_each_node_needs_state_every_node_holds_whole():
     with pytest.raises(ValueError, match="save_on_each_node: true does not combine with FSDP2 sharding"):
         FinetuneConfig.model_validate({"data": data, "checkpoint": {"save_on_each_node": True},
                                        "distributed": {"strategy": "fsdp2", "nnodes": 2}})
+
+
+def test_hf_precision_flags_set_mixed_precision():
+    """HF TrainingArguments' `bf16: true` / `fp16: true` work as written; false says nothing;
+    both, a non-boolean, or a flag that disagrees with mixed_precision is one line."""
+    from finetune.config.training import TrainingConfig
+
+    assert TrainingConfig(bf16=True).mixed_precision == "bf16"
+    assert TrainingConfig(fp16=True, bf16=False).mixed_precision == "fp16"
+    assert TrainingConfig(bf16=False).mixed_precision == "fp32"
+    assert TrainingConfig(bf16=True, mixed_precision="bf16").mixed_precision == "bf16"
+    for kwargs, message in (({"bf16": True, "fp16": True}, "bf16 and fp16 are both true"),
+                            ({"bf16": True, "mixed_precision": "fp32"},
+                             "bf16: true and mixed_precision 'fp32' disagree"),
+                            ({"fp16": "yes"}, "fp16: true or false")):
+        with pytest.raises(ValueError, match=message):
+            TrainingConfig(**kwargs)

@@ -213,7 +213,8 @@ class TrainingConfig(Section):
         "init in all three.",
     )
     mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
-        "fp32", description="Autocast dtype; fp32/no = full precision."
+        "fp32", description="Autocast dtype; fp32/no = full precision. HF's flags set it too: "
+        "bf16: true or fp16: true (false leaves it as it is).",
     )
     seed: int | None = Field(
         42, ge=0, le=2**32 - 1,
@@ -276,6 +277,31 @@ class TrainingConfig(Section):
     detect_anomaly: bool = Field(
         False, description="autograd anomaly detection: the op that made a NaN (slow; debug)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_precision_flags(cls, raw):
+        """HF TrainingArguments' `bf16: true` / `fp16: true` are mixed_precision bf16 / fp16,
+        so a Trainer user's section works as written; both true, or a flag that disagrees
+        with mixed_precision, is refused."""
+        if not isinstance(raw, dict) or not {"bf16", "fp16"} & raw.keys():
+            return raw
+        raw = dict(raw)
+        flags = {name: raw.pop(name) for name in ("bf16", "fp16") if name in raw}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: true or false (HF's flag for mixed_precision "
+                                 f"{name}), got {value!r}")
+        on = [name for name, value in flags.items() if value]
+        if len(on) > 1:
+            raise ValueError("bf16 and fp16 are both true; set one of them (or mixed_precision)")
+        if on:
+            current = raw.get("mixed_precision")
+            if current not in (None, on[0]):
+                raise ValueError(f"{on[0]}: true and mixed_precision {current!r} disagree; "
+                                 "keep one of them")
+            raw["mixed_precision"] = on[0]
+        return raw
 
     @model_validator(mode="after")
     def _compat(self) -> "TrainingConfig":
