@@ -6,6 +6,7 @@ is compared with dvc.yaml during a real repro: tests/test_pipeline.py.)"""
 from __future__ import annotations
 
 import ast
+import shutil
 
 import yaml
 
@@ -94,6 +95,25 @@ def test_each_stage_depends_on_the_code_that_makes_its_outputs():
     for spec in STAGES.values():  # and no dependency names a file that is gone
         for dep in spec.get("deps", []):
             assert (ROOT / dep).exists() or dep.startswith("data/"), dep
+
+
+def test_dvc_plots_show_renders_each_plot_once(tmp_path):
+    """Asked of DVC itself, in a clone with the committed curves: the page `dvc plots show`
+    renders has curves.png once (declared both as a stage plot and as a top-level plot, the
+    page showed it twice; with that declaration this test fails) and each curve once."""
+    import re
+    import subprocess
+
+    from helpers import BIN, copy_project
+
+    project = copy_project(tmp_path / "p")
+    shutil.copytree(ROOT / "data/plots", project / "data/plots")
+    proc = subprocess.run([str(BIN / "dvc"), "plots", "show", "-o", str(tmp_path / "html")],
+                          cwd=project, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / "html/index.html").read_text()
+    assert len(re.findall(r"<img ", page)) == 1
+    assert page.count("Training and eval loss") == 1
 
 
 def test_each_plot_is_declared_once():

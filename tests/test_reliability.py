@@ -206,8 +206,10 @@ def test_a_stage_command_beside_another_run_is_refused_as_busy(tokenized, tmp_pa
 def test_an_interrupted_stage_says_where_it_stopped_and_how_to_resume(tokenized, tmp_path,
                                                                       how):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or a scheduler's
-    SIGTERM to the stage: exit 130 / 143 (128 + the signal) and one line with the step reached, the newest checkpoint
-    and the resume command, no traceback; the workers are gone."""
+    SIGTERM to the stage: exit 130 / 143 (128 + the signal) and one line with the step
+    reached, the newest checkpoint and the resume command, no traceback; the workers are gone.
+    A second `finetune stage train` started while the first runs is refused as busy (exit 2)
+    and leaves the first's checkpoints as they are."""
     import os
     import signal
     import subprocess
@@ -224,7 +226,10 @@ def test_an_interrupted_stage_says_where_it_stopped_and_how_to_resume(tokenized,
     for line in stage.stdout:
         if line.startswith("[train] checkpoint"):
             break
-    if how == "ctrl-c":
+    if how == "ctrl-c":  # a second training on the workspace meanwhile: refused, writes nothing
+        second = run_cli(project, "stage", "train", "-s", "optimizer.learning_rate=0.001")
+        assert "is busy: another pipeline run holds" in error_line(second, code=2)
+        assert stage.poll() is None, "the first training still runs"
         os.killpg(stage.pid, signal.SIGINT)
     else:
         stage.send_signal(signal.SIGTERM)
@@ -239,3 +244,9 @@ def test_an_interrupted_stage_says_where_it_stopped_and_how_to_resume(tokenized,
                          "checkpoint.resume_from_checkpoint=true"), line
     wait_until_no_process_in(project)
     assert not (project / "data/trained").exists()
+    # the checkpoint it names is the first training's, whole (the refused one wrote none)
+    from engine.checkpoint import is_valid, read_meta
+
+    named = project / line.split("; last checkpoint ")[1].split(" (step")[0]
+    assert is_valid(named)
+    assert read_meta(named)["fingerprint"]["config"]["optimizer.learning_rate"] == 0.005
