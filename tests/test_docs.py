@@ -274,3 +274,10 @@ def test_every_module_is_on_the_architecture_page():
                for p in (ROOT / pkg).rglob("*.py") if p.name != "__init__.py"]
     missing = [_rel(m) for m in modules if f"`{_rel(m)}`" not in page]
     assert len(modules) > 80 and not missing, missing
+
+
+def test_the_overview_page_is_the_readme():
+    """docs/index.md is README.md with its links made relative to docs/: one text, two
+    places (write it with: sed 's|](docs/|](|g' README.md > docs/index.md)."""
+    readme = README.read_text()
+    assert (ROOT / "docs/index.md").read_text() == readme.replace("](docs/", "](")
