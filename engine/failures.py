@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from finetune.errors import PipelineError
-from finetune.files import UNWRITABLE
+from finetune.files import exception_chain, refused_write
 
 #: the kinds, in the order the launcher prefers them when several ranks report
 KINDS = ("input", "disk", "memory", "crash", "comm")
@@ -50,17 +50,8 @@ class Report:
         return found
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    """The exception and its causes (DCP wraps a rank's error in its own)."""
-    found: list[BaseException] = []
-    while exc is not None and all(exc is not e for e in found):
-        found.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return found
-
-
 def _text(exc: BaseException) -> str:
-    return "\n".join(f"{type(e).__name__}: {e}" for e in _chain(exc))
+    return "\n".join(f"{type(e).__name__}: {e}" for e in exception_chain(exc))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -81,8 +72,7 @@ def describe(exc: BaseException, rank: int, ddp_timeout: int | None = None) -> R
             f"disk full{at} (rank {rank}): free space on that filesystem, lower "
             f"checkpoint.save_total_limit, or move the project to a larger disk, then run "
             f"again with checkpoint.resume_from_checkpoint: true; {INTACT}"), rank)
-    refused = next((e for e in _chain(exc) if isinstance(e, OSError)
-                    and e.errno in UNWRITABLE), None)
+    refused = refused_write(exc)
     if refused is not None:
         return Report("disk", (
             f"cannot write {refused.filename or 'the output folder'} (rank {rank}): "
@@ -115,7 +105,7 @@ def describe(exc: BaseException, rank: int, ddp_timeout: int | None = None) -> R
 
 def _disk_full(exc: BaseException, text: str) -> bool:
     codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    return (any(isinstance(e, OSError) and e.errno in codes for e in _chain(exc))
+    return (any(isinstance(e, OSError) and e.errno in codes for e in exception_chain(exc))
             or any(s in text for s in DISK_FULL))
 
 

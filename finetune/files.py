@@ -56,18 +56,31 @@ def as_disk_full(exc: BaseException, folder: Path) -> BaseException:
 UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """The exception and its causes, each once (DCP wraps a rank's error in its own)."""
+    found: list[BaseException] = []
+    while exc is not None and all(exc is not e for e in found):
+        found.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def refused_write(exc: BaseException) -> OSError | None:
+    """The OSError in `exc`'s chain that says a write was refused (UNWRITABLE), if any."""
+    return next((e for e in exception_chain(exc)
+                 if isinstance(e, OSError) and e.errno in UNWRITABLE), None)
+
+
 def as_unwritable(exc: BaseException, folder: Path) -> BaseException:
     """`exc`, or an OSError of the same errno naming `folder` when a write under it was
     refused (read-only filesystem, permissions): writers such as DCP name only their own file
     ('__0_0.distcp'), which says nothing about where."""
-    seen = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in UNWRITABLE:
-            named = OSError(seen.errno, os.strerror(seen.errno), str(folder))
-            named.__cause__ = exc
-            return named
-        seen = seen.__cause__ or seen.__context__
-    return exc
+    refused = refused_write(exc)
+    if refused is None:
+        return exc
+    named = OSError(refused.errno, os.strerror(refused.errno), str(folder))
+    named.__cause__ = exc
+    return named
 
 
 @contextlib.contextmanager
@@ -96,10 +109,11 @@ def discard_on_failure(staging: Path, remove: bool = True) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        error = exc if isinstance(exc, (KeyboardInterrupt, SystemExit)) else as_disk_full(
-            exc, staging)  # before the removal frees the space
-        if error is exc and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            error = as_unwritable(exc, staging.parent)
+        error = exc
+        if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            error = as_disk_full(exc, staging)  # before the removal frees the space
+            if error is exc:
+                error = as_unwritable(exc, staging.parent)
         if remove:
             shutil.rmtree(staging, ignore_errors=True)
         if error is exc:
