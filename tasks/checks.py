@@ -17,10 +17,9 @@ from finetune.workspace import Workspace
 
 def check_without_data(ws: Workspace) -> None:
     """One line for the first problem found; nothing is written."""
-    from engine.distributed import choose_device
+    from engine.preflight import device_for
 
-    device = choose_device(ws.config.training.resolved_device)
-    user_code_and_machine(ws, device)
+    user_code_and_machine(ws, device_for(ws.config))
     check_model(ws)
     check_resume_target(ws)
     check_sources(ws)
