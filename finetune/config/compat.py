@@ -10,7 +10,8 @@ known (`check_machine`: `finetune validate` and the train stage, before any proc
 Each section's validator runs its scope's rows (`check(section, scope)`), so a section alone
 (a data source, a training section built by a test) is checked as the whole file is, and the
 error names the keys relative to the section the loader names. The params reference's
-"applies to" column (docs/reference.md) and tests/test_compat.py (one example per row that must be refused) derive from the rows.
+"applies to" column (docs/reference.md) and tests/test_compat.py (one example per row that must
+be refused) derive from the rows.
 Adding an option that depends on another is one row here, nothing elsewhere. Rules among one
 dataset type's own keys live with the type (finetune/datatypes), which is one module by design.
 """
@@ -162,7 +163,8 @@ def check_machine(cfg, device, sections: tuple[str, ...] | None = None) -> None:
 
 
 def rules_for(dotted: str) -> list[Rule]:
-    """The rows about one option (its full dotted key), for the params reference (docs/reference.md)."""
+    """The rows about one option (its full dotted key), for the params reference
+    (docs/reference.md)."""
     return [r for r in RULES if full_key(r) == dotted]
 
 
