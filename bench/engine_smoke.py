@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.job import JobSpec, RunPaths  # noqa: E402
+from engine.process.job import JobSpec, RunPaths  # noqa: E402
 from finetune.config import load_config  # noqa: E402
 
 

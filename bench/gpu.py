@@ -152,9 +152,9 @@ def long_rows(train: Path, dest: Path, n_rows: int) -> Path:
 
 
 def order(n: int, batch: int, steps: int, seed: int = 42) -> list[int]:
-    """Our trainer's example order (engine.data.ShardedBatches, one rank), for HF/TRL to read
-    sequentially: the same examples at every step."""
-    from engine.data import ShardedBatches
+    """Our trainer's example order (engine.datapath.data.ShardedBatches, one rank), for HF/TRL to
+    read sequentially: the same examples at every step."""
+    from engine.datapath.data import ShardedBatches
 
     batches = ShardedBatches(n, batch, 0, 1, seed)
     out: list[int] = []

@@ -81,7 +81,7 @@ def matmul_ceiling(hidden: int, inter: int, dtype: str, tokens: int = 2048) -> f
     weight gradient (h x T @ T x i), each with both operands contiguous (NN) and with one
     transposed (NT, TN). One forward shape alone under-reads the ceiling at small hidden sizes,
     and on CPUs without bf16 matmul units bf16 NN runs 10-20x slower than NT/TN (see
-    engine/cpu_linear.py): the best of all of them is what the hardware can do."""
+    engine/modeling/cpu_linear.py): the best of all of them is what the hardware can do."""
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -116,7 +116,7 @@ def prepare_data(project: Path, dataset: str, max_len: int) -> Path:
 
 
 def our_order(n_rows: int, batch: int, steps: int, seed: int) -> list[int]:
-    from engine.data import ShardedBatches
+    from engine.datapath.data import ShardedBatches
 
     per_epoch = ShardedBatches(n_rows, batch, 0, 1, seed).epoch(0)
     if steps > len(per_epoch):

@@ -1,12 +1,13 @@
 """The training engine: a small library the torchrun worker drives.
 
-`engine.worker` is the torchrun entry point: it reads the job file (`engine.job`: the config and
-the explicit paths the train stage hands over) and runs the trainer type the config names
-(`engine.trainers`). The recipe is `engine.run.TrainingRun`: it owns the loop and one progress
-record (`engine.progress`), and the pieces are components it composes: the model and its setup
-(`model`, `model_setup`, `construction`), the data path (`data`, `loader`, `stream`, `prefetch`,
-`packing`, `attention`), the loss and optimizer (`loss`, `optim`, `optim_in_backward`), the
-parallelism (`strategies/`, `distributed`, `comm`), the state a checkpoint holds (`checkpoint`,
-`trainer_state`, `fingerprint`), and reporting (`callbacks`, `reporters`, `readback`). The
-engine never sees the pipeline's folder layout. docs/architecture.md lists every module.
+Two doors lead in. `engine.worker` is the torchrun entry point: it reads the job file
+(`engine.process.job`: the config and the explicit paths the train stage hands over) and runs
+the trainer type the config names (`engine.recipe.trainers`). `engine.preflight` is the train
+stage's door: the checks before launch and the resume's seed. Behind them the engine is grouped
+in rooms by concern, each importing only the rooms below it: `recipe` (the loop:
+`TrainingRun`), `state` (checkpoints, the resume rule), `strategies` (how work is split across
+ranks), `evaluation`, `objective` (loss, optimizer), `datapath` (rows into micro-batches),
+`modeling` (the model, loaded and transformed), `reporting` (progress, callbacks, reporters)
+and `process` (one rank's process). The engine never sees the pipeline's folder layout.
+docs/architecture.md lists every module; tests/test_layering.py holds the order.
 """

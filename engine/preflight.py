@@ -4,7 +4,7 @@ write, and what a run's start is decided by (which checkpoint it continues, with
 tasks/train.py imports this module and no other engine module, so a new "check before launch"
 is added here, next to the engine code it checks, not in the stage; `finetune validate`
 (tasks/checks.py) runs the same user-code and machine checks. Every decision here is the one the
-worker takes again (engine.trainer_state.plan_start, resume_candidate): one rule, asked twice,
+worker takes again (engine.state.trainer_state.plan_start, resume_candidate): one rule, asked twice,
 so a refusal comes before any process writes.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.job import RunPaths
+from engine.process.job import RunPaths
 from finetune.config import FinetuneConfig
 from finetune.errors import PipelineError
 from finetune.imports import load_object
@@ -25,7 +25,7 @@ TRANSFORMERS_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassificat
 
 def device_for(cfg: FinetuneConfig) -> torch.device:
     """The device a run of this config gets on this machine."""
-    from engine.distributed import choose_device
+    from engine.process.distributed import choose_device
 
     return choose_device(cfg.training.resolved_device)
 
@@ -40,11 +40,11 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
     t = cfg.training
     check_machine(cfg, device)
     if cfg.model.auto_class_name not in TRANSFORMERS_CLASSES:
-        from engine.model import model_class
+        from engine.modeling.model import model_class
 
         model_class(cfg.model.auto_class_name)
     if cfg.logging.callbacks:
-        from engine.callbacks import check_user_callback
+        from engine.reporting.callbacks import check_user_callback
 
         for spec in cfg.logging.callbacks:
             check_user_callback(spec)
@@ -52,13 +52,13 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
         [(cfg.distributed.diloco.outer_optimizer, "distributed.diloco.outer_optimizer")]
         if cfg.distributed.diloco is not None else [])
     if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
-        from engine.optim import optimizer_class, scheduler_factory
+        from engine.objective.optim import optimizer_class, scheduler_factory
 
         for name, key in refs:
             optimizer_class(name, key)
         scheduler_factory(cfg.scheduler.name)
     if t.type != "sft":
-        from engine.run import trainer_class  # imported there: the registry knows sft
+        from engine.recipe.run import trainer_class  # imported there: the registry knows sft
 
         trainer_class(t.type)
     for key, ref in (("training.compute_loss_func", t.compute_loss_func),
@@ -67,11 +67,11 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
         if ref and not callable(load_object(ref, key)):
             raise PipelineError(f"{key}: '{ref}' is not a function")
     if cfg.model.load_in_4bit or cfg.model.load_in_8bit:
-        from engine.model import check_quantization
+        from engine.modeling.model import check_quantization
 
         check_quantization(cfg.model)
     if t.fp8_recipe or t.qat_recipe:
-        from engine.quantization import check_low_precision
+        from engine.modeling.quantization import check_low_precision
 
         check_low_precision(t, device)
 
@@ -86,13 +86,13 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
         if not paths.train_data.exists():
             raise PipelineError(f"{paths.train_data} missing; run the tokenize stage")
         if cfg.data.collate_fn:
-            from engine.data import check_collate, load_tokenized, take_rows, user_collate
+            from engine.datapath.data import check_collate, load_tokenized, take_rows, user_collate
 
             rows = take_rows(load_tokenized(paths.train_data), range(2))
             check_collate(user_collate(cfg.data.collate_fn), rows, cfg.data.collate_fn)
     if cfg.checkpoint.resume_from_checkpoint:
-        from engine import fingerprint
-        from engine.trainer_state import plan_start
+        from engine.state import fingerprint
+        from engine.state.trainer_state import plan_start
 
         plan_start(paths.checkpoints, lambda: fingerprint.of_run(cfg, paths), cfg.checkpoint,
                    cfg.distributed, log=lambda line: None, root=paths.project_root)
@@ -101,8 +101,8 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
 def check_world_size(cfg: FinetuneConfig, checkpoints: Path) -> None:
     """Before any process starts: a resume of the newest checkpoint written at another world
     size or strategy is refused from its meta.json alone (no file hashing)."""
-    from engine import checkpoint as ckpt
-    from engine.trainer_state import check_resumable
+    from engine.state import checkpoint as ckpt
+    from engine.state.trainer_state import check_resumable
 
     newest = ckpt.newest_meta(checkpoints)
     if newest is not None:
@@ -113,8 +113,8 @@ def seed_of_resumed_checkpoint(cfg: FinetuneConfig, paths: RunPaths) -> int | No
     """`training.seed: null` and a resume: the seed of the checkpoint the resume would pick
     (the same choice as plan_start's), so data order and dropout continue and the fingerprint
     matches; None when there is none to continue."""
-    from engine import checkpoint as ckpt
-    from engine.trainer_state import resume_candidate
+    from engine.state import checkpoint as ckpt
+    from engine.state.trainer_state import resume_candidate
 
     path = resume_candidate(cfg.checkpoint.resume_from_checkpoint, paths.checkpoints,
                             paths.project_root)
@@ -125,6 +125,6 @@ def seed_of_resumed_checkpoint(cfg: FinetuneConfig, paths: RunPaths) -> int | No
 def newest_checkpoint(checkpoints: Path) -> tuple[Path, dict] | None:
     """The newest complete checkpoint and its meta record (what an interrupted stage points
     the user to), or None."""
-    from engine.checkpoint import newest_meta
+    from engine.state.checkpoint import newest_meta
 
     return newest_meta(checkpoints)

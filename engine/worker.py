@@ -1,6 +1,6 @@
 """torchrun entry point: `python -m torch.distributed.run ... -m engine.worker JOB.json`.
 
-The job file (engine.job.JobSpec) carries the already-validated config (so every rank trains
+The job file (engine.process.job.JobSpec) carries the already-validated config (so every rank trains
 on exactly what the stage validated, even if the params file changes meanwhile), the run's
 input and output paths, the go file through which the stage confirms the job (and names the
 file rank 0 streams its logged rows to: the stage forwards them to MLflow), and, when the
@@ -20,9 +20,9 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from engine.failures import Report, describe
-from engine.job import JobSpec
-from engine.lifetime import die_with_parent
+from engine.process.failures import Report, describe
+from engine.process.job import JobSpec
+from engine.process.lifetime import die_with_parent
 from finetune.errors import PipelineError, quiet_import_noise
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_job(job: JobSpec) -> dict:
     """What every rank does with a job: validate its config, open the stream it names, train.
     Tests call it in-process with the job the train stage would write."""
-    from engine.run import train
+    from engine.recipe.run import train
     from finetune.config import reads, validate_raw
     from finetune.imports import load_object
 

@@ -117,7 +117,7 @@ def _quiet_env() -> None:
 
 
 def cmd_stage(args) -> int:
-    from engine.lifetime import bind_to_orchestrator_if_asked
+    from engine.process.lifetime import bind_to_orchestrator_if_asked
     from tasks import stage_function
 
     bind_to_orchestrator_if_asked()  # under the orchestrator's dvc: a cancelled task ends us too

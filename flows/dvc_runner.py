@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import yaml
 
-from engine.lifetime import EXIT_WITH, child_dies_with_us
+from engine.process.lifetime import EXIT_WITH, child_dies_with_us
 from finetune.config.loader import apply_overrides, read_params_file, validate_raw
 from finetune.errors import PipelineError
 
@@ -66,7 +66,7 @@ def stream(cmd: list[str], cwd: Path, on_line: Callable[[str], None] | None = No
            env: dict[str, str] | None = None) -> tuple[int, str]:
     """Run `cmd`, passing each output line to `on_line` as it comes; return (rc, output).
 
-    The command dies with this process however it dies (engine/lifetime.py; the stage under
+    The command dies with this process however it dies (engine/process/lifetime.py; the stage under
     it is started with FINETUNE_EXIT_WITH=<our pid> and dies with us in turn), and SIGINT or
     SIGTERM sent to this process (Ctrl-C, an orchestrator's cancel) is passed on to the
     command's whole process group before this process stops."""

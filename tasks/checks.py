@@ -43,7 +43,7 @@ def check_model(ws: Workspace) -> None:
     weightless skeleton built from config.json on the meta device). The tokenizer is the
     data stages' to load (a chat type's template check loads it here)."""
     cfg = ws.config
-    from engine.model import load_model_config
+    from engine.modeling.model import load_model_config
 
     if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
         return
@@ -66,8 +66,8 @@ def check_positions(cfg, model_config) -> None:
 def _check_targets(ws: Workspace, model_config) -> None:
     import torch
 
-    from engine.adapter import check_target_modules
-    from engine.model import model_class
+    from engine.modeling.adapter import check_target_modules
+    from engine.modeling.model import model_class
 
     cfg = ws.config
     klass = model_class(cfg.model.auto_class_name)
@@ -83,7 +83,7 @@ def _check_targets(ws: Workspace, model_config) -> None:
 def check_resume_target(ws: Workspace) -> None:
     """A named checkpoint exists whole and was written at this world size and strategy; with
     resume_from_checkpoint: true, the newest one was (meta.json alone, no file hashing)."""
-    from engine.trainer_state import resumable_path
+    from engine.state.trainer_state import resumable_path
 
     mode = ws.config.checkpoint.resume_from_checkpoint
     if isinstance(mode, str) and mode != "auto":

@@ -19,16 +19,16 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from engine.data import load_tokenized
-from engine.evaluation import evaluate_loss, predict_classes
-from engine.generation import encode_prompts, greedy_generate
-from engine.loss import class_loss_sum
-from engine.labels import read_labels
-from engine.model import load_base_model, load_tokenizer, load_trained, max_positions
-from engine.quantization import quantized_copy
-from finetune.datatypes import DataContext
-from engine.distributed import choose_device
+from engine.datapath.data import load_tokenized
+from engine.evaluation.generation import encode_prompts, greedy_generate
+from engine.evaluation.heldout import evaluate_loss, predict_classes
+from engine.modeling.labels import read_labels
+from engine.modeling.model import load_base_model, load_tokenizer, load_trained, max_positions
+from engine.modeling.quantization import quantized_copy
+from engine.objective.loss import class_loss_sum
+from engine.process.distributed import choose_device
 from finetune.config.compat import check_machine
+from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -73,7 +73,7 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     tuned_loss = evaluate_loss(tuned_model, *args)
     results["finetuned"] = _loss_entry(tuned_loss)
     t = cfg.training
-    if t.qat_recipe:  # the quantised model the export ships (engine.quantization)
+    if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
         quantized, _ = quantized_copy(tuned_model, t.qat_recipe, t.qat_group_size)
         results["quantized"] = _loss_entry(evaluate_loss(quantized, *args))
         del quantized

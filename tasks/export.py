@@ -15,10 +15,10 @@ from pathlib import Path
 
 import yaml
 
-from engine.labels import read_labels, write_labels
-from engine.model import load_tokenizer, load_trained, resolve_model_ref
-from engine.quantization import quantized_copy, save_quantized
-from engine.distributed import choose_device
+from engine.modeling.labels import read_labels, write_labels
+from engine.modeling.model import load_tokenizer, load_trained, resolve_model_ref
+from engine.modeling.quantization import quantized_copy, save_quantized
+from engine.process.distributed import choose_device
 from finetune.config.compat import check_machine
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic

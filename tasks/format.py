@@ -35,7 +35,7 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
     with atomic_dir(ws.layout.formatted) as staging:
         ctx.labels = label_map(ws, top)
         if ctx.labels is not None:
-            from engine.labels import write_labels
+            from engine.modeling.labels import write_labels
 
             out["labels"] = ws.layout.formatted / write_labels(staging, ctx.labels).name
         for name, data in top.parts():
@@ -92,7 +92,7 @@ def check_dropped(dropped: int, total: int, max_fraction: float, where: str, rea
 def data_context(ws: Workspace) -> DataContext:
     """What the types get from a data stage: the root and the tokenizer, loaded on first use
     (with our own truncation: its length limit is not the stage's)."""
-    from engine.model import load_tokenizer
+    from engine.modeling.model import load_tokenizer
 
     def tokenizer():
         tok = load_tokenizer(ws.config.model, ws.root)

@@ -20,9 +20,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engine.failures import Report
-from engine.job import JobSpec, RunPaths
-from engine.lifetime import WATCH_PID, child_dies_with_us
+from engine.process.failures import Report
+from engine.process.job import JobSpec, RunPaths
+from engine.process.lifetime import WATCH_PID, child_dies_with_us
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -105,7 +105,7 @@ class TorchrunJob:
         # stdout (the training log) streams live; stderr is held back so that a clean one-line
         # error is not buried under torchrun's failure dump. The agent gets SIGTERM when this
         # process dies however it dies (it then stops the workers, which also die with it:
-        # engine/lifetime.py), so no worker trains on without its stage.
+        # engine/process/lifetime.py), so no worker trains on without its stage.
         self.proc = subprocess.Popen(torchrun_command(self.ws, self.job_file), cwd=self.ws.root,
                                      env=env, stderr=self._stderr,
                                      preexec_fn=child_dies_with_us())

@@ -1,7 +1,7 @@
 """Why a torchrun job failed, in one line: the workers' reports plus torchrun's own summary.
 
-Each failing rank writes a report (engine.failures); a rank that died without one (SIGKILL from
-the kernel's out-of-memory killer, a segfault) only shows in torchrun's failure summary, and a
+Each failing rank writes a report (engine.process.failures); a rank that died without one (SIGKILL
+from the kernel's out-of-memory killer, a segfault) only shows in torchrun's failure summary, and a
 rendezvous that never completed only in torchrun's log. The order of preference: bad input;
 the first failure torchrun observed, when it was a death by signal; the reports by kind (disk,
 memory, crash before lost contact, which is usually a consequence of another rank's failure);
@@ -14,7 +14,7 @@ import re
 import signal
 from pathlib import Path
 
-from engine.failures import INTACT, KINDS, Report
+from engine.process.failures import INTACT, KINDS, Report
 from finetune.config.distributed import DistributedConfig
 from finetune.errors import PipelineError, TransientError
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pandas as pd
 
-from engine.labels import read_labels, write_labels
-from engine.model import max_positions
+from engine.modeling.labels import read_labels, write_labels
+from engine.modeling.model import max_positions
 from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic

@@ -72,7 +72,7 @@ def train(ws: Workspace) -> dict[str, Path]:
               "if there is one", flush=True)
     if ws.config.checkpoint.resume_from_checkpoint is True:
         preflight_engine.check_world_size(ws.config, ws.layout.checkpoints)
-    if ws.config.distributed.node_rank > 0:  # its workers take node 0's seed (engine.run)
+    if ws.config.distributed.node_rank > 0:  # its workers take node 0's seed (engine.recipe.run)
         preflight(ws)
         return _train_worker_node(ws)
     ws = with_resolved_seed(ws)

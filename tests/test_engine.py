@@ -7,8 +7,14 @@ import warnings
 import pytest
 import torch
 
-from engine import checkpoint as ckpt
-from engine.data import IGNORE_INDEX, ShardedBatches, collate, count_targets, token_loss_sum
+from engine.datapath.data import (
+    IGNORE_INDEX,
+    ShardedBatches,
+    collate,
+    count_targets,
+    token_loss_sum,
+)
+from engine.state import checkpoint as ckpt
 
 
 def test_two_ranks_see_exactly_what_one_rank_with_double_batch_sees():
@@ -114,7 +120,7 @@ def _tiny_named_params():
 
 
 def test_optimizer_groups_first_match_wins_and_override_options():
-    from engine.optim import build_optimizer
+    from engine.objective.optim import build_optimizer
     from finetune.config.optim import OptimizerConfig
 
     cfg = OptimizerConfig(weight_decay=0.1, optimizer_groups={
@@ -132,7 +138,7 @@ def test_optimizer_groups_first_match_wins_and_override_options():
 
 
 def test_optimizer_groups_bad_input():
-    from engine.optim import build_optimizer
+    from engine.objective.optim import build_optimizer
     from finetune.config.optim import OptimizerConfig
     from finetune.errors import PipelineError
 
@@ -149,7 +155,7 @@ def test_optimizer_groups_bad_input():
 
 
 def test_collate_packed_restarts_positions_and_drops_boundary_targets():
-    from engine.data import collate_packed, count_targets, pack_rows
+    from engine.datapath.data import collate_packed, count_targets, pack_rows
 
     rows = [{"input_ids": [1, 2, 3, 4], "labels": [5, 6, 7, 8]},
             {"input_ids": [9, 10], "labels": [11, 12]},
@@ -167,7 +173,7 @@ def test_collate_packed_restarts_positions_and_drops_boundary_targets():
 
 
 def test_collate_flat_is_one_unpadded_row_with_example_boundaries():
-    from engine.data import BOUNDARY_KEYS, collate_flat, count_targets, to_device
+    from engine.datapath.data import BOUNDARY_KEYS, collate_flat, count_targets, to_device
 
     rows = [{"input_ids": [1, 2, 3, 4], "labels": [5, 6, 7, 8]},
             {"input_ids": [9, 10], "labels": [11, 12]},
@@ -193,7 +199,7 @@ def test_bucketed_flat_rows_take_a_few_shapes_and_train_the_same_targets():
     of two, so 200 random micro-batches give a handful of shapes (compile and CUDA graphs
     reuse them), where unbucketed rows give nearly one shape per batch; the real tokens, their
     positions, boundaries and targets are those of the unbucketed row."""
-    from engine.data import collate_flat, count_targets
+    from engine.datapath.data import collate_flat, count_targets
 
     g = torch.Generator().manual_seed(0)
     shapes, plain_shapes = set(), set()
@@ -222,9 +228,9 @@ def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alo
     """The padding-free row gives each example's own logits (one shared causal attention
     would not: checked by comparing with the stock SDPA run on the same row), and padded
     batches through the switched model still give the stock model's logits."""
-    from engine.attention import VARLEN_ATTENTION
-    from engine.data import collate_flat, model_inputs
-    from engine.packing import enable_varlen
+    from engine.datapath.attention import VARLEN_ATTENTION
+    from engine.datapath.data import collate_flat, model_inputs
+    from engine.datapath.packing import enable_varlen
 
     model = _stories().eval()
     g = torch.Generator().manual_seed(1)
@@ -250,7 +256,7 @@ def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alo
 def test_packed_rows_carry_varlen_boundaries_over_the_flattened_rows():
     """For a varlen kernel, packed rows (width 6 here) are one flat sequence of segments:
     each example, then each row's padding tail as a segment of its own (its labels ignored)."""
-    from engine.data import collate_packed
+    from engine.datapath.data import collate_packed
 
     rows = [{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4]},
             {"input_ids": [5, 6], "labels": [5, 6]},
@@ -266,7 +272,7 @@ def test_varlen_kernel_choice_follows_the_machine():
     """On a CPU only per-example SDPA trains; asking for a flash kernel or flex is one line
     naming the key, why, and what is usable (the CUDA kernels are exercised by
     bench/engine_smoke.py and bench/gpu.py on a GPU)."""
-    from engine.attention import available_kernels, choose_kernel
+    from engine.datapath.attention import available_kernels, choose_kernel
     from finetune.errors import PipelineError
 
     cpu = torch.device("cpu")
@@ -285,8 +291,8 @@ def test_flex_document_mask_equals_separate_forwards(compiled):
     """The GPU's portable varlen fallback, run here forward only (torch has no FlexAttention
     backward on a CPU): packed rows laid end to end under the document mask give each
     example's own logits, eager and compiled; a causal mask alone would not."""
-    from engine.attention import use_varlen_attention
-    from engine.data import collate_packed, model_inputs
+    from engine.datapath.attention import use_varlen_attention
+    from engine.datapath.data import collate_packed, model_inputs
 
     model = _stories().eval()
     g = torch.Generator().manual_seed(1)
@@ -315,7 +321,7 @@ def test_layout_aware_linear_computes_the_same_products_as_autograd_in_bf16():
     """Forward is bitwise autocast's; input, weight and bias gradients match the exact
     products of the bf16-rounded operands (as stock autograd's do), with and without a frozen
     weight; `restore_linear` gives the class forward back."""
-    from engine.cpu_linear import restore_linear, use_layout_aware_linear
+    from engine.modeling.cpu_linear import restore_linear, use_layout_aware_linear
 
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(2, 5, 16, generator=g)
@@ -353,7 +359,7 @@ def test_layout_aware_linear_computes_the_same_products_as_autograd_in_bf16():
 
 
 def test_fast_bf16_kernels_switch_on_only_for_bf16_on_cpu():
-    from engine.runtime import use_fast_bf16_cpu_kernels
+    from engine.modeling.runtime import use_fast_bf16_cpu_kernels
     from finetune.config.distributed import DistributedConfig, FsdpConfig
 
     model = _stories()
@@ -372,7 +378,7 @@ def test_fast_bf16_kernels_switch_on_only_for_bf16_on_cpu():
 def test_packing_probe_refuses_models_that_cannot_separate_examples():
     from types import SimpleNamespace
 
-    from engine.packing import enable_varlen, probe_packing
+    from engine.datapath.packing import enable_varlen, probe_packing
     from finetune.errors import PipelineError
 
     class Leaky(torch.nn.Module):  # takes position_ids but mixes every earlier token in
@@ -412,15 +418,14 @@ def test_group_by_length_batches_similar_lengths_and_keeps_the_epoch():
 
 
 def _stories():
-    from transformers import AutoModelForCausalLM
-
     from helpers import ROOT
+    from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(ROOT / "data/models/stories260K")
 
 
 def test_runtime_flags_follow_the_config():
-    from engine.runtime import configure_torch
+    from engine.modeling.runtime import configure_torch
     from finetune.config.training import TrainingConfig
 
     before = torch.get_float32_matmul_precision()
@@ -440,8 +445,8 @@ def test_runtime_flags_follow_the_config():
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
-    from engine.adapter import apply_peft
-    from engine.runtime import enable_gradient_checkpointing
+    from engine.modeling.adapter import apply_peft
+    from engine.modeling.runtime import enable_gradient_checkpointing
     from finetune.config.model import PeftSection
     from finetune.config.training import TrainingConfig
 
@@ -468,7 +473,7 @@ def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
 
 
 def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation():
-    from engine.compile import compile_stats, decoder_blocks, maybe_compile
+    from engine.modeling.compile import compile_stats, decoder_blocks, maybe_compile
     from finetune.config.training import TrainingConfig
 
     torch._dynamo.reset()
@@ -499,8 +504,8 @@ def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation(
 def test_progress_bar_rules_and_output():
     import io
 
-    from engine.callbacks import TrainState
-    from engine.reporters import ProgressBar, progress_enabled
+    from engine.reporting.callbacks import TrainState
+    from engine.reporting.reporters import ProgressBar, progress_enabled
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -531,8 +536,8 @@ def test_drop_last_false_fills_the_last_step_from_the_epoch_start():
 
 
 def test_dataloader_options_reach_the_loader():
-    from engine.data import collate
-    from engine.loader import make_loader, micro_batches
+    from engine.datapath.data import collate
+    from engine.datapath.loader import make_loader, micro_batches
     from finetune.config.training import TrainingConfig
 
     rows = [{"input_ids": [1] * (i + 1), "labels": [1] * (i + 1)} for i in range(12)]

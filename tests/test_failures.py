@@ -18,7 +18,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import BIN, error_line, run_cli, stage_outputs, train_here, write_params
 
 DDP2 = {"distributed.strategy": "ddp", "distributed.nproc_per_node": 2}
@@ -160,7 +159,7 @@ def test_out_of_memory_and_disk_full_errors_are_described_by_cause():
     write to /dev/full (ENOSPC from the kernel), CUDA's OutOfMemoryError type."""
     import torch
 
-    from engine.failures import describe
+    from engine.process.failures import describe
 
     try:
         torch.empty(2**62, dtype=torch.uint8)
@@ -185,7 +184,7 @@ def test_a_refused_write_names_the_folder_and_the_fix(tmp_path):
     being written and what to do, in one line."""
     import errno
 
-    from engine.failures import describe
+    from engine.process.failures import describe
     from finetune.files import discard_on_failure
 
     folder = tmp_path / "checkpoints"

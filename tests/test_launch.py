@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import ROOT, wait_until_no_process_in, write_params
+
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace
 from tasks.launch import _RowTail
@@ -170,7 +170,7 @@ def test_watchdog_ends_a_process_whose_watched_pid_is_gone(tmp_path):
     """The parent-death fallback where the kernel has none (macOS, Windows), run here."""
     watched = subprocess.Popen(["sleep", "60"])
     child = subprocess.Popen([sys.executable, "-c", (
-        "import os, time; from engine.lifetime import start_watchdog; "
+        "import os, time; from engine.process.lifetime import start_watchdog; "
         f"start_watchdog(os.getppid(), [{watched.pid}], interval=0.1); time.sleep(60)")],
         cwd=ROOT)
     time.sleep(1.0)

@@ -11,6 +11,12 @@ from helpers import ROOT
 
 FLOORS = {"finetune": 0, "engine": 1, "tasks": 2, "flows": 3}
 
+# The engine's rooms, lowest first: a room imports its own modules and lower rooms only. The
+# doors (engine.preflight for the train stage, engine.worker for torchrun) sit above them all.
+ENGINE_ROOMS = ["process", "reporting", "modeling", "datapath", "objective", "evaluation",
+                "strategies", "state", "recipe"]
+ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker"}
+
 
 def _module(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
@@ -27,7 +33,7 @@ def _imports() -> dict[str, set[str]]:
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found.add(node.module)
-                # `from engine import checkpoint` imports the submodule engine.checkpoint
+                # `from engine import checkpoint` imports the submodule engine.state.checkpoint
                 found.update(f"{node.module}.{a.name}" for a in node.names)
         graph[name] = {m for m in found if m in modules and m != name}
     return graph
@@ -58,6 +64,74 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+def _room(module: str) -> int:
+    """The rank of an engine module's room; the doors rank above every room."""
+    if module in ENGINE_DOORS:
+        return len(ENGINE_ROOMS)
+    return ENGINE_ROOMS.index(module.split(".")[1])
+
+
+def test_every_engine_module_is_in_a_room_or_is_a_door():
+    engine = [m for m in _imports() if m.startswith("engine")]
+    homeless = [m for m in engine if m not in ENGINE_DOORS
+                and (m.count(".") < 1 or m.split(".")[1] not in ENGINE_ROOMS)]
+    assert len(engine) > 40 and homeless == []
+
+
+def test_engine_rooms_import_downward():
+    """A room never imports a higher room or a door: the data path knows nothing of the
+    strategies, the strategies nothing of the recipe, and so on up."""
+    upward = sorted((mod, dep) for mod, deps in _imports().items() if mod.startswith("engine.")
+                    for dep in deps if dep.startswith("engine") and _room(dep) > _room(mod))
+    assert upward == []
+
+
+def _private_reaches(source: str, me: str) -> list[str]:
+    """`from engine.x.y import _name`, or `alias._name` on an imported engine module, where
+    the target is in another room than module `me`: another room's private name."""
+    own = me.split(".")[1] if me not in ENGINE_DOORS else None
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("engine"):
+            room = node.module.split(".")[1] if "." in node.module else None
+            for a in node.names:
+                target = f"{node.module}.{a.name}"
+                if (ROOT / (target.replace(".", "/") + ".py")).exists():
+                    aliases[a.asname or a.name] = target
+                elif a.name.startswith("_") and room != own:
+                    found.append(f"{me}: {target}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("engine.") and a.asname:
+                    aliases[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id].split(".")[1] != own):
+            found.append(f"{me}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_room_reaches_into_another_rooms_private_names():
+    found = [hit for path in (ROOT / "engine").rglob("*.py")
+             for hit in _private_reaches(path.read_text(), _module(path))]
+    assert found == []
+
+
+def test_the_private_name_check_sees_a_reach():
+    """The check above is not vacuous: it flags both forms of reaching in, and lets a room
+    use its own private names."""
+    source = ("from engine.objective.loss import _x\n"
+              "from engine.objective import loss as L\nL._y\n")
+    assert _private_reaches(source, "engine.recipe.run") == [
+        "engine.recipe.run: engine.objective.loss._x",
+        "engine.recipe.run: engine.objective.loss._y"]
+    assert _private_reaches(source, "engine.objective.liger") == []
 
 
 def test_the_engine_does_not_know_the_pipeline_layout():
@@ -125,16 +199,16 @@ def _run_members_read(module: str) -> set[str]:
 
 
 def test_the_run_surface_is_declared_and_provided():
-    """trainer_state reads only what engine.run_view.RunView declares, and TrainingRun provides
-    every declared member (set in its methods, or defined on the class)."""
-    from engine.run import TrainingRun
-    from engine.run_view import RunView
+    """trainer_state reads only what engine.state.run_view.RunView declares, and TrainingRun
+    provides every declared member (set in its methods, or defined on the class)."""
+    from engine.recipe.run import TrainingRun
+    from engine.state.run_view import RunView
 
     declared = {n for n in vars(RunView) if not n.startswith("_")} | set(
         RunView.__annotations__)
-    read = _run_members_read("engine.trainer_state")
+    read = _run_members_read("engine.state.trainer_state")
     assert len(read) > 10 and read - declared == set()
-    assigned = {node.attr for node in ast.walk(ast.parse((ROOT / "engine/run.py").read_text()))
+    assigned = {node.attr for node in ast.walk(ast.parse((ROOT / "engine/recipe/run.py").read_text()))
                 if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
                 and isinstance(node.value, ast.Name) and node.value.id == "self"}
     provided = assigned | {n for n in dir(TrainingRun) if not n.startswith("_")}

@@ -1,5 +1,5 @@
-"""The chunked training loss (engine/loss.py): the full loss's value and gradients, less memory,
-and a model that transforms its logits refused."""
+"""The chunked training loss (engine/objective/loss.py): the full loss's value and gradients, less
+memory, and a model that transforms its logits refused."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from helpers import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers import ROOT
-from engine.data import IGNORE_INDEX
-from engine.loss import FullLoss, build_loss
+from engine.datapath.data import IGNORE_INDEX
+from engine.objective.loss import FullLoss, build_loss
 from finetune.errors import PipelineError
 
 
@@ -103,7 +103,7 @@ PEAK = """
 import resource, sys, torch
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 from test_loss import _tiny, _batch
-from engine.loss import FullLoss, build_loss
+from engine.objective.loss import FullLoss, build_loss
 torch.set_num_threads(1)
 model = _tiny(vocab=32000, hidden=16)
 ids, labels = _batch(32000, rows=2, tokens=2048)

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-
 from helpers import ROOT
-from engine.adapter import apply_peft
-from engine.model import load_base_model, model_class, register_model_class
+
+from engine.modeling.adapter import apply_peft
+from engine.modeling.model import load_base_model, model_class, register_model_class
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.errors import PipelineError
 
@@ -120,7 +120,7 @@ def test_meta_construction_holds_no_weights_then_reads_the_same_model_and_adapte
     """construct_model_on meta: the skeleton's parameters have no storage (a stride-0 view of
     one element each); once read from the checkpoint, weights, rotary tables, the adapter's
     seeded initialisation and the logits equal the default load's bit for bit."""
-    from engine.construction import has_placeholders, materialise
+    from engine.modeling.construction import has_placeholders, materialise
 
     cfg, peft = ModelConfig(name_or_path=STORIES), PeftSection()
     torch.manual_seed(0)

@@ -7,8 +7,8 @@ import ast
 
 import pytest
 import torch
-
 from helpers import BASE, ROOT, logged_column, losses, train_here, train_metrics
+
 from finetune.config.data import DataConfig
 from finetune.config.outputs import EvalConfig
 from finetune.config.schema import FinetuneConfig
@@ -97,8 +97,8 @@ def test_diloco_takes_its_outer_optimizer_by_reference_as_optimizer_name_does(to
 
 def test_the_pipeline_compiles_and_computes_its_loss_through_the_shared_functions():
     """The pipeline's stages are compiled by the one function that reads every compile option
-    (engine.compile.compile_part) and its loss is the public, chunk-honouring one; nothing else
-    in the engine calls torch.compile or a private loss helper."""
+    (engine.modeling.compile.compile_part) and its loss is the public, chunk-honouring one; nothing
+    else in the engine calls torch.compile or a private loss helper."""
     for path in (ROOT / "engine").rglob("*.py"):
         tree = ast.parse(path.read_text())
         calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
@@ -114,7 +114,7 @@ def test_the_pipeline_compiles_and_computes_its_loss_through_the_shared_function
 
 
 def test_the_head_loss_honours_loss_chunk_tokens():
-    from engine.loss import head_loss_sum
+    from engine.objective.loss import head_loss_sum
 
     torch.manual_seed(0)
     head = torch.nn.Linear(4, 11)
@@ -148,7 +148,7 @@ def test_the_pipeline_refuses_a_loss_function_of_full_logits():
 def test_compile_part_reads_every_compile_option():
     from torch._dynamo import reset
 
-    from engine.compile import compile_part
+    from engine.modeling.compile import compile_part
     from finetune.config.training import TrainingConfig
 
     seen = []

@@ -7,9 +7,16 @@ Its own file so it runs beside test_strategies.py (pytest-xdist, one file per wo
 from __future__ import annotations
 
 import pytest
+from helpers import (
+    adapter,
+    assert_weights_close,
+    interrupt_then_resume,
+    losses,
+    train_copy,
+    train_here,
+    train_metrics,
+)
 
-from helpers import (adapter, assert_weights_close, interrupt_then_resume, losses, train_copy,
-                      train_here, train_metrics)
 from finetune.config.schema import FinetuneConfig
 
 # 10 steps of batch 4 (2 pipeline micro-batches of 2), an in-training eval and a checkpoint
@@ -114,7 +121,7 @@ def test_pipeline_rules_are_one_line(overrides, message):
 
 
 def test_stage_balance_by_parameter_count():
-    from engine.pipeline_stages import balance, stage_ids
+    from engine.modeling.pipeline_stages import balance, stage_ids
 
     # a heavy first layer and embedding: the first stage takes fewer layers
     assert balance([10, 1, 1, 1, 1, 1], 5, 1, 2) == [range(0, 1), range(1, 6)]

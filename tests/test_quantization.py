@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import BASE, losses, stages_here, train_here
+
 from finetune.config.training import TrainingConfig
 from finetune.errors import PipelineError
 
@@ -16,9 +16,9 @@ QAT = {**BASE, "training.qat_recipe": "int8-dynamic-act-int4-weight"}
 
 
 def test_qat_trains_fake_quantised_and_the_export_ships_it_converted(tokenized, tmp_path):
-    from engine.data import load_tokenized
-    from engine.evaluation import evaluate_loss
-    from engine.quantization import load_quantized
+    from engine.datapath.data import load_tokenized
+    from engine.evaluation.heldout import evaluate_loss
+    from engine.modeling.quantization import load_quantized
 
     run, proc = train_here(tokenized, tmp_path / "q", QAT)
     assert "QAT int8-dynamic-act-int4-weight (group size 32): linear layers fake-quantised" \
@@ -47,7 +47,7 @@ def test_qat_trains_fake_quantised_and_the_export_ships_it_converted(tokenized, 
     ({"qat_recipe": "float8-dynamic-act-float8-weight"}, "float8 .SM >= 8.9"),
 ])
 def test_what_needs_a_gpu_is_one_line_here(training, message):
-    from engine.quantization import check_low_precision
+    from engine.modeling.quantization import check_low_precision
 
     with pytest.raises(PipelineError, match=message):
         check_low_precision(TrainingConfig.model_validate(training), torch.device("cpu"))

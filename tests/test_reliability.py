@@ -12,10 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    adapter,
+    error_line,
+    kill_train_stage_when,
+    losses,
+    resume_cut_back,
+    run_cli,
+    stage_outputs,
+    train_here,
+    train_in_place,
+    wait_until_no_process_in,
+    write_params,
+)
 
-from helpers import (adapter, error_line, kill_train_stage_when, losses, resume_cut_back,
-                      run_cli, stage_outputs, train_here, train_in_place,
-                      wait_until_no_process_in, write_params)
 from finetune.errors import PipelineError
 from tasks.train import RESUME_ENV
 
@@ -89,7 +99,7 @@ def test_keys_outside_the_fingerprint_do_not_block_a_resume(tokenized, tmp_path)
 
 
 def test_fingerprint_follows_data_and_model_content_not_their_paths(tokenized, tmp_path):
-    from engine import fingerprint
+    from engine.state import fingerprint
     from finetune.config import load_config
     from finetune.config.fingerprint import counts
 
@@ -245,7 +255,7 @@ def test_an_interrupted_stage_says_where_it_stopped_and_how_to_resume(tokenized,
     wait_until_no_process_in(project)
     assert not (project / "data/trained").exists()
     # the checkpoint it names is the first training's, whole (the refused one wrote none)
-    from engine.checkpoint import is_valid, read_meta
+    from engine.state.checkpoint import is_valid, read_meta
 
     named = project / line.split("; last checkpoint ")[1].split(" (step")[0]
     assert is_valid(named)

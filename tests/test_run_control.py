@@ -12,10 +12,20 @@ import shutil
 
 import pytest
 import torch
+from helpers import (
+    BASE,
+    adapter,
+    assert_weights_close,
+    checkpoint_names,
+    logged_column,
+    losses,
+    train_copy,
+    train_here,
+    train_in_place,
+    train_metrics,
+    write_params,
+)
 
-from helpers import (BASE, checkpoint_names, logged_column, adapter, assert_weights_close, losses,
-                      train_copy,
-                      train_here, train_in_place, train_metrics, write_params)
 from finetune.config.schema import FinetuneConfig
 from finetune.errors import PipelineError
 
@@ -75,8 +85,8 @@ def test_optimizer_in_backward_trains_like_the_step_after_backward(tokenized, tm
 def test_group_by_length_reads_the_length_column_it_is_told(tokenized, tmp_path):
     import datasets
 
-    from engine.data import ShardedBatches
-    from engine.loader import example_lengths
+    from engine.datapath.data import ShardedBatches
+    from engine.datapath.loader import example_lengths
 
     split = tokenized / "data/tokenized/train"
     ds = datasets.load_from_disk(str(split))
@@ -111,7 +121,7 @@ def test_preserve_n_best_keeps_the_best_apart_from_the_newest(tokenized, tmp_pat
 
 
 STEERING = """
-from engine.callbacks import Callback
+from engine.reporting.callbacks import Callback
 
 
 class Steer(Callback):
@@ -227,7 +237,7 @@ def test_user_optimizer_class_and_scheduler_function(tokenized, tmp_path):
 
 
 USER_LOOP = """
-from engine.run import TrainingRun
+from engine.recipe.run import TrainingRun
 
 
 class CountingRun(TrainingRun):
@@ -308,7 +318,7 @@ def test_an_unseeded_run_records_its_seed_and_a_resume_keeps_it(tokenized, tmp_p
     continues with the checkpoint's (else its fingerprint would differ and it would refuse)."""
     from mlflow.tracking import MlflowClient
 
-    from engine.checkpoint import read_meta
+    from engine.state.checkpoint import read_meta
     from finetune.workspace import Workspace
     from tasks.train import with_resolved_seed
 
@@ -337,7 +347,7 @@ def test_an_unseeded_run_records_its_seed_and_a_resume_keeps_it(tokenized, tmp_p
 COLLATE = """
 import torch
 
-from engine.data import collate
+from engine.datapath.data import collate
 
 
 def to_64(rows):
@@ -388,7 +398,7 @@ OVERLAP = """
 import threading
 import time
 
-from engine.data import collate
+from engine.datapath.data import collate
 
 CALLS = []  # (thread id) of each collate call
 
@@ -437,7 +447,7 @@ def _overlap_project(tokenized, tmp_path, name: str, overrides: dict):
 
 def test_batches_are_collated_ahead_on_a_background_thread(tokenized, tmp_path):
     """With no DataLoader workers, the next micro-batch is collated while the current step
-    runs (engine.prefetch), off the thread that drives the model: at the end of every step
+    runs (engine.datapath.prefetch), off the thread that drives the model: at the end of every step
     the next batch already exists (a loop that collates when it needs a batch waits 10 s
     here and fails)."""
     project = _overlap_project(tokenized, tmp_path, "ahead", {
@@ -453,11 +463,11 @@ def test_batches_are_collated_ahead_on_a_background_thread(tokenized, tmp_path):
 def test_a_logged_row_waits_for_its_values_without_stopping_the_loop(tokenized, tmp_path,
                                                                      monkeypatch):
     """The loss and gradient norm of a logging row come back asynchronously
-    (engine.readback): while they are in flight the loop runs the next step, and the row is
-    emitted later with its own step and the values a synchronous read gives. A readback that
+    (engine.reporting.readback): while they are in flight the loop runs the next step, and the row
+    is emitted later with its own step and the values a synchronous read gives. A readback that
     never arrives on its own shows it: each row comes one step late, and the last at the end."""
-    import engine.readback
-    import engine.run
+    import engine.recipe.run
+    import engine.reporting.readback
 
     params = {"logging.callbacks": ["overlap_cb:Order"]}
     now = _overlap_project(tokenized, tmp_path, "now", params)
@@ -465,11 +475,11 @@ def test_a_logged_row_waits_for_its_values_without_stopping_the_loop(tokenized, 
     assert _seen(now) == ["end 1", "log 1", "end 2", "log 2", "end 3",
                                                 "log 3", "end 4", "log 4"]
 
-    class InFlight(engine.readback.Readback):
+    class InFlight(engine.reporting.readback.Readback):
         def ready(self) -> bool:  # as a GPU copy still under way
             return False
 
-    monkeypatch.setattr(engine.run, "Readback", InFlight)
+    monkeypatch.setattr(engine.recipe.run, "Readback", InFlight)
     late = _overlap_project(tokenized, tmp_path, "late", params)
     train_in_place(late)
     assert _seen(late) == ["end 1", "end 2", "log 1", "end 3", "log 2",

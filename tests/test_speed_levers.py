@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
+from test_loss import _tiny
 
-from engine.data import collate, collate_packed, token_loss_sum
-from engine.optim import fused_default
-from engine.runtime import attention_backends
+from engine.datapath.data import collate, collate_packed, token_loss_sum
+from engine.modeling.runtime import attention_backends
+from engine.objective.optim import fused_default
 from finetune.config.training import TrainingConfig
 from finetune.errors import PipelineError
-from test_loss import _tiny
 
 
 def _rows(lengths):
@@ -42,8 +42,8 @@ def test_pad_to_multiple_of_rounds_every_width_and_keeps_the_loss():
 def test_padding_free_row_padded_to_a_bucket_keeps_the_loss():
     """pad_to_multiple_of with padding_free: the flat row's pad tail (a sequence of its own)
     changes no real token's logits, so the loss is the unbucketed row's."""
-    from engine.data import collate_flat, model_inputs
-    from engine.packing import enable_varlen
+    from engine.datapath.data import collate_flat, model_inputs
+    from engine.datapath.packing import enable_varlen
 
     rows = _rows([5, 19, 11])
     model = _tiny().eval()
@@ -111,7 +111,7 @@ def test_compile_and_dtype_knobs_reach_torch_and_compile_ones_need_compile():
     import torch._dynamo.config as dynamo
     import torch._functorch.config as functorch
 
-    from engine.runtime import configure_torch
+    from engine.modeling.runtime import configure_torch
 
     saved = (torch.get_default_dtype(), dynamo.recompile_limit,
              functorch.activation_memory_budget, torch.get_float32_matmul_precision())
@@ -135,8 +135,8 @@ def test_ddp_skips_unused_parameter_reductions_when_asked(tmp_path):
     """A one-process gloo group is enough to build DDP and see the flag reach it."""
     import torch.distributed as dist
 
-    from engine.comm import CommMeter
-    from engine.distributed import Dist
+    from engine.process.comm import CommMeter
+    from engine.process.distributed import Dist
     from engine.strategies.base import StrategySetup
     from engine.strategies.ddp import DDPStrategy
     from finetune.config.schema import FinetuneConfig
@@ -161,15 +161,15 @@ def test_ddp_skips_unused_parameter_reductions_when_asked(tmp_path):
 
 def test_fsdp2_root_only_wrapping_makes_one_unit(tmp_path):
     import torch.distributed as dist
+    from helpers import ROOT
     from torch.distributed.fsdp import FSDPModule
 
-    from engine.comm import CommMeter
-    from engine.distributed import Dist
-    from engine.model import load_base_model
+    from engine.modeling.model import load_base_model
+    from engine.process.comm import CommMeter
+    from engine.process.distributed import Dist
     from engine.strategies.base import StrategySetup
     from engine.strategies.fsdp2 import FSDP2Strategy
     from finetune.config.schema import FinetuneConfig
-    from helpers import ROOT
 
     def units(fsdp: dict) -> int:
         cfg = FinetuneConfig.model_validate({"data": {"json_file_path": "x.jsonl"}, "distributed": {
@@ -194,7 +194,7 @@ def test_fsdp2_root_only_wrapping_makes_one_unit(tmp_path):
 
 
 def test_cuda_only_memory_options_refuse_a_cpu_and_reach_cuda(monkeypatch):
-    from engine.runtime import activation_offloading, apply_allocator_settings
+    from engine.modeling.runtime import activation_offloading, apply_allocator_settings
     from finetune.config.compat import check_machine
     from finetune.config.schema import FinetuneConfig
 
@@ -217,7 +217,7 @@ def test_cuda_only_memory_options_refuse_a_cpu_and_reach_cuda(monkeypatch):
 
 
 def test_training_device_forces_the_cpu_and_refuses_a_missing_gpu(monkeypatch):
-    from engine.distributed import choose_device
+    from engine.process.distributed import choose_device
 
     assert TrainingConfig(use_cpu=True).resolved_device == "cpu"
     with pytest.raises(ValueError, match="use_cpu: true does not combine with device: cuda"):

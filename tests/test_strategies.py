@@ -11,10 +11,20 @@ import subprocess
 
 import pytest
 import torch
-
-from helpers import (BIN, adapter, assert_weights_close, error_line, interrupt_then_resume,
-                      losses, resume_cut_back, run_cli, train_copy, train_here, train_metrics,
-                      write_params)
+from helpers import (
+    BIN,
+    adapter,
+    assert_weights_close,
+    error_line,
+    interrupt_then_resume,
+    losses,
+    resume_cut_back,
+    run_cli,
+    train_copy,
+    train_here,
+    train_metrics,
+    write_params,
+)
 
 TWO = {"distributed.nproc_per_node": 2}
 # SGD without clipping: the DiLoCo H=1 identity is exact only when nothing is nonlinear in the
@@ -191,7 +201,7 @@ def test_two_nodes_on_loopback_match_single_node_ddp(ddp_run, tmp_path):
     each in its own project folder (no shared storage): the same training as one node with 2
     processes. With save_on_each_node each node keeps whole checkpoints of its own, and both
     resume from them bitwise."""
-    from engine.checkpoint import is_valid
+    from engine.state.checkpoint import is_valid
 
     nodes = []
     for rank in (0, 1):

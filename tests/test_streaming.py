@@ -9,10 +9,21 @@ import shutil
 
 import pandas as pd
 import pytest
+from helpers import (
+    adapter,
+    assert_weights_close,
+    copy_project,
+    error_line,
+    logged_column,
+    losses,
+    resume_from_checkpoint_in_process,
+    run_cli,
+    train_copy,
+    train_here,
+    train_metrics,
+    write_params,
+)
 
-from helpers import (logged_column, adapter, assert_weights_close, copy_project, error_line, losses,
-                      resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
-                      train_metrics, write_params)
 from finetune.config import load_config
 from finetune.errors import PipelineError
 
@@ -117,7 +128,7 @@ def test_holdout_when_the_source_has_no_test_split(tmp_path):
     for name in ("format", "tokenize"):
         run_cli(project, "stage", name, check=True)
     first = _examples(project, {"data.shuffle_buffer": 1})
-    from engine.model import load_tokenizer
+    from engine.modeling.model import load_tokenizer
 
     tok = load_tokenizer(load_config(project / "params/default.yaml").model, project)
     assert rows["question"][5] in tok.decode(first[0]["input_ids"])  # starts after the holdout

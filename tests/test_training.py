@@ -12,11 +12,23 @@ import shutil
 
 import pytest
 import torch
+from helpers import (
+    BASE,
+    adapter,
+    assert_weights_close,
+    checkpoint_names,
+    error_line,
+    interrupt_then_resume,
+    logged_column,
+    losses,
+    resume_from_checkpoint_in_process,
+    run_cli,
+    train_copy,
+    train_here,
+    train_metrics,
+    write_params,
+)
 
-from helpers import (BASE, checkpoint_names, logged_column, adapter, assert_weights_close, error_line,
-                      interrupt_then_resume, losses,
-                      resume_from_checkpoint_in_process, run_cli, train_copy, train_here,
-                      train_metrics, write_params)
 from finetune.errors import PipelineError
 
 
@@ -153,7 +165,7 @@ def test_ddp_with_one_process_resumes_after_sigkill(tokenized, tmp_path):
         "training.max_steps": 8, "checkpoint.save_steps": 3, "eval.eval_steps": 3,
         "checkpoint.save_total_limit": 10})
     assert "at step 3" in stdout
-    from engine.checkpoint import read_meta
+    from engine.state.checkpoint import read_meta
 
     assert read_meta(cut / "data/checkpoints/step-0000003")["strategy"] == "single"
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import shutil
 
 import torch
+from helpers import ROOT, copy_project, train_in_place, write_params
 
-from engine.model import choose_pad_token, load_tokenizer
+from engine.modeling.model import choose_pad_token, load_tokenizer
 from finetune.config.model import ModelConfig
 from finetune.workspace import Workspace
-from helpers import ROOT, copy_project, train_in_place, write_params
 
 
 def test_the_pad_token_is_never_eos_when_the_tokenizer_has_another():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.comm import CommMeter
-from engine.distributed import Dist
+from engine.process.comm import CommMeter
+from engine.process.distributed import Dist
 from engine.strategies.base import Strategy, StrategySetup
 from finetune.config import FinetuneConfig
 from finetune.errors import PipelineError

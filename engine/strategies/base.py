@@ -13,14 +13,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from engine.comm import CommMeter, all_reduce_count
-from engine.data import token_loss_sum
-from engine.distributed import Dist
-from engine.evaluation import evaluate_loss
-from engine.optim import build_optimizer
+from engine.datapath.data import token_loss_sum
+from engine.evaluation.heldout import evaluate_loss
+from engine.objective.optim import build_optimizer
+from engine.process.comm import CommMeter, all_reduce_count
+from engine.process.distributed import Dist
 from finetune.config import FinetuneConfig
 from finetune.config.distributed import DistributedConfig
 from finetune.config.optim import OptimizerConfig

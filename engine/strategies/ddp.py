@@ -6,7 +6,7 @@ import contextlib
 
 from torch.nn.parallel import DistributedDataParallel
 
-from engine.comm import ddp_counting_hook
+from engine.process.comm import ddp_counting_hook
 from engine.strategies.base import Strategy
 
 

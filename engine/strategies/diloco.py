@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from transformers import get_scheduler
 
-from engine.comm import all_reduce, all_reduce_count, all_reduce_flat
-from engine.distributed import node_group
-from engine.optim import optimizer_class
+from engine.objective.optim import optimizer_class
+from engine.process.comm import all_reduce, all_reduce_count, all_reduce_flat
+from engine.process.distributed import node_group
 from engine.strategies.base import Strategy
 
 OUTER_SCHEDULES = {"none": "constant", "cosine": "cosine", "linear": "linear",

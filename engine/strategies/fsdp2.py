@@ -11,12 +11,17 @@ import contextlib
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                    OffloadPolicy, fully_shard)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
-from engine.comm import install_fsdp_counters
-from engine.model import DTYPES, base_model
+from engine.modeling.model import DTYPES, base_model
+from engine.process.comm import install_fsdp_counters
 from engine.strategies.base import Strategy
 from finetune.config.distributed import FsdpConfig
 from finetune.errors import PipelineError

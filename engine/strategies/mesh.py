@@ -7,7 +7,7 @@ groups from the mesh by name.
 
 from __future__ import annotations
 
-from engine.distributed import Dist
+from engine.process.distributed import Dist
 
 
 def replica_mesh(d: Dist, inner: int, inner_name: str):

@@ -3,9 +3,9 @@
 Every rank reads the same batches (the pipeline is one replica); each training micro-batch is
 padded to `data.max_seq_length` (stages pass fixed-shape activations, so the schedule's shapes
 are inferred once) and cut into `n_microbatches`. The last stage's loss is the token-weighted
-sum over the output layer applied in row chunks (engine.loss's way: no full fp32 logits), divided
-by the step's target count, so the gradients equal single-process training's. The schedule runs
-forward and backward; the optimizer, clipping (a global norm over the stages) and checkpoints
+sum over the output layer applied in row chunks (engine.objective.loss's way: no full fp32
+logits), divided by the step's target count, so the gradients equal single-process training's.
+The schedule runs forward and backward; the optimizer, clipping (a global norm over the stages) and checkpoints
 are the loop's as usual: DCP saves each rank's stage under the original parameter names, and the
 export gathers the stages into one HF/PEFT folder.
 """
@@ -17,17 +17,16 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from engine.comm import all_reduce, all_reduce_count, all_reduce_flat
-from engine.data import IGNORE_INDEX, collate, count_targets, take_rows
-from engine.distributed import Dist, all_reduce_sum
-from engine.loss import head_loss_sum
-from engine.pipeline_stages import cut_stages, decoder_of, stage_ids
-from engine.compile import block_names, compile_part
+from engine.datapath.data import IGNORE_INDEX, collate, count_targets, take_rows
+from engine.modeling.compile import block_names, compile_part
+from engine.modeling.pipeline_stages import cut_stages, decoder_of, stage_ids
+from engine.objective.loss import head_loss_sum
+from engine.process.comm import all_reduce, all_reduce_count, all_reduce_flat
+from engine.process.distributed import Dist, all_reduce_sum
 from engine.strategies.base import Strategy
 
 #: fills the columns a batch is padded to max_seq_length with: after every real token, with

@@ -1,5 +1,5 @@
 """The `checkpoint` section: when checkpoints are written, which are kept, and whether (and
-from which) a run resumes. engine/checkpoint.py and engine/trainer_state.py consume it.
+from which) a run resumes. engine/state/checkpoint.py and engine/state/trainer_state.py consume it.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from finetune.config.section import Section
+
 
 class CheckpointConfig(Section):
     """Periodic training state for resume (model/adapter, optimizer, scheduler, RNG, data),

@@ -1,8 +1,8 @@
 """Which config keys decide a run's trajectory: the config part of a checkpoint's fingerprint.
 
 The rest of the fingerprint (content hashes of the train data and the base model) and the
-resume decision are the engine's (engine.fingerprint, engine.trainer_state); which keys count
-is a fact about the config, so the schema can check `checkpoint.resume_ignore_changes` here.
+resume decision are the engine's (engine.state.fingerprint, engine.state.trainer_state); which keys
+count is a fact about the config, so the schema can check `checkpoint.resume_ignore_changes` here.
 """
 
 from __future__ import annotations

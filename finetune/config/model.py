@@ -1,5 +1,5 @@
 """The `model` and `peft` sections: what to load (`from_pretrained` arguments, tokenizer and
-vocabulary) and the adapter around it. engine/model.py consumes them.
+vocabulary) and the adapter around it. engine/modeling/model.py consumes them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class ModelConfig(Section):
     auto_class_name: str = Field(
         "AutoModelForCausalLM",
         description="Class that loads the model: a transformers AutoModel name, a key "
-        "registered with engine.model.register_model_class, or 'module:Class'.",
+        "registered with engine.modeling.model.register_model_class, or 'module:Class'.",
         pattern=r"^[A-Za-z_][\w.\-]*(:[A-Za-z_]\w*)?$",
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin.")

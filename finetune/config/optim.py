@@ -1,5 +1,5 @@
 """The `optimizer` and `scheduler` sections: a torch.optim class (or a project's) with its
-kwargs and parameter groups, and a transformers LR schedule. engine/optim.py consumes them.
+kwargs and parameter groups, and a transformers LR schedule. engine/objective/optim.py consumes them.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class LoggingConfig(Section):
     callbacks: list[str | dict[str, Any]] = Field(
         default_factory=list,
         description="Your callbacks: 'module:Class', or {class: 'module:Class', kwargs: {...}} "
-        "(see engine/callbacks.py for the hooks and the control object).",
+        "(see engine/reporting/callbacks.py for the hooks and the control object).",
     )
     restore_callback_states_from_checkpoint: bool = Field(
         False,

@@ -149,7 +149,7 @@ class TrainingConfig(Section):
     type: str = Field(
         "sft",
         description="Trainer type (QEfficient's name): sft (our loop), a key a project registered with "
-        "engine.trainers.register_trainer, or 'module:Class' (a TrainingRun subclass).",
+        "engine.recipe.trainers.register_trainer, or 'module:Class' (a TrainingRun subclass).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",

@@ -1,0 +1,107 @@
+"""The adapter (PEFT: LoRA, IA3) around the base model: its config, the check that its target
+modules exist, and saved adapter files that are byte-identical for identical trainings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.modeling.model import resolve_model_ref
+from engine.modeling.vocabulary import GREW, embedding_module_names
+from finetune.config.model import ModelConfig, PeftSection
+from finetune.errors import PipelineError
+
+
+def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
+                tied: bool = False):
+    """`tied`: the model ties its input and output embeddings and one of them is trained in
+    full: LoRA keeps them one weight (peft's ensure_weight_tying); IA3 cannot."""
+    from peft import IA3Config, LoraConfig
+
+    if cfg.peft_type == "IA3":
+        if tied:
+            raise PipelineError(
+                "peft.peft_type IA3 with added tokens on a model whose input and output "
+                "embeddings are tied: peft's IA3 would untie them; use LORA")
+        return IA3Config(
+            target_modules=cfg.target_modules,
+            feedforward_modules=cfg.feedforward_modules or [],
+            task_type=cfg.task_type,
+            modules_to_save=modules_to_save,
+        )
+    return LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        bias=cfg.bias,
+        task_type=cfg.task_type,
+        modules_to_save=modules_to_save,
+        ensure_weight_tying=tied,
+    )
+
+
+def apply_peft(model, cfg: PeftSection):
+    """Wrap with an adapter (or leave for full fine-tuning). A grown vocabulary's embedding
+    and output layers train in full and are saved with the adapter (peft's modules_to_save):
+    LoRA alone cannot give the new rows a meaning."""
+    if not cfg.use_peft:
+        return model
+    from peft import get_peft_model
+
+    check_target_modules(model, cfg.target_modules)
+    grew = getattr(model, GREW, False)
+    extra = embedding_module_names(model) if grew else None
+    out = model.get_output_embeddings()
+    tied = grew and out is not None and out.weight is model.get_input_embeddings().weight
+    try:
+        return get_peft_model(model, peft_config(cfg, extra, tied))
+    except ValueError as exc:
+        raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
+
+
+def check_target_modules(model, targets) -> None:
+    """What peft.target_modules names is in the model, as peft matches it: each name of a
+    list is a module's name or its last parts (peft ignores a name that matches nothing as
+    long as another one matches: a typo would silently adapt less), a string is a regex that
+    must match a module's whole name, 'all-linear' any model with linear layers."""
+    import re
+
+    names = [n for n, _ in model.named_modules() if n]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear)})
+    if targets == "all-linear":
+        missing = [] if linear else ["all-linear"]
+    elif isinstance(targets, str):
+        missing = [] if any(re.fullmatch(targets, n) for n in names) else [targets]
+    else:
+        missing = [t for t in targets
+                   if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        raise PipelineError(
+            f"peft.target_modules: '{missing[0]}' is not a module of the model (its linear "
+            f"layers: {', '.join(linear) or 'none'})")
+
+
+def make_adapter_config_reproducible(model, cfg: ModelConfig) -> None:
+    """Byte-identical adapter_config.json for identical trainings, on any machine.
+
+    peft stores "all-linear" targets as a set (written in hash-seed order) and the base model
+    as the absolute path it was loaded from (different in every clone); use a sorted list and
+    the name_or_path as written in the params file instead.
+    """
+    for peft_cfg in getattr(model, "peft_config", {}).values():
+        if isinstance(peft_cfg.target_modules, (set, frozenset)):
+            peft_cfg.target_modules = sorted(peft_cfg.target_modules)
+        peft_cfg.base_model_name_or_path = cfg.name_or_path
+
+
+def make_model_card_reproducible(folder: Path, cfg: ModelConfig, root: Path) -> None:
+    """peft's README.md in a saved adapter names the base model by the absolute path it was
+    loaded from, so the trained folder (and its DVC hash) differed between two clones of the
+    same project; name it as the params file does."""
+    card = folder / "README.md"
+    loaded_from = resolve_model_ref(cfg.name_or_path, root)
+    if card.exists() and loaded_from != cfg.name_or_path:
+        card.write_text(card.read_text().replace(loaded_from, cfg.name_or_path))

@@ -1,0 +1,115 @@
+"""The model a training run steps: every transform between the stored weights and the
+module the loop runs forward on, in one order (the recipe's `setup` calls `build_model`).
+
+Order, and why:
+1. load (model.dtype; training.construct_model_on: on the CPU, straight onto the device, or
+   as a weightless skeleton);
+2. gradient checkpointing: HF's hooks go on the base model, before the adapter wraps it;
+3. PEFT, then QAT's fake-quantised layers around the frozen ones (inside the adapters);
+4. the strategy keeps this rank's part (pipeline: its stages), so only that part is placed
+   on the device, or read from the checkpoint when built on meta;
+5. fp8 conversion, bf16 CPU kernels, the batch layout (attention switch and probe);
+6. the loss (probed against the full loss before wrapping), the strategy's wrap
+   (DDP/FSDP2/DiLoCo/pipeline), torch.compile of the wrapped module.
+Built on meta under FSDP2, the model is sharded before any weight exists and each rank reads
+its shards after the wrap; the batch-layout and loss probes then run on the sharded model
+(every rank the same probe batch: its forward is collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.datapath.data import user_collate
+from engine.datapath.packing import prepare_batch_layout
+from engine.modeling.adapter import apply_peft
+from engine.modeling.compile import maybe_compile
+from engine.modeling.construction import defer_to_meta, materialise, read_shards
+from engine.modeling.model import count_parameters, load_base_model, resolve_model_ref
+from engine.modeling.quantization import convert_to_fp8, prepare_qat
+from engine.modeling.runtime import enable_gradient_checkpointing, use_fast_bf16_cpu_kernels
+from engine.objective.loss import build_loss
+from engine.strategies import build_strategy
+from engine.strategies.base import Strategy
+from finetune.config import FinetuneConfig
+from finetune.imports import load_object
+
+
+@dataclass
+class BuiltModel:
+    model: torch.nn.Module  # what the loop runs forward on (wrapped, maybe compiled)
+    strategy: Strategy
+    loss: Any  # engine.objective.loss's; None when the strategy computes its own (pipeline)
+    collate_fn: Callable[[list[dict]], dict]
+    trainable: int  # parameters of the whole model, before any rank keeps its part
+    total: int
+    construction: dict[str, Any] = field(default_factory=dict)  # what meta read
+
+
+def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | None,
+                pad_id: int, amp: torch.dtype | None, log: Callable[[str], None]) -> BuiltModel:
+    t = cfg.training
+    base = load_base_model(cfg.model, root, labels=labels, construct=t.construct_model_on,
+                           device=d.device)
+    enable_gradient_checkpointing(base, t)
+    model = apply_peft(base, cfg.peft)
+    if t.qat_recipe:  # around the frozen layers, inside the adapters
+        prepare_qat(model, t.qat_recipe, t.qat_group_size, log)
+    trainable, total = count_parameters(model)
+    strategy = build_strategy(cfg, d, meter)
+    model = strategy.keep_own_part(model)
+    construction: dict[str, Any] = {}
+    meta = t.construct_model_on == "meta"
+    sharded_meta = meta and cfg.distributed.shards_with_fsdp
+    ref = resolve_model_ref(cfg.model.name_or_path, root) if meta else ""
+    if sharded_meta:
+        sources = defer_to_meta(model, d.device)
+    elif meta:
+        construction = materialise(model, ref, cfg.model.revision, d.device)
+    else:
+        model = model.to(d.device)
+    if t.fp8_recipe:
+        convert_to_fp8(model, t.fp8_recipe, t.fp8_dim_alignment, d.device, log)
+    fast_linears = use_fast_bf16_cpu_kernels(model, d.device, amp, cfg.distributed)
+    if fast_linears:
+        log(f"[train] bf16 on CPU: {fast_linears} linear layers use layout-aware GEMMs")
+    if not sharded_meta:
+        collate_fn, loss = _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log)
+    wrapped = strategy.wrap(model)
+    if sharded_meta:
+        offload = cfg.distributed.fsdp is not None and cfg.distributed.fsdp.cpu_offload
+        construction = read_shards(model, sources, ref, cfg.model.revision,
+                                   torch.device("cpu") if offload else d.device)
+        collate_fn, loss = _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log)
+    if meta:
+        log(f"[train] construct_model_on meta: read {construction['construct_tensors_read']} "
+            f"stored tensors ({construction['construct_bytes_read'] / 2**20:.2f} MiB) on this "
+            "rank")
+    return BuiltModel(maybe_compile(wrapped, t), strategy, loss, collate_fn, trainable, total,
+                      construction)
+
+
+def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad_id: int, d,
+                     amp, log):
+    """The collate function (batch layout, maybe probed) and the loss (probed against the
+    full loss), both on the model as it now is."""
+    t = cfg.training
+    collate_fn = prepare_batch_layout(t, cfg.data.max_seq_length, model, pad_id, d.device,
+                                      amp, log)
+    if cfg.data.collate_fn:
+        collate_fn = user_collate(cfg.data.collate_fn)
+    loss = None
+    if t.use_liger_kernel:  # the pipeline and user losses are refused with it (compat)
+        from engine.objective.liger import apply_liger
+
+        loss = apply_liger(model, d.device, amp, log)
+    else:
+        user_fn = (load_object(t.compute_loss_func, "training.compute_loss_func")
+                   if t.compute_loss_func else None)
+        loss = strategy.make_loss(lambda: build_loss(model, t.loss_chunk_tokens, d.device, amp,
+                                                     classify=bool(labels), user_fn=user_fn))
+    return collate_fn, loss

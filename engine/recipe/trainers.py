@@ -1,0 +1,42 @@
+"""Trainer types (`training.type`, QEfficient's name): which run class drives a job.
+
+`sft` is `engine.recipe.run.TrainingRun`, the loop every strategy and option is built into. A
+project can add its own loop (a subclass that overrides `train_step`, `evaluate`, ...) under a
+key with `register_trainer("my-loop", MyRun)` in a module it imports, or name the class directly as
+"module:Class". An unknown key is one line listing the registered ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.errors import PipelineError
+from finetune.imports import load_object
+
+TRAINERS: dict[str, Any] = {}
+
+
+def register_trainer(key: str, cls: Any = None):
+    """`register_trainer("my-loop", MyRun)`, or as a class decorator."""
+    def add(klass):
+        TRAINERS[key] = klass
+        return klass
+
+    return add(cls) if cls is not None else add
+
+
+def trainer_class(name: str):
+    """training.type -> the run class. engine.recipe.run registers its TrainingRun as `sft` when
+    imported: call this through `engine.recipe.run.trainer_class`."""
+    if ":" in name:
+        klass = load_object(name, "training.type")
+    elif name in TRAINERS:
+        klass = TRAINERS[name]
+    else:
+        raise PipelineError(f"training.type '{name}': no such trainer (registered: "
+                            f"{', '.join(sorted(TRAINERS))}; or name a class as "
+                            "'module:Class')")
+    if not (isinstance(klass, type) and issubclass(klass, TRAINERS["sft"])):
+        raise PipelineError(f"training.type '{name}': {klass!r} is not a subclass of "
+                            "engine.recipe.run.TrainingRun")
+    return klass

@@ -1,0 +1,158 @@
+"""Which run a checkpoint belongs to: the fingerprint of everything that decides the trajectory.
+
+A checkpoint continues one run: resuming it under other params (a new learning rate, other
+data, another base model) gives the old run's weights while the params file, dvc.lock and
+MLflow record the new ones. So every checkpoint records a fingerprint and resume compares it
+with the fingerprint of the run about to start (engine.state.trainer_state.plan_start):
+
+- `config`: the resolved config as dotted keys, minus `NOT_IN_FINGERPRINT`: keys that do not
+  change the math (logging cadence, checkpoint and eval settings, export, loader workers,
+  compile and gradient-checkpointing switches, launcher plumbing) and keys whose effect is
+  already in a content hash below (the data section's dataset and template keys; the model's
+  path). The world size and the strategy that actually runs are in it.
+- `train_data`: SHA-256 of the train examples: the tokenized split's Arrow files, or the
+  stream manifest of a streamed split (source file hashes and sampling settings).
+- `base_model`: SHA-256 of the base model's config and weight files for a local folder; for a
+  hub id, the commit the cache resolved it to.
+
+Hashing a 15 GB model costs seconds, so file hashes are cached by (path, size, mtime, inode)
+in `$FINETUNE_CACHE_DIR` (default `~/.cache/finetune`), as DVC caches its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from engine.modeling.model import resolve_model_ref
+from engine.process.job import RunPaths
+from finetune.config import FinetuneConfig
+from finetune.config.fingerprint import CONTENT_KEYS, config_part
+from finetune.files import file_sha256, write_json_atomic
+
+MODEL_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def of_run(cfg: FinetuneConfig, paths: RunPaths) -> dict[str, Any]:
+    """The fingerprint of the run `cfg` would train on `paths` (the worker's and the train
+    stage's preflight: the same inputs, so the same value)."""
+    return compute(cfg, paths.train_identity or paths.train_data,
+                   resolve_model_ref(cfg.model.name_or_path, paths.project_root))
+
+
+def compute(cfg: FinetuneConfig, train_identity: Path | None, model_ref: str) -> dict[str, Any]:
+    """The fingerprint of a run about to start. `train_identity`: the tokenized train split
+    (a folder) or the stream manifest (a file); `model_ref`: the resolved model path or hub id."""
+    cache = _HashCache.open()
+    try:
+        return {"config": config_part(cfg),
+                "train_data": _data_hash(train_identity, cache),
+                "base_model": _model_hash(model_ref, cfg.model.revision, cache)}
+    finally:
+        cache.close()
+
+
+def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, str]:
+    """What differs between a checkpoint's fingerprint and this run's: key -> 'old -> new'
+    (config keys dotted; `train_data` and `base_model` for the content hashes)."""
+    if not old:
+        return {"fingerprint": "none recorded (a checkpoint from before fingerprints)"}
+    found = {}
+    before, after = old.get("config", {}), new["config"]
+    for key in sorted(set(before) | set(after)):
+        was, now = before.get(key, "<unset>"), after.get(key, "<unset>")
+        if was != now:
+            found[key] = f"{_short(was)} -> {_short(now)}"
+    for key in CONTENT_KEYS:
+        if old.get(key) != new[key]:
+            found[key] = "content changed"
+    return found
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def data_hash(identity: Path | None) -> str | None:
+    """The content hash the fingerprint records for a tokenized split (a folder) or a stream
+    manifest (a file), through the same cache of file hashes (a split the run's fingerprint
+    hashed is not read again)."""
+    cache = _HashCache.open()
+    try:
+        return _data_hash(identity, cache)
+    finally:
+        cache.close()
+
+
+def _data_hash(identity: Path | None, cache: "_HashCache") -> str | None:
+    if identity is None or not identity.exists():
+        return None
+    files = [identity] if identity.is_file() else sorted(identity.rglob("*.arrow"))
+    h = hashlib.sha256()
+    for path in files:
+        h.update(f"{path.relative_to(identity) if identity.is_dir() else path.name}\0".encode())
+        h.update(cache.sha256(path).encode())
+    return h.hexdigest()
+
+
+def _model_hash(ref: str, revision: str | None, cache: "_HashCache") -> str:
+    local = Path(ref)
+    if local.is_dir():
+        files = sorted(p for p in local.iterdir() if p.is_file() and (
+            p.name == "config.json" or p.suffix in MODEL_FILES))
+        h = hashlib.sha256()
+        for path in files:
+            h.update(f"{path.name}\0{cache.sha256(path)}\0".encode())
+        return h.hexdigest()
+    return f"hub:{ref}@{_hub_commit(ref, revision) or revision or 'main'}"
+
+
+def _hub_commit(repo: str, revision: str | None) -> str | None:
+    """The commit the local hub cache resolves `repo@revision` to (its snapshot folder)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo, "config.json", revision=revision)
+    except Exception:  # noqa: BLE001 - no cache entry or no hub library: name it by revision
+        return None
+    return Path(found).parent.name if isinstance(found, str) else None
+
+
+class _HashCache:
+    """SHA-256 of files keyed by (path, size, mtime_ns, inode), kept across runs."""
+
+    LIMIT = 4096
+
+    def __init__(self, file: Path, entries: dict[str, str]):
+        self.file, self.entries, self.dirty = file, entries, False
+
+    @classmethod
+    def open(cls) -> "_HashCache":
+        root = os.environ.get("FINETUNE_CACHE_DIR") or Path.home() / ".cache" / "finetune"
+        file = Path(root) / "sha256.json"
+        try:
+            entries = json.loads(file.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        return cls(file, entries if isinstance(entries, dict) else {})
+
+    def sha256(self, path: Path) -> str:
+        st = path.stat()
+        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+        if key not in self.entries:
+            self.entries[key] = file_sha256(path)
+            self.dirty = True
+            for stale in list(self.entries)[:-self.LIMIT]:  # oldest first
+                del self.entries[stale]
+        return self.entries[key]
+
+    def close(self) -> None:
+        if self.dirty:
+            try:
+                write_json_atomic(self.file, self.entries)
+            except OSError:  # a read-only home: hashing again next time is the only cost
+                pass
