@@ -13,6 +13,7 @@ show`), a samples table, and the training's MLflow run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -21,11 +22,17 @@ import torch
 
 from engine.datapath.data import load_tokenized
 from engine.evaluation.generation import encode_prompts, greedy_generate
-from engine.evaluation.heldout import evaluate_loss, predict_classes
+from engine.evaluation.heldout import evaluate_loss, pair_log_probs, predict_classes
 from engine.modeling.labels import read_labels
-from engine.modeling.model import load_base_model, load_tokenizer, load_trained, max_positions
+from engine.modeling.model import (
+    load_base_model,
+    load_tokenizer,
+    load_trained,
+    max_positions,
+)
 from engine.modeling.quantization import quantized_copy
 from engine.objective.loss import class_loss_sum
+from engine.objective.preference import ranking_scores
 from engine.process.distributed import choose_device
 from finetune.config.compat import check_machine
 from finetune.datatypes import DataContext
@@ -77,6 +84,8 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
         quantized, _ = quantized_copy(tuned_model, t.qat_recipe, t.qat_group_size)
         results["quantized"] = _loss_entry(evaluate_loss(quantized, *args))
         del quantized
+    if cfg.data.parts()[0][1].datatype.paired:
+        _rank_pairs(ws, results, test, tok, base_model, tuned_model)
     if rows is not None:
         generations["finetuned"] = _generate(ws, tuned_model, tok, rows)
         for name, texts in generations.items():
@@ -86,6 +95,22 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
                "generation_rows": 0 if rows is None else len(rows)}
     samples = _samples(rows, generations, cfg.eval.num_logged_samples)
     return _write(ws, metrics, samples)
+
+
+def _rank_pairs(ws: Workspace, results: dict, test, tok, base_model, tuned_model) -> None:
+    """Preference pairs: how the base and the fine-tuned model rank each held-out pair's
+    chosen side over its rejected one, by the implicit reward against the base and by their
+    own likelihood (engine.objective.preference.ranking_scores)."""
+    args = (test, ws.config.training.per_device_eval_batch_size, tok.pad_token_id)
+    dpo = ws.config.dpo
+    # an adapter was injected into base_model in place: the base is the adapter disabled
+    adapted = hasattr(tuned_model, "disable_adapter")
+    with tuned_model.disable_adapter() if adapted else contextlib.nullcontext():
+        base = pair_log_probs(tuned_model if adapted else base_model, *args)
+    tuned = pair_log_probs(tuned_model, *args)
+    for name, scored in (("base", base), ("finetuned", tuned)):
+        results[name].update(
+            {k: round(v, 6) for k, v in ranking_scores(scored, base, dpo).items()})
 
 
 def _evaluate_classifier(ws: Workspace, test, tok) -> dict[str, Path]:

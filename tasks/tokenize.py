@@ -97,6 +97,7 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
     )
     counts = _counts(ds)
     ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
+                                            datatype.untrainable,
                                             fingerprint)
     validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'")
     # per-example lengths for group_by_length (training.length_column_name), computed once
@@ -143,12 +144,12 @@ def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
     return h.hexdigest()[:16]
 
 
-def _drop_untrainable(ds, counts: pd.DataFrame, role: str, max_fraction: float,
+def _drop_untrainable(ds, counts: pd.DataFrame, role: str, max_fraction: float, why: str,
                       fingerprint: str):
     keep = counts["n_trainable"] > 0
     dropped = int(len(counts) - keep.sum())
     check_dropped(dropped, len(counts), max_fraction, f"tokenize split '{role}'",
-                  "no trainable token (prompt fills max_seq_length or completion empty)",
+                  f"no trainable token ({why})",
                   None if keep.all() else int(keep.idxmin()),
                   "raise data.max_seq_length or shorten the prompts")
     if dropped:

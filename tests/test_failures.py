@@ -54,7 +54,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_what_was_written(
         f"mount -t tmpfs -o size={size} tmpfs data/checkpoints && "
         f"cp -a {keep} data/checkpoints/ && "
         f"{BIN / 'finetune'} stage train; echo \"rc=$?\" >&2; "
-        f"{BIN / 'python'} -c \"from pathlib import Path; from engine import checkpoint as c; "
+        f"{BIN / 'python'} -c \"from pathlib import Path; from engine.state import checkpoint as c; "
         f"print('latest', c.latest(Path('data/checkpoints')).name); "
         f"print('entries', sorted(p.name for p in Path('data/checkpoints').iterdir()))\"")
     proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",

@@ -33,7 +33,7 @@ def _imports() -> dict[str, set[str]]:
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found.add(node.module)
-                # `from engine import checkpoint` imports the submodule engine.state.checkpoint
+                # `from engine.state import checkpoint` imports the submodule engine.state.checkpoint
                 found.update(f"{node.module}.{a.name}" for a in node.names)
         graph[name] = {m for m in found if m in modules and m != name}
     return graph

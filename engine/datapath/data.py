@@ -75,13 +75,26 @@ class ShardedBatches:
 
 MEGABATCH_MULT = 50
 MODEL_COLUMNS = ["input_ids", "labels"]
+#: a preference split's rejected side (finetune.datatypes.preference), next to the chosen side
+PAIR_COLUMNS = ["rejected_input_ids", "rejected_labels"]
 
 
 def load_tokenized(path):
-    """A tokenized split with only the columns the model consumes."""
+    """A tokenized split with only the columns the model consumes (both sides of a pair)."""
     import datasets
 
-    return datasets.load_from_disk(str(path)).select_columns(MODEL_COLUMNS)
+    ds = datasets.load_from_disk(str(path))
+    return ds.select_columns(MODEL_COLUMNS + [c for c in PAIR_COLUMNS if c in ds.column_names])
+
+
+def collate_pairs(rows: list[dict], collate_fn: Callable[[list[dict]], dict]) -> dict:
+    """A micro-batch of b pairs as 2b rows, the chosen sides first (TRL's concatenated
+    forward: one forward scores both), collated by the run's own collator; `pairs` = b."""
+    sides = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows] + [
+        {"input_ids": r["rejected_input_ids"], "labels": r["rejected_labels"]} for r in rows]
+    batch = collate_fn(sides)
+    batch["pairs"] = torch.tensor(len(rows))
+    return batch
 
 
 def take_rows(dataset, indices) -> list[dict]:
@@ -190,7 +203,8 @@ def collate_packed(rows: list[dict], pad_id: int, capacity: int,
     tail) over the flattened rows, for a varlen attention kernel (engine.datapath.attention). Rows
     are as wide as the fullest one, rounded up to `multiple` (pad_to_multiple_of = the capacity
     gives every batch one shape: what compile and CUDA graphs want). Each example's first label
-    is ignored: in the unpacked batch nothing predicts it either, so packed and unpacked runs optimise exactly the same targets.
+    is ignored: in the unpacked batch nothing predicts it either, so packed and unpacked runs
+    optimise exactly the same targets.
     """
     bins = pack_rows([len(r["input_ids"]) for r in rows], capacity)
     width = round_up(max(sum(len(rows[i]["input_ids"]) for i in b) for b in bins), multiple)

@@ -29,10 +29,13 @@ class MicroBatches(Dataset):
         epoch, index = key
         if epoch not in self._orders:  # one permutation per epoch, per worker
             self._orders = {epoch: self.batches.epoch(epoch)}
-        rows = take_rows(self.rows, self._orders[epoch][index])
+        indices = self._orders[epoch][index]
+        rows = take_rows(self.rows, indices)
         batch = self.collate_fn(rows)
         batch["key"] = torch.tensor([epoch, index])
-        batch["real_tokens"] = torch.tensor(sum(len(r["input_ids"]) for r in rows))
+        batch["rows"] = torch.tensor(indices)  # which split rows (a trainer's per-row tables)
+        batch["real_tokens"] = torch.tensor(sum(len(r["input_ids"]) + len(
+            r.get("rejected_input_ids", ())) for r in rows))
         batch["examples"] = torch.tensor(len(rows))
         return batch
 

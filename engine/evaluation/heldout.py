@@ -1,4 +1,5 @@
-"""Held-out loss: token-weighted over the whole split (or the first `max_batches`), all ranks."""
+"""Held-out loss: token-weighted over the whole split (or the first `max_batches`), all ranks;
+and how a model scores the two sides of held-out preference pairs."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import math
 
 import torch
 
-from engine.datapath.data import collate, count_targets, take_rows, token_loss_sum
+from engine.datapath.data import (
+    collate,
+    collate_pairs,
+    count_targets,
+    take_rows,
+    token_loss_sum,
+)
+from engine.objective.preference import sequence_logps
 from engine.process.distributed import Dist, all_reduce_sum
 
 
@@ -63,3 +71,23 @@ def predict_classes(model, dataset, batch_size: int, pad_id: int) -> tuple[list[
         true += batch["labels"].max(dim=1).values.tolist()
     model.train(was_training)
     return predicted, true
+
+
+@torch.no_grad()
+def pair_log_probs(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
+    """[pairs, 4]: each held-out pair's summed log-probability of its chosen and rejected
+    completion and their trained-token counts (chosen, rejected, n chosen, n rejected), the two
+    sides of a batch scored in one forward as the DPO run does (on the CPU, float64)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(dataset), batch_size):
+        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
+        batch = collate_pairs(rows, lambda sides: collate(sides, pad_id))
+        logits = model(input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device)).logits
+        logps, counts = sequence_logps(logits, batch["labels"].to(device))
+        out.append(torch.stack([*logps.chunk(2), *counts.chunk(2)], dim=1).double().cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 4, dtype=torch.float64)

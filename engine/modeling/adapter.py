@@ -105,3 +105,23 @@ def make_model_card_reproducible(folder: Path, cfg: ModelConfig, root: Path) -> 
     loaded_from = resolve_model_ref(cfg.name_or_path, root)
     if card.exists() and loaded_from != cfg.name_or_path:
         card.write_text(card.read_text().replace(loaded_from, cfg.name_or_path))
+
+
+def peft_model_in(module):
+    """The PeftModel a (possibly wrapped) training module holds, or None."""
+    from peft import PeftModel
+
+    for candidate in (module, getattr(module, "module", None)):
+        if isinstance(candidate, PeftModel):
+            return candidate
+    return None
+
+
+def has_adapter(module) -> bool:
+    return peft_model_in(module) is not None
+
+
+def adapter_disabled(module):
+    """A context in which `module` runs as its base model: the adapter's layers are skipped
+    (PEFT's disable_adapter), so a DPO reference needs no second copy of the weights."""
+    return peft_model_in(module).disable_adapter()

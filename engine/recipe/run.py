@@ -76,6 +76,8 @@ class LoggedWindow:
     steps: int
     comm: float
     readback: Readback
+    #: the trainer type's own statistics in the readback, after the gradient norm
+    extra: tuple[str, ...] = ()
 
 
 def follow_log_level(level: str) -> None:
@@ -275,7 +277,7 @@ class TrainingRun:
         t, d, progress = self.cfg.training, self.dist, self.progress
         micro = [progress.consume(next(self.batches))
                  for _ in range(t.gradient_accumulation_steps)]
-        local_targets = sum(count_targets(b) for b in micro)
+        local_targets = sum(self.count_targets(b) for b in micro)
         divisor = self.strategy.loss_divisor(local_targets, progress.step)
         # a device tensor from a collective stays on the device (no host sync per step)
         divisor = (divisor.clamp_min(1e-9) if isinstance(divisor, torch.Tensor)
@@ -295,6 +297,19 @@ class TrainingRun:
             if outer:
                 self.reporters.on_log(self.state, outer)
         return grad_norm
+
+    def count_targets(self, host_batch: dict) -> int:
+        """What the step's loss is averaged over, counted on the host before any backward:
+        target tokens here; a trainer type whose objective is per example (DPO: per pair)
+        counts those. Summed over the micro-batches and ranks of a step, it is the divisor."""
+        return count_targets(host_batch)
+
+    def window_metrics(self) -> dict[str, torch.Tensor]:
+        """A trainer type's own statistics for the logging row, read once per logging step:
+        name -> a device tensor summed over the window's micro-batches (then reset). They are
+        summed over ranks with the loss and divided by the window's targets (`count_targets`),
+        so they are means. SFT logs none."""
+        return {}
 
     def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor) -> torch.Tensor:
         """Forward and backward of one micro-batch on the device; returns its summed loss
@@ -371,9 +386,11 @@ class TrainingRun:
             return
         self.emit_logged(wait=True)  # the last window's row first
         window, d = self.progress.window, self.dist
+        extra = self.window_metrics()
         totals = torch.stack([window.loss_sum, *(torch.tensor(
             float(x), dtype=torch.float64, device=d.device) for x in (window.targets,
-                                                                       window.tokens))])
+                                                                       window.tokens)),
+                              *(v.to(torch.float64) for v in extra.values())])
         if d.world_size > 1:  # metrics, not training traffic: not metered
             torch.distributed.all_reduce(totals)
         norm = grad_norm.detach().to(totals.device, torch.float64).reshape(1)
@@ -381,7 +398,8 @@ class TrainingRun:
             step=step, epoch=self.progress.fractional_epoch(self.epoch_len),
             learning_rate=float(self.scheduler.get_last_lr()[0]),
             elapsed=time.perf_counter() - window.started, steps=window.steps,
-            comm=self.meter.take_window(), readback=Readback(torch.cat([totals, norm])))
+            comm=self.meter.take_window(), readback=Readback(torch.cat([totals, norm])),
+            extra=tuple(extra))
         self.progress.new_window()
         self.emit_logged(wait=step == self.max_steps)  # off CUDA: at once
 
@@ -391,7 +409,8 @@ class TrainingRun:
         if logged is None or not (wait or logged.readback.ready()):
             return
         self.logged = None
-        loss_sum, targets, tokens, grad_norm = logged.readback.values()
+        loss_sum, targets, tokens, *extra = logged.readback.values()
+        grad_norm = extra.pop(len(logged.extra))
         replicas = self.strategy.batch_replicas  # ranks that counted the same batch
         targets, tokens = targets / replicas, tokens / replicas
         self.progress.tokens_seen += int(tokens)
@@ -406,6 +425,8 @@ class TrainingRun:
             "comm_bytes_per_step": logged.comm / max(logged.steps, 1),
             "epoch": logged.epoch,
             "memory_rss_mb": peak_rss_mb(),
+            **{name: value / replicas / max(targets, 1)
+               for name, value in zip(logged.extra, extra)},
         }
         if log_cfg.include_num_input_tokens_seen:
             logs["num_input_tokens_seen"] = self.progress.tokens_seen

@@ -14,6 +14,8 @@ from finetune.errors import PipelineError
 from finetune.imports import load_object
 
 TRAINERS: dict[str, Any] = {}
+#: the trainer types that ship with the engine besides sft, imported when a run names them
+BUILT_IN = {"dpo": "engine.recipe.dpo:DPORun"}
 
 
 def register_trainer(key: str, cls: Any = None):
@@ -28,13 +30,13 @@ def register_trainer(key: str, cls: Any = None):
 def trainer_class(name: str):
     """training.type -> the run class. engine.recipe.run registers its TrainingRun as `sft` when
     imported: call this through `engine.recipe.run.trainer_class`."""
-    if ":" in name:
-        klass = load_object(name, "training.type")
+    if ":" in name or name in BUILT_IN:
+        klass = load_object(BUILT_IN.get(name, name), "training.type")
     elif name in TRAINERS:
         klass = TRAINERS[name]
     else:
         raise PipelineError(f"training.type '{name}': no such trainer (registered: "
-                            f"{', '.join(sorted(TRAINERS))}; or name a class as "
+                            f"{', '.join(sorted({*TRAINERS, *BUILT_IN}))}; or name a class as "
                             "'module:Class')")
     if not (isinstance(klass, type) and issubclass(klass, TRAINERS["sft"])):
         raise PipelineError(f"training.type '{name}': {klass!r} is not a subclass of "

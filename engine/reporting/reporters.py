@@ -37,7 +37,10 @@ class History(Callback):
 
     def on_train_end(self, state: TrainState) -> None:
         self.plots_dir.mkdir(parents=True, exist_ok=True)
-        for name, fields, key in (("train.csv", TRAIN_FIELDS, "loss"),
+        # a trainer type's own statistics (DPO's rewards/..., logps/...) get columns too
+        own = [k for k in dict.fromkeys(k for row in self.rows if "loss" in row for k in row)
+               if "/" in k]
+        for name, fields, key in (("train.csv", TRAIN_FIELDS + own, "loss"),
                                   ("eval.csv", EVAL_FIELDS, "eval_loss")):
             final = self.plots_dir / name
             tmp = final.with_name(f".{name}.tmp-{os.getpid()}")

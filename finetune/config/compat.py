@@ -192,6 +192,7 @@ def _world(c) -> int:
     return c.distributed.nproc_per_node * c.distributed.nnodes
 
 
+DPO = When("training.type dpo", lambda c: c.training.type == "dpo")
 PIPELINE = When("distributed.strategy pipeline", lambda c: c.distributed.strategy == "pipeline")
 FSDP = When("FSDP2 sharding (strategy fsdp2, or diloco with fsdp_group_size > 1)",
             lambda c: c.distributed.shards_with_fsdp)
@@ -231,6 +232,18 @@ def _in(name: str, test) -> When:
 
 
 # -- messages of the arithmetic rows ---------------------------------------------------------
+
+def _pairs_and_trainer(c) -> str | None:
+    """Preference pairs train with training.type dpo, and dpo trains on nothing else."""
+    paired = [getattr(d.datatype, "paired", False) for _, d in c.data.parts()]
+    if c.training.type == "dpo" and not all(paired):
+        return ("training.type: dpo trains on chosen/rejected pairs; set data.dataset_type: "
+                "preference (every source, in a mixture)")
+    if any(paired) and c.training.type == "sft":
+        return ("data.dataset_type: preference pairs train with training.type: dpo (sft would "
+                "learn only the chosen side); set training.type: dpo")
+    return None
+
 
 def _global_batch(c) -> str | None:
     t = c.training
@@ -666,6 +679,30 @@ RULES: list[Rule] = [
     Refuse("config", "data.collate_fn", PACKED,
            "their batches are built by the trainer's own packing collators; drop one of them",
            example={"data.collate_fn": "m:f", "training.packing": True}),
+    Refuse("dpo", "precompute_ref_log_probs",
+           _in("loss_type simpo", lambda d: d.loss_type == "simpo"),
+           "simpo is reference-free: there are no reference log-probabilities to precompute",
+           example={"dpo.loss_type": "simpo", "dpo.precompute_ref_log_probs": True}),
+    Agree("config", ("training.type", "data.dataset_type"), _pairs_and_trainer,
+          example={"training.type": "dpo"}),
+    *(Refuse("config", key, DPO, why, used=used, example={
+        "training.type": "dpo", "data.dataset_type": "preference", **extra})
+      for key, used, why, extra in (
+        ("training.packing", None, "each side of a pair is scored as one padded row",
+         {"training.packing": True}),
+        ("training.padding_free", None, "each side of a pair is scored as one padded row",
+         {"training.padding_free": True}),
+        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
+         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
+        ("data.streaming", None, "pairs are read from the tokenized split",
+         {"data.streaming": True}),
+        ("data.collate_fn", None, "the trainer batches each pair's two sides itself",
+         {"data.collate_fn": "m:f"}),
+        ("training.compute_loss_func", None, "the loss is dpo.loss_type's",
+         {"training.compute_loss_func": "m:f"}),
+        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
+         {"training.use_liger_kernel": True}))),
     Refuse("config", "checkpoint.save_on_each_node", FSDP,
            "each node would hold the whole training state, which FSDP2 shards across the "
            "nodes; keep the checkpoint folder on storage all nodes share, or use ddp",

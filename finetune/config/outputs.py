@@ -12,10 +12,12 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from finetune.config.section import Section
-from finetune.datatypes.metrics import CLASSIFICATION_METRICS, GENERATION_METRICS, ROUGE_KEYS
+from finetune.datatypes.metrics import (CLASSIFICATION_METRICS, GENERATION_METRICS,
+                                      PREFERENCE_METRICS, ROUGE_KEYS)
 
 GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
-                *(f"eval.{k}" for k in ROUGE_KEYS), *(f"eval.{k}" for k in CLASSIFICATION_METRICS))
+                *(f"eval.{k}" for k in ROUGE_KEYS), *(f"eval.{k}" for k in CLASSIFICATION_METRICS),
+                *(f"eval.{k}" for k in PREFERENCE_METRICS))
 
 
 class EvalConfig(Section):
@@ -118,7 +120,8 @@ class RegistryConfig(Section):
     )
     gate_metric: Literal[GATE_METRICS] = Field(
         "eval.loss", description="Metric of the fine-tuned model that decides promotion "
-        "(eval.accuracy / eval.macro_f1: classification datasets)."
+        "(eval.accuracy / eval.macro_f1: classification datasets; eval.preference_accuracy, "
+        "reward_margin, likelihood_accuracy, logp_margin: preference pairs)."
     )
     greater_is_better: bool | None = Field(
         None, description="Direction of gate_metric (None: inferred; loss/perplexity lower)."

@@ -19,6 +19,7 @@ from finetune.config.distributed import DistributedConfig
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
+from finetune.config.preference import DPOConfig
 from finetune.config.reporting import LoggingConfig
 from finetune.config.section import Section
 from finetune.config.training import TrainingConfig
@@ -26,7 +27,7 @@ from finetune.config.training import TrainingConfig
 #: the sections, importable from here as before (each is defined in its own module)
 __all__ = ["FinetuneConfig", "ModelConfig", "PeftSection", "DataConfig", "TrainingConfig",
            "OptimizerConfig", "SchedulerConfig", "DistributedConfig", "CheckpointConfig",
-           "EvalConfig", "LoggingConfig", "ExportConfig", "RegistryConfig"]
+           "EvalConfig", "LoggingConfig", "ExportConfig", "RegistryConfig", "DPOConfig"]
 
 
 class FinetuneConfig(Section):
@@ -40,6 +41,7 @@ class FinetuneConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)

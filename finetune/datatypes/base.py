@@ -104,6 +104,11 @@ class DatasetType(ABC):
     #: conflict, not silently ignored
     keys: ClassVar[tuple[str, ...]] = ()
     task: ClassVar[ModelTask] = CAUSAL_LM
+    #: each row is a chosen/rejected pair (training.type dpo; the evaluate stage scores how a
+    #: model ranks the two)
+    paired: ClassVar[bool] = False
+    #: why a tokenized row can have no trainable token (the tokenize stage's drop message)
+    untrainable: ClassVar[str] = "prompt fills max_seq_length or completion empty"
 
     def __init__(self, data):
         self.data = data

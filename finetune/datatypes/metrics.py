@@ -16,6 +16,9 @@ from decimal import Decimal, InvalidOperation
 GENERATION_METRICS = ("exact_match", "rouge")
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
 CLASSIFICATION_METRICS = ("accuracy", "macro_f1")
+#: preference pairs (finetune.datatypes.preference): how a model ranks chosen over rejected
+PREFERENCE_METRICS = ("preference_accuracy", "reward_margin", "likelihood_accuracy",
+                      "logp_margin")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 

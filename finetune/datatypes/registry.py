@@ -1,4 +1,4 @@
-"""Dataset type names -> types: the built-in four, their aliases, a project's own.
+"""Dataset type names -> types: the built-in five, their aliases, a project's own.
 
 The only place that knows which types exist. `data.dataset_type` names one of them, an alias
 (QEfficient's `seq_completion`), a type registered by the project with `register_dataset_type`,
@@ -13,6 +13,7 @@ from finetune.datatypes.base import DatasetType
 from finetune.datatypes.chat import ChatType
 from finetune.datatypes.classification import ClassificationType
 from finetune.datatypes.completion import CompletionType
+from finetune.datatypes.preference import PreferenceType
 from finetune.datatypes.text import TextType
 
 _TYPES: dict[str, type[DatasetType]] = {}
@@ -29,7 +30,7 @@ def register_dataset_type(cls: type[DatasetType]) -> type[DatasetType]:
     return cls
 
 
-for _builtin in (CompletionType, TextType, ChatType, ClassificationType):
+for _builtin in (CompletionType, TextType, ChatType, ClassificationType, PreferenceType):
     register_dataset_type(_builtin)
 
 

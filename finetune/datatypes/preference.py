@@ -1,0 +1,194 @@
+"""`preference`: pairs of a prompt, a chosen and a rejected completion, for `training.type: dpo`.
+
+Rows come in TRL's two layouts:
+- strings: `prompt`, `chosen` and `rejected` columns (the prompt may be rendered from other
+  columns by `prompt_template`, as the completion type does); EOS is appended to both sides.
+- conversational: `chosen` and `rejected` are message lists (`role`/`content`), with the prompt
+  turns either in a `prompt` message list or shared at the head of both (TRL's implicit
+  prompt, which is split off here). They are rendered with the chat template
+  (`data.chat_template`, else the tokenizer's): the prompt with the generation prompt, each side
+  as what the full conversation adds after it, end-of-turn marker included.
+
+Each side is tokenized like a completion row (prompt and completion apart, so the mask boundary
+is exact; loss on the completion only). A pair whose sides are equal, or whose side is empty,
+has nothing to prefer: it is dropped and counted. The tokenized split holds the chosen side as
+`input_ids`/`labels` (so loss, perplexity and generation read it as the reference answer) and
+the rejected side as `rejected_input_ids`/`rejected_labels`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from finetune.datatypes.base import DataContext, DatasetType, Formatted
+from finetune.datatypes.chat import chat_template, normalise, render
+from finetune.datatypes.encoding import IGNORE_INDEX, empty_encoding, token_ids
+from finetune.datatypes.rows import builder, placeholders
+from finetune.errors import PipelineError
+
+#: the tokenized columns of the rejected side, next to input_ids/labels (the chosen side)
+REJECTED_COLUMNS = ("rejected_input_ids", "rejected_labels")
+
+
+class PreferenceType(DatasetType):
+    name = "preference"
+    aliases = ("dpo", "pairwise")
+    keys = ("prompt_template", "chat_template", "system_prompt")
+    paired = True
+    untrainable = ("max_seq_length cuts off a side's completion, or where the two sides "
+                   "differ")
+
+    def prepare(self, ctx: DataContext) -> None:
+        if self.data.chat_template:
+            chat_template(self.data, ctx.tokenizer, ctx.root)  # a template file: read here
+
+    def required_columns(self) -> list[str]:
+        d = self.data
+        prompt = placeholders(d.prompt_template, "prompt_template") if d.prompt_template else []
+        return [*prompt, "chosen", "rejected"]
+
+    def nullable_columns(self) -> tuple[str, ...]:
+        return ("chosen", "rejected")
+
+    def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
+        """Rows of prompt, completion (the chosen side), rejected and eos (whether the
+        encoder appends EOS: strings yes, a chat template ends its turns itself)."""
+        import pandas as pd
+
+        has_prompt = "prompt" in frame.columns or self.data.prompt_template
+        prompt_of = builder(self.data, "prompt") if self.data.prompt_template else None
+        out: dict[str, list] = {"prompt": [], "completion": [], "rejected": [], "eos": []}
+        dropped = []
+        records = frame.to_dict("records")
+        for i, row in enumerate(records, start=first_row):
+            where = f"split '{split}' row {i}"
+            chosen, rejected = row.get("chosen"), row.get("rejected")
+            if _missing(chosen) or _missing(rejected):
+                dropped.append(i)
+                continue
+            if isinstance(chosen, str) != isinstance(rejected, str):
+                raise PipelineError(f"{where}: chosen and rejected must both be strings or both "
+                                    "message lists")
+            if isinstance(chosen, str):
+                prompt = prompt_of(row) if prompt_of else (row.get("prompt") if has_prompt
+                                                            else "")
+                if not isinstance(prompt, str):
+                    raise PipelineError(f"{where} column 'prompt': a string pair needs a string "
+                                        f"prompt, got {type(prompt).__name__}")
+                pair, eos = (prompt, chosen, rejected), True
+            else:
+                pair, eos = self._render(row, where, ctx), False
+            if pair is None or not pair[1].strip() or not pair[2].strip() or pair[1] == pair[2]:
+                dropped.append(i)
+                continue
+            for key, value in zip(("prompt", "completion", "rejected"), pair):
+                out[key].append(value)
+            out["eos"].append(eos)
+        return Formatted(pd.DataFrame(out), dropped,
+                         "an empty side, or chosen equal to rejected")
+
+    def _render(self, row: dict, where: str, ctx: DataContext) -> tuple[str, str, str] | None:
+        """A conversational pair as (prompt text, chosen text, rejected text): the chat
+        template's rendering of the prompt turns with the generation prompt, and what each
+        full conversation adds after it."""
+        tok = ctx.tokenizer
+        template = chat_template(self.data, tok, ctx.root)
+        chosen = _messages(row["chosen"], f"{where} column 'chosen'")
+        rejected = _messages(row["rejected"], f"{where} column 'rejected'")
+        if row.get("prompt") is not None and not isinstance(row.get("prompt"), str):
+            prompt = _messages(row["prompt"], f"{where} column 'prompt'")
+        else:  # TRL's implicit prompt: the turns both sides share
+            shared = 0
+            while (shared < min(len(chosen), len(rejected)) - 1
+                   and chosen[shared] == rejected[shared]):
+                shared += 1
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        sides = []
+        for side, name in ((chosen, "chosen"), (rejected, "rejected")):
+            conv = normalise(prompt + side, self.data.system_prompt, f"{where} ({name})")
+            if conv is None:
+                return None
+            sides.append(conv)
+        head = render(tok, template, sides[0][:len(sides[0]) - len(chosen)],
+                      generation_prompt=True)
+        texts = []
+        for conv, name in zip(sides, ("chosen", "rejected")):
+            full = render(tok, template, conv)
+            if not full.startswith(head):
+                raise PipelineError(
+                    f"data.chat_template cannot split {where} ({name}): the rendering of the "
+                    "conversation does not start with the rendering of its prompt turns")
+            texts.append(full[len(head):])
+        strip_bos = tok.bos_token if ctx.bos is not None else None
+        if strip_bos and head.startswith(strip_bos):  # the encoder adds BOS as a token
+            head = head[len(strip_bos):]
+        return head, texts[0], texts[1]
+
+    def formatted_schema(self):
+        import pandera.pandas as pa
+
+        from finetune.datatypes.contract import non_empty_text, pair_schema
+
+        return pair_schema(empty_prompt=True,
+                           rejected=pa.Column(str, [non_empty_text()], nullable=False),
+                           eos=pa.Column(bool, nullable=False))
+
+    def encoder(self, ctx: DataContext):
+        return encode_preference, {"bos": ctx.bos, "max_len": self.data.max_seq_length}
+
+    def examples(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> list[dict]:
+        raise PipelineError("data.streaming: preference pairs are read from the tokenized "
+                            "split; set data.streaming to false")
+
+    def reported_metrics(self) -> tuple[str, ...]:
+        from finetune.datatypes.metrics import PREFERENCE_METRICS
+
+        return (*super().reported_metrics(), *PREFERENCE_METRICS)
+
+
+def _missing(value: Any) -> bool:
+    if value is None:
+        return True
+    if isinstance(value, float):  # pandas' NaN for a missing string
+        return value != value
+    return False
+
+
+def _messages(value: Any, where: str) -> list[dict]:
+    """A message list as plain dicts (parquet hands numpy arrays of mappings)."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, list) or not all(hasattr(m, "keys") for m in value):
+        raise PipelineError(f"{where}: not a list of messages")
+    return [dict(m) for m in value]
+
+
+def encode_preference(batch: dict[str, list], tok, bos: int | None, max_len: int
+                      ) -> dict[str, list]:
+    """Both sides of each pair as completion rows (prompt and side tokenized apart, the side
+    trained, EOS appended where the row says), each truncated to `max_len`. `n_trainable` is
+    the smaller side's, so a pair that lost one side to truncation is dropped as untrainable,
+    and 0 when truncation left both sides equal (the difference was cut off)."""
+    n = len(batch["prompt"])
+    ids = token_ids(tok, [*batch["prompt"], *batch["completion"], *batch["rejected"]])
+    out = {**empty_encoding(), **{c: [] for c in REJECTED_COLUMNS}}
+    eos = tok.eos_token_id
+    for i in range(n):
+        head = ([bos] if bos is not None else []) + ids[i]
+        tail = [eos] if batch["eos"][i] else []
+        sides = []
+        for body in (ids[n + i], ids[2 * n + i]):
+            seq = head + body + tail
+            labels = [IGNORE_INDEX] * len(head) + body + tail
+            sides.append((seq[:max_len], labels[:max_len], len(seq) > max_len))
+        (c_ids, c_labels, c_cut), (r_ids, r_labels, r_cut) = sides
+        out["input_ids"].append(c_ids)
+        out["labels"].append(c_labels)
+        out["rejected_input_ids"].append(r_ids)
+        out["rejected_labels"].append(r_labels)
+        out["truncated"].append(c_cut or r_cut)
+        # truncation may cut off where the sides differ: then there is nothing to prefer
+        same = c_ids == r_ids
+        out["n_trainable"].append(0 if same else min(sum(x != IGNORE_INDEX for x in c_labels),
+                                                     sum(x != IGNORE_INDEX for x in r_labels)))
+    return out
