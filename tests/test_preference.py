@@ -219,24 +219,24 @@ def pairs(tmp_path_factory) -> Path:
     """A project whose params are the shipped params/dpo-gsm8k.yaml in its resolved form (on
     the shipped stories260K instead of the default run's export), shrunk, with download,
     format and tokenize done."""
-    from helpers import TINY, copy_project, run_cli, write_params
+    from helpers import TINY, copy_project, run_cli, stages_here, write_params
 
     project = copy_project(tmp_path_factory.mktemp("dpo") / "p")
     resolved = run_cli(project, "config", "-p", "params/dpo-gsm8k.yaml", "-s",
                        "model.name_or_path=data/models/stories260K", check=True).stdout
     (project / "params/default.yaml").write_text(resolved)
     write_params(project, {**TINY, **TINY_DPO})
-    for name in ("download", "format", "tokenize"):
-        run_cli(project, "stage", name, check=True)
+    stages_here(project, "download", "format", "tokenize")
     return project
 
 
 @pytest.fixture(scope="module")
 def dpo_run(pairs, tmp_path_factory) -> Path:
-    """The shrunk example trained in-process, reference forward every step."""
-    from helpers import train_here
+    """The shrunk example trained by the train stage (its MLflow run, for the registry),
+    reference forward every step."""
+    from helpers import train_copy
 
-    return train_here(pairs, tmp_path_factory.mktemp("dpo-run") / "p")[0]
+    return train_copy(pairs, tmp_path_factory.mktemp("dpo-run") / "p")[0]
 
 
 def _rows(project: Path, file: str = "train.csv") -> list[dict]:
@@ -306,10 +306,15 @@ def test_ddp_with_two_processes_equals_one(pairs, dpo_run, tmp_path):
     assert losses(ddp) == pytest.approx(losses(dpo_run), abs=1e-5)
 
 
-def test_a_sigkilled_dpo_run_resumes_bitwise(pairs, dpo_run, tmp_path):
-    from helpers import interrupt_then_resume
+def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(dpo_run, tmp_path):
+    """The run cut back to what a SIGKILL right after its step-2 checkpoint leaves (the later
+    checkpoint, the trained model and the curves gone), resumed: it ends bitwise as the
+    uninterrupted run. (The SIGKILL itself and the stage's resume are the SFT run's,
+    tests/test_training.py; what is DPO's own here is its state: the reference, the pair
+    statistics, the order of the pairs.)"""
+    from helpers import resume_cut_back, train_in_place
 
-    interrupt_then_resume(pairs, tmp_path, {}, full=dpo_run)
+    resume_cut_back(dpo_run, tmp_path, 2, train_in_place)
 
 
 def test_the_example_runs_through_evaluate_and_export_and_ranks_pairs_better(dpo_run, tmp_path):
@@ -317,12 +322,11 @@ def test_the_example_runs_through_evaluate_and_export_and_ranks_pairs_better(dpo
     and the fine-tuned model rank the held-out pairs, the registry gates on it."""
     import shutil
 
-    from helpers import run_cli
+    from helpers import stages_here
 
     project = tmp_path / "p"
     shutil.copytree(dpo_run, project, symlinks=True)
-    for name in ("evaluate", "export"):
-        run_cli(project, "stage", name, check=True)
+    stages_here(project, "evaluate", "export")
     metrics = json.loads((project / "data/metrics/eval.json").read_text())
     base, tuned = metrics["base"], metrics["finetuned"]
     assert base["preference_accuracy"] == 0.5 and base["reward_margin"] == 0  # ties

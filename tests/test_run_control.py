@@ -307,9 +307,9 @@ def test_training_type_picks_the_loop(tokenized, tmp_path):
     (project / "user_loop.py").write_text(USER_LOOP)
     run, _ = train_here(project, tmp_path / "r", {**BASE, "training.type": "user_loop:CountingRun"})
     assert (run / "loop_steps.txt").read_text() == "xxxx"  # the run's cwd: its project
-    with pytest.raises(PipelineError, match=r"training.type 'dpo': no such trainer "
-                       r"\(registered: sft"):
-        train_here(project, tmp_path / "bad", {**BASE, "training.type": "dpo"})
+    with pytest.raises(PipelineError, match=r"training.type 'ppo': no such trainer "
+                       r"\(registered: dpo, sft"):
+        train_here(project, tmp_path / "bad", {**BASE, "training.type": "ppo"})
 
 
 def test_an_unseeded_run_records_its_seed_and_a_resume_keeps_it(tokenized, tmp_path):

@@ -1,6 +1,7 @@
 """Trainer types (`training.type`, QEfficient's name): which run class drives a job.
 
-`sft` is `engine.recipe.run.TrainingRun`, the loop every strategy and option is built into. A
+`sft` is `engine.recipe.run.TrainingRun`, the loop every strategy and option is built into;
+`dpo` is `engine.recipe.dpo.DPORun`, preference tuning through the run's hooks. A
 project can add its own loop (a subclass that overrides `train_step`, `evaluate`, ...) under a
 key with `register_trainer("my-loop", MyRun)` in a module it imports, or name the class directly as
 "module:Class". An unknown key is one line listing the registered ones.

@@ -5,8 +5,9 @@ TrainingRun, so the surface it depends on is written down and checked
 (tests/test_layering.py: every `run.X` it reads is declared here, and TrainingRun provides
 every member). A `training.type` subclass of engine.recipe.run.TrainingRun keeps this surface and
 overrides the run's documented hooks (`micro_step`: one micro-batch's forward and backward;
-`evaluate`; `metrics`), so checkpoints, resume, the strategies and the reporters work for it
-unchanged. Callbacks see less: `state` (engine.reporting.progress's view and the control object).
+`count_targets`: what a step's loss is averaged over; `window_metrics`: its own logged
+statistics; `evaluate`; `metrics`), so checkpoints, resume, the strategies and the reporters
+work for it unchanged (engine.recipe.dpo is one). Callbacks see less: `state` (engine.reporting.progress's view and the control object).
 """
 
 from __future__ import annotations

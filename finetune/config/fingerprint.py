@@ -60,6 +60,8 @@ IN_FINGERPRINT = (
     "training.dynamo_recompile_limit", "training.activation_memory_budget",
     "training.default_dtype", "training.float32_matmul_precision", "optimizer.name",
     "optimizer.learning_rate", "optimizer.weight_decay", "optimizer.kwargs",
+    "dpo.beta", "dpo.loss_type", "dpo.label_smoothing", "dpo.simpo_gamma",
+    "dpo.precompute_ref_log_probs",
     "optimizer.optimizer_groups", "scheduler.name", "scheduler.warmup_steps",
     "scheduler.warmup_ratio", "scheduler.kwargs", "distributed.strategy",
     "distributed.skip_all_reduce_unused_params", "distributed.fsdp.shard_transformer_layers",

@@ -148,7 +148,8 @@ class TrainingConfig(Section):
     )
     type: str = Field(
         "sft",
-        description="Trainer type (QEfficient's name): sft (our loop), a key a project registered with "
+        description="Trainer type (QEfficient's name): sft (our loop), dpo (preference tuning on "
+        "a preference dataset; the dpo section), a key a project registered with "
         "engine.recipe.trainers.register_trainer, or 'module:Class' (a TrainingRun subclass).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
