@@ -296,14 +296,17 @@ def test_full_fine_tuning_takes_a_frozen_copy_as_its_reference(pairs, tmp_path):
     assert abs(first - math.log(2)) < 1e-6 and second != first
 
 
-def test_ddp_with_two_processes_equals_one(pairs, dpo_run, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_equal_one(pairs, dpo_run, tmp_path, strategy):
+    """DDP, and FSDP2 with the reference forward through the sharded model (the adapter
+    disabled), on 2 torchrun processes x 2 pairs equal one process x 4 pairs."""
     from helpers import adapter, assert_weights_close, losses, train_copy
 
-    ddp, _ = train_copy(pairs, tmp_path / "ddp", {
-        "distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
+    run, _ = train_copy(pairs, tmp_path / strategy, {
+        "distributed.strategy": strategy, "distributed.nproc_per_node": 2,
         "training.per_device_train_batch_size": 2})
-    assert_weights_close(adapter(ddp), adapter(dpo_run))
-    assert losses(ddp) == pytest.approx(losses(dpo_run), abs=1e-5)
+    assert_weights_close(adapter(run), adapter(dpo_run))
+    assert losses(run) == pytest.approx(losses(dpo_run), abs=1e-5)
 
 
 def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(dpo_run, tmp_path):
