@@ -24,8 +24,8 @@ def summary(ws: Workspace) -> dict:
 def markdown(info: dict, ran: list[str] | None = None, cached: list[str] | None = None,
              experiment: str | None = None) -> str:
     ev = info.get("eval") or {}
-    extra = sorted({k for key in ("base", "finetuned") for k in (ev.get(key) or {})}
-                   - {"loss", "perplexity"})
+    extra = sorted({k for key in ("base", "finetuned") for k in (ev.get(key) or {})
+                    if "_stderr" not in k} - {"loss", "perplexity"})
     lines = ["| model | eval loss | perplexity |" + "".join(f" {k} |" for k in extra),
              "|---|---|---|" + "---|" * len(extra)]
     for label, key in (("base", "base"), ("fine-tuned", "finetuned")):

@@ -23,6 +23,18 @@ def check_without_data(ws: Workspace) -> None:
     check_model(ws)
     check_resume_target(ws)
     check_sources(ws)
+    check_harness(ws)
+
+
+def check_harness(ws: Workspace) -> None:
+    """eval.harness: lm-eval installed, every task file found and every task name known
+    (tasks.harness, which the evaluate stage runs)."""
+    harness = ws.config.eval.harness
+    if harness.tasks:
+        from tasks.harness import require_lm_eval, resolve_tasks
+
+        require_lm_eval()
+        resolve_tasks(harness.tasks, ws.root)
 
 
 def user_code_and_machine(ws: Workspace, device) -> None:

@@ -40,6 +40,8 @@ from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
+from tasks.harness import check_gate, require_lm_eval, resolve_tasks
+from tasks.harness import run as run_harness
 
 
 def _training_seed(ws: Workspace) -> int:
@@ -91,10 +93,35 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
         for name, texts in generations.items():
             scores = _score(ws, rows, texts, DataContext(ws.root, lambda: tok))
             results[name].update({k: round(v, 6) for k, v in scores.items()})
+    harness_results = _harness(ws, results, tok, base_model, tuned_model)
     metrics = {**results, "eval_tokens": tuned_loss["tokens"],
                "generation_rows": 0 if rows is None else len(rows)}
     samples = _samples(rows, generations, cfg.eval.num_logged_samples)
-    return _write(ws, metrics, samples)
+    return _write(ws, metrics, samples, harness_results)
+
+
+def _harness(ws: Workspace, results: dict, tok, base_model, tuned_model) -> dict | None:
+    """eval.harness's lm-eval tasks on the base and the fine-tuned model (tasks.harness):
+    their metrics into each model's results; lm-eval's full results, by model, returned."""
+    harness = ws.config.eval.harness
+    if not harness.tasks:
+        return None
+    require_lm_eval()
+    names, manager = resolve_tasks(harness.tasks, ws.root)
+    adapted = hasattr(tuned_model, "disable_adapter")
+    full = {}
+    for name in harness.models:
+        if name == "base":  # an adapter was injected into base_model in place: disable it
+            with tuned_model.disable_adapter() if adapted else contextlib.nullcontext():
+                model = tuned_model.get_base_model() if adapted else base_model
+                flat, full[name] = run_harness(harness, model, tok, ws.root, names, manager)
+        else:
+            model = tuned_model.get_base_model() if adapted else tuned_model
+            flat, full[name] = run_harness(harness, model, tok, ws.root, names, manager)
+        results[name].update({k: round(v, 6) for k, v in flat.items()})
+    if "finetuned" in harness.models:
+        check_gate(ws.config.registry.gate_metric, results["finetuned"])
+    return full
 
 
 def _rank_pairs(ws: Workspace, results: dict, test, tok, base_model, tuned_model) -> None:
@@ -144,8 +171,10 @@ def _evaluate_classifier(ws: Workspace, test, tok) -> dict[str, Path]:
     return _write(ws, {**results, "eval_rows": len(true), "num_labels": len(labels)}, samples)
 
 
-def _write(ws: Workspace, metrics: dict, samples: list[dict]) -> dict[str, Path]:
-    """The metrics file, the samples table, and both into the training's MLflow run."""
+def _write(ws: Workspace, metrics: dict, samples: list[dict],
+           harness: dict | None = None) -> dict[str, Path]:
+    """The metrics file, the samples table, and both into the training's MLflow run (with
+    lm-eval's full results of `harness`, by model)."""
     results = {k: v for k, v in metrics.items() if k in ("base", "finetuned", "quantized")}
     samples_path = write_json_atomic(ws.layout.eval_samples, samples)
     path = write_json_atomic(ws.layout.metrics / "eval.json", metrics)
@@ -157,6 +186,8 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict]) -> dict[str, Path]
         tracking.log_metrics(ws, run_id, flat)
         if samples:
             tracking.client(ws).log_table(run_id, pd.DataFrame(samples), "eval/samples.json")
+        if harness:
+            tracking.client(ws).log_dict(run_id, harness, "eval/harness.json")
     return {"metrics": path, "samples": samples_path}
 
 

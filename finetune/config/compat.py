@@ -352,6 +352,10 @@ def _model_task(c) -> str | None:
 
 def _gate_reported(c) -> str | None:
     gate = c.registry.gate_metric.removeprefix("eval.")
+    if gate.startswith("harness."):  # which metrics a task reports: the evaluate stage checks
+        return None if c.eval.harness.tasks else (
+            f"registry.gate_metric {c.registry.gate_metric} names a harness metric, and "
+            "eval.harness.tasks is empty; name the task there")
     reported = {m for _, part in c.data.parts() for m in part.datatype.reported_metrics()}
     if gate in reported:
         return None

@@ -12,12 +12,46 @@ from typing import Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from finetune.config.section import Section
-from finetune.datatypes.metrics import (CLASSIFICATION_METRICS, GENERATION_METRICS,
-                                      PREFERENCE_METRICS, ROUGE_KEYS)
+from finetune.datatypes.metrics import (
+    CLASSIFICATION_METRICS,
+    GENERATION_METRICS,
+    PREFERENCE_METRICS,
+    ROUGE_KEYS,
+)
 
 GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
                 *(f"eval.{k}" for k in ROUGE_KEYS), *(f"eval.{k}" for k in CLASSIFICATION_METRICS),
                 *(f"eval.{k}" for k in PREFERENCE_METRICS))
+
+
+#: a harness metric the gate can name: eval.harness.<task>.<metric>.<filter>
+HARNESS_GATE = re.compile(r"eval\.harness\.[^.\s]+\.[^.\s]+\.[^.\s]+")
+
+
+class HarnessConfig(Section):
+    """lm-evaluation-harness tasks the evaluate stage runs on the base and the fine-tuned model
+    (lm-eval's Python API on the loaded models, in-process)."""
+
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-eval task names (gsm8k, hellaswag, ...: the hub must be reachable for "
+        "their data), or task YAML files / folders of them in the project (a local task: "
+        "dataset_path json with data_files; data/harness/gsm8k_local.yaml is GSM8K's on the "
+        "shipped rows). Empty: the harness does not run.")
+    num_fewshot: int | None = Field(
+        None, ge=0, description="Few-shot examples per prompt (None: each task's own).")
+    limit: int | None = Field(
+        None, gt=0, description="Evaluate only the first N documents of each task (None: all).")
+    batch_size: int = Field(8, gt=0, description="Prompts per forward.")
+    apply_chat_template: bool = Field(
+        False, description="Render prompts with the exported tokenizer's chat template (the "
+        "one a chat dataset trained with).")
+    max_gen_toks: int | None = Field(
+        None, gt=0, description="Cap on generated tokens per prompt (lm-eval's gen_kwargs "
+        "max_gen_toks; None: each task's own).")
+    models: list[Literal["base", "finetuned"]] = Field(
+        default_factory=lambda: ["base", "finetuned"], min_length=1,
+        description="Which models the tasks run on.")
 
 
 class EvalConfig(Section):
@@ -70,6 +104,7 @@ class EvalConfig(Section):
         description="exact_match: the answer is this regex's group 1 (first match); without "
         "a match, the last number in the text.",
     )
+    harness: HarnessConfig = Field(default_factory=HarnessConfig)
 
     @field_validator("eval_batches", mode="before")
     @classmethod
@@ -118,10 +153,12 @@ class RegistryConfig(Section):
     registered_model_name: str | None = Field(
         None, description="Registry name (default: logging.experiment_name)."
     )
-    gate_metric: Literal[GATE_METRICS] = Field(
-        "eval.loss", description="Metric of the fine-tuned model that decides promotion "
-        "(eval.accuracy / eval.macro_f1: classification datasets; eval.preference_accuracy, "
-        "reward_margin, likelihood_accuracy, logp_margin: preference pairs)."
+    gate_metric: str = Field(
+        "eval.loss", description="Metric of the fine-tuned model that decides promotion: "
+        f"{', '.join(GATE_METRICS)} (eval.accuracy / eval.macro_f1: classification datasets; "
+        "eval.preference_accuracy, reward_margin, likelihood_accuracy, logp_margin: preference "
+        "pairs), or a harness metric eval.harness.TASK.METRIC.FILTER (e.g. eval.harness."
+        "gsm8k_local.exact_match.strict-match; set greater_is_better for one where lower wins)."
     )
     greater_is_better: bool | None = Field(
         None, description="Direction of gate_metric (None: inferred; loss/perplexity lower)."
@@ -131,6 +168,18 @@ class RegistryConfig(Section):
     )
     candidate_alias: str = Field("candidate", description="Alias every new version gets.")
     champion_alias: str = Field("champion", description="Alias of the version in service.")
+
+    @field_validator("gate_metric")
+    @classmethod
+    def _known_metric(cls, name: str) -> str:
+        if name in GATE_METRICS or HARNESS_GATE.fullmatch(name):
+            return name
+        import difflib
+
+        close = difflib.get_close_matches(name, GATE_METRICS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ValueError(f"unknown metric '{name}'{hint}: one of {', '.join(GATE_METRICS)}, or "
+                         "eval.harness.TASK.METRIC.FILTER")
 
     @property
     def higher_wins(self) -> bool:
