@@ -43,6 +43,9 @@ def export(ws: Workspace) -> dict[str, Path]:
     gate_value = _gate_value(ws, metrics)
     model = load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained)
     tok = load_tokenizer(cfg.model, ws.root)
+    trained_template = ws.layout.trained / "chat_template.jinja"
+    if trained_template.exists():  # a chat dataset's template, saved by the train stage
+        tok.chat_template = trained_template.read_text()
     run_id = tracking.run_id_of(ws)
     lineage = tracking.lineage_tags(ws)
     merge = cfg.peft.use_peft and cfg.export.merge_adapter

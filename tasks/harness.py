@@ -76,6 +76,19 @@ def resolve_tasks(tasks: list[str], root: Path):
     return names, manager
 
 
+def chat_tokenizer(trained: Path):
+    """apply_chat_template: the trained (and exported) tokenizer, which carries the template a
+    chat dataset trained with; without one, one line."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(trained))
+    if not getattr(tok, "chat_template", None):
+        raise PipelineError(f"eval.harness.apply_chat_template: the trained tokenizer "
+                            f"({trained}) has no chat template; train on a chat dataset (its "
+                            "data.chat_template is saved with it) or set it to false")
+    return tok
+
+
 def run(harness, model, tok, root: Path, names: list[str], manager) -> tuple[dict, dict]:
     """The tasks on one loaded model: (flat metrics `harness.<task>.<metric>.<filter>`,
     lm-eval's full results). Runs with the project root as the working folder, where the

@@ -145,6 +145,8 @@ def test_a_chat_dataset_runs_through_all_six_stages(tmp_path):
     stats = json.loads((project / "data/metrics/tokenize.json").read_text())
     assert stats["train"]["rows"] == 48 and stats["test"]["rows"] == 12
     assert (project / "data/export/config.json").exists()
+    from transformers import AutoTokenizer  # the template it trained with, for serving
+    assert AutoTokenizer.from_pretrained(project / "data/export").chat_template == PLAIN
     evaluation = json.loads((project / "data/metrics/eval.json").read_text())
     assert evaluation["finetuned"]["loss"] < evaluation["base"]["loss"]
     # a bad conversation: one line naming split, row and column; the outputs stay as they were

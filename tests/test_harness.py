@@ -46,19 +46,16 @@ def evaluated(tokenized, tmp_path_factory) -> Path:
     return project
 
 
-def _direct(model, tok, project: Path) -> dict:
+def _direct(model, tok, project: Path, manager) -> dict:
     """lm-eval called directly on `model`, outside our code."""
     import os
 
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     here = os.getcwd()
     os.chdir(project)
     try:
-        manager = TaskManager(include_path=[str(project / "data/harness"),
-                                            str(project / "my_tasks")])
         out = simple_evaluate(
             model=HFLM(pretrained=model, tokenizer=tok, batch_size=20, device="cpu"),
             tasks=["gsm8k_local", "gsm8k_answers_ppl"], num_fewshot=0, limit=20,
@@ -75,13 +72,17 @@ def test_the_stage_records_what_lm_eval_itself_computes(evaluated):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lm_eval.tasks import TaskManager
+
     recorded = json.loads((evaluated / "data/metrics/eval.json").read_text())
     tok = AutoTokenizer.from_pretrained(evaluated / "data/trained")
+    manager = TaskManager(include_path=[str(evaluated / "data/harness"),
+                                        str(evaluated / "my_tasks")])
     base = AutoModelForCausalLM.from_pretrained(evaluated / "data/models/stories260K")
-    expected = {"base": _direct(base, tok, evaluated)}
+    expected = {"base": _direct(base, tok, evaluated, manager)}
     # the adapter's layers in the model, active (no merge: the weights the stage ran)
     tuned = PeftModel.from_pretrained(base, str(evaluated / "data/trained")).get_base_model()
-    expected["finetuned"] = _direct(tuned, tok, evaluated)
+    expected["finetuned"] = _direct(tuned, tok, evaluated, manager)
     for name in ("base", "finetuned"):
         ours = {k: v for k, v in recorded[name].items() if k.startswith("harness.")}
         assert ours.keys() == expected[name].keys()
@@ -152,13 +153,32 @@ def test_without_lm_eval_the_section_says_how_to_install_it(monkeypatch):
 
 def test_the_shipped_task_is_lm_evals_gsm8k_on_local_files():
     """Everything but the data source is lm-eval's own gsm8k task."""
+    import lm_eval
     import yaml
-    from lm_eval.tasks import TaskManager
 
     ours = yaml.safe_load((ROOT / "data/harness/gsm8k_local.yaml").read_text())
-    theirs = TaskManager().task_index["gsm8k"].yaml_path
-    theirs = yaml.safe_load(Path(theirs).read_text())
+    theirs = Path(lm_eval.__file__).parent / "tasks/gsm8k/gsm8k.yaml"
+    theirs = yaml.safe_load(theirs.read_text())
     differ = {k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)}
     assert differ == {"task", "dataset_path", "dataset_name", "dataset_kwargs", "tag"}
     assert ours["dataset_path"] == "json"
     assert all((ROOT / f).exists() for f in ours["dataset_kwargs"]["data_files"].values())
+
+
+def test_apply_chat_template_uses_the_trained_tokenizers_template(tmp_path):
+    """The chat template comes from the trained tokenizer (the train stage saves a chat
+    dataset's data.chat_template with it, tests/test_chat.py); a tokenizer without one is one
+    line."""
+    from transformers import AutoTokenizer
+
+    from finetune.errors import PipelineError
+    from tasks.harness import chat_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "data/models/stories260K")
+    tok.save_pretrained(tmp_path / "plain")
+    with pytest.raises(PipelineError, match=r"^eval.harness.apply_chat_template: the trained "
+                                            r"tokenizer .* has no chat template"):
+        chat_tokenizer(tmp_path / "plain")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp_path / "chat")
+    assert chat_tokenizer(tmp_path / "chat").chat_template == tok.chat_template

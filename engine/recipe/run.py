@@ -559,9 +559,22 @@ class TrainingRun:
         with atomic_dir(self.paths.trained) as staging:
             self.strategy.save_pretrained(staging, full)
             make_model_card_reproducible(staging, self.cfg.model, self.paths.project_root)
+            self.carry_chat_template()
             self.tokenizer.save_pretrained(staging)
             if self.labels:
                 write_labels(staging, self.labels)
+
+
+    def carry_chat_template(self) -> None:
+        """A chat dataset's template (data.chat_template) goes into the saved tokenizer: the
+        exported model formats conversations as it was trained to, and the evaluate stage's
+        harness (apply_chat_template) uses it."""
+        root = self.paths.project_root
+        for _, part in self.cfg.data.parts():
+            template = part.datatype.serving_chat_template(self.tokenizer, root)
+            if template:
+                self.tokenizer.chat_template = template
+                return
 
 
 register_trainer("sft", TrainingRun)

@@ -197,6 +197,12 @@ class DatasetType(ABC):
         return generation_metrics(ev.generation_metrics, predictions, references,
                                   ev.answer_regex)
 
+    # -- export ------------------------------------------------------------------------------
+    def serving_chat_template(self, tok, root: Path) -> str | None:
+        """The chat template the trained tokenizer should carry, so the exported model
+        formats conversations as it was trained to (None: the tokenizer's own stays)."""
+        return None
+
     # -- the source of a type's code, for fingerprints ----------------------------------------
     @classmethod
     def source_files(cls) -> list[Path]:

@@ -72,6 +72,9 @@ class ChatType(DatasetType):
         rows = pd.DataFrame({"prompt": prompts, "completion": completions, "messages": messages})
         return Formatted(rows, dropped, "no messages or an empty assistant turn")
 
+    def serving_chat_template(self, tok, root: Path) -> str | None:
+        return chat_template(self.data, tok, root)
+
     def encoder(self, ctx: DataContext):
         d = self.data
         return encode_chat_batch, {

@@ -124,6 +124,9 @@ class PreferenceType(DatasetType):
             head = head[len(strip_bos):]
         return head, texts[0], texts[1]
 
+    def serving_chat_template(self, tok, root) -> str | None:
+        return chat_template(self.data, tok, root) if self.data.chat_template else None
+
     def formatted_schema(self):
         import pandera.pandas as pa
 
