@@ -23,13 +23,10 @@ import torch
 from engine.datapath.data import load_tokenized
 from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.heldout import evaluate_loss, pair_log_probs, predict_classes
+from engine.modeling.adapter import adapter_disabled, has_adapter
 from engine.modeling.labels import read_labels
-from engine.modeling.model import (
-    load_base_model,
-    load_tokenizer,
-    load_trained,
-    max_positions,
-)
+from engine.modeling.model import base_model as unwrapped
+from engine.modeling.model import load_base_model, load_tokenizer, load_trained, max_positions
 from engine.modeling.quantization import quantized_copy
 from engine.objective.loss import class_loss_sum
 from engine.objective.preference import ranking_scores
@@ -110,20 +107,28 @@ def _harness(ws: Workspace, results: dict, tok, base_model, tuned_model) -> dict
     names, manager = resolve_tasks(harness.tasks, ws.root)
     if harness.apply_chat_template:
         tok = chat_tokenizer(ws.layout.trained)
-    adapted = hasattr(tuned_model, "disable_adapter")
     full = {}
     for name in harness.models:
-        if name == "base":  # an adapter was injected into base_model in place: disable it
-            with tuned_model.disable_adapter() if adapted else contextlib.nullcontext():
-                model = tuned_model.get_base_model() if adapted else base_model
-                flat, full[name] = run_harness(harness, model, tok, ws.root, names, manager)
-        else:
-            model = tuned_model.get_base_model() if adapted else tuned_model
-            flat, full[name] = run_harness(harness, model, tok, ws.root, names, manager)
+        with (_as_base(tuned_model, base_model) if name == "base"
+              else contextlib.nullcontext(tuned_model)) as model:
+            # lm-eval's HF backend takes the transformers model (the adapter's layers inside)
+            flat, full[name] = run_harness(harness, unwrapped(model), tok, ws.root, names,
+                                           manager)
         results[name].update({k: round(v, 6) for k, v in flat.items()})
     if "finetuned" in harness.models:
         check_gate(ws.config.registry.gate_metric, results["finetuned"])
     return full
+
+
+@contextlib.contextmanager
+def _as_base(tuned_model, base_model):
+    """The base model, once the fine-tuned one is loaded: load_trained injects an adapter into
+    base_model in place, so the base is then the fine-tuned model with its adapter disabled."""
+    if not has_adapter(tuned_model):
+        yield base_model
+        return
+    with adapter_disabled(tuned_model):
+        yield tuned_model
 
 
 def _rank_pairs(ws: Workspace, results: dict, test, tok, base_model, tuned_model) -> None:
@@ -132,10 +137,8 @@ def _rank_pairs(ws: Workspace, results: dict, test, tok, base_model, tuned_model
     own likelihood (engine.objective.preference.ranking_scores)."""
     args = (test, ws.config.training.per_device_eval_batch_size, tok.pad_token_id)
     dpo = ws.config.dpo
-    # an adapter was injected into base_model in place: the base is the adapter disabled
-    adapted = hasattr(tuned_model, "disable_adapter")
-    with tuned_model.disable_adapter() if adapted else contextlib.nullcontext():
-        base = pair_log_probs(tuned_model if adapted else base_model, *args)
+    with _as_base(tuned_model, base_model) as model:
+        base = pair_log_probs(model, *args)
     tuned = pair_log_probs(tuned_model, *args)
     for name, scored in (("base", base), ("finetuned", tuned)):
         results[name].update(

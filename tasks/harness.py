@@ -15,7 +15,6 @@ file that names harness tasks is refused with one line.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +95,7 @@ def run(harness, model, tok, root: Path, names: list[str], manager) -> tuple[dic
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    with _quiet(), _in_folder(root):
+    with _quiet(), contextlib.chdir(root):
         lm = HFLM(pretrained=model, tokenizer=tok, batch_size=harness.batch_size,
                   device=str(next(model.parameters()).device))
         results = simple_evaluate(
@@ -132,16 +131,6 @@ def _jsonable(value):
     import json
 
     return json.loads(json.dumps(value, default=str))
-
-
-@contextlib.contextmanager
-def _in_folder(folder: Path):
-    here = os.getcwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(here)
 
 
 @contextlib.contextmanager

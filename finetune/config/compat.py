@@ -235,7 +235,7 @@ def _in(name: str, test) -> When:
 
 def _pairs_and_trainer(c) -> str | None:
     """Preference pairs train with training.type dpo, and dpo trains on nothing else."""
-    paired = [getattr(d.datatype, "paired", False) for _, d in c.data.parts()]
+    paired = [d.datatype.paired for _, d in c.data.parts()]
     if c.training.type == "dpo" and not all(paired):
         return ("training.type: dpo trains on chosen/rejected pairs; set data.dataset_type: "
                 "preference (every source, in a mixture)")
