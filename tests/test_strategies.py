@@ -15,13 +15,14 @@ from helpers import (
     BIN,
     adapter,
     assert_weights_close,
-    error_line,
     interrupt_then_resume,
     losses,
     resume_cut_back,
-    run_cli,
+    stage_outputs,
+    stages_here,
     train_copy,
     train_here,
+    train_in_place,
     train_metrics,
     write_params,
 )
@@ -56,10 +57,11 @@ def diloco_run(tokenized, tmp_path_factory):
 
 
 def export_loads(project) -> None:
-    """LoRA trained under a strategy exports to a merged HF folder that loads and runs."""
+    """LoRA trained under a strategy exports to a merged HF folder that loads and runs (the
+    export stage's function in this process: no process boundary is under test here)."""
     from transformers import AutoModelForCausalLM
 
-    run_cli(project, "stage", "export", check=True)
+    stages_here(project, "export")
     model = AutoModelForCausalLM.from_pretrained(project / "data/export")
     assert not any("lora" in name for name, _ in model.named_parameters())
     out = model(input_ids=torch.tensor([[1, 2, 3]])).logits
@@ -67,11 +69,16 @@ def export_loads(project) -> None:
 
 
 def refuses_another_world_size(project, world: int, overrides: dict) -> None:
-    """A different world size cannot resume exactly: one line, before any training step."""
+    """A different world size cannot resume exactly: refused before any training step, with
+    every checkpoint and curve left as it was. In this process, with the job the train stage
+    hands torchrun (the CLI's one-line contract for such refusals: tests/test_reliability.py)."""
+    from finetune.errors import PipelineError
+
     write_params(project, {**overrides, "checkpoint.resume_from_checkpoint": True})
-    err = run_cli(project, "stage", "train")
-    assert f"world size {world} but this run" in error_line(err)
-    assert "[train] step" not in err.stdout
+    before = stage_outputs(project)
+    with pytest.raises(PipelineError, match=f"world size {world} but this run"):
+        train_in_place(project)
+    assert stage_outputs(project) == before
 
 
 def test_ddp_two_ranks_match_one_rank_with_double_batch(tokenized, ddp_run, tmp_path):
