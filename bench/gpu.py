@@ -3,7 +3,8 @@ model, data, precision, batch, steps and example order, with MFU against a matmu
 measured in the same run. Needs torch, transformers and peft (what a GPU machine has) plus
 datasets, pydantic, trl and liger-kernel (carried as wheels); no MLflow, DVC or Prefect.
 
-    python bench/gpu.py --data DIR [--batch 32] [--window 8] [--rows NAME,...] [--out DIR]
+    python bench/gpu.py --data DIR [--batch 32] [--window 8] [--rows "NAME;NAME"] [--out DIR]
+    python bench/gpu.py --data DIR --rows NAME --profile   # where a row's step time goes
 
 DIR holds `alpaca-train` (Alpaca 2k through our tokenize stage, GPT-2 tokenizer, completion-only
 labels) and `tokenizer`, as bench/gpu_prep.py writes them. The model is a ~0.41B Llama built
@@ -169,12 +170,9 @@ def boundaries(window: int) -> list[int]:
     return [WARMUP + i * window for i in range(4)]
 
 
-def run_ours(name: str, spec: dict, args, model: Path, train: Path, work: Path) -> dict:
-    from engine_smoke import launch
-
-    steps = WARMUP + 3 * args.window
-    timer = work / "marks.jsonl"
-    overrides = {
+def our_overrides(spec: dict, args, model: Path, steps: int) -> dict:
+    """Our engine's settings for a row: the bench's common ones, then the row's own."""
+    return {
         "model.name_or_path": str(model), "peft.use_peft": False,
         "training.mixed_precision": "bf16", "training.max_steps": steps,
         "training.per_device_train_batch_size": args.batch, "training.max_grad_norm": 1.0,
@@ -182,10 +180,44 @@ def run_ours(name: str, spec: dict, args, model: Path, train: Path, work: Path) 
         "optimizer.kwargs": {"fused": True}, "scheduler.name": "cosine",
         "scheduler.warmup_steps": 2, "checkpoint.save_strategy": "no",
         "eval.eval_strategy": "no", "logging.logging_steps": 1, "logging.report_to": [],
-        "logging.callbacks": [{"class": "bench.gpu_timer:WindowTimer", "kwargs": {
-            "path": str(timer), "boundaries": boundaries(args.window)}}],
         "data.max_seq_length": 1024 if spec.get("long") != "rows" else LONG,
         **spec["overrides"]}
+
+
+#: --profile: steps traced after the warm-up (one more before them, thrown away)
+PROFILED = 2
+
+
+def profile_ours(name: str, spec: dict, args, model: Path, train: Path, work: Path) -> dict:
+    """The row's run, shortened to the warm-up and PROFILED steps, those traced by
+    `logging.profiler` (no timed windows: tracing slows the steps it records). Returns the
+    ops table (self CUDA time first) and where the trace is."""
+    from engine_smoke import launch
+
+    traces = work / "profile"
+    overrides = {**our_overrides(spec, args, model, WARMUP + 1 + PROFILED),
+                 "logging.profiler.enabled": True, "logging.profiler.wait_steps": WARMUP,
+                 "logging.profiler.warmup_steps": 1,
+                 "logging.profiler.active_steps": PROFILED,
+                 "logging.profiler.output_dir": str(traces)}
+    proc = launch(work, overrides, train, None)
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr)[-2500:]}
+    ops = sorted(traces.glob("ops-*.txt"))
+    if not ops:
+        return {"error": f"no ops table under {traces}: {proc.stdout[-1000:]}"}
+    return {"ops_table": ops[0].read_text(), "trace": str(sorted(traces.glob("trace-*"))[0])}
+
+
+def run_ours(name: str, spec: dict, args, model: Path, train: Path, work: Path) -> dict:
+    from engine_smoke import launch
+
+    if args.profile:
+        return profile_ours(name, spec, args, model, train, work)
+    timer = work / "marks.jsonl"
+    overrides = {**our_overrides(spec, args, model, WARMUP + 3 * args.window),
+                 "logging.callbacks": [{"class": "bench.gpu_timer:WindowTimer", "kwargs": {
+                     "path": str(timer), "boundaries": boundaries(args.window)}}]}
     proc = launch(work, overrides, train, None)
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-2500:]}
@@ -246,6 +278,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     ap.add_argument("--budget", type=float, default=500.0,
                     help="seconds; rows not started by then are reported as skipped")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of timing, trace our rows' steps after the warm-up "
+                    "(logging.profiler) and print each one's ops table by self CUDA time")
     args = ap.parse_args()
     import torch
 
@@ -277,7 +312,13 @@ def main() -> None:
         train = long if spec.get("long") == "rows" else alpaca
         t0 = time.perf_counter()
         runner = run_ours if spec["kind"] == "ours" else run_hf
+        if args.profile and spec["kind"] != "ours":
+            results[name] = {"error": "skipped: --profile traces our engine's rows only"}
+            continue
         r = results[name] = runner(name, spec, args, model, train, work)
+        if "ops_table" in r:
+            print(f"{name}: trace {r['trace']}\n{r['ops_table']}", flush=True)
+            continue
         if "windows" in r:
             r["tokens_per_s"] = statistics.median(r["windows"])
             r["mfu"] = 6 * n_params * r["tokens_per_s"] / (peak * 1e12)
@@ -286,6 +327,8 @@ def main() -> None:
                  f"{', '.join(f'{w:,.0f}' for w in r['windows'])}), final loss "
                  f"{r['final_loss']:.5f}" if "windows" in r else r["error"][-600:])
         print(f"{name}: {r['wall_s']:.0f} s, {shown}", flush=True)
+    if args.profile:
+        return
     base = results.get("HF Trainer, cuDNN SDPA off", {}).get("tokens_per_s")
     trl = results.get("TRL SFTTrainer padding_free + Liger (cuDNN SDPA off)", {}).get(
         "tokens_per_s")

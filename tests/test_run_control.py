@@ -486,3 +486,42 @@ def test_a_logged_row_waits_for_its_values_without_stopping_the_loop(tokenized, 
                                                  "end 4", "log 3", "log 4"]
     assert losses(late) == losses(now) and logged_column(late, "grad_norm") == logged_column(now,
                                                                                 "grad_norm")
+
+
+def test_the_profiler_traces_the_scheduled_steps_and_keeps_earlier_traces(tokenized, tmp_path):
+    """logging.profiler: wait 1, active 1, two cycles over 4 steps trace steps 2 and 4, each
+    as a Chrome trace of the step's ops and an ops table by self time; the run computes
+    exactly what it computes unprofiled. Another run over the same steps adds its files beside
+    the first run's; a run too short for the schedule says it recorded nothing. (One-step
+    windows: torch's parsing of a trace, for the ops table, is most of what profiling costs.)"""
+    common = {**BASE, "eval.eval_steps": 0}
+    plain, _ = train_here(tokenized, tmp_path / "plain", common)
+    traced = {**common, "logging.profiler.enabled": True, "logging.profiler.warmup_steps": 0,
+              "logging.profiler.active_steps": 1, "logging.profiler.num_cycles": 2,
+              "logging.profiler.record_shapes": True, "logging.profiler.with_flops": True}
+    project, proc = train_here(tokenized, tmp_path / "p", traced)
+    assert losses(project) == losses(plain)
+    assert all(torch.equal(a, b) for a, b in zip(adapter(project).values(),
+                                                 adapter(plain).values()))
+    out = project / "data/logs/profile"
+    windows = ("step0000002-rank0", "step0000004-rank0")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{kind}-{w}.{ext}" for w in windows for kind, ext in (("trace", "json"), ("ops", "txt")))
+    assert f"[train] profiler: step 2 traced to {out}/trace-{windows[0]}.json" in proc.stdout
+    events = json.loads((out / f"trace-{windows[0]}.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert "ProfilerStep#1" in names and not {"ProfilerStep#0", "ProfilerStep#2"} & names
+    assert "aten::mm" in names and any("Input Dims" in e.get("args", {}) for e in events)
+    table = (out / f"ops-{windows[0]}.txt").read_text()
+    assert table.startswith("step 2, rank 0, sorted by self_cpu_time_total")
+    assert "Self CPU" in table and "FLOPs" in table and "aten::mm" in table
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    write_params(project, {"logging.profiler.num_cycles": 1, "logging.profiler.wait_steps": 3})
+    again = train_in_place(project)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name in first} == first
+    assert sorted(set(p.name for p in out.iterdir()) - set(first)) == [
+        f"ops-{windows[1]}-2.txt", f"trace-{windows[1]}-2.json"]
+    assert f"step 4 traced to {out}/trace-{windows[1]}-2.json" in again.stdout
+    write_params(project, {"training.max_steps": 2})
+    assert ("[train] profiler: nothing recorded: the run took 2 steps and the schedule records "
+            "from its step 4 on") in train_in_place(project).stdout

@@ -15,6 +15,7 @@ for single, DDP, FSDP2 and DiLoCo.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -51,6 +52,7 @@ from engine.recipe.model_setup import build_model
 from engine.recipe.trainers import register_trainer, trainer_class
 from engine.reporting.callbacks import TrainerControl
 from engine.reporting.monitor import Monitor, due
+from engine.reporting.profiler import StepProfiler
 from engine.reporting.progress import Progress
 from engine.reporting.readback import Readback
 from engine.reporting.reporters import Console, build_reporters
@@ -251,16 +253,22 @@ class TrainingRun:
         if self.reporters:
             self.reporters.on_train_begin(self.state)
         self.mark_speed()
-        while self.progress.step < self.max_steps:
-            if self.reporters:
-                if self.progress.batch_in_epoch in (0, self.epoch_len):
-                    self.reporters.on_epoch_begin(self.state)
-                self.reporters.on_step_begin(self.state)
-            grad_norm = self.train_step()
-            self.mark_speed()
-            self.maybe_log(grad_norm)
-            if self.maybe_evaluate_and_save():
-                break
+        profiler = StepProfiler.from_config(
+            self.cfg.logging.profiler, self.paths.project_root, self.cfg.logging.logging_dir,
+            self.dist.device, self.dist.rank, self.log)
+        with profiler or contextlib.nullcontext():
+            while self.progress.step < self.max_steps:
+                if self.reporters:
+                    if self.progress.batch_in_epoch in (0, self.epoch_len):
+                        self.reporters.on_epoch_begin(self.state)
+                    self.reporters.on_step_begin(self.state)
+                grad_norm = self.train_step()
+                if profiler:
+                    profiler.step(self.progress.step)
+                self.mark_speed()
+                self.maybe_log(grad_norm)
+                if self.maybe_evaluate_and_save():
+                    break
         return self.finish()
 
     def prefetched(self, batches):

@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 #: the contexts sections are checked in, in the order the table lists them
 SCOPES = ("model", "scheduler", "training", "distributed.fsdp", "distributed.diloco",
-          "distributed.pipeline", "distributed", "data", "data.sources", "registry", "config",
-          "machine")
+          "distributed.pipeline", "distributed", "data", "data.sources", "registry",
+          "logging.profiler", "config", "machine")
 
 
 def _get(obj, dotted: str):
@@ -647,6 +647,16 @@ RULES: list[Rule] = [
         "candidate_alias and champion_alias must differ")
           if r.candidate_alias == r.champion_alias else None,
           example={"registry.candidate_alias": "champion"}),
+    # logging.profiler: every other key says how to trace, which means nothing while it is off
+    *(Needs("logging.profiler", key, _in("enabled: true", lambda p: p.enabled),
+            "the profiler is off, so nothing would use it",
+            used=lambda p, key=key: getattr(p, key) != type(p).model_fields[key].default,
+            example={f"logging.profiler.{key}": value})
+      for key, value in (("wait_steps", 0), ("warmup_steps", 0), ("active_steps", 4),
+                         ("num_cycles", 2), ("record_shapes", True),
+                         ("profile_memory", True), ("with_stack", True),
+                         ("with_flops", True), ("row_limit", 10),
+                         ("output_dir", "data/logs/traces"))),
     # across sections
     Agree("config", ("training.global_batch_size", "training.per_device_train_batch_size",
                      "training.gradient_accumulation_steps", "distributed.nproc_per_node"),

@@ -4,9 +4,44 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
+from finetune.config import compat
 from finetune.config.section import Section
+
+
+class ProfilerConfig(Section):
+    """torch.profiler over a few optimizer steps (torchtune's `profiler` names): where a step's
+    time goes, op by op, on the device and the host. Off by default; it changes no number a
+    run computes, so it is outside the checkpoint fingerprint."""
+
+    enabled: bool = Field(False, description="Trace optimizer steps with torch.profiler.")
+    wait_steps: int = Field(
+        1, ge=0, description="Steps to skip first (each cycle): compilation and allocator "
+        "warm-up are not what a step costs.")
+    warmup_steps: int = Field(
+        1, ge=0, description="Steps traced but thrown away before the recorded ones (each "
+        "cycle): the profiler's own start-up cost.")
+    active_steps: int = Field(2, ge=1, description="Steps recorded per cycle.")
+    num_cycles: int = Field(1, ge=1, description="How many wait/warmup/active cycles.")
+    record_shapes: bool = Field(False, description="Record each op's input shapes.")
+    profile_memory: bool = Field(False, description="Record tensor allocations and frees.")
+    with_stack: bool = Field(False, description="Record Python stacks (larger traces).")
+    with_flops: bool = Field(
+        False, description="Estimate the FLOPs of matmuls and convolutions (the ops table's "
+        "FLOPs column).")
+    row_limit: int = Field(
+        25, ge=1, description="Rows of the ops table written beside each trace.")
+    output_dir: str | None = Field(
+        None, description="Where the traces go (None: logging_dir/profile): one Chrome/"
+        "Perfetto trace (trace-...-rankR.json) and one ops table (ops-...-rankR.txt) per "
+        "rank and cycle, named by the steps they cover; an existing file is never "
+        "overwritten.")
+
+    @model_validator(mode="after")
+    def _compat(self) -> "ProfilerConfig":
+        compat.check(self, "logging.profiler")
+        return self
 
 
 class LoggingConfig(Section):
@@ -71,6 +106,7 @@ class LoggingConfig(Section):
         None, description="MLflow store; default sqlite:///<project>/mlflow.db."
     )
     experiment_name: str = Field("finetune", description="MLflow experiment.")
+    profiler: ProfilerConfig = Field(default_factory=ProfilerConfig)
 
     @field_validator("report_to", mode="before")
     @classmethod
