@@ -12,6 +12,7 @@ profiler changes no number the run computes.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable
 
@@ -57,9 +58,14 @@ class StepProfiler:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Stop the profiler; a window that training ended in the middle of is saved as it
-        is. Ended by an error, the profiler stops without a word of its own."""
+        is. Ended by an error, the profiler stops without a word of its own, and a failure to
+        stop cannot hide that error (the worker names it: engine.process.failures)."""
+        if exc_type is not None:
+            with contextlib.suppress(Exception):
+                self.profile.stop()
+            return
         self.profile.stop()
-        if exc_type is None and not self.saved:
+        if not self.saved:
             start = self.cfg.wait_steps + self.cfg.warmup_steps + 1
             self.log(f"[train] profiler: nothing recorded: the run took {self.done} steps and "
                      f"the schedule records from its step {start} on; lower "
