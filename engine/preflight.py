@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from engine.process.job import RunPaths
+from engine.reporting.profiler import check_traces_dir
 from finetune.config import FinetuneConfig
 from finetune.errors import PipelineError
 from finetune.imports import load_object
@@ -82,6 +83,8 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
     (its fingerprint hashes are cached for the worker). Rank 0 writes nothing until this
     passed (tasks/launch.py)."""
     check_user_code_and_machine(cfg, device_for(cfg))
+    if cfg.logging.profiler.enabled:
+        check_traces_dir(cfg.logging, paths.project_root)
     if paths.train_data is not None:
         if not paths.train_data.exists():
             raise PipelineError(f"{paths.train_data} missing; run the tokenize stage")

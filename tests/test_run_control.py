@@ -492,7 +492,8 @@ def test_the_profiler_traces_the_scheduled_steps_and_keeps_earlier_traces(tokeni
     """logging.profiler: wait 1, active 1, two cycles over 4 steps trace steps 2 and 4, each
     as a Chrome trace of the step's ops and an ops table by self time; the run computes
     exactly what it computes unprofiled. Another run over the same steps adds its files beside
-    the first run's; a run too short for the schedule says it recorded nothing. (One-step
+    the first run's; a run too short for the schedule says it recorded nothing; a folder the
+    traces cannot be written to is refused before the run starts. (One-step
     windows: torch's parsing of a trace, for the ops table, is most of what profiling costs.)"""
     common = {**BASE, "eval.eval_steps": 0}
     plain, _ = train_here(tokenized, tmp_path / "plain", common)
@@ -525,3 +526,14 @@ def test_the_profiler_traces_the_scheduled_steps_and_keeps_earlier_traces(tokeni
     write_params(project, {"training.max_steps": 2})
     assert ("[train] profiler: nothing recorded: the run took 2 steps and the schedule records "
             "from its step 4 on") in train_in_place(project).stdout
+    # a folder the traces cannot go to: one line from the train stage's check before launch
+    from engine.preflight import check_before_launch
+    from finetune.workspace import Workspace
+    from tasks.launch import run_paths
+
+    (tmp_path / "a-file").write_text("")
+    write_params(project, {"logging.profiler.output_dir": str(tmp_path / "a-file/traces")})
+    ws = Workspace.load(project / "params/default.yaml")
+    with pytest.raises(PipelineError, match=r"^logging.profiler.output_dir: cannot write "
+                       r"traces to .*/a-file/traces \(Not a directory\)$"):
+        check_before_launch(ws.config, run_paths(ws))

@@ -253,9 +253,8 @@ class TrainingRun:
         if self.reporters:
             self.reporters.on_train_begin(self.state)
         self.mark_speed()
-        profiler = StepProfiler.from_config(
-            self.cfg.logging.profiler, self.paths.project_root, self.cfg.logging.logging_dir,
-            self.dist.device, self.dist.rank, self.log)
+        profiler = StepProfiler.from_config(self.cfg.logging, self.paths.project_root,
+                                            self.dist.device, self.dist.rank, self.log)
         with profiler or contextlib.nullcontext():
             while self.progress.step < self.max_steps:
                 if self.reporters:

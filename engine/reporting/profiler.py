@@ -13,12 +13,14 @@ profiler changes no number the run computes.
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from finetune.config.reporting import ProfilerConfig
+from finetune.config.reporting import LoggingConfig, ProfilerConfig
+from finetune.errors import PipelineError
 
 
 class StepProfiler:
@@ -45,13 +47,12 @@ class StepProfiler:
         self.profile.start()
 
     @classmethod
-    def from_config(cls, cfg: ProfilerConfig, root: Path, logging_dir: str,
-                    device: torch.device, rank: int,
+    def from_config(cls, cfg: LoggingConfig, root: Path, device: torch.device, rank: int,
                     log: Callable[[str], None]) -> "StepProfiler | None":
-        """None when `logging.profiler.enabled` is false; paths relative to `root`."""
-        if not cfg.enabled:
+        """None when `logging.profiler.enabled` is false."""
+        if not cfg.profiler.enabled:
             return None
-        return cls(cfg, root / (cfg.output_dir or f"{logging_dir}/profile"), device, rank, log)
+        return cls(cfg.profiler, traces_dir(cfg, root), device, rank, log)
 
     def __enter__(self) -> "StepProfiler":
         return self
@@ -96,6 +97,25 @@ class StepProfiler:
         ops.write_text(f"{said}, rank {self.rank}, sorted by {sort_by}\n{table}\n")
         self.saved += [trace, ops]
         self.log(f"[train] profiler: {said} traced to {trace} (ops table: {ops.name})")
+
+
+def traces_dir(cfg: LoggingConfig, root: Path) -> Path:
+    """Where the traces go: `profiler.output_dir`, else `logging_dir/profile` (relative to
+    the project root)."""
+    return root / (cfg.profiler.output_dir or f"{cfg.logging_dir}/profile")
+
+
+def check_traces_dir(cfg: LoggingConfig, root: Path) -> None:
+    """Before any process starts (engine.preflight): a folder the traces cannot be written to
+    is one line naming the key, not a crash at the first traced step."""
+    folder = traces_dir(cfg, root)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as exc:
+        key = "output_dir" if cfg.profiler.output_dir else "output_dir (null: logging_dir/profile)"
+        raise PipelineError(f"logging.profiler.{key}: cannot write traces to {folder} "
+                            f"({exc.strerror or exc})") from None
 
 
 def _unused(path: Path) -> Path:
