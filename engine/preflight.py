@@ -84,7 +84,7 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
     passed (tasks/launch.py)."""
     check_user_code_and_machine(cfg, device_for(cfg))
     if cfg.logging.profiler.enabled:
-        check_traces_dir(cfg.logging, paths.project_root)
+        check_traces_dir(cfg.logging, paths.project_root, (paths.trained, paths.checkpoints))
     if paths.train_data is not None:
         if not paths.train_data.exists():
             raise PipelineError(f"{paths.train_data} missing; run the tokenize stage")

@@ -493,8 +493,9 @@ def test_the_profiler_traces_the_scheduled_steps_and_keeps_earlier_traces(tokeni
     as a Chrome trace of the step's ops and an ops table by self time; the run computes
     exactly what it computes unprofiled. Another run over the same steps adds its files beside
     the first run's; a run too short for the schedule says it recorded nothing; a folder the
-    traces cannot be written to is refused before the run starts. (One-step
-    windows: torch's parsing of a trace, for the ops table, is most of what profiling costs.)"""
+    traces cannot be written to, or one inside the run's DVC outputs, is refused before the
+    run starts. (One-step windows: torch's parsing of a trace, for the ops table, is most of
+    what profiling costs.)"""
     common = {**BASE, "eval.eval_steps": 0}
     plain, _ = train_here(tokenized, tmp_path / "plain", common)
     traced = {**common, "logging.profiler.enabled": True, "logging.profiler.warmup_steps": 0,
@@ -536,4 +537,9 @@ def test_the_profiler_traces_the_scheduled_steps_and_keeps_earlier_traces(tokeni
     ws = Workspace.load(project / "params/default.yaml")
     with pytest.raises(PipelineError, match=r"^logging.profiler.output_dir: cannot write "
                        r"traces to .*/a-file/traces \(Not a directory\)$"):
+        check_before_launch(ws.config, run_paths(ws))
+    write_params(project, {"logging.profiler.output_dir": "data/checkpoints/traces"})
+    ws = Workspace.load(project / "params/default.yaml")
+    with pytest.raises(PipelineError, match=r"^logging.profiler.output_dir: .*data/checkpoints/"
+                       r"traces is inside the run's output .*data/checkpoints, which DVC hashes"):
         check_before_launch(ws.config, run_paths(ws))
