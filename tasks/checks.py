@@ -31,9 +31,8 @@ def check_harness(ws: Workspace) -> None:
     (tasks.harness, which the evaluate stage runs)."""
     harness = ws.config.eval.harness
     if harness.tasks:
-        from tasks.harness import require_lm_eval, resolve_tasks
+        from tasks.harness import resolve_tasks
 
-        require_lm_eval()
         resolve_tasks(harness.tasks, ws.root)
 
 

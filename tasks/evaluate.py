@@ -37,7 +37,7 @@ from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
-from tasks.harness import chat_tokenizer, check_gate, require_lm_eval, resolve_tasks
+from tasks.harness import chat_tokenizer, check_gate, resolve_tasks
 from tasks.harness import run as run_harness
 
 
@@ -103,7 +103,6 @@ def _harness(ws: Workspace, results: dict, tok, base_model, tuned_model) -> dict
     harness = ws.config.eval.harness
     if not harness.tasks:
         return None
-    require_lm_eval()
     names, manager = resolve_tasks(harness.tasks, ws.root)
     if harness.apply_chat_template:
         tok = chat_tokenizer(ws.layout.trained)

@@ -18,6 +18,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from finetune.config.section import did_you_mean
 from finetune.errors import PipelineError
 
 INSTALL = ("eval.harness.tasks needs lm-evaluation-harness, which is not installed: "
@@ -35,7 +36,8 @@ def require_lm_eval() -> None:
 def resolve_tasks(tasks: list[str], root: Path):
     """(task names, lm-eval TaskManager) for `eval.harness.tasks`: a YAML file's task is its
     `task:` name and its folder joins the manager's include path; a folder adds every task in
-    it. A missing file or an unknown name is one line naming the key."""
+    it. A missing file or an unknown name is one line naming the key; so is lm-eval missing."""
+    require_lm_eval()
     import yaml
     from lm_eval.tasks import TaskManager
 
@@ -66,11 +68,8 @@ def resolve_tasks(tasks: list[str], root: Path):
     known = set(manager.all_tasks)
     for name in names:
         if name not in known:
-            import difflib
-
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise PipelineError(f"eval.harness.tasks: unknown task '{name}'{hint}: an lm-eval "
+            raise PipelineError(f"eval.harness.tasks: unknown task '{name}'"
+                                f"{did_you_mean(name, sorted(known))}: an lm-eval "
                                 "task name, or a task YAML file or folder in the project")
     return names, manager
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from finetune.config.section import Section
+from finetune.config.section import Section, did_you_mean
 from finetune.datatypes.metrics import (
     CLASSIFICATION_METRICS,
     GENERATION_METRICS,
@@ -174,12 +174,8 @@ class RegistryConfig(Section):
     def _known_metric(cls, name: str) -> str:
         if name in GATE_METRICS or HARNESS_GATE.fullmatch(name):
             return name
-        import difflib
-
-        close = difflib.get_close_matches(name, GATE_METRICS, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ValueError(f"unknown metric '{name}'{hint}: one of {', '.join(GATE_METRICS)}, or "
-                         "eval.harness.TASK.METRIC.FILTER")
+        raise ValueError(f"unknown metric '{name}'{did_you_mean(name, GATE_METRICS)}: one of "
+                         f"{', '.join(GATE_METRICS)}, or eval.harness.TASK.METRIC.FILTER")
 
     @property
     def higher_wins(self) -> bool:
