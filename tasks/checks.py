@@ -84,7 +84,7 @@ def _check_targets(ws: Workspace, model_config) -> None:
     klass = model_class(cfg.model.auto_class_name)
     if not hasattr(klass, "from_config"):  # a project's own class: built its own way
         return
-    if cfg.data.task.classifier:  # a head of any size: only the module names matter here
+    if cfg.data.targets == "labels":  # a class head of any size: only module names matter
         model_config.num_labels = len(cfg.data.labels or ()) or 2
     with torch.device("meta"):
         skeleton = klass.from_config(model_config)

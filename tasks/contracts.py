@@ -31,13 +31,17 @@ def validate_raw_split(frame: pd.DataFrame, required: list[str], where: str,
     check_frame(schema, frame, where)
 
 
-def validate_tokenized(frame: pd.DataFrame, max_len: int, where: str) -> None:
-    """Tokenized data, as per-row counts: lengths bounded, labels aligned, >= 1 trainable token."""
+def validate_tokenized(frame: pd.DataFrame, max_len: int, where: str,
+                       trainable: bool = True) -> None:
+    """Tokenized data, as per-row counts: lengths bounded, labels aligned, and, where the
+    dataset type's rows carry targets (`trainable`, finetune.datatypes.base.requires_trainable),
+    >= 1 trainable token. A prompt-only row has none: its method makes the completion."""
+    trained = [pa.Check.ge(1, name=">= 1 trainable token")] if trainable else []
     schema = pa.DataFrameSchema(
         {
             "n_tokens": pa.Column(int, [pa.Check.in_range(1, max_len, name=f"1 <= n <= {max_len}")]),
             "n_labels": pa.Column(int),
-            "n_trainable": pa.Column(int, [pa.Check.ge(1, name=">= 1 trainable token")]),
+            "n_trainable": pa.Column(int, trained),
         },
         checks=[
             pa.Check(lambda df: df["n_tokens"] == df["n_labels"], name="labels aligned with tokens")

@@ -1,14 +1,15 @@
-"""Stage 5, evaluate: loss, perplexity and the dataset type's metrics of the base and
-fine-tuned model.
+"""Stage 5, evaluate: the base and the fine-tuned model measured on held-out data, as the
+run's method measures them.
 
-Loss numbers come from the same tokenized test split with the same token-weighted loss the
-trainer uses, so "fine-tuned below base" is an apples-to-apples claim. A language model's
-predictions are greedy generations on the first `eval.max_generation_samples` prompts of the
-formatted test rows (the prompt encoded exactly as in training); a classifier's are its
-head's classes on the tokenized test split. The dataset type says what the prompts and
-references are and scores the predictions (exact match and ROUGE for generations, accuracy and
-macro-F1 for a classifier). Results go to a DVC metrics file (`dvc metrics diff`, `dvc exp
-show`), a samples table, and the training's MLflow run.
+The engine loads both models and asks the method (engine.evaluate, the stage's one door):
+a language model reports loss and perplexity from the same tokenized test split and the same
+token-weighted loss the trainer uses (so "fine-tuned below base" is an apples-to-apples claim)
+and greedy generations on the first `eval.max_generation_samples` prompts of the formatted test
+rows; a classifier its head's classes; DPO adds how each model ranks the held-out pairs. The
+stage supplies what is the pipeline's: the prompts and references each dataset type makes of
+its formatted rows and the type's scoring (exact match and ROUGE for generations, accuracy and
+macro-F1 for a classifier), lm-eval tasks, and the outputs: a DVC metrics file (`dvc metrics
+diff`, `dvc exp show`), a samples table, and the training's MLflow run.
 """
 
 from __future__ import annotations
@@ -20,18 +21,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from engine.datapath.data import load_tokenized
-from engine.evaluation.generation import encode_prompts, greedy_generate
-from engine.evaluation.heldout import evaluate_loss, pair_log_probs, predict_classes
-from engine.modeling.adapter import adapter_disabled, has_adapter
-from engine.modeling.labels import read_labels
-from engine.modeling.model import base_model as unwrapped
-from engine.modeling.model import load_base_model, load_tokenizer, load_trained, max_positions
-from engine.modeling.quantization import quantized_copy
-from engine.objective.loss import class_loss_sum
-from engine.objective.preference import ranking_scores
-from engine.process.distributed import choose_device
-from finetune.config.compat import check_machine
+from engine.evaluate import (
+    check_evaluation_machine,
+    heldout_metrics,
+    transformers_model,
+)
 from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
@@ -55,124 +49,57 @@ def _training_seed(ws: Workspace) -> int:
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
     cfg = ws.config
-    check_machine(cfg, choose_device(cfg.training.resolved_device), sections=("model",))
+    check_evaluation_machine(cfg)
     test_dir = ws.layout.tokenized / "test"
     if not test_dir.exists():
         raise PipelineError(f"{test_dir} missing: set data.test_split (or split_ratio) and rerun")
     if not ws.layout.trained.exists():
         raise PipelineError(f"{ws.layout.trained} missing; run the train stage first")
     torch.manual_seed(_training_seed(ws))
-    test = load_tokenized(test_dir)
-    tok = load_tokenizer(cfg.model, ws.root)
-    if cfg.data.task.classifier:
-        return _evaluate_classifier(ws, test, tok)
-    rows = _generation_rows(ws) if cfg.eval.wants_generation else None
-    # The whole split: eval.eval_batches caps only the quick in-training evals.
-    args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
-    base_model = load_base_model(cfg.model, ws.root)
-    results, generations = {}, {}
-    base_loss = evaluate_loss(base_model, *args)
-    results["base"] = _loss_entry(base_loss)
-    if rows is not None:
-        generations["base"] = _generate(ws, base_model, tok, rows)
-    tuned_model = load_trained(cfg.model, cfg.peft, ws.root, ws.layout.trained, base=base_model)
-    tuned_loss = evaluate_loss(tuned_model, *args)
-    results["finetuned"] = _loss_entry(tuned_loss)
-    t = cfg.training
-    if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
-        quantized, _ = quantized_copy(tuned_model, t.qat_recipe, t.qat_group_size)
-        results["quantized"] = _loss_entry(evaluate_loss(quantized, *args))
-        del quantized
-    if cfg.data.parts()[0][1].datatype.paired:
-        _rank_pairs(ws, results, test, tok, base_model, tuned_model)
-    if rows is not None:
-        generations["finetuned"] = _generate(ws, tuned_model, tok, rows)
-        for name, texts in generations.items():
-            scores = _score(ws, rows, texts, DataContext(ws.root, lambda: tok))
-            results[name].update({k: round(v, 6) for k, v in scores.items()})
-    harness_results = _harness(ws, results, tok, base_model, tuned_model)
-    metrics = {**results, "eval_tokens": tuned_loss["tokens"],
-               "generation_rows": 0 if rows is None else len(rows)}
-    samples = _samples(rows, generations, cfg.eval.num_logged_samples)
-    return _write(ws, metrics, samples, harness_results)
+    evaluated, held = heldout_metrics(
+        cfg, ws.root, ws.layout.trained, test_dir,
+        rows=lambda: _generation_rows(ws) if cfg.eval.wants_generation else None,
+        make_scorer=lambda tok, labels: _Scorer(ws, tok, labels))
+    harness_results = _harness(ws, evaluated.results, held)
+    return _write(ws, {**evaluated.results, **evaluated.counts}, evaluated.samples,
+                  harness_results)
 
 
-def _harness(ws: Workspace, results: dict, tok, base_model, tuned_model) -> dict | None:
+class _Scorer:
+    """The dataset types' scoring, for the method's held-out numbers: generated texts against
+    each source's references, a classifier's predicted classes against the true ones."""
+
+    def __init__(self, ws: Workspace, tok, labels: list[str] | None):
+        self.ws = ws
+        self.ctx = DataContext(ws.root, lambda: tok, labels=labels)
+
+    def generations(self, rows: pd.DataFrame, texts: list[str]) -> dict[str, float]:
+        return _score(self.ws, rows, texts, self.ctx)
+
+    def classes(self, predicted: list[int], true: list[int]) -> dict[str, float]:
+        datatype = self.ws.config.data.parts()[0][1].datatype
+        return datatype.score(predicted, true, self.ws.config.eval, self.ctx)
+
+
+def _harness(ws: Workspace, results: dict, held) -> dict | None:
     """eval.harness's lm-eval tasks on the base and the fine-tuned model (tasks.harness):
     their metrics into each model's results; lm-eval's full results, by model, returned."""
     harness = ws.config.eval.harness
     if not harness.tasks:
         return None
     names, manager = resolve_tasks(harness.tasks, ws.root)
-    if harness.apply_chat_template:
-        tok = chat_tokenizer(ws.layout.trained)
+    tok = chat_tokenizer(ws.layout.trained) if harness.apply_chat_template else held.tokenizer
     full = {}
     for name in harness.models:
-        with (_as_base(tuned_model, base_model) if name == "base"
-              else contextlib.nullcontext(tuned_model)) as model:
+        with (held.as_base() if name == "base"
+              else contextlib.nullcontext(held.tuned())) as model:
             # lm-eval's HF backend takes the transformers model (the adapter's layers inside)
-            flat, full[name] = run_harness(harness, unwrapped(model), tok, ws.root, names,
-                                           manager)
+            flat, full[name] = run_harness(harness, transformers_model(model), tok, ws.root,
+                                           names, manager)
         results[name].update({k: round(v, 6) for k, v in flat.items()})
     if "finetuned" in harness.models:
         check_gate(ws.config.registry.gate_metric, results["finetuned"])
     return full
-
-
-@contextlib.contextmanager
-def _as_base(tuned_model, base_model):
-    """The base model, once the fine-tuned one is loaded: load_trained injects an adapter into
-    base_model in place, so the base is then the fine-tuned model with its adapter disabled."""
-    if not has_adapter(tuned_model):
-        yield base_model
-        return
-    with adapter_disabled(tuned_model):
-        yield tuned_model
-
-
-def _rank_pairs(ws: Workspace, results: dict, test, tok, base_model, tuned_model) -> None:
-    """Preference pairs: how the base and the fine-tuned model rank each held-out pair's
-    chosen side over its rejected one, by the implicit reward against the base and by their
-    own likelihood (engine.objective.preference.ranking_scores)."""
-    args = (test, ws.config.training.per_device_eval_batch_size, tok.pad_token_id)
-    dpo = ws.config.dpo
-    with _as_base(tuned_model, base_model) as model:
-        base = pair_log_probs(model, *args)
-    tuned = pair_log_probs(tuned_model, *args)
-    for name, scored in (("base", base), ("finetuned", tuned)):
-        results[name].update(
-            {k: round(v, 6) for k, v in ranking_scores(scored, base, dpo).items()})
-
-
-def _evaluate_classifier(ws: Workspace, test, tok) -> dict[str, Path]:
-    """Loss and the type's scores (accuracy, macro-F1) of the base model (its head untrained:
-    chance) and the fine-tuned classifier; the samples table shows text, label and both
-    predictions."""
-    cfg = ws.config
-    labels = read_labels(ws.layout.trained)
-    if not labels:
-        raise PipelineError(f"{ws.layout.trained}/labels.json missing: the trained classifier "
-                            "has no label map; run the train stage again")
-    ctx = DataContext(ws.root, lambda: tok, labels=labels)
-    datatype = cfg.data.parts()[0][1].datatype
-    args = (test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
-    base_model = load_base_model(cfg.model, ws.root, labels=labels)
-    results, predictions = {}, {}
-    for name in ("base", "finetuned"):
-        model = base_model if name == "base" else load_trained(
-            cfg.model, cfg.peft, ws.root, ws.layout.trained, base=base_model)
-        loss = evaluate_loss(model, *args, loss_sum_fn=class_loss_sum)
-        predicted, true = predict_classes(model, *args)
-        scores = datatype.score(predicted, true, cfg.eval, ctx)
-        results[name] = {"loss": round(loss["loss"], 6),
-                         **{k: round(v, 6) for k, v in scores.items()}}
-        predictions[name] = predicted
-    samples = [{"text": tok.decode(test[i]["input_ids"], skip_special_tokens=True),
-                "reference": labels[t],
-                "prediction": labels[predictions["finetuned"][i]],
-                "base_prediction": labels[predictions["base"][i]]}
-               for i, t in enumerate(true[: cfg.eval.num_logged_samples])]
-    return _write(ws, {**results, "eval_rows": len(true), "num_labels": len(labels)}, samples)
 
 
 def _write(ws: Workspace, metrics: dict, samples: list[dict],
@@ -193,10 +120,6 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict],
         if harness:
             tracking.client(ws).log_dict(run_id, harness, "eval/harness.json")
     return {"metrics": path, "samples": samples_path}
-
-
-def _loss_entry(result: dict) -> dict:
-    return {"loss": round(result["loss"], 6), "perplexity": round(result["perplexity"], 4)}
 
 
 def _generation_rows(ws: Workspace) -> pd.DataFrame:
@@ -232,29 +155,3 @@ def _score(ws: Workspace, rows: pd.DataFrame, predictions: list[str],
         return scored[0][1]
     return {key: sum(n * scores.get(key, 0.0) for n, scores in scored) / len(rows)
             for key in {k for _, scores in scored for k in scores}}
-
-
-def _generate(ws: Workspace, model, tok, rows: pd.DataFrame) -> list[str]:
-    ev = ws.config.eval
-    limit = max_positions(ws.config.model, ws.root)
-    room = limit - ev.generation_max_new_tokens if limit else None
-    if room is not None and room < 1:
-        raise PipelineError(
-            f"eval.generation_max_new_tokens {ev.generation_max_new_tokens} leaves no room for "
-            f"a prompt in the model's {limit} positions; lower it"
-        )
-    prompts = encode_prompts(tok, rows["prompt"].tolist(), room)
-    return greedy_generate(model, tok, prompts, ws.config.training.per_device_eval_batch_size,
-                           ev.generation_max_new_tokens)
-
-
-def _samples(rows: pd.DataFrame | None, generations: dict[str, list[str]], n: int) -> list[dict]:
-    """The first n rows side by side: what a reviewer reads before trusting a number."""
-    if rows is None or n == 0:
-        return []
-    head = rows.head(n)
-    return [
-        {"prompt": prompt, "reference": reference,
-         "generation": generations["finetuned"][i], "base_generation": generations["base"][i]}
-        for i, (prompt, reference) in enumerate(zip(head["prompt"], head["reference"]))
-    ]

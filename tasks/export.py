@@ -99,7 +99,7 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
     version = registry.log_and_register(ws.mlflow_uri(), run_id, model, tok, name,
                                         cfg.eval.generation_max_new_tokens,
                                         (ws.layout.export / "README.md").read_text(),
-                                        pipeline_tag=cfg.data.task.pipeline_tag)
+                                        pipeline_tag=cfg.model_task.pipeline_tag)
     client = tracking.client(ws)
     registry.tag_version(client, name, version, {**lineage, "mlflow_run_id": run_id})
     decision = registry.promote(client, name, version, gate_value, cfg.registry)
@@ -129,7 +129,7 @@ def model_card(ws: Workspace, metrics: dict, lineage: dict[str, str], run_id: st
     source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
     export_dir = ws.layout.export.relative_to(ws.root)
     merged = cfg.peft.use_peft and cfg.export.merge_adapter
-    auto, tag = cfg.data.task.auto_class, cfg.data.task.pipeline_tag
+    auto, tag = cfg.model_task.auto_class, cfg.model_task.pipeline_tag
     adapter = ""
     if merged and cfg.export.save_adapter:
         adapter = f"""

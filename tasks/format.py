@@ -105,7 +105,7 @@ def data_context(ws: Workspace) -> DataContext:
 def label_map(ws: Workspace, top: DataConfig) -> list[str] | None:
     """A classifier's class names in id order: `data.labels`, else the labels of every
     training source's raw train split; None for a model without classes."""
-    if not top.task.classifier:
+    if top.targets != "labels":
         return None
     if top.labels:
         return list(top.labels)

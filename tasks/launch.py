@@ -46,7 +46,8 @@ def run_paths(ws: Workspace) -> RunPaths:
         plots_dir=layout.plots,
         # a streamed split is identified by its manifest (source file hashes, sampling)
         train_identity=layout.tokenized / MANIFEST if streamed else None,
-        labels=layout.tokenized / "labels.json" if ws.config.data.task.classifier else None,
+        # rows with class labels: the label map the format stage made, for the head
+        labels=layout.tokenized / "labels.json" if ws.config.data.targets == "labels" else None,
     )
 
 

@@ -18,6 +18,7 @@ import pandas as pd
 from engine.modeling.labels import read_labels, write_labels
 from engine.modeling.model import max_positions
 from finetune.datatypes import DataContext
+from finetune.datatypes.base import requires_trainable
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
@@ -96,10 +97,12 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
         new_fingerprint=fingerprint,
     )
     counts = _counts(ds)
-    ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
-                                            datatype.untrainable,
-                                            fingerprint)
-    validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'")
+    trainable = requires_trainable(datatype.targets)  # a prompt-only row trains no token
+    dropped = 0
+    if trainable:
+        ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
+                                                datatype.untrainable, fingerprint)
+    validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'", trainable)
     # per-example lengths for group_by_length (training.length_column_name), computed once
     ds = ds.add_column("length", counts["n_tokens"].tolist(),
                        new_fingerprint=f"{fingerprint}-length")

@@ -12,10 +12,11 @@ from helpers import ROOT
 FLOORS = {"finetune": 0, "engine": 1, "tasks": 2, "flows": 3}
 
 # The engine's rooms, lowest first: a room imports its own modules and lower rooms only. The
-# doors (engine.preflight for the train stage, engine.worker for torchrun) sit above them all.
+# doors (engine.preflight for the train stage, engine.worker for torchrun, engine.evaluate for
+# the evaluate stage) sit above them all.
 ENGINE_ROOMS = ["process", "reporting", "modeling", "datapath", "objective", "evaluation",
                 "strategies", "state", "recipe"]
-ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker"}
+ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker", "engine.evaluate"}
 
 
 def _module(path: Path) -> str:
@@ -189,6 +190,30 @@ def test_the_train_stage_enters_the_engine_through_one_door():
     launch is added in the engine, not in the stage."""
     engine_deps = {d for d in _imports()["tasks.train"] if d.startswith("engine.")}
     assert engine_deps == {"engine.preflight"}
+
+
+def test_the_evaluate_stage_enters_the_engine_through_one_door():
+    """tasks/evaluate.py reaches the engine through engine.evaluate only: what a method
+    measures on held-out data is its run class's `heldout_metrics`, not a branch here."""
+    engine_deps = {d for d in _imports()["tasks.evaluate"] if d.startswith("engine.")}
+    assert engine_deps == {"engine.evaluate"}
+
+
+def _method_flag_reads(source: str) -> list[str]:
+    """Reads of the method flags the stages once branched on: `.paired`, `.classifier`."""
+    return sorted(f"{node.attr} (line {node.lineno})" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr in ("paired", "classifier"))
+
+
+def test_no_stage_branches_on_a_method_flag():
+    """No stage reads `paired` or `classifier`: a dataset type declares its targets and a
+    trainer type the rows it accepts (finetune.config.methods), and the method's room does the
+    rest, so a new method is a room and a registry line, not an edit to the stages."""
+    found = {_module(p): hits for p in (ROOT / "tasks").rglob("*.py")
+             if (hits := _method_flag_reads(p.read_text()))}
+    assert found == {}
+    assert _method_flag_reads("x = cfg.data.task.classifier\nif d.paired: pass\n") == [
+        "classifier (line 1)", "paired (line 2)"]
 
 
 def _run_members_read(module: str) -> set[str]:

@@ -74,8 +74,10 @@ def _models():
 
 
 def _ours(policy, ref, pairs: list[dict], dpo) -> tuple[torch.Tensor, dict]:
-    from engine.datapath.data import collate, collate_pairs
-    from engine.objective.preference import LOGGED, preference_loss, sequence_logps
+    from engine.datapath.data import collate
+    from engine.objective.logprobs import sequence_logps
+    from engine.recipe.dpo.batches import collate_pairs
+    from engine.recipe.dpo.loss import LOGGED, preference_loss
 
     tok = _tokenizer()
     batch = collate_pairs(pairs, lambda sides: collate(sides, tok.pad_token_id))
@@ -122,7 +124,8 @@ def _trl_cpo(policy, ref, pairs, loss_type, beta, gamma, label_smoothing) -> tup
     sigmoid with label smoothing (conservative DPO), which TRL 1.16's DPOTrainer dropped."""
     from trl.experimental.cpo import CPOTrainer
 
-    from engine.datapath.data import collate, collate_pairs
+    from engine.datapath.data import collate
+    from engine.recipe.dpo.batches import collate_pairs
 
     tok = _tokenizer()
     batch = collate_pairs(pairs, lambda sides: collate(sides, tok.pad_token_id))

@@ -74,27 +74,18 @@ class ShardedBatches:
 
 
 MEGABATCH_MULT = 50
-MODEL_COLUMNS = ["input_ids", "labels"]
-#: a preference split's rejected side (finetune.datatypes.preference), next to the chosen side
-PAIR_COLUMNS = ["rejected_input_ids", "rejected_labels"]
+#: what a language-model run reads of a tokenized split; a trainer type declares its own
+#: (engine.recipe.run.TrainingRun.columns), e.g. DPO adds the rejected side
+MODEL_COLUMNS = ("input_ids", "labels")
 
 
-def load_tokenized(path):
-    """A tokenized split with only the columns the model consumes (both sides of a pair)."""
+def load_tokenized(path, columns: tuple[str, ...] = MODEL_COLUMNS):
+    """A tokenized split with only the `columns` a run reads (those the split has: a trainer
+    type's optional columns may be absent)."""
     import datasets
 
     ds = datasets.load_from_disk(str(path))
-    return ds.select_columns(MODEL_COLUMNS + [c for c in PAIR_COLUMNS if c in ds.column_names])
-
-
-def collate_pairs(rows: list[dict], collate_fn: Callable[[list[dict]], dict]) -> dict:
-    """A micro-batch of b pairs as 2b rows, the chosen sides first (TRL's concatenated
-    forward: one forward scores both), collated by the run's own collator; `pairs` = b."""
-    sides = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows] + [
-        {"input_ids": r["rejected_input_ids"], "labels": r["rejected_labels"]} for r in rows]
-    batch = collate_fn(sides)
-    batch["pairs"] = torch.tensor(len(rows))
-    return batch
+    return ds.select_columns([c for c in columns if c in ds.column_names])
 
 
 def take_rows(dataset, indices) -> list[dict]:

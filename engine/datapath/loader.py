@@ -34,8 +34,9 @@ class MicroBatches(Dataset):
         batch = self.collate_fn(rows)
         batch["key"] = torch.tensor([epoch, index])
         batch["rows"] = torch.tensor(indices)  # which split rows (a trainer's per-row tables)
-        batch["real_tokens"] = torch.tensor(sum(len(r["input_ids"]) + len(
-            r.get("rejected_input_ids", ())) for r in rows))
+        # every token sequence the row holds (a pair's two sides, say): the speed metrics'
+        batch["real_tokens"] = torch.tensor(sum(len(v) for r in rows for k, v in r.items()
+                                                if k.endswith("input_ids")))
         batch["examples"] = torch.tensor(len(rows))
         return batch
 
@@ -103,16 +104,16 @@ def example_lengths(train_data, column: str) -> tuple[int, ...]:
                         f"tokenized train split (columns: {', '.join(ds.column_names)})")
 
 
-def open_train_batches(t, train_data, d, collate_fn: Callable,
-                       stream=None) -> tuple[Callable[[int, int], Iterator[dict]], int | None,
-                                             float]:
+def open_train_batches(t, train_data, d, collate_fn: Callable, stream=None,
+                       columns: tuple[str, ...] | None = None
+                       ) -> tuple[Callable[[int, int], Iterator[dict]], int | None, float]:
     """This rank's training micro-batches for `t` (the training section): (open(epoch,
     start) -> micro-batches, optimizer steps per epoch, micro-batches per epoch). From the
-    tokenized split at `train_data`, or from `stream` (epoch -> examples), whose epoch length
-    is training.epoch_train_steps, else unknown (None, inf)."""
+    tokenized split at `train_data` (the `columns` the run reads), or from `stream` (epoch ->
+    examples), whose epoch length is training.epoch_train_steps, else unknown (None, inf)."""
     import math
 
-    from engine.datapath.data import load_tokenized
+    from engine.datapath.data import MODEL_COLUMNS, load_tokenized
     from engine.datapath.stream import StreamedBatches
     from finetune.errors import PipelineError
 
@@ -122,7 +123,7 @@ def open_train_batches(t, train_data, d, collate_fn: Callable,
         streamed = StreamedBatches(stream, t.per_device_train_batch_size, d.rank, d.world_size,
                                    collate_fn, epoch_len)
         return streamed.micro_batches, nominal, epoch_len
-    train_ds = load_tokenized(train_data)
+    train_ds = load_tokenized(train_data, columns or MODEL_COLUMNS)
     accum = t.gradient_accumulation_steps
     lengths = example_lengths(train_data, t.length_column_name) if t.group_by_length else None
     batches = ShardedBatches(len(train_ds), t.per_device_train_batch_size, d.rank, d.world_size,

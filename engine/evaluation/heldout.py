@@ -1,20 +1,19 @@
 """Held-out loss: token-weighted over the whole split (or the first `max_batches`), all ranks;
-and how a model scores the two sides of held-out preference pairs."""
+a classifier's predicted classes; and what the evaluate stage hands a method (`HeldOut`) and
+gets back (`Evaluated`)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from engine.datapath.data import (
-    collate,
-    collate_pairs,
-    count_targets,
-    take_rows,
-    token_loss_sum,
-)
-from engine.objective.preference import sequence_logps
+from engine.datapath.data import collate, count_targets, take_rows, token_loss_sum
+from engine.modeling.adapter import adapter_disabled, has_adapter
 from engine.process.distributed import Dist, all_reduce_sum
 
 
@@ -73,21 +72,50 @@ def predict_classes(model, dataset, batch_size: int, pad_id: int) -> tuple[list[
     return predicted, true
 
 
-@torch.no_grad()
-def pair_log_probs(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
-    """[pairs, 4]: each held-out pair's summed log-probability of its chosen and rejected
-    completion and their trained-token counts (chosen, rejected, n chosen, n rejected), the two
-    sides of a batch scored in one forward as the DPO run does (on the CPU, float64)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(dataset), batch_size):
-        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
-        batch = collate_pairs(rows, lambda sides: collate(sides, pad_id))
-        logits = model(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits
-        logps, counts = sequence_logps(logits, batch["labels"].to(device))
-        out.append(torch.stack([*logps.chunk(2), *counts.chunk(2)], dim=1).double().cpu())
-    model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, 4, dtype=torch.float64)
+@dataclass
+class HeldOut:
+    """What the evaluate stage hands a method's `heldout_metrics` (engine.evaluate builds it):
+    the config, the held-out split (the columns the method reads), both models, and the
+    stage's own parts that a method may use: the generation prompts and the dataset types'
+    scoring. The fine-tuned model is loaded on first use: loading injects the adapter into
+    the base in place, so a method measures the base first, then asks for `tuned()`, and
+    after that reaches the base through `as_base()`."""
+
+    cfg: Any
+    root: Path
+    trained: Path
+    test: Any  # the tokenized test split (datasets.Dataset)
+    tokenizer: Any
+    labels: list[str] | None  # a classifier's class names (from the trained folder)
+    base: torch.nn.Module
+    load_tuned: Callable[[torch.nn.Module], torch.nn.Module]  # base -> the fine-tuned model
+    #: the generation prompts and references (a DataFrame with prompt, reference, part), or
+    #: None when eval asks for no generation metric
+    rows: Callable[[], Any]
+    scorer: Any  # .generations(rows, texts), .classes(predicted, true): the types' metrics
+    _tuned: torch.nn.Module | None = field(default=None, repr=False)
+
+    def tuned(self) -> torch.nn.Module:
+        if self._tuned is None:
+            self._tuned = self.load_tuned(self.base)
+        return self._tuned
+
+    @contextlib.contextmanager
+    def as_base(self):
+        """The base model, also once the fine-tuned one is loaded (then: the fine-tuned model
+        with its adapter disabled)."""
+        if self._tuned is None or not has_adapter(self._tuned):
+            yield self.base
+            return
+        with adapter_disabled(self._tuned):
+            yield self._tuned
+
+
+@dataclass
+class Evaluated:
+    """A method's held-out numbers: per model (base, finetuned, quantized) its metrics, the
+    split-level counts next to them in the metrics file, and the samples table."""
+
+    results: dict[str, dict]
+    counts: dict[str, int]
+    samples: list[dict]

@@ -28,7 +28,13 @@ import numpy as np
 import torch
 
 from engine.datapath.attention import host_keys
-from engine.datapath.data import count_targets, load_tokenized, model_inputs, to_device
+from engine.datapath.data import (
+    MODEL_COLUMNS,
+    count_targets,
+    load_tokenized,
+    model_inputs,
+    to_device,
+)
 from engine.datapath.loader import open_train_batches
 from engine.datapath.prefetch import Prefetched
 from engine.datapath.stream import ExampleSource
@@ -49,7 +55,8 @@ from engine.process.comm import CommMeter
 from engine.process.distributed import Dist, node_group, setup, teardown
 from engine.process.job import RunPaths
 from engine.recipe.model_setup import build_model
-from engine.recipe.trainers import register_trainer, trainer_class
+from engine.recipe.sft.heldout import lm_metrics
+from engine.recipe.trainers import register_trainer, run_class, trainer_class  # noqa: F401
 from engine.reporting.callbacks import TrainerControl
 from engine.reporting.monitor import Monitor, due
 from engine.reporting.profiler import StepProfiler
@@ -127,7 +134,7 @@ def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
     d = setup(cfg.distributed, cfg.training.resolved_device)
     try:
         with attention_backends(cfg.training, d.device):
-            return trainer_class(cfg.training.type)(cfg, paths, d, go, stream).fit()
+            return run_class(cfg)(cfg, paths, d, go, stream).fit()
     finally:
         teardown()
 
@@ -136,7 +143,11 @@ class TrainingRun:
     """Model, strategy, optimizer, scheduler, scaler, monitor, reporters and the progress
     record of one training run on one rank. What other code may use of it is
     engine.state.run_view.RunView; a trainer type (`training.type`) subclasses it and overrides
-    its hooks (`micro_step`, `evaluate`, `metrics`)."""
+    its hooks (`columns`, `prepare_step`, `count_targets`, `micro_step`, `window_metrics`,
+    `evaluate`, `metrics`, and for the evaluate stage `heldout_metrics`)."""
+
+    #: the tokenized split's columns this method reads (the data path selects these)
+    columns: tuple[str, ...] = MODEL_COLUMNS
 
     def __init__(self, cfg: FinetuneConfig, paths: RunPaths, dist: Dist, go: Go | None = None,
                  stream: ExampleSource | None = None):
@@ -176,9 +187,11 @@ class TrainingRun:
         self.labels = read_labels(self.paths.labels)  # a classifier's class names
         self.prepare_model()
         eval_path = self.paths.eval_data
-        self.eval_data = load_tokenized(eval_path) if eval_path and eval_path.exists() else None
+        self.eval_data = (load_tokenized(eval_path, self.columns)
+                          if eval_path and eval_path.exists() else None)
         self.open_batches, self.steps_per_epoch, self.epoch_len = open_train_batches(
-            t, self.paths.train_data, self.strategy.data_view(d), self.collate_fn, self.stream)
+            t, self.paths.train_data, self.strategy.data_view(d), self.collate_fn, self.stream,
+            self.columns)
         self.max_steps = total_steps(self.cfg, self.steps_per_epoch)
         self.optimizer = self.strategy.build_optimizer()
         self.in_backward = (OptimizerInBackward(self.strategy.module, self.optimizer)
@@ -282,8 +295,8 @@ class TrainingRun:
         """One optimizer step over `gradient_accumulation_steps` micro-batches; returns the
         gradient norm (a device tensor: read only when logged)."""
         t, d, progress = self.cfg.training, self.dist, self.progress
-        micro = [progress.consume(next(self.batches))
-                 for _ in range(t.gradient_accumulation_steps)]
+        micro = self.prepare_step([progress.consume(next(self.batches))
+                                   for _ in range(t.gradient_accumulation_steps)])
         local_targets = sum(self.count_targets(b) for b in micro)
         divisor = self.strategy.loss_divisor(local_targets, progress.step)
         # a device tensor from a collective stays on the device (no host sync per step)
@@ -304,6 +317,12 @@ class TrainingRun:
             if outer:
                 self.reporters.on_log(self.state, outer)
         return grad_norm
+
+    def prepare_step(self, micro: list[dict]) -> list[dict]:
+        """The step's host micro-batches, before their targets are counted: where a method
+        whose targets exist only after work inside the step (generating completions, scoring
+        them) builds its batches. SFT's are the loader's, as they are."""
+        return micro
 
     def count_targets(self, host_batch: dict) -> int:
         """What the step's loss is averaged over, counted on the host before any backward:
@@ -500,6 +519,14 @@ class TrainingRun:
             self.reporters.on_log(self.state, {"eval_loss": ev["loss"]})
             self.reporters.on_evaluate(self.state, evaluated)
         return evaluated
+
+    # -- the evaluate stage -----------------------------------------------------------------
+    @classmethod
+    def heldout_metrics(cls, held, after_loss=None):
+        """The evaluate stage's numbers for this method (engine.evaluate hands it the models and
+        the held-out split as engine.evaluation.heldout.HeldOut, and writes what it returns):
+        a language model's loss, perplexity and scored generations (engine.recipe.sft)."""
+        return lm_metrics(held, after_loss)
 
     # -- the end -------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:

@@ -234,15 +234,12 @@ def _in(name: str, test) -> When:
 # -- messages of the arithmetic rows ---------------------------------------------------------
 
 def _pairs_and_trainer(c) -> str | None:
-    """Preference pairs train with training.type dpo, and dpo trains on nothing else."""
-    paired = [d.datatype.paired for _, d in c.data.parts()]
-    if c.training.type == "dpo" and not all(paired):
-        return ("training.type: dpo trains on chosen/rejected pairs; set data.dataset_type: "
-                "preference (every source, in a mixture)")
-    if any(paired) and c.training.type == "sft":
-        return ("data.dataset_type: preference pairs train with training.type: dpo (sft would "
-                "learn only the chosen side); set training.type: dpo")
-    return None
+    """Each source's rows are ones the trainer type trains on (finetune.config.methods: preference
+    pairs train with dpo, and dpo trains on nothing else)."""
+    from finetune.config.methods import method_of
+
+    method = method_of(c.training.type)
+    return next(filter(None, (method.refusal(d.datatype) for _, d in c.data.parts())), None)
 
 
 def _global_batch(c) -> str | None:
@@ -834,6 +831,9 @@ RULES: list[Rule] = [
         ("eval.generation_metrics", None,
          "a classifier does not generate; it reports accuracy and macro_f1",
          {"eval.generation_metrics": ["rouge"]}),
+        ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
+         "lm-eval scores a language model's text; a classifier's head has classes",
+         {"eval.harness.tasks": ["arc_easy"]}),
         ("training.loss_chunk_tokens",
          lambda c: c.training.loss_chunk_tokens not in (
              None, type(c.training).model_fields["loss_chunk_tokens"].default),

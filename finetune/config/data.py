@@ -177,6 +177,12 @@ class DataConfig(Section):
         return type_class(self.dataset_type)(self)
 
     @property
+    def targets(self) -> str:
+        """What the rows give a method to train on (finetune.datatypes.base.TARGETS); a
+        mixture's sources give the same (the trainer type accepts each: compat)."""
+        return self.parts()[0][1].datatype.targets
+
+    @property
     def task(self):
         """The model the data trains (finetune.datatypes.ModelTask); a mixture's sources all
         train the same one (checked)."""

@@ -1,7 +1,7 @@
 """The `dpo` section: the preference objective a `training.type: dpo` run minimises (TRL's
-names: beta, loss_type, label_smoothing, precompute_ref_log_probs). engine/objective/preference.py
-computes the losses and engine/recipe/dpo.py runs them; the evaluate stage reads `beta` for the
-implicit reward it reports.
+names: beta, loss_type, label_smoothing, precompute_ref_log_probs), and the method's facts
+(finetune.config.methods). engine/recipe/dpo/ is its room: the loss, the run, the held-out ranking,
+which reads `beta` for the implicit reward it reports.
 """
 
 from __future__ import annotations
@@ -12,6 +12,12 @@ from pydantic import Field, model_validator
 
 from finetune.config import compat
 from finetune.config.section import Section
+from finetune.config.methods import Method, register_method
+
+#: dpo's facts for the config and the stages (its run class: engine.recipe.dpo)
+register_method(Method("dpo", accepts=("pairs",), data_hint=(
+    "trains on chosen/rejected pairs; set data.dataset_type: preference (every source, in a "
+    "mixture)")))
 
 #: the losses that compare the policy with a reference model (the others are reference-free)
 REFERENCE_LOSSES = ("sigmoid", "ipo", "robust")

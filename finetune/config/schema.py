@@ -78,11 +78,19 @@ class FinetuneConfig(Section):
         compat.check(self, "config")  # every rule across sections (finetune/config/compat.py)
         return self
 
+    @property
+    def model_task(self):
+        """The model this run trains (finetune.datatypes.ModelTask): the trainer type's when it
+        sets one (finetune.config.methods), else the dataset type's."""
+        from finetune.config.methods import method_of
+
+        return method_of(self.training.type).task or self.data.task
+
     def _derive_model_task(self) -> None:
-        """The dataset type decides the model (finetune.datatypes.ModelTask): its class and
-        peft task follow from it unless the params file sets them (a conflicting choice is the
-        table's to refuse)."""
-        task = self.data.task
+        """The model task decides the model (`model_task`): its class and peft task follow
+        from it unless the params file sets them (a conflicting choice is the table's to
+        refuse)."""
+        task = self.model_task
         for section_name, key, wanted in (("model", "auto_class_name", task.auto_class),
                                           ("peft", "task_type", task.peft_task_type)):
             section = getattr(self, section_name)

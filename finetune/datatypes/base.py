@@ -46,6 +46,18 @@ SEQUENCE_CLASSIFICATION = ModelTask("AutoModelForSequenceClassification", "SEQ_C
                                     "text-classification", True)
 
 
+#: what a dataset type's rows can give a method to train on (DatasetType.targets)
+TARGETS = ("tokens", "pairs", "labels", "none")
+
+
+def requires_trainable(targets: str) -> bool:
+    """Whether a tokenized row must hold a trained token (every kind but a prompt-only row,
+    whose completion the method makes during training)."""
+    if targets not in TARGETS:
+        raise ValueError(f"dataset type targets '{targets}': not one of {', '.join(TARGETS)}")
+    return targets != "none"
+
+
 @dataclass
 class DataContext:
     """What a stage hands a type: the project root (template and function files), the
@@ -104,9 +116,14 @@ class DatasetType(ABC):
     #: conflict, not silently ignored
     keys: ClassVar[tuple[str, ...]] = ()
     task: ClassVar[ModelTask] = CAUSAL_LM
-    #: each row is a chosen/rejected pair (training.type dpo; the evaluate stage scores how a
-    #: model ranks the two)
-    paired: ClassVar[bool] = False
+    #: what a tokenized row gives a method to train on (TARGETS): trained tokens, a
+    #: chosen/rejected pair, a class label, or nothing (a prompt a method completes itself).
+    #: A trainer type declares which it accepts (finetune.config.methods); the tokenize stage and the
+    #: row contract ask `requires_trainable` instead of assuming a trained token in every row.
+    targets: ClassVar[str] = "tokens"
+    #: the advice when the configured trainer type does not train on these targets (None: the
+    #: trainer type's own advice)
+    trainer_hint: ClassVar[str | None] = None
     #: why a tokenized row can have no trainable token (the tokenize stage's drop message)
     untrainable: ClassVar[str] = "prompt fills max_seq_length or completion empty"
 
@@ -170,9 +187,10 @@ class DatasetType(ABC):
         formatted = self.format(frame, split, ctx, first_row)
         fn, kwargs = self.encoder(ctx)
         enc = fn(formatted.rows.to_dict("list"), tok=ctx.tokenizer, **kwargs)
+        keep_all = not requires_trainable(self.targets)  # prompt-only rows train no token
         return [{"input_ids": ids, "labels": labels}
                 for ids, labels, n in zip(enc["input_ids"], enc["labels"], enc["n_trainable"])
-                if n]
+                if n or keep_all]
 
     # -- evaluate ----------------------------------------------------------------------------
     def eval_rows(self, formatted):

@@ -29,6 +29,7 @@ class ClassificationType(DatasetType):
     keys = ("label_column", "labels", "text_field", "prompt_template", "prompt_func",
             "input_columns")
     task = SEQUENCE_CLASSIFICATION
+    targets = "labels"
 
     @property
     def input_template_key(self) -> str | None:

@@ -34,7 +34,9 @@ class PreferenceType(DatasetType):
     name = "preference"
     aliases = ("dpo", "pairwise")
     keys = ("prompt_template", "chat_template", "system_prompt")
-    paired = True
+    targets = "pairs"
+    trainer_hint = ("pairs train with training.type: dpo (sft would learn only the chosen "
+                    "side); set training.type: dpo")
     untrainable = ("max_seq_length cuts off a side's completion, or where the two sides "
                    "differ")
 

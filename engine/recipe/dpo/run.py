@@ -1,21 +1,21 @@
-"""`training.type: dpo`: the SFT run with a preference objective (engine.objective.preference).
+"""`training.type: dpo`: the SFT run with a preference objective (engine.recipe.dpo.loss).
 
 What changes from `TrainingRun`, through its hooks only (the loop, the strategies, checkpoints
 and resume are the SFT run's):
+- `columns`: the split's rejected side is read next to the chosen one;
 - batches: each micro-batch of b pairs is collated as 2b rows, chosen first
-  (`collate_pairs`), so one forward of the policy scores both sides;
+  (engine.recipe.dpo.batches), so one forward of the policy scores both sides;
 - `count_targets`: the step's loss is the mean over its pairs (all micro-batches, all ranks),
   so accumulating 2 x batch b is batch 2b;
 - `micro_step`: the policy's and the reference's sequence log-probabilities, the per-pair
   losses, and the reward statistics TRL logs (`window_metrics`);
-- `evaluate`: the held-out pairs' loss and reward statistics.
+- `evaluate`: the held-out pairs' loss and reward statistics;
+- `heldout_metrics`: the evaluate stage's numbers, the SFT run's plus how each model ranks the
+  held-out pairs (engine.recipe.dpo.heldout).
 
-The reference is the base model: under PEFT the policy itself with its adapter disabled (no
-second copy in memory, TRL's way), for full fine-tuning a frozen copy of the base loaded once
-(each rank holds a whole copy, also under FSDP2). With `dpo.precompute_ref_log_probs` the
-reference scores every training pair once before the first step, and each step then reads its
-pairs' values from that table (by the rows the loader took). A reference-free loss (simpo)
-needs no reference at all.
+The reference is engine.recipe.reference's (the base: the adapter disabled under PEFT, a frozen
+copy for full fine-tuning). With `dpo.precompute_ref_log_probs` it scores every training pair
+once before the first step. A reference-free loss (simpo) loads no reference at all.
 """
 
 from __future__ import annotations
@@ -25,37 +25,36 @@ import functools
 
 import torch
 
-from engine.datapath.data import (
-    collate_pairs,
-    load_tokenized,
-    model_inputs,
-    take_rows,
-    to_device,
-)
-from engine.modeling.adapter import adapter_disabled, has_adapter
-from engine.modeling.model import load_base_model
+from engine.datapath.data import load_tokenized, model_inputs, take_rows, to_device
 from engine.modeling.runtime import activation_offloading
-from engine.objective.preference import LOGGED, preference_loss, sequence_logps
+from engine.objective.logprobs import sequence_logps
+from engine.recipe.dpo.batches import PAIR_COLUMNS, collate_pairs
+from engine.recipe.dpo.heldout import rank_pairs
+from engine.recipe.dpo.loss import LOGGED, preference_loss
+from engine.recipe.reference import Reference, ReferenceTable, lockstep_batches
 from engine.recipe.run import TrainingRun
 
 
 class DPORun(TrainingRun):
     """A preference run: see the module docstring."""
 
+    columns = PAIR_COLUMNS
+
     def prepare_model(self) -> None:
         super().prepare_model()
         self.collate_fn = functools.partial(collate_pairs, collate_fn=self.collate_fn)
-        self.frozen_reference = None
-        if self.cfg.dpo.uses_reference and not has_adapter(self.strategy.module):
-            self.frozen_reference = self._load_frozen_reference()
+        self.reference = Reference.of(self) if self.cfg.dpo.uses_reference else None
         self.pair_sums = torch.zeros(len(LOGGED), dtype=torch.float64, device=self.dist.device)
-        self.ref_table: torch.Tensor | None = None
+        self.ref_table: ReferenceTable | None = None
 
     def setup(self) -> None:
         super().setup()
         if self.cfg.dpo.precompute_ref_log_probs:
             with self._eval_mode():
-                self.ref_table = self._precompute_reference()
+                train = load_tokenized(self.paths.train_data, self.columns)
+                self.ref_table = self.reference.precompute(
+                    train, self._pair_batch, self._pair_scores, 2,
+                    self.cfg.training.per_device_eval_batch_size, self.dist, self.log, "pairs")
 
     # -- the objective ---------------------------------------------------------------------
     def count_targets(self, host_batch: dict) -> int:
@@ -86,41 +85,17 @@ class DPORun(TrainingRun):
         return sequence_logps(logits, batch["labels"])
 
     # -- the reference ---------------------------------------------------------------------
-    def _load_frozen_reference(self) -> torch.nn.Module:
-        model = load_base_model(self.cfg.model, self.paths.project_root)
-        return model.to(self.dist.device).eval().requires_grad_(False)
-
-    @torch.no_grad()
-    def _reference_forward(self, batch: dict) -> torch.Tensor:
-        """The reference's summed log-probabilities of the batch's rows."""
-        if self.frozen_reference is not None:
-            return self._logps(self.frozen_reference, batch)[0]
-        with adapter_disabled(self.strategy.module):
-            return self._logps(self.strategy.module, batch)[0]
+    def _pair_scores(self, model, batch: dict) -> torch.Tensor:
+        """[b, 2]: a model's summed log-probabilities of each pair's chosen, rejected side."""
+        return torch.stack(self._logps(model, batch)[0].chunk(2), dim=1)
 
     def _reference_logps(self, batch: dict) -> torch.Tensor | None:
-        if not self.cfg.dpo.uses_reference:
+        """The reference's 2b log-probabilities, chosen rows first (None: reference-free)."""
+        if self.reference is None:
             return None
-        if self.ref_table is None:
-            return self._reference_forward(batch)
-        picked = self.ref_table[batch["rows"]]  # [b, 2]: chosen, rejected
+        picked = (self.ref_table.lookup(batch) if self.ref_table is not None
+                  else self.reference.score(self._pair_scores, batch))
         return torch.cat([picked[:, 0], picked[:, 1]])
-
-    def _precompute_reference(self) -> torch.Tensor:
-        """[rows, 2] reference log-probabilities of every training pair: each rank scores its
-        share, the table is summed over ranks (every row is written by one rank)."""
-        train = load_tokenized(self.paths.train_data)
-        table = torch.zeros(len(train), 2, dtype=torch.float32, device=self.dist.device)
-        size = self.cfg.training.per_device_eval_batch_size
-        for indices, real in self._rank_batches(len(train), size):
-            batch = self._pair_batch(train, indices)
-            chosen, rejected = self._reference_forward(batch).chunk(2)
-            keep = indices[:real]
-            table[keep] = torch.stack([chosen[:real], rejected[:real]], dim=1).float()
-        if self.dist.world_size > 1:
-            torch.distributed.all_reduce(table)
-        self.log(f"[train] reference log-probabilities of {len(train)} pairs precomputed")
-        return table
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -151,11 +126,12 @@ class DPORun(TrainingRun):
         size = self.cfg.training.per_device_eval_batch_size
         limit = self.cfg.eval.eval_batches
         sums = torch.zeros(2 + len(LOGGED), dtype=torch.float64, device=self.dist.device)
-        for k, (indices, real) in enumerate(self._rank_batches(len(dataset), size)):
+        batches = lockstep_batches(len(dataset), size, self.dist.rank, self.dist.world_size)
+        for k, (indices, real) in enumerate(batches):
             if limit is not None and k >= limit:
                 break
             batch = self._pair_batch(dataset, indices)
-            ref = (self._reference_forward(batch) if self.cfg.dpo.uses_reference else None)
+            ref = self._reference_logps_fresh(batch)
             logps, counts = self._logps(self.model, batch)
             pairs = preference_loss(self.cfg.dpo, logps, counts, ref)
             if real < len(indices):  # padding pairs (an uneven last share): not counted
@@ -168,18 +144,19 @@ class DPORun(TrainingRun):
             torch.distributed.all_reduce(sums)
         return sums
 
-    def _rank_batches(self, rows: int, size: int):
-        """(row indices, how many are real) of this rank's batches over `rows` rows: rank r
-        takes rows r, r + world, ...; every rank runs the same number of batches (a sharded
-        model's forward is a collective), the short ones padded with row 0."""
-        world, rank = self.dist.world_size, self.dist.rank
-        mine = list(range(rank, rows, world))
-        per_rank = -(-rows // world)
-        for start in range(0, per_rank, size):
-            chunk = mine[start:start + size]
-            width = min(size, per_rank - start)
-            yield chunk + [0] * (width - len(chunk)), len(chunk)
+    def _reference_logps_fresh(self, batch: dict) -> torch.Tensor | None:
+        """A held-out batch's reference log-probabilities (never from the training table)."""
+        if self.reference is None:
+            return None
+        return torch.cat(self.reference.score(self._pair_scores, batch).unbind(1))
 
     def _pair_batch(self, dataset, indices: list[int]) -> dict:
         batch = self.collate_fn(take_rows(dataset, indices))
         return to_device(batch, self.dist.device)
+
+    # -- the evaluate stage ----------------------------------------------------------------
+    @classmethod
+    def heldout_metrics(cls, held) -> dict:
+        """The SFT run's numbers, and how the base and the fine-tuned model rank each
+        held-out pair (engine.recipe.dpo.heldout.rank_pairs), before generation."""
+        return super().heldout_metrics(held, after_loss=rank_pairs)

@@ -1,0 +1,70 @@
+"""How a model ranks held-out preference pairs: the evaluate stage's numbers for a DPO run
+(beside the SFT run's loss and generations, engine.recipe.sft)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.datapath.data import collate, take_rows
+from engine.objective.logprobs import sequence_logps
+from engine.recipe.dpo.batches import collate_pairs
+
+
+@torch.no_grad()
+def pair_log_probs(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
+    """[pairs, 4]: each held-out pair's summed log-probability of its chosen and rejected
+    completion and their trained-token counts (chosen, rejected, n chosen, n rejected), the two
+    sides of a batch scored in one forward as the DPO run does (on the CPU, float64)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(dataset), batch_size):
+        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
+        batch = collate_pairs(rows, lambda sides: collate(sides, pad_id))
+        logits = model(input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device)).logits
+        logps, counts = sequence_logps(logits, batch["labels"].to(device))
+        out.append(torch.stack([*logps.chunk(2), *counts.chunk(2)], dim=1).double().cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 4, dtype=torch.float64)
+
+
+def ranking_scores(scored: torch.Tensor, reference: torch.Tensor, dpo) -> dict[str, float]:
+    """How a model ranks held-out pairs, from `pair_log_probs` rows (chosen, rejected, their
+    token counts) of the model and of the `reference` (the base model; for the base itself,
+    the same rows). Ties count half.
+    - preference_accuracy: the share of pairs whose chosen side gets the higher implicit
+      reward, the one `dpo.loss_type` trains: beta x (log pi - log pi_ref), or for simpo beta x
+      the length-averaged log pi. The base is its own reference: every pair ties, 0.5.
+    - reward_margin: the mean implicit reward margin (chosen - rejected).
+    - likelihood_accuracy, logp_margin: the same from the model's own summed log-probabilities,
+      no reference (how likely it finds each side)."""
+    if len(scored) == 0:
+        return {}
+    chosen, rejected, n_chosen, n_rejected = scored.unbind(1)
+    own = chosen - rejected
+    if dpo.loss_type == "simpo":
+        reward = dpo.beta * (chosen / n_chosen.clamp_min(1) - rejected / n_rejected.clamp_min(1))
+    else:
+        reward = dpo.beta * (own - (reference[:, 0] - reference[:, 1]))
+
+    def ranked(margin: torch.Tensor) -> float:
+        return float(((margin > 0).double() + 0.5 * (margin == 0).double()).mean())
+
+    return {"preference_accuracy": ranked(reward), "reward_margin": float(reward.mean()),
+            "likelihood_accuracy": ranked(own), "logp_margin": float(own.mean())}
+
+
+def rank_pairs(held, results: dict) -> None:
+    """Preference pairs: how the base and the fine-tuned model rank each held-out pair's
+    chosen side over its rejected one, by the implicit reward against the base and by their
+    own likelihood (`ranking_scores`), into each model's results."""
+    args = (held.test, held.cfg.training.per_device_eval_batch_size,
+            held.tokenizer.pad_token_id)
+    with held.as_base() as model:
+        base = pair_log_probs(model, *args)
+    tuned = pair_log_probs(held.tuned(), *args)
+    for name, scored in (("base", base), ("finetuned", tuned)):
+        results[name].update(
+            {k: round(v, 6) for k, v in ranking_scores(scored, base, held.cfg.dpo).items()})

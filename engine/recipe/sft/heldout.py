@@ -1,0 +1,77 @@
+"""A language model's held-out numbers for the evaluate stage: loss and perplexity from the
+same tokenized test split and the same token-weighted loss the trainer uses (so "fine-tuned
+below base" is an apples-to-apples claim), the QAT-quantized model's loss, and greedy
+generations on the first `eval.max_generation_samples` prompts (encoded exactly as in
+training), scored by each source's dataset type."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.evaluation.generation import encode_prompts, greedy_generate
+from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
+from engine.modeling.model import max_positions
+from engine.modeling.quantization import quantized_copy
+from finetune.errors import PipelineError
+
+
+def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None = None
+               ) -> Evaluated:
+    """Base first (its loss and generations), then the fine-tuned model; `after_loss(held,
+    results)`: a method's own numbers, added once both losses are in (DPO's pair ranking)."""
+    cfg, tok = held.cfg, held.tokenizer
+    rows = held.rows()
+    # The whole split: eval.eval_batches caps only the quick in-training evals.
+    args = (held.test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
+    results, generations = {}, {}
+    results["base"] = loss_entry(evaluate_loss(held.base, *args))
+    if rows is not None:
+        generations["base"] = generate(held, held.base, rows)
+    tuned = held.tuned()
+    tuned_loss = evaluate_loss(tuned, *args)
+    results["finetuned"] = loss_entry(tuned_loss)
+    t = cfg.training
+    if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
+        quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
+        results["quantized"] = loss_entry(evaluate_loss(quantized, *args))
+        del quantized
+    if after_loss is not None:
+        after_loss(held, results)
+    if rows is not None:
+        generations["finetuned"] = generate(held, tuned, rows)
+        for name, texts in generations.items():
+            scores = held.scorer.generations(rows, texts)
+            results[name].update({k: round(v, 6) for k, v in scores.items()})
+    counts = {"eval_tokens": tuned_loss["tokens"],
+              "generation_rows": 0 if rows is None else len(rows)}
+    return Evaluated(results, counts, samples(rows, generations, cfg.eval.num_logged_samples))
+
+
+def loss_entry(result: dict) -> dict:
+    return {"loss": round(result["loss"], 6), "perplexity": round(result["perplexity"], 4)}
+
+
+def generate(held: HeldOut, model, rows) -> list[str]:
+    ev, tok = held.cfg.eval, held.tokenizer
+    limit = max_positions(held.cfg.model, held.root)
+    room = limit - ev.generation_max_new_tokens if limit else None
+    if room is not None and room < 1:
+        raise PipelineError(
+            f"eval.generation_max_new_tokens {ev.generation_max_new_tokens} leaves no room for "
+            f"a prompt in the model's {limit} positions; lower it"
+        )
+    prompts = encode_prompts(tok, rows["prompt"].tolist(), room)
+    return greedy_generate(model, tok, prompts, held.cfg.training.per_device_eval_batch_size,
+                           ev.generation_max_new_tokens)
+
+
+def samples(rows, generations: dict[str, list[str]], n: int) -> list[dict]:
+    """The first n rows side by side: what a reviewer reads before trusting a number."""
+    if rows is None or n == 0:
+        return []
+    head = rows.head(n)
+    return [
+        {"prompt": prompt, "reference": reference,
+         "generation": generations["finetuned"][i], "base_generation": generations["base"][i]}
+        for i, (prompt, reference) in enumerate(zip(head["prompt"], head["reference"]))
+    ]

@@ -1,0 +1,74 @@
+"""What the pipeline knows of a training method (`training.type`) before any engine code runs:
+which rows it trains on, and which model it trains.
+
+The run class that trains is the engine's (engine.recipe.trainers); these are the facts the
+config, the stages and the compatibility table need without importing it (imports go one way:
+the engine below the stages, this base below both), the way TRL keeps a trainer's
+`*_config.py` beside its `*_trainer.py`. A built-in method registers its facts next to its
+config section (finetune/config/preference.py for dpo); a project's own run class, named as
+`module:Class`, may carry them as a class attribute `method = Method(...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from finetune.datatypes.base import TARGETS, ModelTask
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    #: the dataset targets it trains on (finetune.datatypes.base.TARGETS); None: any (a
+    #: project's loop that declares nothing is not second-guessed)
+    accepts: tuple[str, ...] | None = ("tokens", "labels")
+    #: the model it trains when that is not the dataset type's (a reward model's one-output
+    #: head); None: the dataset type's
+    task: ModelTask | None = None
+    #: the refusal's advice when the data is not one it trains on ("" : a generic one)
+    data_hint: str = ""
+
+    def __post_init__(self):
+        unknown = set(self.accepts or ()) - set(TARGETS)
+        if unknown:
+            raise ValueError(f"method '{self.name}': accepts unknown targets {sorted(unknown)} "
+                             f"(known: {', '.join(TARGETS)})")
+
+    def refusal(self, datatype) -> str | None:
+        """One line when this method does not train on `datatype`'s rows, else None."""
+        if self.accepts is None or datatype.targets in self.accepts:
+            return None
+        if self.data_hint:
+            return f"training.type: {self.name} {self.data_hint}"
+        if datatype.trainer_hint:
+            return f"data.dataset_type: {datatype.name} {datatype.trainer_hint}"
+        return (f"training.type: {self.name} trains on {' or '.join(self.accepts)} rows; "
+                f"data.dataset_type {datatype.name} gives {datatype.targets}")
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register_method(method: Method) -> Method:
+    _METHODS[method.name] = method
+    return method
+
+
+def method_of(name: str) -> Method:
+    """The facts of `training.type` `name`: a registered method's, a `module:Class` run
+    class's own `method` attribute (else unchecked), or an unknown name's defaults (the
+    engine refuses an unknown name before launch, with the registered ones listed)."""
+    if name in _METHODS:
+        return _METHODS[name]
+    if ":" in name:
+        from finetune.imports import load_object
+
+        try:
+            declared = getattr(load_object(name, "training.type"), "method", None)
+        except Exception:  # the engine's check names the broken reference (engine.preflight)
+            declared = None
+        return declared if isinstance(declared, Method) else Method(name, accepts=None)
+    return Method(name, accepts=None)
+
+
+register_method(Method("sft"))
