@@ -4,10 +4,12 @@
 TrainingRun, so the surface it depends on is written down and checked
 (tests/test_layering.py: every `run.X` it reads is declared here, and TrainingRun provides
 every member). A `training.type` subclass of engine.recipe.run.TrainingRun keeps this surface and
-overrides the run's documented hooks (`micro_step`: one micro-batch's forward and backward;
-`count_targets`: what a step's loss is averaged over; `window_metrics`: its own logged
-statistics; `evaluate`; `metrics`), so checkpoints, resume, the strategies and the reporters
-work for it unchanged (engine.recipe.dpo is one). Callbacks see less: `state` (engine.reporting.progress's view and the control object).
+overrides the run's documented hooks (`columns`: the split columns it reads; `prepare_step`:
+the step's batches before their targets are counted; `micro_step`: one micro-batch's forward
+and backward; `count_targets`: what a step's loss is averaged over; `window_metrics`: its own
+logged statistics; `evaluate`; `metrics`; `heldout_metrics` for the evaluate stage), so
+checkpoints, resume, the strategies and the reporters work for it unchanged (engine.recipe.dpo
+is one). Callbacks see less: `state` (engine.reporting.progress's view and the control object).
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class RunView(Protocol):
     callback_states: dict  # the callbacks' state dicts, restored from a checkpoint
     start: Any  # engine.state.trainer_state.Start: where this run starts (a checkpoint, or fresh)
     node_group: Any  # save_on_each_node: the node-local process group, else None
+
+    #: the tokenized split's columns the method reads (the data path selects only these)
+    columns: tuple[str, ...]
+
+    def prepare_step(self, micro: list[dict]) -> list[dict]:
+        """The step's host micro-batches before their targets are counted: a method that
+        generates or scores inside the step builds its batches here. No-op by default."""
+        return micro
 
     def log(self, line: str) -> None:
         """One line on the main rank's stdout (at log_level debug or info)."""

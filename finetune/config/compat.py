@@ -332,18 +332,22 @@ def _stage_layout(p) -> str | None:
 
 
 def _model_task(c) -> str | None:
-    """A model class or peft task set by hand must be the dataset type's (it derives them)."""
+    """A model class or peft task set by hand must be the model task's (it derives them): the
+    trainer type's when it names one (finetune.config.methods), else the dataset type's."""
+    from finetune.config.methods import method_of
     from finetune.datatypes.base import CAUSAL_LM, SEQUENCE_CLASSIFICATION
 
-    tasks, task = (CAUSAL_LM, SEQUENCE_CLASSIFICATION), c.data.task
+    task = c.model_task
+    tasks = {CAUSAL_LM, SEQUENCE_CLASSIFICATION, task}
+    decided_by = (f"training.type {c.training.type}" if method_of(c.training.type).task
+                  else f"data.dataset_type {c.data.dataset_type}")
     for section, key, wanted, known in (
             ("model", "auto_class_name", task.auto_class, {t.auto_class for t in tasks}),
             ("peft", "task_type", task.peft_task_type, {t.peft_task_type for t in tasks})):
         value = getattr(getattr(c, section), key)
         if value in known - {wanted}:
-            return (f"{section}.{key}: {value} does not fit data.dataset_type "
-                    f"{c.data.dataset_type} (it trains {task.auto_class} with peft task "
-                    f"{task.peft_task_type}); remove it")
+            return (f"{section}.{key}: {value} does not fit {decided_by} (it trains "
+                    f"{task.auto_class} with peft task {task.peft_task_type}); remove it")
     return None
 
 
