@@ -156,7 +156,13 @@ class DPORun(TrainingRun):
 
     # -- the evaluate stage ----------------------------------------------------------------
     @classmethod
-    def heldout_metrics(cls, held) -> dict:
+    def heldout_metrics(cls, held, after_loss=None):
         """The SFT run's numbers, and how the base and the fine-tuned model rank each
-        held-out pair (engine.recipe.dpo.heldout.rank_pairs), before generation."""
-        return super().heldout_metrics(held, after_loss=rank_pairs)
+        held-out pair (engine.recipe.dpo.heldout.rank_pairs), before generation; then a
+        subclass's own `after_loss`."""
+        def ranked(held, results: dict) -> None:
+            rank_pairs(held, results)
+            if after_loss is not None:
+                after_loss(held, results)
+
+        return super().heldout_metrics(held, after_loss=ranked)
