@@ -1,7 +1,7 @@
 """finetune.registry.Registry, the name -> class tables' one helper: registering (also as a
 decorator), aliases, built-ins imported only when looked up, `module:Class` references, the
-unknown-name line with its did-you-mean, the subclass check; and that the trainer types'
-wording comes out word for word."""
+unknown-name line with its did-you-mean, the subclass check; and that the dataset types'
+table and the trainer types' wording come out word for word."""
 
 from __future__ import annotations
 
@@ -153,3 +153,26 @@ def test_the_trainer_types_wording_word_for_word():
     assert str(caught.value) == (f"training.type '{__name__}:Other': {Other!r} is not a "
                                  f"subclass of {BASE_NAME}")
 
+
+def test_the_dataset_types_table_keeps_its_wording():
+    from finetune.datatypes.registry import DATASET_TYPES, canonical, type_class
+
+    assert DATASET_TYPES.names() == ["completion", "text", "chat", "classification",
+                                     "preference"]
+    assert canonical("sharegpt") == "chat" and type_class("seq_completion").name == "completion"
+    with pytest.raises(ValueError) as caught:
+        canonical("chta")
+    assert str(caught.value) == (
+        "unknown dataset type 'chta' (did you mean 'chat'? types: completion, text, chat, "
+        "classification, preference; aliases: seq_completion = completion, conversational = "
+        "chat, sharegpt = chat, seq_classification = classification, text_classification = "
+        "classification, dpo = preference, pairwise = preference; or a project's own as "
+        "'module:Class')")
+    with pytest.raises(ValueError) as caught:
+        canonical("finetune.config.data:DataConfig")
+    assert str(caught.value) == ("'finetune.config.data:DataConfig' is not a "
+                                 "finetune.datatypes.DatasetType subclass")
+    with pytest.raises(ValueError) as caught:  # load_object's line, the key's prefix dropped
+        canonical("finetune.config.data:Nope")
+    assert str(caught.value) == ("cannot import 'finetune.config.data:Nope' (module "
+                                 "'finetune.config.data' has no attribute 'Nope')")
