@@ -106,6 +106,45 @@ def test_a_conversation_with_nothing_to_learn_is_dropped_not_refused(conversatio
     assert normalise(conversation, None, "split 'train' row 3 column 'messages'") is None
 
 
+U, A = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+S = {"role": "system", "content": "s"}
+
+
+@pytest.mark.parametrize("value,message", [
+    ("{not json", ": not a list of messages (a string that is not JSON)"),
+    ({"role": "user"}, ": not a list of messages"),
+    ([U, "hi"], " message 1: not a mapping"),
+    ([{"text": "hi"}], " message 0: has neither role/content nor from/value"),
+    ([{"from": "robot", "value": "x"}], " message 0: unknown role 'robot' (system, user, "
+     "assistant; ShareGPT: system, human, gpt)"),
+    ([U, {"role": "assistant", "content": None}], " message 1: content is not a string"),
+    ([S, A], ": message 1 is assistant, expected user (user and assistant alternate from a "
+     "user turn; a system message only first)"),
+    ([U, A, S, A], ": message 2 is system, expected user (user and assistant alternate from a "
+     "user turn; a system message only first)"),
+    ([S], ": the conversation does not end on an assistant turn"),
+    # refused, not dropped: order is checked before the empty assistant turn
+    ([U, {"role": "assistant", "content": ""}, U], ": the conversation does not end on an "
+     "assistant turn"),
+])
+def test_each_refusal_is_one_line_word_for_word(value, message):
+    """parse, check_order and nothing_to_learn compose into normalise: every refusal as the
+    format step prints it, the row first."""
+    where = "split 'train' row 7 column 'messages'"
+    with pytest.raises(PipelineError) as caught:
+        normalise(value, None, where)
+    assert str(caught.value) == where + message
+
+
+def test_the_system_prompt_goes_first_only_where_there_is_none():
+    import numpy as np
+
+    assert normalise(json.dumps([U, A]), "p", "row")[0] == {"role": "system", "content": "p"}
+    assert normalise(np.array([S, U, A], dtype=object), "p", "row") == [S, U, A]
+    # a row with no messages is dropped even with a system prompt to add
+    assert normalise("[]", "p", "row") is None
+
+
 def test_keys_of_another_dataset_type_are_a_conflict():
     base = {"json_file_path": "x.jsonl"}
     with pytest.raises(ValueError, match="prompt_template does not apply to dataset_type chat"):

@@ -27,6 +27,8 @@ from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding
 from finetune.errors import PipelineError
 
 FIELDS = ("messages", "conversations")
+#: the roles a parsed message may have (parse_message)
+ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant", "system": "system"}
 
@@ -102,7 +104,31 @@ def normalise(value: Any, system_prompt: str | None, where: str) -> list[dict[st
     """One row's conversation as [{role, content}], checked: an optional system message first,
     then user and assistant alternating from a user turn, ending on an assistant turn. None
     when it has nothing to learn: no messages, or an assistant turn that is empty or
-    whitespace only (training on it would teach the model to answer nothing)."""
+    whitespace only (training on it would teach the model to answer nothing).
+
+    The three steps, in this order (a malformed message is reported before a misplaced one,
+    and a malformed conversation is refused even when it would have been dropped): `parse`,
+    `data.system_prompt` put first where the row has no system message, `check_order`,
+    `nothing_to_learn`."""
+    conv = parse(value, where)
+    if conv:
+        if system_prompt is not None and conv[0]["role"] != "system":
+            conv.insert(0, {"role": "system", "content": system_prompt})
+        check_order(conv, where)
+    return None if nothing_to_learn(conv) else conv
+
+
+def parse(value: Any, where: str) -> list[dict[str, str]]:
+    """A row's messages, in whichever layout the dataset stores them, as [{role, content}]:
+    a list or a JSON string of one, a numpy array (parquet), messages as mappings in OpenAI
+    (`role`/`content`) or ShareGPT (`from`/`value`) form. [] when the row has no messages (None,
+    an empty list), for `nothing_to_learn` to drop.
+
+    Why one step: everything after it (the order check, the chat template, the loss mask) sees
+    one layout, so a new layout or a new turn kind (tool calls, tool results, reasoning
+    content) is added here, in `parse_message`, and nowhere else learns the raw forms. A row
+    that is not a conversation is one line naming the row and, where it is one message, the
+    message."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -112,41 +138,65 @@ def normalise(value: Any, system_prompt: str | None, where: str) -> list[dict[st
     if hasattr(value, "tolist"):  # a numpy array from parquet
         value = value.tolist()
     if value is None or (isinstance(value, list) and not value):
-        return None
+        return []
     if not isinstance(value, list):
         raise PipelineError(f"{where}: not a list of messages")
-    out = []
-    for turn, m in enumerate(value):
-        m = dict(m) if hasattr(m, "keys") else m
-        if not isinstance(m, dict):
-            raise PipelineError(f"{where} message {turn}: not a mapping")
-        if "role" in m:
-            role, content = m.get("role"), m.get("content")
-        elif "from" in m:
-            role, content = SHAREGPT_ROLES.get(m.get("from"), m.get("from")), m.get("value")
-        else:
-            raise PipelineError(f"{where} message {turn}: has neither role/content nor "
-                                "from/value")
-        if role not in ("system", "user", "assistant"):
-            raise PipelineError(f"{where} message {turn}: unknown role {role!r} (system, user, "
-                                "assistant; ShareGPT: system, human, gpt)")
-        if not isinstance(content, str):
-            raise PipelineError(f"{where} message {turn}: content is not a string")
-        out.append({"role": role, "content": content})
-    if system_prompt is not None and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": system_prompt})
-    body = out[1:] if out[0]["role"] == "system" else out
+    return [parse_message(m, f"{where} message {turn}") for turn, m in enumerate(value)]
+
+
+def parse_message(m: Any, where: str) -> dict[str, str]:
+    """One message as {role, content}; `where` names the row and the message. The role is one
+    of ROLES (ShareGPT's names mapped by SHAREGPT_ROLES) and the content a string. A new turn
+    kind adds its role to ROLES (and the order `check_order` allows for it) and its fields
+    to what this returns."""
+    m = dict(m) if hasattr(m, "keys") else m
+    if not isinstance(m, dict):
+        raise PipelineError(f"{where}: not a mapping")
+    if "role" in m:
+        role, content = m.get("role"), m.get("content")
+    elif "from" in m:
+        role, content = SHAREGPT_ROLES.get(m.get("from"), m.get("from")), m.get("value")
+    else:
+        raise PipelineError(f"{where}: has neither role/content nor from/value")
+    if role not in ROLES:
+        raise PipelineError(f"{where}: unknown role {role!r} (system, user, assistant; "
+                            "ShareGPT: system, human, gpt)")
+    if not isinstance(content, str):
+        raise PipelineError(f"{where}: content is not a string")
+    return {"role": role, "content": content}
+
+
+def check_order(conv: list[dict[str, str]], where: str) -> None:
+    """Refuse a conversation whose roles are out of order: a system message only first, then
+    user and assistant alternating from a user turn, ending on an assistant turn.
+
+    Why: chat templates are written for that order (many raise on anything else, and the
+    others render it in ways the model never saw); the prompt evaluated is everything before
+    the last assistant turn, so a conversation must end on one; and the loss mask trains the
+    assistant turns, each the answer to the user turn before it. One line naming the row and
+    the first message out of place."""
+    head = 1 if conv and conv[0]["role"] == "system" else 0
+    body = conv[head:]
     for turn, m in enumerate(body):
         expected = "user" if turn % 2 == 0 else "assistant"
         if m["role"] != expected:
-            raise PipelineError(f"{where}: message {turn + len(out) - len(body)} is "
-                                f"{m['role']}, expected {expected} (user and assistant "
-                                "alternate from a user turn; a system message only first)")
+            raise PipelineError(f"{where}: message {turn + head} is {m['role']}, expected "
+                                f"{expected} (user and assistant alternate from a user turn; a "
+                                "system message only first)")
     if not body or body[-1]["role"] != "assistant":
         raise PipelineError(f"{where}: the conversation does not end on an assistant turn")
-    if any(m["role"] == "assistant" and not m["content"].strip() for m in body):
-        return None
-    return out
+
+
+def nothing_to_learn(conv: list[dict[str, str]]) -> bool:
+    """Whether a (parsed, checked) conversation is dropped and counted rather than trained on:
+    no messages, or an assistant turn that is empty or whitespace only.
+
+    Why dropped, not refused: such a row is well formed, it only has nothing to teach (no
+    messages), or would teach the wrong thing (an empty assistant turn trains the model to
+    answer nothing); one such row should not stop a run. The format step drops these and
+    reports how many."""
+    return not conv or any(m["role"] == "assistant" and not m["content"].strip()
+                           for m in conv)
 
 
 def chat_template(data, tok, root: Path) -> str:
