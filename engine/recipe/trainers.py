@@ -12,43 +12,32 @@ key with `register_trainer("my-loop", MyRun)` in a module it imports, or name th
 
 from __future__ import annotations
 
-from typing import Any
-
-from finetune.errors import PipelineError
 from finetune.imports import load_object
+from finetune.registry import Registry
 
-TRAINERS: dict[str, Any] = {}
-#: the trainer types that ship with the engine besides sft, imported when a run names them
-BUILT_IN = {"dpo": "engine.recipe.dpo.run:DPORun"}
+#: training.type -> run class: sft (registered by engine.recipe.run) and one line per method
+#: that ships with the engine, imported only when a run names it; every class looked up must
+#: subclass the sft run (TrainingRun)
+TRAINERS = Registry("trainer", "training.type", hint="",
+                    base=lambda: TRAINERS.get("sft", check=False),
+                    not_a_subclass="{key} '{name}': {obj!r} is not a subclass of "
+                                   "engine.recipe.run.TrainingRun",
+                    built_ins={"dpo": "engine.recipe.dpo.run:DPORun"})
 #: a method whose room differs by the model it trains: (training.type, the model task's
 #: pipeline tag) -> its run class (SFT of a sequence classifier measures classes, not text)
 BY_TASK = {("sft", "text-classification"): "engine.recipe.classifier.run:ClassifierRun"}
 
 
-def register_trainer(key: str, cls: Any = None):
+def register_trainer(key: str, cls=None):
     """`register_trainer("my-loop", MyRun)`, or as a class decorator."""
-    def add(klass):
-        TRAINERS[key] = klass
-        return klass
-
-    return add(cls) if cls is not None else add
+    return TRAINERS.register(key, cls)
 
 
 def trainer_class(name: str):
-    """training.type -> the run class. engine.recipe.run registers its TrainingRun as `sft` when
-    imported: call this through `engine.recipe.run.trainer_class`."""
-    if ":" in name or name in BUILT_IN:
-        klass = load_object(BUILT_IN.get(name, name), "training.type")
-    elif name in TRAINERS:
-        klass = TRAINERS[name]
-    else:
-        raise PipelineError(f"training.type '{name}': no such trainer (registered: "
-                            f"{', '.join(sorted({*TRAINERS, *BUILT_IN}))}; or name a class as "
-                            "'module:Class')")
-    if not (isinstance(klass, type) and issubclass(klass, TRAINERS["sft"])):
-        raise PipelineError(f"training.type '{name}': {klass!r} is not a subclass of "
-                            "engine.recipe.run.TrainingRun")
-    return klass
+    """training.type -> the run class (a registered name or 'module:Class'; an unknown one
+    is one line listing the registered ones). engine.recipe.run registers its TrainingRun as
+    `sft` when imported: call this through `engine.recipe.run.trainer_class`."""
+    return TRAINERS.get(name)
 
 
 def run_class(cfg):
