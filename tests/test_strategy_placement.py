@@ -103,3 +103,16 @@ def test_fsdp2_on_meta_reads_its_shards_after_the_wrap_and_the_probes_wait(tmp_p
         assert all(torch.equal(t, seen[0][k]) for k, t in want.state_dict().items())
     finally:
         dist.destroy_process_group()
+
+
+def test_strategy_optimizers_name_diloco_outer_optimizer_before_any_strategy_exists():
+    from engine.strategies import strategy_optimizers
+
+    assert strategy_optimizers(_config({}).distributed) == []
+    diloco = FinetuneConfig.model_validate({
+        "data": {"json_file_path": "x.jsonl"}, "training": {"max_steps": 4},
+        "eval": {"eval_steps": 2}, "checkpoint": {"save_steps": 2},
+        "distributed": {"strategy": "diloco", "nproc_per_node": 2, "diloco": {
+            "inner_steps": 2, "diloco_loops": 2, "outer_optimizer": "Adam"}}})
+    assert strategy_optimizers(diloco.distributed) == [
+        ("Adam", "distributed.diloco.outer_optimizer")]
