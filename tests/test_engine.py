@@ -360,17 +360,17 @@ def test_layout_aware_linear_computes_the_same_products_as_autograd_in_bf16():
 
 def test_fast_bf16_kernels_switch_on_only_for_bf16_on_cpu():
     from engine.modeling.runtime import use_fast_bf16_cpu_kernels
-    from finetune.config.distributed import DistributedConfig, FsdpConfig
 
     model = _stories()
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
-    cpu, single = torch.device("cpu"), DistributedConfig()
+    # the last argument: Strategy.param_dtype (None without FSDP2 mixed precision; an fsdp2
+    # config's fsdp.param_dtype bfloat16 gives torch.bfloat16: tests/test_strategy_placement.py)
+    cpu, single = torch.device("cpu"), None
     assert use_fast_bf16_cpu_kernels(model, cpu, None, single) == 0
     assert use_fast_bf16_cpu_kernels(model, torch.device("cuda"), torch.bfloat16, single) == 0
     assert not any("forward" in m.__dict__ for m in model.modules())
-    fsdp = DistributedConfig(strategy="fsdp2", nproc_per_node=2,
-                             fsdp=FsdpConfig(param_dtype="bfloat16"))
-    assert use_fast_bf16_cpu_kernels(model, cpu, None, fsdp) == n_linear > 0
+    fsdp_bf16 = torch.bfloat16
+    assert use_fast_bf16_cpu_kernels(model, cpu, None, fsdp_bf16) == n_linear > 0
     assert use_fast_bf16_cpu_kernels(_stories(), cpu, torch.bfloat16, single) == n_linear
     assert use_fast_bf16_cpu_kernels(_stories().bfloat16(), cpu, None, single) == n_linear
 

@@ -15,7 +15,6 @@ import torch
 
 from engine.modeling.cpu_linear import computes_in_bf16_on_cpu, use_layout_aware_linear
 from engine.modeling.model import DTYPES
-from finetune.config.distributed import DistributedConfig
 from finetune.config.training import TrainingConfig
 from finetune.errors import PipelineError
 
@@ -108,12 +107,11 @@ def enable_gradient_checkpointing(model, t: TrainingConfig) -> None:
 
 
 def use_fast_bf16_cpu_kernels(model, device: torch.device, amp: torch.dtype | None,
-                              dist: DistributedConfig) -> int:
+                              param_dtype: torch.dtype | None) -> int:
     """bf16 on a CPU: linear layers whose backward avoids the slow GEMM layout (see
     engine/modeling/cpu_linear.py); returns how many layers were switched (0: not a bf16 CPU
-    run)."""
-    # the config admits a `fsdp` section only where it applies (fsdp2, sharded DiLoCo)
-    fsdp_param = dist.fsdp.param_dtype if dist.fsdp else None
-    if not computes_in_bf16_on_cpu(model, device, {amp, DTYPES.get(fsdp_param)}):
+    run). `param_dtype`: what the strategy's mixed precision computes parameters in
+    (Strategy.param_dtype; FSDP2 applies it only at the wrap, after this choice)."""
+    if not computes_in_bf16_on_cpu(model, device, {amp, param_dtype}):
         return 0
     return use_layout_aware_linear(model)

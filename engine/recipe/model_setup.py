@@ -6,14 +6,15 @@ Order, and why:
    as a weightless skeleton);
 2. gradient checkpointing: HF's hooks go on the base model, before the adapter wraps it;
 3. PEFT, then QAT's fake-quantised layers around the frozen ones (inside the adapters);
-4. the strategy keeps this rank's part (pipeline: its stages), so only that part is placed
+4. the strategy keeps this rank's part (pipeline: its stages) and places it (`Strategy.place`):
    on the device, or read from the checkpoint when built on meta;
 5. fp8 conversion, bf16 CPU kernels, the batch layout (attention switch and probe);
 6. the loss (probed against the full loss before wrapping), the strategy's wrap
    (DDP/FSDP2/DiLoCo/pipeline), torch.compile of the wrapped module.
 Built on meta under FSDP2, the model is sharded before any weight exists and each rank reads
-its shards after the wrap; the batch-layout and loss probes then run on the sharded model
-(every rank the same probe batch: its forward is collective).
+its shards after the wrap (the placement's `after_wrap`); the batch-layout and loss probes wait
+for that read and run on the sharded model (every rank the same probe batch: its forward is
+collective). Which of the two happens is the strategy's placement, not a branch here.
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from engine.datapath.data import user_collate
 from engine.datapath.packing import prepare_batch_layout
 from engine.modeling.adapter import apply_peft
 from engine.modeling.compile import maybe_compile
-from engine.modeling.construction import defer_to_meta, materialise, read_shards
 from engine.modeling.model import count_parameters, load_base_model, resolve_model_ref
 from engine.modeling.quantization import convert_to_fp8, prepare_qat
 from engine.modeling.runtime import enable_gradient_checkpointing, use_fast_bf16_cpu_kernels
 from engine.objective.loss import build_loss
 from engine.strategies import build_strategy
-from engine.strategies.base import Strategy
+from engine.strategies.base import StoredWeights, Strategy
 from finetune.config import FinetuneConfig
 from finetune.imports import load_object
 
@@ -62,30 +62,22 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     trainable, total = count_parameters(model)
     strategy = build_strategy(cfg, d, meter)
     model = strategy.keep_own_part(model)
-    construction: dict[str, Any] = {}
-    meta = t.construct_model_on == "meta"
-    sharded_meta = meta and cfg.distributed.shards_with_fsdp
-    ref = resolve_model_ref(cfg.model.name_or_path, root) if meta else ""
-    if sharded_meta:
-        sources = defer_to_meta(model, d.device)
-    elif meta:
-        construction = materialise(model, ref, cfg.model.revision, d.device)
-    else:
-        model = model.to(d.device)
+    stored = (StoredWeights(resolve_model_ref(cfg.model.name_or_path, root), cfg.model.revision)
+              if t.construct_model_on == "meta" else None)
+    placement = strategy.place(model, stored)
+    model = placement.model
     if t.fp8_recipe:
         convert_to_fp8(model, t.fp8_recipe, t.fp8_dim_alignment, d.device, log)
-    fast_linears = use_fast_bf16_cpu_kernels(model, d.device, amp, cfg.distributed)
+    fast_linears = use_fast_bf16_cpu_kernels(model, d.device, amp, strategy.param_dtype)
     if fast_linears:
         log(f"[train] bf16 on CPU: {fast_linears} linear layers use layout-aware GEMMs")
-    if not sharded_meta:
-        collate_fn, loss = _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log)
+    # before the wrap, or (sharded on meta) once the wrap's shards are read
+    layout_and_loss = placement.when_weights_exist(
+        lambda: _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log))
     wrapped = strategy.wrap(model)
-    if sharded_meta:
-        offload = cfg.distributed.fsdp is not None and cfg.distributed.fsdp.cpu_offload
-        construction = read_shards(model, sources, ref, cfg.model.revision,
-                                   torch.device("cpu") if offload else d.device)
-        collate_fn, loss = _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log)
-    if meta:
+    construction = placement.after_wrap()
+    collate_fn, loss = layout_and_loss()
+    if stored is not None:
         log(f"[train] construct_model_on meta: read {construction['construct_tensors_read']} "
             f"stored tensors ({construction['construct_bytes_read'] / 2**20:.2f} MiB) on this "
             "rank")

@@ -1,17 +1,48 @@
-"""Parallelism strategies behind one interface (see base.Strategy)."""
+"""Parallelism strategies behind one interface (see base.Strategy).
+
+The strategies' config sections (`distributed.fsdp`, `.diloco`, `.pipeline`) are read in this
+package only; code that must decide something from them before a strategy exists asks a
+function here. This module imports no strategy until `build_strategy` runs (the base pulls in
+torch's checkpointing and the evaluation loop), so `finetune validate` can ask it cheaply.
+"""
 
 from __future__ import annotations
 
-from engine.process.comm import CommMeter
-from engine.process.distributed import Dist
-from engine.strategies.base import Strategy, StrategySetup
-from finetune.config import FinetuneConfig
+from typing import TYPE_CHECKING
+
+from finetune.config.distributed import DistributedConfig
 from finetune.errors import PipelineError
+
+if TYPE_CHECKING:
+    from engine.process.comm import CommMeter
+    from engine.process.distributed import Dist
+    from engine.strategies.base import Strategy
+    from finetune.config import FinetuneConfig
+
+
+def __getattr__(name: str):
+    """`Strategy` and `StrategySetup`, imported when first asked for."""
+    if name in ("Strategy", "StrategySetup"):
+        from engine.strategies import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def strategy_optimizers(dist: DistributedConfig) -> list[tuple[str, str]]:
+    """(class reference, params key) of each optimizer the strategy builds besides
+    `optimizer.name`: DiLoCo's outer optimizer. For checks before launch (a 'module:Class'
+    reference must load), when no strategy exists yet."""
+    if dist.diloco is None:
+        return []
+    return [(dist.diloco.outer_optimizer, "distributed.diloco.outer_optimizer")]
 
 
 def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
     """The strategy that runs: `distributed.resolved_strategy` (DDP and FSDP2 with one
     process are single-device), for the world size the job was launched with."""
+    from engine.strategies.base import Strategy, StrategySetup
+
     dist = cfg.distributed
     if d.world_size != dist.world_size:
         raise PipelineError(

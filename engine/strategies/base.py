@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from engine.datapath.data import token_loss_sum
 from engine.evaluation.heldout import evaluate_loss
+from engine.modeling.construction import materialise
+from engine.modeling.model import DTYPES
 from engine.objective.optim import build_optimizer
 from engine.process.comm import CommMeter, all_reduce_count
 from engine.process.distributed import Dist
@@ -46,6 +48,43 @@ class StrategySetup:
                    max_seq_length=cfg.data.max_seq_length, trains_adapter=cfg.peft.use_peft)
 
 
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """The checkpoint a model built on meta (training.construct_model_on: meta) reads its
+    weights from: a local folder or a hub id (engine.modeling.model.resolve_model_ref's), at
+    a hub revision."""
+
+    ref: str
+    revision: str | None
+
+
+class Placement:
+    """This rank's part of the model as `Strategy.place` left it, with its weights: on the
+    device, or read from the checkpoint onto it. A strategy that shards before any weight
+    exists returns a placement that reads after the wrap instead (fsdp2.ShardedRead), so model
+    setup runs one order for both: place, ..., `when_weights_exist(probes)`, the strategy's
+    wrap, `after_wrap()`."""
+
+    def __init__(self, model: torch.nn.Module, construction: dict | None = None):
+        self.model = model
+        self.construction = construction or {}  # what was read from the checkpoint (meta)
+
+    def when_weights_exist(self, fn: Callable[[], T]) -> Callable[[], T]:
+        """Run `fn` (what needs real weights: the batch-layout and loss probes) as soon as
+        this rank's weights exist: here at once, before the wrap. Returns what gives fn's
+        result (valid after `after_wrap`)."""
+        result = fn()
+        return lambda: result
+
+    def after_wrap(self) -> dict:
+        """Called once the strategy has wrapped the model; returns what was read from the
+        checkpoint ({} when the model was loaded with its weights)."""
+        return self.construction
+
+
 class Strategy:
     name = "single"
     #: every rank must run the same number of forwards in eval (FSDP2 gathers inside forward)
@@ -64,11 +103,30 @@ class Strategy:
         self.setup, self.d, self.meter = setup, d, meter
         self.model: torch.nn.Module | None = None  # what the loop calls forward on
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2's mixed precision computes parameters in (`fsdp.param_dtype`), None
+        without one. The bf16 CPU kernels are chosen by it before the wrap applies it. Read
+        from the config wherever it admits an `fsdp` section (fsdp2, sharded DiLoCo), so
+        strategy fsdp2 at world size 1, which runs as this class, chooses them as it always
+        did."""
+        c = self.setup.distributed.fsdp
+        return DTYPES.get(c.param_dtype) if c is not None else None
+
     # -- model and optimizer -------------------------------------------------------------
     def keep_own_part(self, model: torch.nn.Module) -> torch.nn.Module:
         """Drop what this rank never runs, before the model is placed on the device (or read
         from the checkpoint, construct_model_on meta); every rank runs all of it here."""
         return model
+
+    def place(self, model: torch.nn.Module, stored: StoredWeights | None) -> Placement:
+        """Put this rank's part (after `keep_own_part`, adapters attached) where it trains,
+        before the wrap: moved to the device, or, built on meta (`stored`), its placeholders
+        read from the checkpoint straight onto the device. A strategy that shards overrides
+        it to read only its shards after the wrap."""
+        if stored is None:
+            return Placement(model.to(self.d.device))
+        return Placement(model, materialise(model, stored.ref, stored.revision, self.d.device))
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.model = model

@@ -20,9 +20,10 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from engine.modeling.construction import defer_to_meta, read_shards
 from engine.modeling.model import DTYPES, base_model
 from engine.process.comm import install_fsdp_counters
-from engine.strategies.base import Strategy
+from engine.strategies.base import Placement, StoredWeights, Strategy
 from finetune.config.distributed import FsdpConfig
 from finetune.errors import PipelineError
 
@@ -53,9 +54,54 @@ def shard_units(model: torch.nn.Module, paths: list[str] | None) -> list[torch.n
     return units
 
 
+class ShardedRead(Placement):
+    """construct_model_on meta under FSDP2: the model stays weightless through the wrap
+    (fully_shard shards meta parameters without allocating), then each rank reads only its
+    shard of every stored tensor, onto the CPU with cpu_offload (where FSDP2 keeps the
+    sharded parameters) else onto the device. What needs the weights waits for that read, so
+    the batch-layout and loss probes run on the sharded model (every rank the same probe
+    batch: its forward is collective)."""
+
+    def __init__(self, model: torch.nn.Module, stored: StoredWeights, device: torch.device,
+                 read_onto: torch.device):
+        super().__init__(model)
+        self.stored, self.read_onto = stored, read_onto
+        self.sources = defer_to_meta(model, device)
+        self.waiting: list = []  # (fn, [its result once run])
+
+    def when_weights_exist(self, fn):
+        box: list = []
+        self.waiting.append((fn, box))
+
+        def result():
+            if not box:
+                raise RuntimeError("ShardedRead: the weights are read in after_wrap, which "
+                                   "has not run")
+            return box[0]
+
+        return result
+
+    def after_wrap(self) -> dict:
+        self.construction = read_shards(self.model, self.sources, self.stored.ref,
+                                        self.stored.revision, self.read_onto)
+        for fn, box in self.waiting:
+            box.append(fn())
+        return self.construction
+
+
 class FSDP2Strategy(Strategy):
     name = "fsdp2"
     eval_lockstep = True
+
+    def place(self, model, stored):
+        """Built on meta: deferred to meta tensors now, this rank's shards read after the wrap
+        (ShardedRead); otherwise as every strategy (to the device)."""
+        if stored is None:
+            return super().place(model, stored)
+        c = self.setup.distributed.fsdp
+        offload = c is not None and c.cpu_offload
+        return ShardedRead(model, stored, self.d.device,
+                           torch.device("cpu") if offload else self.d.device)
 
     def wrap(self, model, mesh=None):
         """Shard over `mesh` (default: all ranks; DiLoCo passes its worker group's mesh)."""
