@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
 from finetune.config import compat
-from finetune.config.section import Section
+from finetune.config.section import Field, Section
 
 #: the losses that compare the policy with a reference model (the others are reference-free)
 REFERENCE_LOSSES = ("sigmoid", "ipo", "robust")
@@ -21,25 +21,26 @@ class DPOConfig(Section):
     """Direct preference optimisation and its relatives, on pairs of a `preference` dataset."""
 
     beta: float = Field(
-        0.1, gt=0,
+        0.1, fingerprint=True, gt=0,
         description="How far the policy may move from the reference: the implicit reward is "
         "beta x (log pi - log pi_ref). For ipo the regularisation tau; for simpo the reward "
         "scale of the length-averaged log-probabilities.")
     loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = Field(
-        "sigmoid",
+        "sigmoid", fingerprint=True,
         description="sigmoid (DPO), ipo (squared loss on the length-averaged log-ratio "
         "margin), robust (DPO robust to flipped labels, label_smoothing = the flip rate), "
         "simpo (reference-free: length-averaged log-probabilities with a target margin "
         "simpo_gamma; no reference forward at all).")
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5,
+        0.0, fingerprint=True, ge=0, lt=0.5,
         description="sigmoid and simpo: conservative DPO, the probability a pair's label is "
         "wrong (the loss mixes in the flipped pair); robust: the flip rate its unbiased loss "
         "corrects for. Below 0.5.")
     simpo_gamma: float = Field(
-        0.5, ge=0, description="simpo: the target reward margin between chosen and rejected.")
+        0.5, ge=0, fingerprint=True,
+        description="simpo: the target reward margin between chosen and rejected.")
     precompute_ref_log_probs: bool = Field(
-        False,
+        False, fingerprint=True,
         description="Compute the reference log-probabilities of every training pair once, "
         "before the first step, instead of a reference forward per step (TRL's name): each "
         "step then costs one forward and backward of the policy.")
@@ -52,3 +53,4 @@ class DPOConfig(Section):
     @property
     def uses_reference(self) -> bool:
         return self.loss_type in REFERENCE_LOSSES
+
