@@ -2,6 +2,10 @@
 names: beta, loss_type, label_smoothing, precompute_ref_log_probs). engine/objective/preference.py
 computes the losses and engine/recipe/dpo.py runs them; the evaluate stage reads `beta` for the
 implicit reward it reports.
+
+The section brings its own facts: each key's field says whether it is in a checkpoint's
+fingerprint, and `ROWS` are its rows of the compatibility table (`compat.add_rows`), so this
+module is the one a method's keys are declared in.
 """
 
 from __future__ import annotations
@@ -47,10 +51,21 @@ class DPOConfig(Section):
 
     @model_validator(mode="after")
     def _compat(self) -> "DPOConfig":
-        compat.check(self, "dpo")  # the rules among dpo keys (finetune/config/compat.py)
+        compat.check(self, "dpo")  # the rules among dpo keys (ROWS, in compat's table)
         return self
 
     @property
     def uses_reference(self) -> bool:
         return self.loss_type in REFERENCE_LOSSES
 
+
+#: the rows among the dpo keys, in the compatibility table (finetune/config/compat.py) once
+#: this module is imported; the rows relating dpo to other sections' keys are the table's own
+ROWS: list[compat.Rule] = [
+    compat.Refuse(
+        "dpo", "precompute_ref_log_probs",
+        compat.When("loss_type simpo", lambda d: d.loss_type == "simpo"),
+        "simpo is reference-free: there are no reference log-probabilities to precompute",
+        example={"dpo.loss_type": "simpo", "dpo.precompute_ref_log_probs": True}),
+]
+compat.add_rows("dpo", ROWS)
