@@ -17,6 +17,7 @@ import torch
 from engine.process.job import RunPaths
 from engine.reporting.profiler import check_traces_dir
 from finetune.config import FinetuneConfig
+from finetune.config.section import code_refs
 from finetune.errors import PipelineError
 from finetune.imports import load_object
 
@@ -33,9 +34,12 @@ def device_for(cfg: FinetuneConfig) -> torch.device:
 
 def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> None:
     """The classes and functions the params name load and are what they must be; what this
-    device cannot run is refused (finetune/config/compat.py's machine rows). Each check is
-    imported only when the params ask for what it checks (the engine's imports are most of
-    what `finetune validate` costs)."""
+    device cannot run is refused (finetune/config/compat.py's machine rows). The functions are
+    every key whose field says `code_ref=True` (finetune.config.section.Field), so a new
+    section's user-code keys are checked here without an edit; the classes (model, optimizer,
+    scheduler, callbacks, trainer type) have their own checks below. Each check is imported
+    only when the params ask for what it checks (the engine's imports are most of what
+    `finetune validate` costs)."""
     from finetune.config.compat import check_machine
 
     t = cfg.training
@@ -49,9 +53,9 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
 
         for spec in cfg.logging.callbacks:
             check_user_callback(spec)
-    refs = [(cfg.optimizer.name, "optimizer.name")] + (
-        [(cfg.distributed.diloco.outer_optimizer, "distributed.diloco.outer_optimizer")]
-        if cfg.distributed.diloco is not None else [])
+    from engine.strategies import strategy_optimizers
+
+    refs = [(cfg.optimizer.name, "optimizer.name"), *strategy_optimizers(cfg.distributed)]
     if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
         from engine.objective.optim import optimizer_class, scheduler_factory
 
@@ -62,9 +66,7 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
         from engine.recipe.run import trainer_class  # imported there: the registry knows sft
 
         trainer_class(t.type)
-    for key, ref in (("training.compute_loss_func", t.compute_loss_func),
-                     ("model.model_init", cfg.model.model_init),
-                     ("data.collate_fn", cfg.data.collate_fn)):
+    for key, ref in code_refs(cfg):  # the fields marked code_ref (finetune.config.section)
         if ref and not callable(load_object(ref, key)):
             raise PipelineError(f"{key}: '{ref}' is not a function")
     if cfg.model.load_in_4bit or cfg.model.load_in_8bit:

@@ -105,3 +105,26 @@ def test_the_reference_says_where_an_option_applies():
     assert "not with distributed.strategy pipeline" in row
     assert "not with a classification dataset" in row
     assert compat.applies_to("training.fuse_optim_with_backward").count("not with") == 3
+
+
+def test_a_section_declares_its_own_rows_beside_it():
+    """The dpo section's rows live in finetune/config/preference.py (compat.add_rows): they are
+    in the table, so validation, the reference and the row tests above see them; a row of
+    another section's scope is refused at registration."""
+    from finetune.config import preference
+    from finetune.config.reference import render
+
+    assert preference.ROWS and all(any(r is row for r in compat.RULES) for row in preference.ROWS)
+    assert not any(r.scope == "dpo" for r in compat.RULES if r not in preference.ROWS)
+    row = next(line for line in render().splitlines()
+               if line.startswith("| `dpo.precompute_ref_log_probs`"))
+    assert "not with loss_type simpo" in row
+    with pytest.raises(PipelineError) as refused:
+        _validate({"dpo.loss_type": "simpo", "dpo.precompute_ref_log_probs": True})
+    assert str(refused.value) == (
+        "p.yaml: dpo: precompute_ref_log_probs: true does not combine with loss_type simpo "
+        "(simpo is reference-free: there are no reference log-probabilities to precompute)")
+    stray = compat.Refuse("training", "packing", compat.When("x", lambda t: True), "why")
+    with pytest.raises(ValueError, match="another section's scope"):
+        compat.add_rows("dpo", [stray])
+    assert stray not in compat.RULES

@@ -280,11 +280,6 @@ def test_string_module_references_resolve_and_go_one_way():
 
 #: the strategies' own config sections, and the property that reads one of them
 STRATEGY_SECTIONS = {"fsdp", "diloco", "pipeline", "shards_with_fsdp"}
-#: reads not yet moved, each (module, name) once per read. engine/preflight.py is another
-#: change's file: its DiLoCo outer-optimizer check (two reads) becomes
-#: `*engine.strategies.strategy_optimizers(cfg.distributed)`; then this entry goes, and the
-#: exact comparison below fails until it does.
-NOT_YET_MOVED = [("engine.preflight", "diloco"), ("engine.preflight", "diloco")]
 
 
 def _section_reads(source: str, me: str) -> list[tuple[str, str]]:
@@ -312,7 +307,7 @@ def test_no_distributed_section_reads_outside_the_strategies():
     found = sorted(hit for path in (ROOT / "engine").rglob("*.py")
                    if "strategies" not in path.relative_to(ROOT / "engine").parts
                    for hit in _section_reads(path.read_text(), _module(path)))
-    assert found == sorted(NOT_YET_MOVED)
+    assert found == []
 
 
 def test_the_section_read_check_sees_a_read():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import BASE, copy_project, train_here, write_params
+from finetune.config import FinetuneConfig
+from finetune.config.section import code_ref_keys
 from flows.cli import main
 
 
@@ -64,6 +66,20 @@ def test_validate_refuses_what_a_later_stage_would(project, capsys, monkeypatch,
         extra = ["data.prompt_template=null"]
     code, line = validate(project, capsys, monkeypatch, override, *extra)
     assert code == 2 and says in line, line
+
+
+@pytest.mark.parametrize("key", code_ref_keys(FinetuneConfig))
+def test_validate_loads_every_code_reference_the_fields_mark(project, capsys, monkeypatch, key):
+    """Each key whose field says code_ref=True (engine/preflight.py walks them) must name
+    something callable: a tuple is refused with one line naming the key."""
+    code, line = validate(project, capsys, monkeypatch, f"{key}=finetune.config.compat:SCOPES")
+    assert code == 2 and line == f"error: {key}: 'finetune.config.compat:SCOPES' is not a " \
+        "function", line
+
+
+def test_the_code_references_are_the_user_functions():
+    assert set(code_ref_keys(FinetuneConfig)) >= {
+        "training.compute_loss_func", "model.model_init", "data.collate_fn"}
 
 
 def test_validate_passes_the_default_and_checks_a_resume_at_another_world_size(

@@ -12,8 +12,11 @@ Each section's validator runs its scope's rows (`check(section, scope)`), so a s
 error names the keys relative to the section the loader names. The params reference's
 "applies to" column (docs/reference.md) and tests/test_compat.py (one example per row that must
 be refused) derive from the rows.
-Adding an option that depends on another is one row here, nothing elsewhere. Rules among one
-dataset type's own keys live with the type (finetune/datatypes), which is one module by design.
+Adding an option that depends on another is one row here, nothing elsewhere; or, for a
+section's rows, one row beside the section, registered with `add_rows` (the `dpo` section's
+own, in finetune/config/preference.py), so a new method's section brings its rows with it.
+Rules among one dataset type's own keys live with the type (finetune/datatypes), which is one
+module by design.
 """
 
 from __future__ import annotations
@@ -124,6 +127,19 @@ class Agree:
 
 
 Rule = Refuse | Needs | Agree
+
+
+def add_rows(scope: str, rows: list[Rule]) -> None:
+    """A section's own rows, declared beside the section (finetune/config/preference.py's
+    `ROWS` for `dpo`) and added when its module is imported: they join the table, so
+    validation, the params reference and tests/test_compat.py treat them as the rows here.
+    Rows among the section's keys have its `scope` (its validator runs them); rows across
+    sections ("config") come after the table's own, whose order decides which broken row a
+    params file is told of first."""
+    stray = [f"{r.scope}:{r.key}" for r in rows if r.scope not in (scope, "config")]
+    if stray:
+        raise ValueError(f"add_rows({scope!r}): rows of another section's scope: {stray}")
+    RULES.extend(rows)
 
 
 def check(obj, scope: str) -> None:
@@ -694,10 +710,6 @@ RULES: list[Rule] = [
     Refuse("config", "data.collate_fn", PACKED,
            "their batches are built by the trainer's own packing collators; drop one of them",
            example={"data.collate_fn": "m:f", "training.packing": True}),
-    Refuse("dpo", "precompute_ref_log_probs",
-           _in("loss_type simpo", lambda d: d.loss_type == "simpo"),
-           "simpo is reference-free: there are no reference log-probabilities to precompute",
-           example={"dpo.loss_type": "simpo", "dpo.precompute_ref_log_probs": True}),
     Agree("config", ("training.type", "data.dataset_type"), _pairs_and_trainer,
           example={"training.type": "dpo"}),
     *(Refuse("config", key, DPO, why, used=used, example={

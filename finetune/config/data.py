@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, create_model, field_validator, model_validator
+from pydantic import AliasChoices, create_model, field_validator, model_validator
 
 from finetune.config import compat
-from finetune.config.section import Section
+from finetune.config.section import Field, Section
 
 
 class DataConfig(Section):
@@ -102,7 +102,8 @@ class DataConfig(Section):
     last_turn_only: bool = Field(
         False, description="chat: train only the last assistant turn of each conversation."
     )
-    max_seq_length: int = Field(512, gt=0, description="Tokens per example after truncation.")
+    max_seq_length: int = Field(
+        512, fingerprint=True, gt=0, description="Tokens per example after truncation.")
     max_train_samples: int | None = Field(None, gt=0, description="Keep the first N train rows.")
     max_eval_samples: int | None = Field(None, gt=0, description="Keep the first N test rows.")
     max_dropped_fraction: float = Field(
@@ -119,7 +120,7 @@ class DataConfig(Section):
     seed: int = Field(42, ge=0, le=2**32 - 1,
                       description="Seed for the train/test split and the stream shuffle.")
     collate_fn: str | None = Field(
-        None,
+        None, code_ref=True,
         description="'module:function' that turns a list of examples ({input_ids, labels} "
         "lists) into a batch ({input_ids, labels, attention_mask} tensors, labels -100 where "
         "not trained), as HF's data_collator (QEfficient's collate_fn); None: dynamic padding. Training "

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.pipeline import PipelineConfig
-from finetune.config.section import Section, did_you_mean
+from finetune.config.section import Field, Section, did_you_mean
 
 FloatDtype = Literal["float32", "bfloat16", "float16"]
 
@@ -46,27 +46,31 @@ class FsdpConfig(Section):
     """FSDP2 (`torch.distributed.fsdp.fully_shard`) options."""
 
     shard_modules: list[str] | None = Field(
-        None,
+        None, fingerprint=False,
         description="Dotted paths of modules to shard one by one (a ModuleList path shards "
         "each child); default: every transformer block (the model's _no_split_modules).",
     )
     shard_transformer_layers: bool = Field(
-        True,
+        True, fingerprint=True,
         description="Each transformer block (or shard_modules entry) is its own FSDP unit, "
         "gathered only while it runs; false: the root alone (Forgather's root-only wrapping: "
         "one all-gather of every parameter per forward, fewer and larger collectives).",
     )
     reshard_after_forward: bool | int = Field(
-        True,
+        True, fingerprint=False,
         description="Free gathered params after forward (true), keep them (false), or reshard "
         "to a smaller group of this size.",
     )
-    param_dtype: FloatDtype | None = Field(None, description="MixedPrecisionPolicy param dtype.")
-    reduce_dtype: FloatDtype | None = Field(None, description="Gradient reduce-scatter dtype.")
+    param_dtype: FloatDtype | None = Field(
+        None, fingerprint=True, description="MixedPrecisionPolicy param dtype.")
+    reduce_dtype: FloatDtype | None = Field(
+        None, fingerprint=True, description="Gradient reduce-scatter dtype.")
     buffer_dtype: FloatDtype | None = Field(
-        None, description="Cast floating buffers (e.g. rotary tables) to this dtype before sharding."
+        None, fingerprint=True,
+        description="Cast floating buffers (e.g. rotary tables) to this dtype before sharding."
     )
-    cpu_offload: bool = Field(False, description="Keep sharded params/grads/optimizer on CPU.")
+    cpu_offload: bool = Field(
+        False, fingerprint=False, description="Keep sharded params/grads/optimizer on CPU.")
 
     @model_validator(mode="after")
     def _compat(self) -> "FsdpConfig":
@@ -85,39 +89,45 @@ class DilocoConfig(Section):
     """
 
     inner_steps: int = Field(
-        ..., gt=0, description="H: local optimizer steps per outer loop (required); a worker "
+        ..., gt=0, fingerprint=True,
+        description="H: local optimizer steps per outer loop (required); a worker "
         "trains inner_steps x diloco_loops steps, which training.max_steps may repeat.")
-    diloco_loops: int = Field(1, gt=0, description="Outer loops (syncs); total steps = H x loops.")
+    diloco_loops: int = Field(
+        1, fingerprint=True, gt=0, description="Outer loops (syncs); total steps = H x loops.")
     outer_optimizer: str = Field(
-        "SGD", description="The outer step's optimizer: a torch.optim class name, or "
+        "SGD", fingerprint=True,
+        description="The outer step's optimizer: a torch.optim class name, or "
         "'module:Class' (an Optimizer subclass), as optimizer.name; outer_momentum and "
         "outer_nesterov apply to SGD, outer_kwargs to any.")
-    outer_lr: float = Field(0.7, gt=0, description="Outer learning rate.")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="Outer momentum (SGD).")
-    outer_nesterov: bool = Field(True, description="Nesterov outer momentum (SGD).")
+    outer_lr: float = Field(0.7, fingerprint=True, gt=0, description="Outer learning rate.")
+    outer_momentum: float = Field(
+        0.9, fingerprint=True, ge=0, lt=1, description="Outer momentum (SGD).")
+    outer_nesterov: bool = Field(
+        True, fingerprint=True, description="Nesterov outer momentum (SGD).")
     outer_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Extra outer-optimizer kwargs."
+        fingerprint=True, default_factory=dict, description="Extra outer-optimizer kwargs."
     )
     outer_lr_schedule: Literal["none", "cosine", "linear", "polynomial"] = Field(
-        "none", description="Outer lr over the outer loops (transformers schedules)."
+        "none", fingerprint=True,
+        description="Outer lr over the outer loops (transformers schedules)."
     )
     outer_grad_clip: float | None = Field(
-        None, gt=0, description="Clip the pseudo-gradient's global norm to this."
+        None, fingerprint=True, gt=0, description="Clip the pseudo-gradient's global norm to this."
     )
     fsdp_group_size: int = Field(
-        1,
+        1, fingerprint=True,
         gt=0,
         description="Processes per DiLoCo worker; > 1 shards each worker's model with FSDP2 "
         "over its group (OpenDiLoCo's layout; distributed.fsdp options apply).",
     )
     local_sgd_start_step: int = Field(
-        0,
+        0, fingerprint=True,
         ge=0,
         description="Post-local SGD: average gradients every step (as DDP) before this step, "
         "go local after it.",
     )
     post_local_gradient_allreduce: bool = Field(
-        False,
+        False, fingerprint=True,
         description="In the local phase, still average gradients every step within each "
         "node (torch's PostLocalSGDState: hierarchical SGD, the cheap intra-node links every "
         "step, the slow inter-node ones once per inner_steps); on one node that is every "
@@ -146,38 +156,53 @@ class DistributedConfig(Section):
     """How torchrun launches the worker and how the model is parallelised."""
 
     strategy: Literal["single", "ddp", "fsdp2", "diloco", "pipeline"] = Field(
-        "single", description="Parallelism strategy (pipeline: the decoder layers split into "
+        "single", fingerprint=True,
+        description="Parallelism strategy (pipeline: the decoder layers split into "
         "stages over the ranks, distributed.pipeline)."
     )
-    nproc_per_node: int = Field(1, gt=0, description="Processes per node (torchrun).")
-    nnodes: int = Field(1, gt=0, description="Number of nodes (torchrun).")
-    node_rank: int = Field(0, ge=0, description="This node's rank when nnodes > 1.")
-    rdzv_backend: Literal["c10d", "static"] = Field("c10d", description="torchrun rendezvous.")
-    rdzv_endpoint: str = Field("127.0.0.1:29400", description="host:port of the rendezvous.")
-    rdzv_id: str = Field("finetune", description="Rendezvous id shared by all nodes of a job.")
+    nproc_per_node: int = Field(
+        1, fingerprint=False, gt=0, description="Processes per node (torchrun).")
+    nnodes: int = Field(1, fingerprint=False, gt=0, description="Number of nodes (torchrun).")
+    node_rank: int = Field(
+        0, fingerprint=False, ge=0, description="This node's rank when nnodes > 1.")
+    rdzv_backend: Literal["c10d", "static"] = Field(
+        "c10d", fingerprint=False, description="torchrun rendezvous.")
+    rdzv_endpoint: str = Field(
+        "127.0.0.1:29400", fingerprint=False, description="host:port of the rendezvous.")
+    rdzv_id: str = Field(
+        "finetune", fingerprint=False, description="Rendezvous id shared by all nodes of a job.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Process-group backend; auto = nccl on CUDA, gloo on CPU."
+        "auto", fingerprint=False,
+        description="Process-group backend; auto = nccl on CUDA, gloo on CPU."
     )
     threads_per_process: int | None = Field(
-        None, gt=0, description="torch threads per rank (default: cores / nproc_per_node)."
+        None, gt=0, fingerprint=False,
+        description="torch threads per rank (default: cores / nproc_per_node)."
     )
     ddp_timeout: int = Field(
-        1800, gt=0,
+        1800, fingerprint=False, gt=0,
         description="Seconds a collective waits for the other ranks before the run fails "
         "(HF's ddp_timeout; init_process_group timeout).",
     )
     rdzv_timeout: int = Field(
-        600, gt=0,
+        600, fingerprint=False, gt=0,
         description="Seconds torchrun waits for all nodes to join the rendezvous (join_timeout).",
     )
-    bucket_cap_mb: float = Field(25, gt=0, description="DDP gradient bucket size.")
-    find_unused_parameters: bool = Field(False, description="DDP: tolerate unused params.")
-    gradient_as_bucket_view: bool = Field(True, description="DDP: grads alias the buckets.")
-    static_graph: bool = Field(False, description="DDP: graph does not change across steps.")
-    broadcast_buffers: bool = Field(True, description="DDP: sync buffers every forward.")
-    init_sync: bool = Field(True, description="DDP: broadcast rank 0's weights at start.")
+    bucket_cap_mb: float = Field(
+        25, fingerprint=False, gt=0, description="DDP gradient bucket size.")
+    find_unused_parameters: bool = Field(
+        False, fingerprint=False, description="DDP: tolerate unused params.")
+    gradient_as_bucket_view: bool = Field(
+        True, fingerprint=False, description="DDP: grads alias the buckets.")
+    static_graph: bool = Field(
+        False, fingerprint=False, description="DDP: graph does not change across steps.")
+    broadcast_buffers: bool = Field(
+        True, fingerprint=False, description="DDP: sync buffers every forward.")
+    init_sync: bool = Field(
+        True, fingerprint=False, description="DDP: broadcast rank 0's weights at start.")
     skip_all_reduce_unused_params: bool = Field(
-        False, description="DDP: do not all-reduce the gradients of parameters unused in a step "
+        False, fingerprint=True,
+        description="DDP: do not all-reduce the gradients of parameters unused in a step "
         "(needs find_unused_parameters: true).")
     fsdp: FsdpConfig | None = Field(None, description="FSDP2 options (strategy fsdp2 only).")
     diloco: DilocoConfig | None = Field(None, description="DiLoCo options (strategy diloco only).")

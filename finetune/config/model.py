@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, field_validator, model_validator
 
 from finetune.config import compat
-from finetune.config.section import Section
+from finetune.config.section import Field, Section
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                       "cls_token", "mask_token", "additional_special_tokens")
@@ -19,53 +19,60 @@ class ModelConfig(Section):
     """What to load and how (`from_pretrained` arguments)."""
 
     name_or_path: str = Field(
-        "data/models/stories260K",
+        "data/models/stories260K", fingerprint=False,
         description="Hub model id or local folder (relative paths resolve against the project root).",
     )
     auto_class_name: str = Field(
-        "AutoModelForCausalLM",
+        "AutoModelForCausalLM", fingerprint=True,
         description="Class that loads the model: a transformers AutoModel name, a key "
         "registered with engine.modeling.model.register_model_class, or 'module:Class'.",
         pattern=r"^[A-Za-z_][\w.\-]*(:[A-Za-z_]\w*)?$",
     )
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) to pin.")
+    revision: str | None = Field(
+        None, fingerprint=False, description="Hub revision (branch, tag or commit) to pin.")
     model_init: str | None = Field(
-        None,
+        None, fingerprint=True, code_ref=True,
         description="'module:function' with no arguments returning the base model (a "
         "transformers PreTrainedModel), used instead of from_pretrained (HF Trainer's model_init, without the trial argument); it runs "
         "after the seed is set, so the same params build the same model in every stage. The "
         "tokenizer still comes from name_or_path (or tokenizer_name_or_path).",
     )
     tokenizer_name_or_path: str | None = Field(
-        None, validation_alias=AliasChoices("tokenizer_name_or_path", "tokenizer_name"),
+        None, fingerprint=True,
+        validation_alias=AliasChoices("tokenizer_name_or_path", "tokenizer_name"),
         description="A tokenizer other than the model's (hub id or local folder); None: the "
         "model's. Alias: tokenizer_name, also as data.tokenizer_name (QEfficient's place for it). Saved "
         "with the trained and exported model.",
     )
     added_tokens: list[str] = Field(
-        default_factory=list,
+        fingerprint=True, default_factory=list,
         description="New tokens added to the vocabulary (tokenizer.add_tokens); the embeddings "
         "grow to match (new rows: the mean of the old ones) and, with an adapter, the "
         "embedding and output layers train in full (modules_to_save).",
     )
     special_tokens: dict[str, str | list[str]] = Field(
-        default_factory=dict,
+        fingerprint=True, default_factory=dict,
         description="Special tokens to set or add (tokenizer.add_special_tokens): pad_token, "
         "eos_token, bos_token, unk_token, sep_token, cls_token, mask_token, "
         "additional_special_tokens (a list). A new token grows the vocabulary as added_tokens "
         "does.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "float32", description="Dtype the weights are loaded in."
+        "float32", fingerprint=True, description="Dtype the weights are loaded in."
     )
     attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="Attention kernel passed to from_pretrained."
+        "sdpa", fingerprint=False, description="Attention kernel passed to from_pretrained."
     )
-    use_cache: bool = Field(False, description="KV cache during training (off: saves memory).")
-    device_map: str | None = Field(None, description="device_map for from_pretrained (e.g. 'cpu').")
-    load_in_4bit: bool = Field(False, description="QLoRA 4-bit loading via bitsandbytes (CUDA only).")
-    load_in_8bit: bool = Field(False, description="8-bit loading via bitsandbytes (CUDA only).")
-    trust_remote_code: bool = Field(False, description="Allow model code from the hub repo to run.")
+    use_cache: bool = Field(
+        False, fingerprint=False, description="KV cache during training (off: saves memory).")
+    device_map: str | None = Field(
+        None, fingerprint=False, description="device_map for from_pretrained (e.g. 'cpu').")
+    load_in_4bit: bool = Field(
+        False, fingerprint=True, description="QLoRA 4-bit loading via bitsandbytes (CUDA only).")
+    load_in_8bit: bool = Field(
+        False, fingerprint=True, description="8-bit loading via bitsandbytes (CUDA only).")
+    trust_remote_code: bool = Field(
+        False, fingerprint=False, description="Allow model code from the hub repo to run.")
 
     @field_validator("special_tokens")
     @classmethod
@@ -88,18 +95,24 @@ class ModelConfig(Section):
 class PeftSection(Section):
     """Parameter-efficient fine-tuning (peft.LoraConfig / peft.IA3Config names)."""
 
-    use_peft: bool = Field(True, description="Train an adapter; false = full fine-tuning.")
-    peft_type: Literal["LORA", "IA3"] = Field("LORA", description="Adapter kind.")
-    r: int = Field(8, gt=0, description="LoRA rank.")
-    lora_alpha: float = Field(16, gt=0, description="LoRA scaling numerator (alpha / r).")
-    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    use_peft: bool = Field(
+        True, fingerprint=True, description="Train an adapter; false = full fine-tuning.")
+    peft_type: Literal["LORA", "IA3"] = Field("LORA", fingerprint=True, description="Adapter kind.")
+    r: int = Field(8, fingerprint=True, gt=0, description="LoRA rank.")
+    lora_alpha: float = Field(
+        16, fingerprint=True, gt=0, description="LoRA scaling numerator (alpha / r).")
+    lora_dropout: float = Field(
+        0.0, fingerprint=True, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names to adapt, or 'all-linear'."
+        "all-linear", fingerprint=True, description="Module names to adapt, or 'all-linear'."
     )
     feedforward_modules: list[str] | None = Field(
-        None, description="IA3 only: which target modules are feed-forward layers."
+        None, fingerprint=True,
+        description="IA3 only: which target modules are feed-forward layers."
     )
-    bias: Literal["none", "all", "lora_only"] = Field("none", description="Which biases train.")
+    bias: Literal["none", "all", "lora_only"] = Field(
+        "none", fingerprint=True, description="Which biases train.")
     task_type: Literal["CAUSAL_LM", "SEQ_CLS"] = Field(
-        "CAUSAL_LM", description="peft task type (SEQ_CLS, set for data.dataset_type "
+        "CAUSAL_LM", fingerprint=True,
+        description="peft task type (SEQ_CLS, set for data.dataset_type "
         "classification, also trains the classification head: modules_to_save).")

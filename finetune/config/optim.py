@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.distributed import torch_optimizer_name
-from finetune.config.section import Section, did_you_mean
+from finetune.config.section import Field, Section, did_you_mean
 
 SCHEDULERS = (
     "linear",
@@ -28,19 +28,21 @@ class OptimizerConfig(Section):
     """Any torch.optim class by name plus its keyword arguments."""
 
     name: str = Field(
-        "AdamW", description="torch.optim class name (AdamW, Adam, SGD, ...), or 'module:Class' "
+        "AdamW", fingerprint=True,
+        description="torch.optim class name (AdamW, Adam, SGD, ...), or 'module:Class' "
         "for another torch.optim.Optimizer (e.g. bitsandbytes.optim:AdamW8bit, or yours).")
-    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra optimizer kwargs.")
+    learning_rate: float = Field(1e-3, fingerprint=True, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, fingerprint=True, ge=0, description="Weight decay.")
+    kwargs: dict[str, Any] = Field(
+        fingerprint=True, default_factory=dict, description="Extra optimizer kwargs.")
     optimizer_groups: dict[str, dict[str, Any]] = Field(
-        default_factory=dict,
+        fingerprint=True, default_factory=dict,
         description="Regex on parameter names -> that group's overrides (e.g. "
         "'norm|bias|embed': {weight_decay: 0.0}); first match wins, the rest use the values "
         "above; a regex left with no parameter is an error.",
     )
     log_param_groups: bool = Field(
-        False, description="Print which parameters each optimizer group got."
+        False, fingerprint=False, description="Print which parameters each optimizer group got."
     )
 
     @field_validator("name")
@@ -69,7 +71,8 @@ class SchedulerConfig(Section):
     """Learning-rate schedule built with transformers.get_scheduler."""
 
     name: str = Field(
-        "cosine", description="Schedule (HF lr_scheduler_type: " + ", ".join(SCHEDULERS) + "), "
+        "cosine", fingerprint=True,
+        description="Schedule (HF lr_scheduler_type: " + ", ".join(SCHEDULERS) + "), "
         "or 'module:function' called as f(optimizer, num_warmup_steps=, num_training_steps=, "
         "**kwargs) and returning a torch LR scheduler.")
 
@@ -81,9 +84,12 @@ class SchedulerConfig(Section):
                              f"({', '.join(SCHEDULERS)}) nor a "
                              "'module:function'")
         return name
-    warmup_steps: int = Field(0, ge=0, description="Warmup steps (exclusive with warmup_ratio).")
-    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Warmup as a fraction of steps.")
+    warmup_steps: int = Field(
+        0, fingerprint=True, ge=0, description="Warmup steps (exclusive with warmup_ratio).")
+    warmup_ratio: float = Field(
+        0.0, fingerprint=True, ge=0, lt=1, description="Warmup as a fraction of steps.")
     kwargs: dict[str, Any] = Field(
+        fingerprint=True,
         default_factory=dict, description="scheduler_specific_kwargs (e.g. num_cycles, power)."
     )
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
 from finetune.config import compat
-from finetune.config.section import Section
+from finetune.config.section import Field, Section
 
 #: schedules with one stage per rank; the others run several (PipelineScheduleMulti)
 SINGLE_STAGE = ("GPipe", "1F1B")
@@ -31,25 +31,26 @@ class PipelineConfig(Section):
 
     schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
                       "ZBVZeroBubble"] = Field(
-        "1F1B", description="torch.distributed.pipelining schedule, by torch's name.")
+        "1F1B", fingerprint=True,
+        description="torch.distributed.pipelining schedule, by torch's name.")
     n_microbatches: int | None = Field(
-        None, gt=0,
+        None, fingerprint=True, gt=0,
         description="Pipeline micro-batches per training micro-batch (None: the number of "
         "stages); per_device_train_batch_size and per_device_eval_batch_size must divide by it.",
     )
     stages_per_rank: int | None = Field(
-        None, gt=0,
+        None, fingerprint=True, gt=0,
         description="Stages each rank holds (None: 1 for GPipe/1F1B, 2 for the multi-stage "
         "schedules); GPipe and 1F1B need 1, the others at least 2.",
     )
     pp_stage_type: Literal["loop", "v"] | None = Field(
-        None,
+        None, fingerprint=True,
         description="How stages map to ranks: loop (rank r: r, r + W, ...) or v (rank r: r "
         "and 2W - 1 - r; ZBVZeroBubble's layout). None: v for ZBVZeroBubble, else loop.",
     )
 
     data_parallel_size: int = Field(
-        1, gt=0,
+        1, fingerprint=True, gt=0,
         description="Pipeline replicas (pipeline x data parallel on a 2-D mesh): the world "
         "size must divide by it and leave >= 2 ranks per pipeline; each replica reads its own "
         "batches (per_device_train_batch_size each) and the replicas' gradients are summed "

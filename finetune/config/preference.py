@@ -1,18 +1,23 @@
 """The `dpo` section: the preference objective a `training.type: dpo` run minimises (TRL's
-names: beta, loss_type, label_smoothing, precompute_ref_log_probs), and the method's facts
-(finetune.config.methods). engine/recipe/dpo/ is its room: the loss, the run, the held-out ranking,
-which reads `beta` for the implicit reward it reports.
+names: beta, loss_type, label_smoothing, precompute_ref_log_probs). engine/recipe/dpo/ is its
+room: the loss, the run, the held-out ranking, which reads `beta` for the implicit reward it
+reports.
+
+The section brings its own facts: each key's field says whether it is in a checkpoint's
+fingerprint, `ROWS` are its rows of the compatibility table (`compat.add_rows`), and the
+method's facts (the rows it trains on: finetune.config.methods) are registered here, so this
+module is the one a method's keys are declared in.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
 from finetune.config import compat
-from finetune.config.section import Section
 from finetune.config.methods import Method, register_method
+from finetune.config.section import Field, Section
 
 #: dpo's facts for the config and the stages (its run class: engine.recipe.dpo)
 register_method(Method("dpo", accepts=("pairs",), data_hint=(
@@ -27,34 +32,47 @@ class DPOConfig(Section):
     """Direct preference optimisation and its relatives, on pairs of a `preference` dataset."""
 
     beta: float = Field(
-        0.1, gt=0,
+        0.1, fingerprint=True, gt=0,
         description="How far the policy may move from the reference: the implicit reward is "
         "beta x (log pi - log pi_ref). For ipo the regularisation tau; for simpo the reward "
         "scale of the length-averaged log-probabilities.")
     loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = Field(
-        "sigmoid",
+        "sigmoid", fingerprint=True,
         description="sigmoid (DPO), ipo (squared loss on the length-averaged log-ratio "
         "margin), robust (DPO robust to flipped labels, label_smoothing = the flip rate), "
         "simpo (reference-free: length-averaged log-probabilities with a target margin "
         "simpo_gamma; no reference forward at all).")
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5,
+        0.0, fingerprint=True, ge=0, lt=0.5,
         description="sigmoid and simpo: conservative DPO, the probability a pair's label is "
         "wrong (the loss mixes in the flipped pair); robust: the flip rate its unbiased loss "
         "corrects for. Below 0.5.")
     simpo_gamma: float = Field(
-        0.5, ge=0, description="simpo: the target reward margin between chosen and rejected.")
+        0.5, ge=0, fingerprint=True,
+        description="simpo: the target reward margin between chosen and rejected.")
     precompute_ref_log_probs: bool = Field(
-        False,
+        False, fingerprint=True,
         description="Compute the reference log-probabilities of every training pair once, "
         "before the first step, instead of a reference forward per step (TRL's name): each "
         "step then costs one forward and backward of the policy.")
 
     @model_validator(mode="after")
     def _compat(self) -> "DPOConfig":
-        compat.check(self, "dpo")  # the rules among dpo keys (finetune/config/compat.py)
+        compat.check(self, "dpo")  # the rules among dpo keys (ROWS, in compat's table)
         return self
 
     @property
     def uses_reference(self) -> bool:
         return self.loss_type in REFERENCE_LOSSES
+
+
+#: the rows among the dpo keys, in the compatibility table (finetune/config/compat.py) once
+#: this module is imported; the rows relating dpo to other sections' keys are the table's own
+ROWS: list[compat.Rule] = [
+    compat.Refuse(
+        "dpo", "precompute_ref_log_probs",
+        compat.When("loss_type simpo", lambda d: d.loss_type == "simpo"),
+        "simpo is reference-free: there are no reference log-probabilities to precompute",
+        example={"dpo.loss_type": "simpo", "dpo.precompute_ref_log_probs": True}),
+]
+compat.add_rows("dpo", ROWS)

@@ -10,9 +10,9 @@ recognises them. Unknown keys are errors (never silently ignored).
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import model_validator
 
-from finetune.config import compat, reads
+from finetune.config import compat, fingerprint, reads
 from finetune.config.checkpoint import CheckpointConfig
 from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig
@@ -21,7 +21,7 @@ from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
 from finetune.config.preference import DPOConfig
 from finetune.config.reporting import LoggingConfig
-from finetune.config.section import Section
+from finetune.config.section import Field, Section
 from finetune.config.training import TrainingConfig
 
 #: the sections, importable from here as before (each is defined in its own module)
@@ -35,17 +35,19 @@ class FinetuneConfig(Section):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     peft: PeftSection = Field(default_factory=PeftSection)
-    data: DataConfig = Field(default_factory=DataConfig)
+    # the train examples are identified by their content hash (max_seq_length is kept)
+    data: DataConfig = Field(default_factory=DataConfig, fingerprint=False)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # bookkeeping: when to log, save and evaluate, what to export and register
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, fingerprint=False)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    export: ExportConfig = Field(default_factory=ExportConfig)
-    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig, fingerprint=False)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, fingerprint=False)
+    export: ExportConfig = Field(default_factory=ExportConfig, fingerprint=False)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig, fingerprint=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -107,3 +109,4 @@ class FinetuneConfig(Section):
 
 
 reads.register_root(FinetuneConfig)
+fingerprint.register_root(FinetuneConfig)  # which keys count, from the fields' facts

@@ -1,11 +1,50 @@
-"""The base every config section shares."""
+"""The base every config section shares, and the facts a field carries for the rest of the
+code (`Field(..., fingerprint=True, code_ref=True)`).
 
+A fact is about one key and is declared where the key is, so a new section (a new training
+method's) declares its keys' facts beside their types and meanings: whether the key is in a
+checkpoint's fingerprint (finetune/config/fingerprint.py derives the classification) and
+whether its value is user code the train stage loads before launch (engine/preflight.py walks
+`code_refs`).
+"""
+
+import functools
 import typing
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic.fields import FieldInfo
 
 from finetune.config import reads
+
+#: the facts `Field` takes (stored in the field's json_schema_extra under these names)
+FACTS = ("fingerprint", "code_ref")
+
+
+def Field(*args: Any, fingerprint: bool | None = None, code_ref: bool = False,
+          **kwargs: Any) -> Any:
+    """pydantic's Field plus the key's facts:
+    - `fingerprint`: True, the key decides a run's trajectory (it is in the config part of a
+      checkpoint's fingerprint, so a resume with another value is refused); False, it does not.
+      On a sub-section's field, False leaves the whole sub-section out (its own fields may say
+      True). tests/test_key_lists.py requires a decision for every key, and True on the key's
+      own field for every key that counts.
+    - `code_ref`: the value is a 'module:function' reference to user code that must import
+      and be callable; the train stage and `finetune validate` load it before launch
+      (engine/preflight.py), naming the key in the refusal."""
+    facts = {"fingerprint": fingerprint} if fingerprint is not None else {}
+    if code_ref:
+        facts["code_ref"] = True
+    if facts:
+        kwargs["json_schema_extra"] = {**(kwargs.get("json_schema_extra") or {}), **facts}
+    return pydantic.Field(*args, **kwargs)
+
+
+def fact(field: FieldInfo, name: str) -> Any:
+    """The fact `name` (one of FACTS) a field declares, or None."""
+    extra = field.json_schema_extra
+    return extra.get(name) if isinstance(extra, dict) else None
 
 
 class Section(BaseModel):
@@ -60,3 +99,29 @@ def did_you_mean(value: str, choices) -> str:
 
     close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def fields_of(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo, bool]]:
+    """(dotted key, field, is a sub-section) of every field of `model`, sub-sections' fields
+    after the sub-section's own entry, in declaration order."""
+    for name, field in model.model_fields.items():
+        sub = section_model(field.annotation)
+        yield f"{prefix}{name}", field, sub is not None
+        if sub is not None:
+            yield from fields_of(sub, f"{prefix}{name}.")
+
+
+@functools.cache
+def code_ref_keys(model: type[BaseModel]) -> tuple[str, ...]:
+    """The dotted keys whose field says code_ref=True."""
+    return tuple(key for key, field, _ in fields_of(model) if fact(field, "code_ref"))
+
+
+def code_refs(config: BaseModel) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of each code_ref field of `config` (None inside an absent optional
+    sub-section); only those keys are read, so a stage's recorded reads stay its own."""
+    for key in code_ref_keys(type(config)):
+        value: Any = config
+        for part in key.split("."):
+            value = getattr(value, part) if value is not None else None
+        yield key, value

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, model_validator
 
 from finetune.config import compat
-from finetune.config.section import Section
+from finetune.config.section import Field, Section
 
 
 class GradientCheckpointingKwargs(Section):
@@ -27,16 +27,22 @@ class GradientCheckpointingKwargs(Section):
 class TrainingConfig(Section):
     """The loop's size and cadence (HF TrainingArguments names)."""
 
-    per_device_train_batch_size: int = Field(8, gt=0, description="Micro-batch per process.")
-    per_device_eval_batch_size: int = Field(16, gt=0, description="Eval batch per process.")
-    gradient_accumulation_steps: int = Field(1, gt=0, description="Micro-batches per step.")
+    per_device_train_batch_size: int = Field(
+        8, fingerprint=True, gt=0, description="Micro-batch per process.")
+    per_device_eval_batch_size: int = Field(
+        16, fingerprint=False, gt=0, description="Eval batch per process.")
+    gradient_accumulation_steps: int = Field(
+        1, fingerprint=True, gt=0, description="Micro-batches per step.")
     global_batch_size: int | None = Field(
-        None, gt=0, description="Optional check: must equal micro x accumulation x world size."
+        None, gt=0, fingerprint=True,
+        description="Optional check: must equal micro x accumulation x world size."
     )
-    num_train_epochs: float = Field(1.0, description="Epochs (ignored when max_steps > 0).")
-    max_steps: int = Field(-1, description="Optimizer steps; > 0 wins over num_train_epochs.")
+    num_train_epochs: float = Field(
+        1.0, fingerprint=True, description="Epochs (ignored when max_steps > 0).")
+    max_steps: int = Field(
+        -1, fingerprint=True, description="Optimizer steps; > 0 wins over num_train_epochs.")
     epoch_train_steps: int | None = Field(
-        None, gt=0,
+        None, fingerprint=True, gt=0,
         description="A streamed train split's nominal epoch, in optimizer steps (Forgather's): "
         "after this many steps the stream starts over, reshuffled (data.seed + epoch), so "
         "epoch save/eval/logging strategies and num_train_epochs work on streams (an epoch "
@@ -44,40 +50,44 @@ class TrainingConfig(Section):
         "length.",
     )
     group_by_length: bool = Field(
-        False, description="Batch examples of similar length together (less padding)."
+        False, fingerprint=True,
+        description="Batch examples of similar length together (less padding)."
     )
     length_column_name: str = Field(
-        "length",
+        "length", fingerprint=True,
         description="group_by_length: the tokenized split's column of per-example lengths "
         "(HF's name; the tokenize stage writes `length`, the token count; another int column, "
         "e.g. n_trainable, groups by it instead).",
     )
     dataloader_num_workers: int = Field(
-        0, ge=0, description="Worker processes that collate batches (0: in the main process)."
+        0, ge=0, fingerprint=False,
+        description="Worker processes that collate batches (0: in the main process)."
     )
     dataloader_pin_memory: bool = Field(
-        True, description="Pinned host memory for faster copies to the GPU (no-op on CPU)."
+        True, fingerprint=False,
+        description="Pinned host memory for faster copies to the GPU (no-op on CPU)."
     )
     dataloader_prefetch_factor: int | None = Field(
-        None, gt=0, description="Batches each worker prepares ahead (None: torch's 2)."
+        None, gt=0, fingerprint=False,
+        description="Batches each worker prepares ahead (None: torch's 2)."
     )
     dataloader_persistent_workers: bool = Field(
-        False, description="Keep workers alive between epochs."
+        False, fingerprint=False, description="Keep workers alive between epochs."
     )
     dataloader_drop_last: bool = Field(
-        True,
+        True, fingerprint=False,
         description="Drop the epoch's incomplete last optimizer step; false fills it with "
         "examples from the epoch's start (every example is trained on every epoch).",
     )
     packing: bool = Field(
-        False,
+        False, fingerprint=True,
         validation_alias=AliasChoices("packing", "dynamic_batch"),
         description="Pack each micro-batch's examples into rows of up to "
         "packed_sequence_length tokens, position_ids restarting per example (no attention across examples; no "
         "padding compute). Alias: dynamic_batch.",
     )
     padding_free: bool = Field(
-        False,
+        False, fingerprint=True,
         description="Each micro-batch as one row with no padding at all: position_ids restart "
         "per example and a varlen attention kernel keeps examples apart (training."
         "varlen_kernel), so compute follows the real tokens (TRL's padding_free). Checked by a "
@@ -85,7 +95,7 @@ class TrainingConfig(Section):
     )
     varlen_kernel: Literal["auto", "torch_varlen", "flash_attn", "flex",
                            "sdpa_per_example"] = Field(
-        "auto",
+        "auto", fingerprint=False,
         description="Attention kernel for padding_free (and packing on a GPU): auto picks the "
         "fastest the machine has (torch's flash varlen on CUDA with bf16/fp16 compute, then the "
         "flash-attn package, then FlexAttention with a document mask, any dtype; on a CPU "
@@ -93,12 +103,12 @@ class TrainingConfig(Section):
         "printed at start-up.",
     )
     packed_sequence_length: int | None = Field(
-        None, gt=0,
+        None, fingerprint=True, gt=0,
         description="Packing: tokens per packed row (None: data.max_seq_length). Positions "
         "restart per example, so this may exceed the model's max_position_embeddings.",
     )
     loss_chunk_tokens: int | None = Field(
-        4096, gt=0,
+        4096, fingerprint=False, gt=0,
         description="Cross entropy without the full fp32 logits: the output layer runs only on "
         "positions that predict a target, this many at a time (one chunk's logits in memory, "
         "forward and backward); equal to the full loss up to summation order. null: the "
@@ -107,7 +117,7 @@ class TrainingConfig(Section):
         "vocabulary head: another value than the default is refused there.",
     )
     use_liger_kernel: bool = Field(
-        False,
+        False, fingerprint=False,
         description="Liger's Triton kernels (HF's name; the liger-kernel package, extra "
         "`liger`): its RMSNorm, RoPE and SwiGLU patched in through Liger's own entry point for "
         "the model family, and its fused linear cross entropy as the loss (the logits never "
@@ -116,7 +126,7 @@ class TrainingConfig(Section):
         "family Liger does not cover is refused with one line.",
     )
     pad_to_multiple_of: int | None = Field(
-        None, gt=0,
+        None, fingerprint=False, gt=0,
         description="Pad each batch's rows to a multiple of this many tokens (HF's name): a "
         "few shapes instead of one per length, so torch.compile graphs, CUDA graphs and the GPU "
         "attention kernels' per-shape plans are reused. Padded and packed rows are padded; a "
@@ -126,20 +136,22 @@ class TrainingConfig(Section):
     )
     sdpa_backend: list[Literal["flash_attention", "efficient_attention", "cudnn_attention",
                                "math"]] | None = Field(
-        None,
+        None, fingerprint=False,
         description="SDPA kernels the model's attention may use (torch.nn.attention."
         "sdpa_kernel). None: on CUDA flash, then memory-efficient, then cuDNN, then math, in "
         "that priority (cuDNN plans every new shape on the host, ~3 ms per call on an H100); "
         "on CPU torch's choice. The CPU has flash_attention and math only.",
     )
     sdpa_set_priority: bool = Field(
-        True, description="Try sdpa_backend in the order given (else torch's own order)."
+        True, fingerprint=False,
+        description="Try sdpa_backend in the order given (else torch's own order)."
     )
     max_grad_norm: float | None = Field(
-        1.0, gt=0, description="Gradient clipping norm; null: no clipping (the norm is still "
+        1.0, gt=0, fingerprint=True,
+        description="Gradient clipping norm; null: no clipping (the norm is still "
         "logged, except with fuse_optim_with_backward).")
     compute_loss_func: str | None = Field(
-        None,
+        None, fingerprint=True, code_ref=True,
         description="'module:function' computing the loss from the model's outputs, called as "
         "HF's Trainer does: fn(outputs, labels, num_items_in_batch). We pass "
         "num_items_in_batch=1 and normalise by the step's target tokens ourselves, so an HF "
@@ -147,33 +159,33 @@ class TrainingConfig(Section):
         "chunked loss does not apply).",
     )
     type: str = Field(
-        "sft",
+        "sft", fingerprint=True,
         description="Trainer type (QEfficient's name): sft (our loop), dpo (preference tuning on "
         "a preference dataset; the dpo section), a key a project registered with "
         "engine.recipe.trainers.register_trainer, or 'module:Class' (a TrainingRun subclass).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto",
+        "auto", fingerprint=True,
         description="Where training runs: auto (a CUDA GPU when one is visible, else the CPU), "
         "cpu (also on a GPU machine), cuda (refused with one line where none is visible).",
     )
     use_cpu: bool = Field(
-        False, description="HF's name for device: cpu."
+        False, fingerprint=True, description="HF's name for device: cpu."
     )
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
-        None,
+        None, fingerprint=True,
         description="Train the linear layers in fp8 (torchao Float8Linear, this scaling "
         "recipe): CUDA GPUs of compute capability >= 8.9 only, refused with one line "
         "elsewhere. Not with qat_recipe.",
     )
     fp8_dim_alignment: int = Field(
-        16, gt=0,
+        16, fingerprint=True, gt=0,
         description="fp8 converts only linear layers whose input and output sizes are "
         "multiples of this (the fp8 GEMMs' requirement); the others are listed and stay.",
     )
     qat_recipe: Literal["int8-dynamic-act-int4-weight", "int4-weight-only",
                         "float8-dynamic-act-float8-weight"] | None = Field(
-        None,
+        None, fingerprint=True,
         description="Quantisation-aware training (torchao): fake-quantised linear layers in "
         "training; the export stage writes the converted model to data/export/quantized and "
         "the evaluate stage reports its loss. int8-dynamic-act-int4-weight converts on CPU, "
@@ -181,31 +193,31 @@ class TrainingConfig(Section):
         "fp8_recipe.",
     )
     qat_group_size: Literal[32, 64, 128, 256] = Field(
-        32,
+        32, fingerprint=True,
         description="Weights per quantisation group (int4 recipes; the group sizes torchao's "
         "int4 kernels take); layers whose input size it does not divide stay in full "
         "precision and are listed.",
     )
     enable_activation_offloading: bool = Field(
-        False,
+        False, fingerprint=False,
         description="Keep the activations saved for backward in host memory (pinned) instead of "
         "on the GPU (torch.autograd.graph.save_on_cpu); CUDA only: on a CPU they already are.",
     )
     gc_threshold: float | None = Field(
-        None, gt=0, lt=1,
+        None, fingerprint=False, gt=0, lt=1,
         description="CUDA caching allocator garbage_collection_threshold: reclaim cached "
         "unused blocks once this fraction of GPU memory is in use (PYTORCH_CUDA_ALLOC_CONF), "
         "instead of freeing all at an out-of-memory. CUDA only.",
     )
     fuse_optim_with_backward: bool = Field(
-        False,
+        False, fingerprint=True,
         description="Update each parameter inside backward as soon as its gradient is ready and "
         "free that gradient (torchtune's optimizer-in-backward): a step never holds all "
         "gradients. Needs max_grad_norm: null, gradient_accumulation_steps 1, no fp16 and "
         "strategy single (Forgather's rules).",
     )
     construct_model_on: Literal["default", "device", "meta"] = Field(
-        "default",
+        "default", fingerprint=False,
         description="Where the base model is built. default: loaded on the CPU, then moved; "
         "device: loaded straight onto the training device (no host copy of the weights); "
         "meta: built without weights, the strategy keeps this rank's part and only that is "
@@ -214,69 +226,78 @@ class TrainingConfig(Section):
         "init in all three.",
     )
     mixed_precision: Literal["bf16", "fp16", "fp32", "no"] = Field(
-        "fp32", description="Autocast dtype; fp32/no = full precision. HF's flags set it too: "
+        "fp32", fingerprint=True,
+        description="Autocast dtype; fp32/no = full precision. HF's flags set it too: "
         "bf16: true or fp16: true (false leaves it as it is).",
     )
     seed: int | None = Field(
-        42, ge=0, le=2**32 - 1,
+        42, fingerprint=True, ge=0, le=2**32 - 1,
         description="Seed for init, dropout and data order. null: unseeded: the "
         "train stage draws one, logs it (MLflow param, train metrics, checkpoints) and a "
         "resume continues with the checkpoint's.",
     )
     full_determinism: bool = Field(
-        False, description="torch.use_deterministic_algorithms + deterministic cuDNN/cuBLAS "
+        False, fingerprint=True,
+        description="torch.use_deterministic_algorithms + deterministic cuDNN/cuBLAS "
         "(bitwise-repeatable GPU runs, slower)."
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward (less memory, ~30% more compute)."
+        False, fingerprint=False,
+        description="Recompute activations in backward (less memory, ~30% more compute)."
     )
     gradient_checkpointing_kwargs: GradientCheckpointingKwargs = Field(
-        default_factory=GradientCheckpointingKwargs,
+        fingerprint=False, default_factory=GradientCheckpointingKwargs,
         description="torch.utils.checkpoint options.",
     )
-    torch_compile: bool = Field(False, description="torch.compile the model for training.")
+    torch_compile: bool = Field(
+        False, fingerprint=False, description="torch.compile the model for training.")
     torch_compile_scope: Literal["blocks", "model"] = Field(
-        "blocks",
+        "blocks", fingerprint=False,
         description="What torch_compile compiles: each decoder block in place (regional, as "
         "torchtitan does: one block's compile time, hooks of DDP/FSDP2 outside the graphs) or "
         "the whole wrapped model.",
     )
-    torch_compile_backend: str = Field("inductor", description="torch.compile backend.")
+    torch_compile_backend: str = Field(
+        "inductor", fingerprint=False, description="torch.compile backend.")
     torch_compile_mode: Literal[
         "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"
-    ] = Field("default", description="torch.compile mode.")
+    ] = Field("default", fingerprint=False, description="torch.compile mode.")
     torch_compile_dynamic: bool | None = Field(
-        None, description="Dynamic shapes (None: torch decides after a recompile)."
+        None, fingerprint=False,
+        description="Dynamic shapes (None: torch decides after a recompile)."
     )
-    torch_compile_fullgraph: bool = Field(False, description="Fail on graph breaks.")
+    torch_compile_fullgraph: bool = Field(
+        False, fingerprint=False, description="Fail on graph breaks.")
     dynamo_recompile_limit: int | None = Field(
-        None, gt=0,
+        None, fingerprint=True, gt=0,
         description="torch._dynamo's recompile_limit: graphs per compiled function before it "
         "runs eager (each new shape or dtype is a recompile). None: torch's default. Needs "
         "torch_compile.",
     )
     activation_memory_budget: float | None = Field(
-        None, ge=0, le=1,
+        None, fingerprint=True, ge=0, le=1,
         description="torch.compile's activation memory budget (torch._functorch.config): 1 "
         "keeps every activation for backward, lower recomputes the cheap ones to fit the "
         "fraction. None: torch's default (1). Needs torch_compile.",
     )
     default_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None,
+        None, fingerprint=True,
         description="torch.set_default_dtype for the run: the dtype of tensors created without "
         "one (the adapter's weights, tensors made at run time). None: torch's float32.",
     )
     speed_metrics_start_step: int = Field(
-        0, ge=0,
+        0, fingerprint=False, ge=0,
         description="The final train_tokens_per_second / train_steps_per_second count the steps "
         "after this one (warm-up and compile steps excluded); the logged rows' tokens/s are "
         "per window either way.",
     )
     float32_matmul_precision: Literal["highest", "high", "medium"] = Field(
-        "highest", description="torch.set_float32_matmul_precision (high: TF32 on Ampere+)."
+        "highest", fingerprint=True,
+        description="torch.set_float32_matmul_precision (high: TF32 on Ampere+)."
     )
     detect_anomaly: bool = Field(
-        False, description="autograd anomaly detection: the op that made a NaN (slow; debug)."
+        False, fingerprint=False,
+        description="autograd anomaly detection: the op that made a NaN (slow; debug)."
     )
 
     @model_validator(mode="before")
