@@ -208,7 +208,6 @@ def _world(c) -> int:
     return c.distributed.nproc_per_node * c.distributed.nnodes
 
 
-DPO = When("training.type dpo", lambda c: c.training.type == "dpo")
 PIPELINE = When("distributed.strategy pipeline", lambda c: c.distributed.strategy == "pipeline")
 FSDP = When("FSDP2 sharding (strategy fsdp2, or diloco with fsdp_group_size > 1)",
             lambda c: c.distributed.shards_with_fsdp)
@@ -712,24 +711,6 @@ RULES: list[Rule] = [
            example={"data.collate_fn": "m:f", "training.packing": True}),
     Agree("config", ("training.type", "data.dataset_type"), _pairs_and_trainer,
           example={"training.type": "dpo"}),
-    *(Refuse("config", key, DPO, why, used=used, example={
-        "training.type": "dpo", "data.dataset_type": "preference", **extra})
-      for key, used, why, extra in (
-        ("training.packing", None, "each side of a pair is scored as one padded row",
-         {"training.packing": True}),
-        ("training.padding_free", None, "each side of a pair is scored as one padded row",
-         {"training.padding_free": True}),
-        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
-         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
-         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
-        ("data.streaming", None, "pairs are read from the tokenized split",
-         {"data.streaming": True}),
-        ("data.collate_fn", None, "the trainer batches each pair's two sides itself",
-         {"data.collate_fn": "m:f"}),
-        ("training.compute_loss_func", None, "the loss is dpo.loss_type's",
-         {"training.compute_loss_func": "m:f"}),
-        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
-         {"training.use_liger_kernel": True}))),
     Refuse("config", "checkpoint.save_on_each_node", FSDP,
            "each node would hold the whole training state, which FSDP2 shards across the "
            "nodes; keep the checkpoint folder on storage all nodes share, or use ddp",

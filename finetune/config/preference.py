@@ -66,13 +66,33 @@ class DPOConfig(Section):
         return self.loss_type in REFERENCE_LOSSES
 
 
-#: the rows among the dpo keys, in the compatibility table (finetune/config/compat.py) once
-#: this module is imported; the rows relating dpo to other sections' keys are the table's own
+DPO = compat.When("training.type dpo", lambda c: c.training.type == "dpo")
+
+#: dpo's rows of the compatibility table (finetune/config/compat.py), joined once this module
+#: is imported: the rules among the dpo keys, and what a dpo run cannot be combined with
 ROWS: list[compat.Rule] = [
     compat.Refuse(
         "dpo", "precompute_ref_log_probs",
         compat.When("loss_type simpo", lambda d: d.loss_type == "simpo"),
         "simpo is reference-free: there are no reference log-probabilities to precompute",
         example={"dpo.loss_type": "simpo", "dpo.precompute_ref_log_probs": True}),
+    *(compat.Refuse("config", key, DPO, why, used=used, example={
+        "training.type": "dpo", "data.dataset_type": "preference", **extra})
+      for key, used, why, extra in (
+        ("training.packing", None, "each side of a pair is scored as one padded row",
+         {"training.packing": True}),
+        ("training.padding_free", None, "each side of a pair is scored as one padded row",
+         {"training.padding_free": True}),
+        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
+         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
+        ("data.streaming", None, "pairs are read from the tokenized split",
+         {"data.streaming": True}),
+        ("data.collate_fn", None, "the trainer batches each pair's two sides itself",
+         {"data.collate_fn": "m:f"}),
+        ("training.compute_loss_func", None, "the loss is dpo.loss_type's",
+         {"training.compute_loss_func": "m:f"}),
+        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
+         {"training.use_liger_kernel": True}))),
 ]
 compat.add_rows("dpo", ROWS)
