@@ -24,6 +24,15 @@ def check_without_data(ws: Workspace) -> None:
     check_resume_target(ws)
     check_sources(ws)
     check_harness(ws)
+    check_export_formats(ws)
+
+
+def check_export_formats(ws: Workspace) -> None:
+    """export.formats: every name is an exporter's (tasks.exporters, which the export stage
+    runs)."""
+    from tasks.exporters import resolve
+
+    resolve(ws.config.export.formats)
 
 
 def check_harness(ws: Workspace) -> None:

@@ -138,6 +138,8 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"data.shuffle_buffer": 0}, "data.shuffle_buffer"),
         ({"training.padding_free": True, "training.packing": True},
          "training: packing: true does not combine with padding_free"),
+        ({"export.formats": ["adapter"]}, "export.formats: list hf: the HF folder holds"),
+        ({"export.formats": ["hf", "adapter", "hf"]}, "export.formats: 'hf' is listed twice"),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path, overrides, expected):

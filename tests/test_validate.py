@@ -53,6 +53,9 @@ BAD = [
     ("scheduler.name=cosine_restart", "(did you mean 'cosine_with_restarts'?)"),
     ("optimizer.name=AdamWW", "(did you mean 'AdamW'?)"),
     ("distributed.strategy=dpp", "(did you mean 'ddp'?)"),
+    # a name no exporter has (tasks/exporters), which the export stage would refuse
+    ("export.formats=[hf, adaptor]", "export.formats: unknown format 'adaptor' (did you mean "
+     "'adapter'?): one of hf, adapter, quantized"),
 ]
 
 

@@ -132,6 +132,10 @@ class EvalConfig(Section):
         return bool(self.generation_metrics) or self.num_logged_samples > 0
 
 
+#: export.formats unless set: every format, each written when it applies (tasks/exporters)
+EXPORT_FORMATS = ("hf", "adapter", "quantized")
+
+
 class ExportConfig(Section):
     """What the export stage writes."""
 
@@ -140,6 +144,25 @@ class ExportConfig(Section):
         True, description="Also write the adapter alone to <export>/adapter (PEFT runs)."
     )
     max_shard_size: str = Field("2GB", description="safetensors shard size.")
+    formats: list[str] = Field(
+        default_factory=lambda: list(EXPORT_FORMATS),
+        description="What the export stage writes (tasks/exporters), each when it applies to "
+        "the run: hf, the self-contained HF folder at the export root (always listed: the model "
+        "card is in it, the other formats' folders too, and the registry logs its model); "
+        "adapter, the PEFT adapter alone in <export>/adapter (PEFT runs with merge_adapter and "
+        "save_adapter); quantized, the QAT model converted, in <export>/quantized (runs with "
+        "training.qat_recipe). Written hf first, whatever the list's order.")
+
+    @field_validator("formats")
+    @classmethod
+    def _hf_once(cls, formats: list[str]) -> list[str]:
+        if "hf" not in formats:
+            raise ValueError("list hf: the HF folder holds the model card and the other "
+                             "formats' folders, and the registry logs its model")
+        twice = [f for i, f in enumerate(formats) if f in formats[:i]]
+        if twice:
+            raise ValueError(f"'{twice[0]}' is listed twice")
+        return formats
 
 
 class RegistryConfig(Section):

@@ -1,0 +1,84 @@
+"""The model card (README.md of the HF folder): base model, data hash, params, metrics, commit,
+and how to load what the export holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from engine.modeling.model import resolve_model_ref
+from finetune.config import FinetuneConfig
+from finetune.config.outputs import EXPORT_FORMATS
+from tasks.exporters import adapter
+from tasks.exporters.context import ExportContext
+
+#: the params the model card records: what made the model and its export. dvc.yaml lists each
+#: of them for the export stage, so a change to any of them rewrites the card.
+CARD_SECTIONS = ("model", "peft", "data", "training", "optimizer", "scheduler", "distributed",
+                 "export", "registry")
+
+
+def _metrics_table(metrics: dict) -> str:
+    models = {k: v for k, v in metrics.items() if isinstance(v, dict)}
+    columns = sorted({c for vals in models.values() for c in vals},
+                     key=lambda c: (c not in ("loss", "perplexity"), c))
+    head = "| model | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns)
+    rows = [f"| {name} | " + " | ".join(str(vals.get(c, "")) for c in columns) + " |"
+            for name, vals in models.items()]
+    return "\n".join([head, *rows])
+
+
+def model_card(ctx: ExportContext) -> str:
+    ws, cfg, lineage = ctx.ws, ctx.config, ctx.lineage
+    base = resolve_model_ref(cfg.model.name_or_path, ws.root)
+    source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
+    export_dir = ws.layout.export.relative_to(ws.root)
+    auto, tag = cfg.model_task.auto_class, cfg.model_task.pipeline_tag
+    section = ""
+    if "adapter" in ctx.formats and adapter.applies(cfg):
+        section = f"""
+The adapter alone (for users who keep the base model) is in `{adapter.ADAPTER_DIR}/`:
+```python
+from peft import AutoPeft{auto.removeprefix("Auto")}
+model = AutoPeft{auto.removeprefix("Auto")}.from_pretrained("{export_dir}/{adapter.ADAPTER_DIR}")
+```
+"""
+    return f"""---
+library_name: transformers
+base_model: {cfg.model.name_or_path}
+pipeline_tag: {tag}
+---
+# Fine-tuned {Path(cfg.model.name_or_path).name}
+
+Fine-tuned with {cfg.peft.peft_type if cfg.peft.use_peft else 'full'} fine-tuning
+({'adapter merged' if ctx.merged else 'weights as trained'}).
+
+- Base model: `{cfg.model.name_or_path}` (`{base}`)
+- Data: `{source}`, raw splits sha256 `{lineage.get('data_sha256')}`
+- Git commit: `{lineage['git_commit']}` (dirty: {lineage['git_dirty']})
+- Strategy: {cfg.distributed.strategy}, world size {cfg.distributed.world_size}
+- MLflow run: `{ctx.run_id}`
+
+## Metrics (test split)
+{_metrics_table(ctx.metrics)}
+
+## Load it
+```python
+from transformers import {auto}, AutoTokenizer
+model = {auto}.from_pretrained("{export_dir}")
+tokenizer = AutoTokenizer.from_pretrained("{export_dir}")
+```
+{section}
+## Params
+```yaml
+{yaml.safe_dump(_card_params(cfg), sort_keys=False)}```
+"""
+
+
+def _card_params(cfg: FinetuneConfig) -> dict:
+    """CARD_SECTIONS as set; export.formats only when it is not the default (every format,
+    each when it applies), so a default export's card is what it was before the key existed."""
+    default = list(EXPORT_FORMATS) == cfg.export.formats
+    return cfg.model_dump(mode="json", include=set(CARD_SECTIONS),
+                          exclude={"export": {"formats"}} if default else None)
