@@ -143,7 +143,7 @@ class TrainingRun:
     """Model, strategy, optimizer, scheduler, scaler, monitor, reporters and the progress
     record of one training run on one rank. What other code may use of it is
     engine.state.run_view.RunView; a trainer type (`training.type`) subclasses it and overrides
-    its hooks (`columns`, `prepare_step`, `count_targets`, `micro_step`, `window_metrics`,
+    its hooks (`columns`, `open_train_data`, `prepare_step`, `count_targets`, `micro_step`, `window_metrics`,
     `evaluate`, `metrics`, and for the evaluate stage `heldout_metrics`)."""
 
     #: the tokenized split's columns this method reads (the data path selects these)
@@ -189,9 +189,7 @@ class TrainingRun:
         eval_path = self.paths.eval_data
         self.eval_data = (load_tokenized(eval_path, self.columns)
                           if eval_path and eval_path.exists() else None)
-        self.open_batches, self.steps_per_epoch, self.epoch_len = open_train_batches(
-            t, self.paths.train_data, self.strategy.data_view(d), self.collate_fn, self.stream,
-            self.columns)
+        self.open_batches, self.steps_per_epoch, self.epoch_len = self.open_train_data()
         self.max_steps = total_steps(self.cfg, self.steps_per_epoch)
         self.optimizer = self.strategy.build_optimizer()
         self.in_backward = (OptimizerInBackward(self.strategy.module, self.optimizer)
@@ -208,6 +206,15 @@ class TrainingRun:
         self.model, self.strategy, self.loss = built.model, built.strategy, built.loss
         self.collate_fn, self.construction = built.collate_fn, built.construction
         self.trainable, self.total = built.trainable, built.total
+
+    def open_train_data(self):
+        """(open(epoch, start) -> micro-batches, optimizer steps per epoch, micro-batches per
+        epoch): the loader's (engine.datapath.loader). A method that visits each step's batches
+        more than once (GRPO's num_iterations) wraps them here, before the step count and the
+        scheduler are derived from them."""
+        return open_train_batches(self.cfg.training, self.paths.train_data,
+                                  self.strategy.data_view(self.dist), self.collate_fn,
+                                  self.stream, self.columns)
 
     def open_reporters(self) -> None:
         """On the main rank, once the launcher confirmed the job: from here on we may write

@@ -4,7 +4,8 @@
 TrainingRun, so the surface it depends on is written down and checked
 (tests/test_layering.py: every `run.X` it reads is declared here, and TrainingRun provides
 every member). A `training.type` subclass of engine.recipe.run.TrainingRun keeps this surface and
-overrides the run's documented hooks (`columns`: the split columns it reads; `prepare_step`:
+overrides the run's documented hooks (`columns`: the split columns it reads;
+`open_train_data`: the micro-batches, which it may wrap (revisit a step's); `prepare_step`:
 the step's batches before their targets are counted; `micro_step`: one micro-batch's forward
 and backward; `count_targets`: what a step's loss is averaged over; `window_metrics`: its own
 logged statistics; `evaluate`; `metrics`; `heldout_metrics` for the evaluate stage), so
@@ -52,6 +53,10 @@ class RunView(Protocol):
         """The step's host micro-batches before their targets are counted: a method that
         generates or scores inside the step builds its batches here. No-op by default."""
         return micro
+
+    def open_train_data(self) -> tuple[Any, int | None, float]:
+        """(open(epoch, start) -> micro-batches, steps per epoch, micro-batches per epoch):
+        the loader's by default; a method may wrap them (GRPO repeats a step's prompts)."""
 
     def log(self, line: str) -> None:
         """One line on the main rank's stdout (at log_level debug or info)."""

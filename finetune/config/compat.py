@@ -372,7 +372,10 @@ def _gate_reported(c) -> str | None:
         return None if c.eval.harness.tasks else (
             f"registry.gate_metric {c.registry.gate_metric} names a harness metric, and "
             "eval.harness.tasks is empty; name the task there")
+    from finetune.config.methods import method_of
+
     reported = {m for _, part in c.data.parts() for m in part.datatype.reported_metrics()}
+    reported |= set(method_of(c.training.type).reported(c))
     if gate in reported:
         return None
     return (f"registry.gate_metric eval.{gate} is not reported for data.dataset_type "

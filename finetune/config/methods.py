@@ -11,6 +11,7 @@ config section (finetune/config/preference.py for dpo); a project's own run clas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from finetune.datatypes.base import TARGETS, ModelTask
@@ -27,6 +28,12 @@ class Method:
     task: ModelTask | None = None
     #: the refusal's advice when the data is not one it trains on ("" : a generic one)
     data_hint: str = ""
+    #: config -> the evaluate stage's metrics this method reports besides the dataset type's
+    #: (GRPO's rewards and pass rates), so the registry gate may name them
+    metrics: Callable[[object], tuple[str, ...]] | None = None
+
+    def reported(self, cfg) -> tuple[str, ...]:
+        return self.metrics(cfg) if self.metrics else ()
 
     def __post_init__(self):
         unknown = set(self.accepts or ()) - set(TARGETS)

@@ -19,6 +19,7 @@ from finetune.config.distributed import DistributedConfig
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
+from finetune.config.grpo import GRPOConfig
 from finetune.config.preference import DPOConfig
 from finetune.config.reporting import LoggingConfig
 from finetune.config.section import Field, Section
@@ -27,7 +28,8 @@ from finetune.config.training import TrainingConfig
 #: the sections, importable from here as before (each is defined in its own module)
 __all__ = ["FinetuneConfig", "ModelConfig", "PeftSection", "DataConfig", "TrainingConfig",
            "OptimizerConfig", "SchedulerConfig", "DistributedConfig", "CheckpointConfig",
-           "EvalConfig", "LoggingConfig", "ExportConfig", "RegistryConfig", "DPOConfig"]
+           "EvalConfig", "LoggingConfig", "ExportConfig", "RegistryConfig", "DPOConfig",
+           "GRPOConfig"]
 
 
 class FinetuneConfig(Section):
@@ -44,6 +46,7 @@ class FinetuneConfig(Section):
     # bookkeeping: when to log, save and evaluate, what to export and register
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, fingerprint=False)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig, fingerprint=False)
     logging: LoggingConfig = Field(default_factory=LoggingConfig, fingerprint=False)
     export: ExportConfig = Field(default_factory=ExportConfig, fingerprint=False)

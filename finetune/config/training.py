@@ -161,7 +161,8 @@ class TrainingConfig(Section):
     type: str = Field(
         "sft", fingerprint=True,
         description="Trainer type (QEfficient's name): sft (our loop), dpo (preference tuning on "
-        "a preference dataset; the dpo section), a key a project registered with "
+        "a preference dataset; the dpo section), grpo (online RL with reward functions on a "
+        "prompt dataset; the grpo section), a key a project registered with "
         "engine.recipe.trainers.register_trainer, or 'module:Class' (a TrainingRun subclass).",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(

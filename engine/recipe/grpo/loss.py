@@ -1,0 +1,113 @@
+"""GRPO's clipped objective on generated completions, with TRL's formulas (GRPOTrainer's
+`_compute_loss`), so its loss and statistics can be checked against TRL's on the same inputs.
+
+Per completion token t of completion i, with r = exp(log pi - log pi_old) and advantage A_i:
+
+    loss_it = -min(r A_i, clip(r, 1 - eps, 1 + eps_high) A_i) + beta * KL_it
+    KL_it   = exp(log ref - log pi) - (log ref - log pi) - 1      (the k3 estimator)
+
+The log-probabilities are those of the tempered distribution (logits / temperature), the one
+the completions were sampled from. How the token losses become the step's loss is `loss_type`:
+`reduce` returns a micro-batch's loss *sum* and what it is averaged over, so the loop's
+divisor (summed over the step's micro-batches and ranks) makes the mean TRL takes:
+- grpo: each completion's token mean, averaged over completions (count: completions);
+- bnpo: the micro-batch's token mean, averaged over micro-batches (count: 1 per micro-batch);
+- dr_grpo: the token sum over max_completion_length, averaged over completions;
+- dapo: the token sum over the step's tokens on all ranks (count: tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: the statistics a micro-batch adds to the logging row, as masked sums over its tokens (the
+#: run divides by the token count): TRL's names
+TOKEN_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+               "clip_ratio/region_mean")
+
+
+def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     completion_len: int, temperature: float, with_entropy: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([N, T] log-probabilities of the last `completion_len` tokens of each row under the
+    tempered distribution, [N, T] entropies or None), fp32. Only the completion positions'
+    logits are computed (`logits_to_keep`); positions follow the attention mask, as in
+    generation, so left padding does not shift them."""
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1, use_cache=False).logits
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, -completion_len:]
+    norm = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
+    entropy = None
+    if with_entropy:  # a logged statistic: no gradient, no graph kept for it
+        with torch.no_grad():
+            entropy = norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logps, entropy
+
+
+@dataclass
+class TokenLosses:
+    """A micro-batch's per-token objective and what its statistics are made of."""
+
+    per_token: torch.Tensor  # [N, T]
+    kl: torch.Tensor | None  # [N, T], None when beta is 0
+    low_clipped: torch.Tensor  # [N, T] bool
+    high_clipped: torch.Tensor  # [N, T] bool
+
+
+def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
+                 ref_logps: torch.Tensor | None, advantages: torch.Tensor, eps_low: float,
+                 eps_high: float, beta: float) -> TokenLosses:
+    """The clipped surrogate plus the KL term, per token. `old_logps` None: the completions
+    were sampled from these very weights (num_iterations 1), so the ratio is 1 with the
+    gradient of log pi (TRL uses logps.detach())."""
+    old = logps.detach() if old_logps is None else old_logps
+    advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    coef_1 = torch.exp(logps - old)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    kl = None
+    if beta != 0.0:
+        delta = ref_logps - logps
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+    return TokenLosses(per_token, kl, (coef_1 < 1 - eps_low) & (advantages < 0),
+                       (coef_1 > 1 + eps_high) & (advantages > 0))
+
+
+def reduce(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor,
+           max_completion_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the micro-batch's loss sum, what the step averages it over: see the module
+    docstring). The count is a device tensor (no host sync)."""
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    rows = torch.tensor(float(per_token.shape[0]), device=per_token.device)
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), rows
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0), torch.ones_like(rows)
+    if loss_type == "dr_grpo":
+        return masked.sum() / max_completion_length, rows
+    if loss_type == "dapo":
+        return masked.sum(), mask.sum()
+    raise ValueError(f"grpo.loss_type '{loss_type}': not one of grpo, bnpo, dr_grpo, dapo")
+
+
+def token_stat_sums(losses: TokenLosses, entropy: torch.Tensor | None, mask: torch.Tensor
+                    ) -> torch.Tensor:
+    """[len(TOKEN_STATS) + 1]: each statistic's masked sum over the micro-batch's tokens, then
+    the token count (means are taken over the logging window, all ranks)."""
+    mask = mask.to(torch.float32)
+    zero = torch.zeros((), device=mask.device)
+
+    def masked_sum(x):
+        return zero if x is None else (x.float() * mask).sum()
+
+    region = losses.low_clipped | losses.high_clipped
+    return torch.stack([masked_sum(losses.kl), masked_sum(entropy),
+                        masked_sum(losses.low_clipped), masked_sum(losses.high_clipped),
+                        masked_sum(region), mask.sum()]).double()

@@ -1,0 +1,292 @@
+"""`training.type: grpo`: online RL with reward functions (TRL's GRPOTrainer), through the
+SFT run's hooks only (the loop, the strategies and the checkpoints are the SFT run's):
+
+- `columns`: a prompt split's token ids and its rows' other columns (`reward_inputs`, JSON);
+- batches: the loader's micro-batches hold prompts, left-padded (engine.recipe.grpo.batches);
+- `prepare_step`: the rollout. Each rank generates `num_generations` completions per prompt
+  of its share with the current weights (engine.recipe.grpo.generation), the reward functions
+  score them (engine.recipe.grpo.rewards), advantages are normalised per group
+  (engine.recipe.grpo.advantages), and with `num_iterations` > 1 or `beta` > 0 the
+  log-probabilities at generation and of the reference are taken before the first update;
+- `count_targets`: what `grpo.loss_type` averages over (completions, micro-batches or tokens);
+- `micro_step`: the clipped objective plus the KL term (engine.recipe.grpo.loss);
+- `window_metrics`: TRL's logged statistics, and the step's generation and scoring times;
+- `open_train_data`: with `num_iterations` k, every optimizer step's prompts come k times
+  (TRL's RepeatSampler), and the completions generated at the first are trained on k times;
+- `heldout_metrics`: rewards and pass rates of base and fine-tuned on held-out prompts
+  (engine.recipe.grpo.heldout).
+
+Sampling is seeded per (seed, rank, step, micro-batch): the completions of a step are a
+function of the weights and of the step, so a run resumed from a checkpoint samples exactly
+what the uninterrupted run sampled, with no generator state to carry.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from engine.modeling.runtime import activation_offloading
+from engine.recipe.grpo.advantages import group_advantages
+from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
+from engine.recipe.grpo.generation import LocalGenerator
+from engine.recipe.grpo.heldout import (eos_ids, reward_metrics, reward_options,
+                                        sampling_params, score_completions)
+from engine.recipe.grpo.loss import (TOKEN_STATS, completion_logps, reduce, token_losses,
+                                     token_stat_sums)
+from engine.recipe.grpo.rewards import load_reward_functions
+from engine.recipe.reference import Reference
+from engine.recipe.run import TrainingRun
+from finetune.datatypes.encoding import IGNORE_INDEX
+from finetune.errors import PipelineError
+
+#: per-step statistics, each step's value weighted by its targets in the logging window
+TIMES = ("time/generation", "time/scoring")
+#: where a run writes its sample table (prompt, completion, rewards) at every logging step
+SAMPLES_FILE = "train_samples.jsonl"
+
+
+def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
+    """The sampling seed of one micro-batch: distinct per rank, step and micro-batch."""
+    return (seed * 1_000_003 + rank * 7_919 + step * 131 + micro) % (2**63 - 1)
+
+
+class GRPORun(TrainingRun):
+    """An online RL run: see the module docstring."""
+
+    columns = PROMPT_COLUMNS
+
+    # -- building --------------------------------------------------------------------------
+    def prepare_model(self) -> None:
+        super().prepare_model()
+        g = self.cfg.grpo
+        self.collate_fn = collate_prompts(self.tokenizer.pad_token_id)
+        self.check_positions()
+        if g.uses_reference and not self.cfg.peft.use_peft:
+            self.log("[train] grpo.beta > 0 with peft.use_peft false: the reference is a "
+                     "frozen copy of the base model, a second model's memory on every rank")
+        self.reference = Reference.of(self) if g.uses_reference else None
+        self.generator = LocalGenerator(
+            self.strategy.module, sampling_params(g),
+            eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id)
+        self.rewards = load_reward_functions(g.reward_funcs, reward_options(self.cfg))
+        self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
+                                    dtype=torch.float32)
+        self.step_names = ("reward", "reward_std", "frac_reward_zero_std",
+                           *(f"rewards/{f.name}/{s}" for f in self.rewards
+                             for s in ("mean", "std")),
+                           "completions/mean_length", "completions/clipped_ratio", *TIMES)
+        device = self.dist.device
+        self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
+        self.token_sums = torch.zeros(len(TOKEN_STATS) + 1, dtype=torch.float64, device=device)
+        self.buffer: list[dict] | None = None
+        self.samples: list[dict] = []
+        self.scored_at: float | None = None
+
+    def check_positions(self) -> None:
+        """A prompt plus its completion must fit the model's positions: one line if not."""
+        from engine.modeling.model import max_positions
+
+        limit = max_positions(self.cfg.model, self.paths.project_root)
+        need = self.cfg.data.max_seq_length + self.cfg.grpo.max_completion_length
+        if limit and need > limit:
+            raise PipelineError(
+                f"grpo.max_completion_length {self.cfg.grpo.max_completion_length} + "
+                f"data.max_seq_length {self.cfg.data.max_seq_length} = {need} exceeds the "
+                f"model's {limit} positions; lower one of them")
+
+    def open_train_data(self):
+        opened, per_epoch, epoch_len = super().open_train_data()
+        k = self.cfg.grpo.num_iterations
+        if k == 1:
+            return opened, per_epoch, epoch_len
+        accum = self.cfg.training.gradient_accumulation_steps
+        return ((lambda epoch, start: repeat_steps(opened, epoch, start, accum, k)),
+                None if per_epoch is None else per_epoch * k, epoch_len * k)
+
+    # -- the rollout -----------------------------------------------------------------------
+    def prepare_step(self, micro: list[dict]) -> list[dict]:
+        """Generate and score at the first step of a generation batch; reuse it for the next
+        num_iterations - 1 steps."""
+        k = self.cfg.grpo.num_iterations
+        first = self.progress.step % k == 0
+        if not first and self.buffer is None:
+            self.log(f"[train] step {self.progress.step + 1}: resumed inside a generation "
+                     "batch (grpo.num_iterations); generating it again with the current "
+                     "weights")
+        if first or self.buffer is None:
+            self.buffer = self.rollout(micro)
+        return [dict(b) for b in self.buffer]
+
+    @torch.no_grad()
+    def rollout(self, micro: list[dict]) -> list[dict]:
+        g, t, d = self.cfg.grpo, self.cfg.training, self.dist
+        device, module = d.device, self.strategy.module
+        started = time.perf_counter()
+        generated, self.samples = [], []
+        for i, batch in enumerate(micro):
+            prompt_ids = batch["input_ids"].to(device)
+            prompt_mask = batch["attention_mask"].to(device)
+            with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
+                done = self.generator.generate(
+                    prompt_ids, prompt_mask, g.num_generations,
+                    step_seed(t.seed, d.rank, self.progress.step, i))
+            generated.append((batch, prompt_ids, prompt_mask, done))
+        generated_at = time.perf_counter()
+        per_func = torch.cat([self.score(batch, done) for batch, _, _, done in generated])
+        batches = [self.completion_batch(p_ids, p_mask, done)
+                   for _, p_ids, p_mask, done in generated]
+        advantages, stats = self.advantages(per_func)
+        for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
+            batch["advantages"] = adv
+            self.add_logps(module, batch)
+        counts = torch.stack([reduce(g.loss_type, torch.zeros_like(b["completion_mask"],
+                                                                   dtype=torch.float32),
+                                     b["completion_mask"], g.max_completion_length)[1]
+                              for b in batches]).tolist()  # one host sync per rollout
+        for batch, count in zip(batches, counts):
+            batch["targets"] = count
+        scored_at = time.perf_counter()
+        lengths = torch.cat([done.mask.sum(-1) for *_, done in generated]).float()
+        clipped = torch.cat([done.clipped for *_, done in generated]).float()
+        step_targets = sum(counts)
+        host = torch.tensor([generated_at - started, scored_at - generated_at],
+                            dtype=torch.float64, device=device)
+        values = torch.cat([torch.stack([*self.reward_stats(stats), lengths.mean().double(),
+                                         clipped.mean().double()]), host])
+        self.step_sums += values * step_targets
+        return batches
+
+    def reward_stats(self, stats: dict) -> torch.Tensor:
+        """TRL's per-step reward statistics in `step_names` order (one tensor per name)."""
+        names = ["reward", "reward_std", "frac_reward_zero_std"]
+        for i in range(len(self.rewards)):
+            names += [f"rewards/{i}/mean", f"rewards/{i}/std"]
+        return torch.stack([stats[n].to(self.dist.device).double() for n in names]).unbind(0)
+
+    def score(self, batch: dict, done) -> torch.Tensor:
+        """[B * num_generations, functions] rewards of one micro-batch's completions; keeps
+        them as the sample table of this rollout."""
+        rewards, prompts, texts = score_completions(
+            self.tokenizer, self.rewards, batch["reward_inputs"], done,
+            self.cfg.grpo.num_generations, trainer_state=self.state)
+        self.samples += [{"prompt": p if isinstance(p, str) else json.dumps(p),
+                         "completion": text,
+                         **{f.name: float(v) for f, v in zip(self.rewards, r.tolist())}}
+                        for p, text, r in zip(prompts, texts, rewards)]
+        return rewards
+
+    def advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Group-normalised advantages of this rank's completions; with `scale_rewards:
+        batch` (its std over the whole step) the rewards of every rank are gathered first."""
+        g, d = self.cfg.grpo, self.dist
+        per_func = per_func.to(d.device)
+        if d.world_size > 1:
+            gathered = [torch.empty_like(per_func) for _ in range(d.world_size)]
+            torch.distributed.all_gather(gathered, per_func)
+            everyone = torch.cat(gathered)
+        else:
+            everyone = per_func
+        adv, stats = group_advantages(everyone, self.weights.to(d.device), g.num_generations,
+                                      g.scale_rewards)
+        n = per_func.shape[0]
+        return adv[d.rank * n:(d.rank + 1) * n], stats
+
+    def completion_batch(self, prompt_ids, prompt_mask, done) -> dict:
+        g = self.cfg.grpo
+        repeat = g.num_generations
+        prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
+        mask = done.mask
+        if g.mask_truncated_completions:
+            mask = mask * (~done.clipped).unsqueeze(1).to(mask.dtype)
+        return {"input_ids": torch.cat([prompt_ids, done.ids], dim=1),
+                "attention_mask": torch.cat([prompt_mask, done.mask.to(prompt_mask.dtype)],
+                                            dim=1),
+                "completion_mask": mask,
+                "labels": done.ids.masked_fill(mask == 0, IGNORE_INDEX)}
+
+    def add_logps(self, module, batch: dict) -> None:
+        """The log-probabilities the loss compares with, taken before the first update: the
+        policy's at generation (num_iterations > 1) and the reference's (beta > 0)."""
+        g, device = self.cfg.grpo, self.dist.device
+        length = batch["completion_mask"].shape[1]
+
+        def logps(model, b):
+            with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
+                return completion_logps(model, b["input_ids"], b["attention_mask"], length,
+                                        g.temperature)[0]
+
+        if g.num_iterations > 1:
+            batch["old_logps"] = logps(module, batch)
+        if self.reference is not None:
+            batch["ref_logps"] = self.reference.score(logps, batch)
+
+    # -- the objective ---------------------------------------------------------------------
+    def count_targets(self, host_batch: dict) -> int | float:
+        return host_batch["targets"]
+
+    def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor) -> torch.Tensor:
+        g, t, device = self.cfg.grpo, self.cfg.training, self.dist.device
+        mask = batch["completion_mask"]
+        with activation_offloading(t, device):
+            with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
+                logps, entropy = completion_logps(self.model, batch["input_ids"],
+                                                  batch["attention_mask"], mask.shape[1],
+                                                  g.temperature, with_entropy=True)
+            losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
+                                  batch["advantages"], g.epsilon, g.clip_high, g.beta)
+            loss_sum, _ = reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)
+            loss = loss_sum / divisor
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        self.token_sums += token_stat_sums(losses, entropy, mask).detach()
+        return loss_sum.detach()
+
+    def window_metrics(self) -> dict[str, torch.Tensor]:
+        """The window's statistics as sums the loop divides by the window's targets (over
+        all ranks): token means weighted by this rank's targets, step values by each
+        step's. The sample table of the last rollout goes to `SAMPLES_FILE` here."""
+        targets = float(self.progress.window.targets)
+        token, self.token_sums = self.token_sums, torch.zeros_like(self.token_sums)
+        steps, self.step_sums = self.step_sums, torch.zeros_like(self.step_sums)
+        means = token[:-1] / token[-1].clamp_min(1.0) * targets
+        stats = {name: v for name, v in zip(TOKEN_STATS, means)
+                 if name != "kl" or self.cfg.grpo.beta != 0.0}
+        stats.update(zip(self.step_names, steps))
+        self.write_samples()
+        return stats
+
+    def write_samples(self) -> None:
+        if not (self.dist.is_main and self.samples):
+            return
+        path = self.paths.plots_dir / SAMPLES_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        step = self.progress.step
+        if step <= max(self.start_step, 1) and path.exists() and self.start_step == 0:
+            path.unlink()  # a fresh run's table starts empty
+        with path.open("a") as f:
+            for row in self.samples:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """In-training evaluation: the held-out prompts' mean reward, greedy (`eval_reward`
+        and one per function), on the first eval.eval_batches batches."""
+        from engine.recipe.grpo.heldout import greedy_rewards
+
+        with self.meter.pause():
+            evaluated = greedy_rewards(self, self.eval_data)
+        self.monitor.update(evaluated, self.progress.step)
+        if self.reporters:
+            self.reporters.on_log(self.state, dict(evaluated))
+            self.reporters.on_evaluate(self.state, evaluated)
+        return evaluated
+
+    @classmethod
+    def heldout_metrics(cls, held, after_loss=None):
+        """Base and fine-tuned: each reward's mean on held-out prompts (greedy), the pass
+        rate of the correctness reward greedy (pass_at_1) and over k samples (pass_at_k)."""
+        return reward_metrics(held, after_loss)
+

@@ -1,0 +1,167 @@
+"""The `grpo` section: online RL with reward functions (`training.type: grpo`), with TRL's
+GRPOConfig names and meanings. engine/recipe/grpo/ is its room: the generator, the rewards,
+the group advantages, the clipped loss, the run and its held-out metrics.
+
+One difference in meaning, said where it matters: `training.per_device_train_batch_size` counts
+*prompts* here (each gives `num_generations` completions to the micro-batch), where TRL counts
+completions: TRL's batch 8 with num_generations 8 is our batch 1.
+
+Like the dpo section, this module declares its method's facts (it trains on prompt-only rows)
+and its rows of the compatibility table.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from finetune.config import compat
+from finetune.config.methods import Method, register_method
+from finetune.config.section import Field, Section
+
+
+
+def reported_metrics(cfg) -> tuple[str, ...]:
+    """The evaluate stage's GRPO metrics (engine.recipe.grpo.heldout): the weighted reward,
+    one per function (named as the metrics are: a built-in's name, a function's own), and
+    with the correctness reward its pass rates."""
+    g = cfg.grpo
+    names = [ref.rsplit(":", 1)[-1] for ref in g.reward_funcs]
+    passes = ("pass_at_1", f"pass_at_{g.num_generations_eval}") if "correctness" in names else ()
+    return ("reward", *(f"reward_{n}" for n in names), *passes)
+
+
+register_method(Method("grpo", accepts=("none",), data_hint=(
+    "trains on prompt-only rows (completions are generated during training); set "
+    "data.dataset_type: prompt"), metrics=reported_metrics))
+
+#: reward functions shipped with the engine, named by string (engine.recipe.grpo.rewards)
+BUILT_IN_REWARDS = ("correctness", "format", "length")
+
+
+class GRPOConfig(Section):
+    """Group relative policy optimisation: sample a group of completions per prompt, score
+    them with reward functions, and push up the ones above their group's mean."""
+
+    num_generations: int = Field(
+        8, ge=2, fingerprint=True,
+        description="Completions sampled per prompt (a group); advantages are normalised "
+        "within it, so it needs at least 2.")
+    max_completion_length: int = Field(
+        256, ge=1, fingerprint=True,
+        description="Most tokens generated per completion; one that reaches it without EOS "
+        "is clipped (completions/clipped_ratio).")
+    temperature: float = Field(
+        1.0, gt=0, fingerprint=True,
+        description="Sampling temperature; the log-probabilities the loss compares are of the "
+        "same tempered distribution (TRL's convention).")
+    top_p: float = Field(1.0, gt=0, le=1, fingerprint=True,
+                         description="Nucleus sampling: keep the smallest set of tokens whose "
+                         "probability reaches top_p (1: off).")
+    top_k: int = Field(0, ge=0, fingerprint=True,
+                       description="Keep the k most likely tokens (0: off).")
+    repetition_penalty: float = Field(
+        1.0, gt=0, fingerprint=True,
+        description="Penalise tokens already in the prompt or the completion (>1 "
+        "discourages repeats; 1: off).")
+    reward_funcs: list[str] = Field(
+        ["correctness"], min_length=1, fingerprint=True,
+        description="Reward functions: built-ins by name (correctness: the final answer "
+        "equals the reference column's, as the evaluate stage checks it; format: the "
+        "completion matches format_regex; length: a soft penalty for long completions), or "
+        "'module:function' / 'path/to/file.py:function' called as TRL calls one: "
+        "f(prompts, completions, **columns) -> list of float or None.")
+    reward_weights: list[float] | None = Field(
+        None, fingerprint=True,
+        description="One weight per reward function (null: all 1); the reward is the "
+        "weighted sum.")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", fingerprint=True,
+        description="Divide advantages by the reward std of the group, of the whole batch, "
+        "or not at all (Dr. GRPO's advice).")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "dapo", fingerprint=True,
+        description="How token losses are averaged: grpo (per completion, then over "
+        "completions), bnpo (over the micro-batch's tokens), dr_grpo (sum over a fixed "
+        "num completions x max_completion_length), dapo (over the step's tokens, all ranks; "
+        "TRL's default).")
+    beta: float = Field(
+        0.0, ge=0, fingerprint=True,
+        description="Weight of the KL term to the reference (the base: the adapter disabled "
+        "under PEFT, a frozen copy otherwise); 0 loads no reference.")
+    epsilon: float = Field(0.2, gt=0, lt=1, fingerprint=True,
+                           description="Lower clipping bound of the probability ratio: "
+                           "1 - epsilon.")
+    epsilon_high: float | None = Field(
+        None, gt=0, fingerprint=True,
+        description="Upper clipping bound: 1 + epsilon_high (null: epsilon; DAPO's "
+        "clip-higher uses 0.28).")
+    num_iterations: int = Field(
+        1, ge=1, fingerprint=True,
+        description="Optimizer steps per generated batch (PPO epochs): the completions are "
+        "generated once and trained on this many times, the ratio measured against the "
+        "log-probabilities at generation.")
+    mask_truncated_completions: bool = Field(
+        False, fingerprint=True,
+        description="Leave completions that hit max_completion_length without EOS out of "
+        "the loss (DAPO).")
+    reference_column: str = Field(
+        "answer", fingerprint=True,
+        description="The row column the correctness reward compares against (GSM8K's "
+        "answer); the answer is found with eval.answer_regex.")
+    format_regex: str = Field(
+        r"####\s*-?[\d,]*\.?\d+", fingerprint=True,
+        description="The format reward: 1 when the completion matches this regex, else 0.")
+    num_generations_eval: int = Field(
+        4, ge=1, fingerprint=False,
+        description="The evaluate stage's k: pass@k over k completions sampled per held-out "
+        "prompt at `temperature` (greedy pass@1 is reported too).")
+
+    @model_validator(mode="after")
+    def _compat(self) -> "GRPOConfig":
+        if self.reward_weights is not None and len(self.reward_weights) != len(
+                self.reward_funcs):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_funcs)} reward_funcs; give one per function "
+                             "or null")
+        for i, ref in enumerate(self.reward_funcs):
+            if ref not in BUILT_IN_REWARDS and ":" not in ref:
+                raise ValueError(f"reward_funcs[{i}] '{ref}' is neither a built-in ("
+                                 f"{', '.join(BUILT_IN_REWARDS)}) nor 'module:function'")
+        compat.check(self, "grpo")
+        return self
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.beta > 0
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+GRPO = compat.When("training.type grpo", lambda c: c.training.type == "grpo")
+
+#: grpo's rows of the compatibility table (finetune/config/compat.py)
+ROWS: list[compat.Rule] = [
+    *(compat.Refuse("config", key, GRPO, why, used=used, example={
+        "training.type": "grpo", "data.dataset_type": "prompt", **extra})
+      for key, used, why, extra in (
+        ("training.packing", None, "completions are generated and scored as padded rows",
+         {"training.packing": True}),
+        ("training.padding_free", None, "completions are generated and scored as padded rows",
+         {"training.padding_free": True}),
+        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+         "generation needs the whole model on each rank; use single, ddp or fsdp2",
+         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
+        ("data.collate_fn", None, "the trainer batches the generated completions itself",
+         {"data.collate_fn": "m:f"}),
+        ("training.compute_loss_func", None, "the loss is grpo.loss_type's",
+         {"training.compute_loss_func": "m:f"}),
+        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
+         {"training.use_liger_kernel": True}),
+        ("training.group_by_length", None, "prompts are drawn in seeded order; their "
+         "completions' lengths are not known in advance", {"training.group_by_length": True}))),
+]
+compat.add_rows("grpo", ROWS)

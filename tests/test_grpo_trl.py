@@ -1,0 +1,176 @@
+"""GRPO against TRL's GRPOTrainer as the oracle: the same model, prompts and completions
+(injected into TRL's generation, so sampling is out of the comparison) give the same
+advantages, log-probabilities at generation, reference log-probabilities, loss, gradients and
+logged statistics (kl, entropy, clip ratios, reward statistics), for every loss_type, beta 0
+and > 0, num_iterations 1 and 2 (the second iteration after the weights moved, so the ratio
+and its clipping are not trivially 1)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.recipe.grpo.advantages import group_advantages
+from engine.recipe.grpo.generation import Completions
+from engine.recipe.grpo.heldout import score_completions
+from engine.recipe.grpo.loss import TOKEN_STATS, completion_logps, reduce, token_losses, \
+    token_stat_sums
+from engine.recipe.grpo.rewards import RewardFunction
+
+trl = pytest.importorskip("trl")
+
+MODEL = Path(__file__).resolve().parents[1] / "data" / "models" / "stories260K"
+PROMPTS = ["Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:",
+           "Question: Once upon a time\nAnswer:"]
+GROUP, LENGTH, TEMPERATURE = 4, 10, 0.7
+
+
+def reward_len(completions, **kwargs):
+    """TRL's documentation example: prefer completions near 20 characters."""
+    return [-abs(20 - len(completion)) / 20 for completion in completions]
+
+
+def reward_vowels(completions, **kwargs):
+    return [sum(c in "aeiou" for c in completion) / 10 for completion in completions]
+
+
+def injected_completions(tok) -> list[list[int]]:
+    """Fixed completions: random tokens, some ended by EOS early, some clipped at LENGTH."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(len(PROMPTS) * GROUP):
+        n = LENGTH if i % 3 == 0 else 3 + i % 6
+        ids = torch.randint(3, tok.vocab_size, (n,), generator=g).tolist()
+        if n < LENGTH:
+            ids[-1] = tok.eos_token_id
+        rows.append(ids)
+    return rows
+
+
+class Injected(trl.GRPOTrainer):
+    """TRL's trainer with its sampling replaced by fixed completions."""
+
+    injected: list[list[int]] = []
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        assert len(prompt_ids) == len(self.injected)
+        return [list(ids) for ids in self.injected], None
+
+
+def trl_trainer(tmp_path, model, tok, loss_type: str, beta: float, iterations: int):
+    import datasets
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(PROMPTS) * GROUP,
+        num_generations=GROUP, max_completion_length=LENGTH, temperature=TEMPERATURE,
+        beta=beta, loss_type=loss_type, num_iterations=iterations, epsilon=0.2,
+        epsilon_high=0.28, scale_rewards="group", gradient_accumulation_steps=1,
+        reward_weights=[1.0, 0.5], report_to=[], use_cpu=True, max_steps=1, logging_steps=1,
+        bf16=False, fp16=False, save_strategy="no")
+    data = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    trainer = Injected(model=model, reward_funcs=[reward_len, reward_vowels], args=args,
+                       train_dataset=data, processing_class=tok)
+    trainer.injected = injected_completions(tok)
+    trainer.model.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def base():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32)
+    return model, tok
+
+
+def ours_batch(out: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    input_ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    return input_ids, attention, out["completion_mask"]
+
+
+def last(metrics: dict, name: str) -> float:
+    return metrics[name][-1]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("beta,iterations", [(0.0, 1), (0.04, 1), (0.0, 2), (0.04, 2)])
+def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, beta, iterations):
+    model, tok = copy.deepcopy(base[0]), base[1]
+    trainer = trl_trainer(tmp_path, model, tok, loss_type, beta, iterations)
+    inputs = [{"prompt": p} for p in PROMPTS for _ in range(GROUP)]
+    out = trainer._generate_and_score_completions(inputs)
+    policy = trainer.model
+    input_ids, attention, mask = ours_batch(out)
+
+    # the rollout: rewards (TRL's calling convention), group advantages
+    done = Completions(ids=out["completion_ids"], mask=mask)
+    funcs = [RewardFunction("reward_len", reward_len), RewardFunction("reward_vowels",
+                                                                      reward_vowels)]
+    inputs_json = [json.dumps({"prompt": p}) for p in PROMPTS]
+    per_func, _, _ = score_completions(tok, funcs, inputs_json, done, GROUP)
+    advantages, stats = group_advantages(per_func, torch.tensor([1.0, 0.5]), GROUP, "group")
+    torch.testing.assert_close(advantages, out["advantages"], atol=1e-5, rtol=0)
+    metrics = trainer._metrics["train"]
+    assert float(stats["reward"]) == pytest.approx(last(metrics, "reward"), abs=1e-5)
+    assert float(stats["reward_std"]) == pytest.approx(last(metrics, "reward_std"), abs=1e-5)
+    for i, name in enumerate(("reward_len", "reward_vowels")):
+        assert float(stats[f"rewards/{i}/mean"]) == pytest.approx(
+            last(metrics, f"rewards/{name}/mean"), abs=1e-5)
+        assert float(stats[f"rewards/{i}/std"]) == pytest.approx(
+            last(metrics, f"rewards/{name}/std"), abs=1e-5)
+
+    # the log-probabilities taken before any update
+    with torch.no_grad():
+        old = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE)[0]
+    if iterations > 1:
+        torch.testing.assert_close(old * mask, out["old_per_token_logps"] * mask, atol=1e-5,
+                                   rtol=0)
+    else:
+        assert "old_per_token_logps" not in out
+        old = None
+    ref = None
+    if beta:
+        with torch.no_grad():
+            ref = completion_logps(trainer.ref_model, input_ids, attention, mask.shape[1],
+                                   TEMPERATURE)[0]
+        torch.testing.assert_close(ref * mask, out["ref_per_token_logps"] * mask, atol=1e-5,
+                                   rtol=0)
+    if iterations > 1:  # the second iteration: the weights moved since generation
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+    theirs = trainer._compute_loss(policy, out)
+    theirs.backward()
+    their_grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad(set_to_none=True)
+
+    logps, entropy = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
+                                      with_entropy=True)
+    losses = token_losses(logps, old, ref, advantages, 0.2, 0.28, beta)
+    loss_sum, count = reduce(loss_type, losses.per_token, mask, LENGTH)
+    ours = loss_sum / count
+    ours.backward()
+    assert float(ours) == pytest.approx(float(theirs), abs=1e-5)
+    for mine, their in zip((p.grad for p in policy.parameters()), their_grads):
+        torch.testing.assert_close(mine, their, atol=1e-5, rtol=1e-4)
+
+    sums = token_stat_sums(losses, entropy, mask)
+    means = dict(zip(TOKEN_STATS, (sums[:-1] / sums[-1]).tolist()))
+    for name in TOKEN_STATS:
+        if name == "kl" and not beta:
+            assert "kl" not in metrics
+            continue
+        assert means[name] == pytest.approx(last(metrics, name), abs=1e-5), name
+    if iterations > 1:  # the perturbation clipped some ratios: the statistic is not vacuous
+        assert means["clip_ratio/region_mean"] > 0
