@@ -1,0 +1,370 @@
+"""GRPO's reward functions: the config's `grpo.reward_funcs` list as callables, and the scores
+they give a batch of completions.
+
+A reference is a built-in's name (`BUILT_INS`), or user code as `package.module:function` or
+`path/to/file.py:function` (finetune.imports.load_object). Every function is called as TRL
+1.16's GRPOTrainer calls a plain reward function (`_calculate_rewards`), so a reward function
+written for TRL runs unchanged: keyword arguments `prompts`, `completions`, `completion_ids`,
+every other column of the rows as a list (not `prompt`, `completion`, `completion_ids`),
+`trainer_state`, and the `log_extra(column, values)` / `log_metric(name, value)` callables
+(no-ops unless the run passes its own). Completions are strings, or, for conversational
+prompts, lists of messages (`[{"role": "assistant", "content": ...}]`). A function returns one
+number per completion, or None where it does not apply (a NaN score); `async def` functions
+are awaited together, as TRL does.
+
+The built-ins (options in `RewardOptions`, which the run fills from the config):
+
+- `correctness`: 1.0 when the completion's final answer equals the reference's, else 0.0
+  (finetune.datatypes.metrics.is_exact_match with `answer_regex`: the evaluate stage's answer
+  extraction, so `#### 1,000` equals `#### 1000`); None when the reference has no answer to
+  compare with (TRL's accuracy_reward skips an unparseable gold answer the same way).
+- `format`: 1.0 when `format_regex` is found in the completion (re.search), else 0.0.
+- `length` (also under TRL's name, `soft_overlong_punishment`): DAPO's soft overlong
+  punishment (TRL's get_soft_overlong_punishment): 0 up to `soft_length` completion tokens,
+  then linearly down to -1.0 at `max_completion_length`, -1.0 beyond.
+
+Built-ins read the text of a conversational completion's last assistant message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import difflib
+import functools
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from finetune.datatypes.metrics import extract_answer, is_exact_match
+from finetune.errors import PipelineError, warn
+from finetune.imports import load_object
+
+#: the keyword arguments a reward function gets besides the rows' columns (TRL's names)
+ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+             "log_metric")
+#: row columns TRL does not pass on (the prompt is `prompts`; the completion is generated)
+NOT_PASSED = ("prompt", "completion", "completion_ids")
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """What the built-ins read from the config."""
+
+    #: the evaluate stage's eval.answer_regex: group 1 is a text's final answer
+    answer_regex: str = r"####\s*(.+)"
+    #: the row column holding the reference answer (`correctness`)
+    reference_column: str = "answer"
+    #: `format`: the GSM8K final-answer line, `####` then a number (`#### 1,000`, `#### -2.5`)
+    format_regex: str = r"####\s*-?[\d,]*\.?\d+"
+    #: `length`: where the penalty reaches -1.0 (the run's generation limit)
+    max_completion_length: int = 256
+    #: `length`: the completion length (tokens) past which the penalty starts; None: DAPO's
+    #: proportions, a soft band of the last fifth (4096 of 20480 tokens in the paper), i.e.
+    #: max_completion_length - max_completion_length // 5
+    soft_length: int | None = None
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # for metrics (rewards/<name>/mean): a built-in's name, or the function's name
+    fn: Callable  # called as TRL calls a reward function (see the module docstring)
+
+
+# -- completions as text ----------------------------------------------------------------------
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: the string itself, or a conversational completion's last assistant
+    message's content (its text parts joined, for content given as parts)."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Mapping):
+        message = completion
+    elif isinstance(completion, (list, tuple)):
+        replies = [m for m in completion
+                   if isinstance(m, Mapping) and m.get("role", "assistant") == "assistant"]
+        if not replies:
+            raise TypeError(f"a conversational completion without an assistant message: "
+                            f"{_show(completion)}")
+        message = replies[-1]
+    else:
+        raise TypeError(f"a completion is a string or a list of messages, not "
+                        f"{_show(completion)}")
+    content = message.get("content")
+    if content is None:  # a message that only calls a tool
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content
+                   if isinstance(part, Mapping) and part.get("type", "text") == "text")
+
+
+# -- built-ins --------------------------------------------------------------------------------
+
+#: built-in name -> factory(options) -> reward function; a method may add its own
+BUILT_INS: dict[str, Callable[[RewardOptions], Callable]] = {}
+
+
+def built_in(*names: str):
+    """Register a factory under `names` (a decorator)."""
+    def register(factory):
+        for name in names:
+            BUILT_INS[name] = factory
+        return factory
+    return register
+
+
+def _regex(pattern: str, what: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise PipelineError(f"{what} {pattern!r} is not a regular expression ({exc})") from None
+
+
+@built_in("correctness")
+def correctness_reward(options: RewardOptions) -> Callable:
+    pattern, column = options.answer_regex, options.reference_column
+    if _regex(pattern, "answer_regex").groups < 1:
+        raise PipelineError(f"answer_regex {pattern!r} needs a group: group 1 is the answer")
+
+    def correctness(completions, **kwargs) -> list[float | None]:
+        if column not in kwargs:
+            present = [k for k in kwargs if k not in ARGUMENTS and k != "environments"]
+            raise PipelineError(
+                f"the reference answers are read from column '{column}' (reference_column), "
+                f"which the rows do not have (columns: {', '.join(present) or 'none'})")
+        rewards: list[float | None] = []
+        for completion, reference in zip(completions, kwargs[column], strict=True):
+            reference = None if reference is None else _text(reference)
+            if reference is None or extract_answer(reference, pattern) is None:
+                rewards.append(None)  # nothing to compare with: not scored
+            else:
+                hit = is_exact_match(completion_text(completion), reference, pattern)
+                rewards.append(1.0 if hit else 0.0)
+        return rewards
+
+    return correctness
+
+
+@built_in("format")
+def format_reward(options: RewardOptions) -> Callable:
+    regex = _regex(options.format_regex, "format_regex")
+
+    def matches_format(completions, **kwargs) -> list[float]:
+        return [1.0 if regex.search(completion_text(c)) else 0.0 for c in completions]
+
+    return matches_format
+
+
+@built_in("length", "soft_overlong_punishment")
+def length_reward(options: RewardOptions) -> Callable:
+    longest = options.max_completion_length
+    soft = longest - longest // 5 if options.soft_length is None else options.soft_length
+    if not 0 <= soft <= longest:
+        raise PipelineError(f"soft_length {soft} must be between 0 and max_completion_length "
+                            f"{longest}")
+    band = longest - soft  # TRL's soft_punish_cache
+
+    def length(completion_ids, **kwargs) -> list[float]:
+        # TRL's numbers: (soft - n) / band inside the band, 0 before it, -1 after it
+        return [0.0 if n <= soft else (soft - n) / band if n <= longest else -1.0
+                for n in map(len, completion_ids)]
+
+    return length
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else (
+        completion_text(value) if isinstance(value, (list, tuple, Mapping)) else str(value))
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def callable_name(fn: Callable) -> str:
+    """TRL's name for a reward function (get_callable_name): a partial's function's name, else
+    the function's __name__, else its class's name."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def load_reward_functions(refs: list[str], options: RewardOptions) -> list[RewardFunction]:
+    """The config's reward list as functions, in its order. A name used twice is made unique
+    (`name`, `name_2`, ...), in list order."""
+    loaded: list[RewardFunction] = []
+    taken: set[str] = set()
+    for i, ref in enumerate(refs):
+        key = f"grpo.reward_funcs[{i}]"
+        if not isinstance(ref, str) or not ref.strip():
+            raise PipelineError(f"{key}: {ref!r} is not a reward function name or a "
+                                "'package.module:function' reference")
+        ref = ref.strip()
+        if ":" in ref:
+            fn = load_object(ref, key)
+            if isinstance(fn, torch.nn.Module):
+                raise PipelineError(f"{key} '{ref}': a model as a reward function is not "
+                                    "supported; name a function that returns the rewards")
+            if not callable(fn):
+                raise PipelineError(f"{key} '{ref}': {type(fn).__name__} object is not "
+                                    "callable; name a reward function")
+            name = callable_name(fn)
+        elif ref in BUILT_INS:
+            try:
+                fn = BUILT_INS[ref](options)
+            except PipelineError as exc:
+                raise PipelineError(f"{key} '{ref}': {exc}") from None
+            name = ref
+        else:
+            close = difflib.get_close_matches(ref, BUILT_INS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise PipelineError(
+                f"{key} '{ref}': no such built-in reward function{hint} (built-ins: "
+                f"{', '.join(sorted(BUILT_INS))}; or name your own as 'package.module:function' "
+                "or 'path/to/file.py:function')")
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = f"{name}_{n}"
+        taken.add(unique)
+        loaded.append(RewardFunction(unique, fn))
+    return loaded
+
+
+# -- scoring ----------------------------------------------------------------------------------
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def score(funcs: list[RewardFunction], prompts: list, completions: list,
+          completion_ids: list[list[int]], columns: dict[str, list], trainer_state=None, *,
+          log_extra: Callable[[str, list], None] | None = None,
+          log_metric: Callable[[str, float], None] | None = None) -> torch.Tensor:
+    """Each function's rewards for each completion: [N, len(funcs)] float32 on the CPU, NaN
+    where a function returned None. `columns`: the rows' other columns (lists of N);
+    `trainer_state`: what TRL passes as `trainer_state` (a TrainerState, or any object with
+    global_step / max_steps / epoch); `log_extra` / `log_metric`: TRL's logging callables,
+    no-ops when not given. Functions run in order, then the async ones together."""
+    n = len(completions)
+    if len(prompts) != n or len(completion_ids) != n:
+        raise ValueError(f"score: {len(prompts)} prompts, {n} completions and "
+                         f"{len(completion_ids)} completion_ids must be as many")
+    kwargs: dict[str, Any] = {}
+    for column, values in columns.items():
+        if column in NOT_PASSED:
+            continue
+        if column in ARGUMENTS or column == "environments":
+            raise PipelineError(f"the rows' column '{column}' has the name of an argument TRL "
+                                "passes a reward function; rename the column")
+        if len(values) != n:
+            raise ValueError(f"score: column '{column}' has {len(values)} values for "
+                             f"{n} completions")
+        kwargs[column] = list(values)
+    kwargs.update(trainer_state=trainer_state, log_extra=log_extra or _nothing,
+                  log_metric=log_metric or _nothing)
+
+    outputs: list[Any] = [None] * len(funcs)
+    pending: dict[int, Any] = {}  # index -> coroutine
+    try:
+        for i, func in enumerate(funcs):
+            try:
+                out = func.fn(prompts=prompts, completions=completions,
+                              completion_ids=completion_ids, **kwargs)
+            except Exception as exc:
+                raise _failed(i, func, n, exc) from None
+            if inspect.isawaitable(out):
+                pending[i] = out
+            else:
+                outputs[i] = out
+    except BaseException:
+        for coroutine in pending.values():
+            if inspect.iscoroutine(coroutine):
+                coroutine.close()  # not awaited: no "never awaited" warning
+        raise
+    if pending:
+        for i, result in _await_all(pending).items():
+            if isinstance(result, BaseException):
+                raise _failed(i, funcs[i], n, result) from None
+            outputs[i] = result
+
+    table = [_rewards(out, n, f"grpo.reward_funcs[{i}] '{func.name}'")
+             for i, (func, out) in enumerate(zip(funcs, outputs))]
+    rewards = torch.tensor(table, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()
+    if funcs and n:
+        unscored = torch.isnan(rewards).all(dim=1)
+        if unscored.any():
+            rows = unscored.nonzero().flatten().tolist()
+            warn(f"grpo: every reward function returned None for {len(rows)} of {n} "
+                 f"completions (first: completion {rows[0]}); they are not scored and get "
+                 "advantage 0")
+    return rewards
+
+
+def _failed(i: int, func: RewardFunction, n: int, exc: BaseException) -> PipelineError:
+    label = f"grpo.reward_funcs[{i}] '{func.name}'"
+    if isinstance(exc, PipelineError):  # a built-in's own explanation
+        return PipelineError(f"{label}: {exc}")
+    return PipelineError(f"{label} failed on {n} completions: {type(exc).__name__}: {exc}")
+
+
+def _await_all(pending: dict[int, Any]) -> dict[int, Any]:
+    """index -> result or raised exception, the awaitables run together (asyncio.gather)."""
+    async def gather() -> dict[int, Any]:
+        results = await asyncio.gather(*pending.values(), return_exceptions=True)
+        return dict(zip(pending, results))
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside a loop
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _rewards(out: Any, n: int, label: str) -> list[float]:
+    """One function's return value as n floats (None -> NaN), or one line saying what is
+    wrong with it."""
+    if isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim == 1:
+        out = out.tolist()
+    if isinstance(out, (str, bytes, Mapping, torch.Tensor, np.ndarray)) or not isinstance(
+            out, Iterable):
+        raise PipelineError(f"{label} returned {_show(out)}, not a list of rewards (one number "
+                            "per completion, None where it does not apply)")
+    values = list(out)
+    if len(values) != n:
+        raise PipelineError(f"{label} returned {len(values)} rewards for {n} completions (one "
+                            "number per completion, None where it does not apply)")
+    rewards = []
+    for j, value in enumerate(values):
+        if value is None:
+            rewards.append(math.nan)
+        elif isinstance(value, numbers.Real):
+            rewards.append(float(value))
+        elif _real_scalar(value):
+            rewards.append(float(value))
+        else:
+            raise PipelineError(f"{label} returned {_show(value)} for completion {j}: a reward "
+                                "is a number, or None where it does not apply")
+    return rewards
+
+
+def _real_scalar(value: Any) -> bool:
+    """A 0-d tensor or array, or a numpy scalar, of a real (or bool) type."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and not value.is_complex()
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.ndim == 0 and value.dtype.kind in "biuf"
+    return False
+
+
+def _show(value: Any, width: int = 60) -> str:
+    text = repr(value)
+    text = text if len(text) <= width else text[:width - 3] + "..."
+    return f"{type(value).__name__} {text}"
