@@ -59,6 +59,11 @@ class TrainState:
     num_input_tokens_seen: int = 0
     control: TrainerControl | None = None
 
+    @property
+    def global_step(self) -> int:
+        """HF TrainerState's name for `step` (TRL hands reward functions a trainer_state)."""
+        return self.step
+
 
 class Callback:
     """Base class with no-op hooks; subclass and override what you need."""
