@@ -219,8 +219,9 @@ def _examples(batch: dict[str, list], indices: list[int], datatype, ctx: DataCon
               ) -> dict[str, list]:
     """One chunk of raw rows -> its training examples (the type's format and encoder)."""
     found = datatype.examples(pd.DataFrame(batch), "train", ctx, first_row=indices[0])
-    return {"input_ids": [e["input_ids"] for e in found],
-            "labels": [e["labels"] for e in found]}
+    # every column the type's examples carry (a prompt row's reward_inputs too)
+    columns = list(found[0]) if found else ["input_ids", "labels"]
+    return {c: [e[c] for e in found] for c in columns}
 
 
 def _mix(streams: list, weights: list[float], data: DataConfig):

@@ -1,4 +1,4 @@
-"""Dataset type names -> types: the built-in five, their aliases, a project's own.
+"""Dataset type names -> types: the built-in six, their aliases, a project's own.
 
 The only place that knows which types exist. `data.dataset_type` names one of them, an alias
 (QEfficient's `seq_completion`), a type registered by the project with `register_dataset_type`,
@@ -14,6 +14,7 @@ from finetune.datatypes.chat import ChatType
 from finetune.datatypes.classification import ClassificationType
 from finetune.datatypes.completion import CompletionType
 from finetune.datatypes.preference import PreferenceType
+from finetune.datatypes.prompt import PromptType
 from finetune.datatypes.text import TextType
 from finetune.errors import PipelineError
 from finetune.registry import Registry
@@ -33,7 +34,8 @@ def register_dataset_type(cls: type[DatasetType]) -> type[DatasetType]:
     return DATASET_TYPES.register(cls.name, cls, aliases=cls.aliases)
 
 
-for _builtin in (CompletionType, TextType, ChatType, ClassificationType, PreferenceType):
+for _builtin in (CompletionType, TextType, ChatType, ClassificationType, PreferenceType,
+                 PromptType):
     register_dataset_type(_builtin)
 
 

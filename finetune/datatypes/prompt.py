@@ -1,0 +1,249 @@
+"""`prompt`: rows that hold a prompt only, for a method that makes the completions itself
+(`training.type: grpo`: completions are sampled during training and scored by reward functions).
+
+The prompt is either a string rendered from the row's columns (`prompt_template` /
+`prompt_func`, as the completion type renders one), or TRL's layout: a `prompt` column holding a
+string or a conversation (a list of role/content messages ending on a user turn), which the chat
+template (`chat_template`, else the tokenizer's) renders with its generation prompt,
+`system_prompt` put first where it has no system message.
+
+No token is trained (`targets = "none"`): a tokenized row is the prompt's tokens (BOS as the
+other types add it), every label IGNORE_INDEX. A prompt longer than `max_seq_length` keeps its
+first `max_seq_length` tokens as every type's rows do, and is flagged `truncated` (counted in
+tokenize.json): the method decides what to do with one.
+
+The reward functions (TRL's `f(prompts, completions, **columns)`) need the rest of the row (a
+GSM8K `answer`): each formatted and tokenized row carries `reward_inputs`, a JSON object (sorted
+keys) of `prompt` (the prompt as a reward function sees it: the rendered string, or the message
+list of a conversation, system message included) and every other raw column of the row. The
+completion column (`completion_template` / `completion_func`, else empty) is only the evaluate
+stage's reference: rows are never dropped for an empty one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from finetune.datatypes.base import DataContext, DatasetType, Formatted
+from finetune.datatypes.chat import chat_template, parse, render
+from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding, token_ids
+from finetune.datatypes.rows import TEMPLATE_KEYS, builder, placeholders
+from finetune.datatypes.rows import render as render_rows
+from finetune.errors import PipelineError
+
+#: TRL's prompt column
+PROMPT = "prompt"
+#: the column of reward-function inputs, formatted and tokenized (a JSON object per row)
+REWARD_INPUTS = "reward_inputs"
+
+
+class PromptType(DatasetType):
+    name = "prompt"
+    keys = TEMPLATE_KEYS + ("input_columns", "chat_template", "system_prompt")
+    targets = "none"
+    trainer_hint = ("holds prompts only (the method generates the completions and reward "
+                    "functions score them; sft has no completion to train on); set "
+                    "training.type: grpo")
+
+    @property
+    def templated(self) -> bool:
+        """The prompt is rendered from the row's columns (else: the `prompt` column)."""
+        return self.data.prompt_template is not None or bool(self.data.prompt_func)
+
+    def check(self) -> None:
+        d = self.data
+        for part in ("prompt", "completion"):
+            if getattr(d, f"{part}_template") is not None and getattr(d, f"{part}_func"):
+                raise ValueError(
+                    f"{part}_template and {part}_func are exclusive; set one of them to null")
+        if self.templated:
+            # these render a conversation; a templated prompt is a string, so they would be unused
+            key = "prompt_template" if d.prompt_template is not None else "prompt_func"
+            for chat_key in ("chat_template", "system_prompt"):
+                if getattr(d, chat_key) is not None:
+                    raise ValueError(
+                        f"{chat_key} renders a conversation in the 'prompt' column; {key} "
+                        f"renders a string prompt, which it would not apply to: remove one")
+
+    def prepare(self, ctx: DataContext) -> None:
+        for part in ("prompt", "completion"):
+            builder(self.data, part)  # a function by reference: imported and checked here
+        if self.data.chat_template:
+            chat_template(self.data, ctx.tokenizer, ctx.root)  # a template file: read here
+
+    def required_columns(self) -> list[str]:
+        d = self.data
+        cols = [] if self.templated else [PROMPT]
+        for key in ("prompt_template", "completion_template"):
+            if getattr(d, key) is not None:
+                cols += placeholders(getattr(d, key), key)
+        if (d.prompt_func or d.completion_func) and d.input_columns:
+            cols += d.input_columns
+        return list(dict.fromkeys(cols))
+
+    def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
+        """Rows of prompt (the text the model is prompted with), completion (the evaluate
+        stage's reference, may be empty) and reward_inputs; a row whose prompt is empty is
+        dropped and counted."""
+        import pandas as pd
+
+        if not self.templated and PROMPT not in frame.columns:
+            raise PipelineError(
+                f"dataset_type prompt: split '{split}' has no 'prompt' column (columns: "
+                f"{', '.join(map(str, frame.columns))}); set data.prompt_template or "
+                "data.prompt_func to render one")
+        fns = {"completion": builder(self.data, "completion")}
+        if self.templated:
+            fns["prompt"] = builder(self.data, "prompt")
+        texts = render_rows(frame, fns, split, first_row)
+        chat = _Conversations(self.data, ctx)
+        out: dict[str, list] = {"prompt": [], "completion": [], REWARD_INPUTS: []}
+        dropped = []
+        for offset, row in enumerate(frame.to_dict("records")):
+            i = first_row + offset
+            if self.templated:
+                text = seen = texts["prompt"][offset]
+            else:
+                text, seen = chat.prompt(row[PROMPT], f"split '{split}' row {i} column 'prompt'")
+            if text is None or not text.strip():
+                dropped.append(i)
+                continue
+            others = {str(c): v for c, v in row.items() if c != PROMPT}
+            out["prompt"].append(text)
+            out["completion"].append(texts["completion"][offset])
+            out[REWARD_INPUTS].append(reward_json({**others, PROMPT: seen}, split, i))
+        return Formatted(pd.DataFrame(out), dropped, "an empty prompt")
+
+    def formatted_schema(self):
+        """prompt non-empty, completion any string (a reference only), reward_inputs JSON."""
+        import pandera.pandas as pa
+
+        from finetune.datatypes.contract import non_empty_text
+
+        return pa.DataFrameSchema(
+            {"prompt": pa.Column(str, [non_empty_text()], nullable=False),
+             "completion": pa.Column(str, nullable=False),
+             REWARD_INPUTS: pa.Column(str, nullable=False)},
+            strict=False, name="formatted")
+
+    def encoder(self, ctx: DataContext):
+        return encode_prompts, {"bos": ctx.bos, "max_len": self.data.max_seq_length}
+
+    def examples(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> list[dict]:
+        """Every prompt (none trains a token), with its reward inputs."""
+        formatted = self.format(frame, split, ctx, first_row)
+        fn, kwargs = self.encoder(ctx)
+        enc = fn(formatted.rows.to_dict("list"), tok=ctx.tokenizer, **kwargs)
+        return [{"input_ids": ids, "labels": labels, REWARD_INPUTS: inputs}
+                for ids, labels, inputs in zip(enc["input_ids"], enc["labels"],
+                                               enc[REWARD_INPUTS])]
+
+    def serving_chat_template(self, tok, root) -> str | None:
+        return chat_template(self.data, tok, root) if self.data.chat_template else None
+
+
+class _Conversations:
+    """TRL-layout prompts of one format call: the template and the tokenizer loaded on the
+    first conversation (a string prompt needs neither)."""
+
+    def __init__(self, data, ctx: DataContext):
+        self.data, self.ctx, self.template = data, ctx, None
+
+    def prompt(self, value: Any, where: str) -> tuple[str | None, Any]:
+        """(the text the model is prompted with, the prompt a reward function sees); (None,
+        None) for a row with no prompt (dropped and counted)."""
+        if isinstance(value, str):
+            return value, value
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return None, None
+        if not (isinstance(value, (list, tuple)) or hasattr(value, "tolist")):
+            raise PipelineError(f"{where}: a prompt is a string or a list of messages, got "
+                                f"{type(value).__name__}")
+        conv = parse(list(value) if isinstance(value, tuple) else value, where)
+        if not conv:
+            return None, None
+        if self.data.system_prompt is not None and conv[0]["role"] != "system":
+            conv.insert(0, {"role": "system", "content": self.data.system_prompt})
+        check_prompt_order(conv, where)
+        tok = self.ctx.tokenizer
+        if self.template is None:
+            self.template = chat_template(self.data, tok, self.ctx.root)
+        text = render(tok, self.template, conv, generation_prompt=True)
+        # the encoder adds BOS as a token where the tokenizer adds one
+        if self.ctx.bos is not None and tok.bos_token and text.startswith(tok.bos_token):
+            text = text[len(tok.bos_token):]
+        return text, conv
+
+
+def check_prompt_order(conv: list[dict[str, str]], where: str) -> None:
+    """A system message only first, then user and assistant alternating from a user turn,
+    ending on a user turn: the one the model answers (chat.check_order's rule, for a prompt)."""
+    head = 1 if conv[0]["role"] == "system" else 0
+    body = conv[head:]
+    for turn, m in enumerate(body):
+        expected = "user" if turn % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            raise PipelineError(f"{where}: message {turn + head} is {m['role']}, expected "
+                                f"{expected} (user and assistant alternate from a user turn; a "
+                                "system message only first)")
+    if not body or body[-1]["role"] != "user":
+        raise PipelineError(f"{where}: the conversation does not end on a user turn (a prompt "
+                            "ends on the turn the model answers)")
+
+
+def reward_json(columns: dict[str, Any], split: str, row: int) -> str:
+    """The reward inputs of one row as a JSON object (sorted keys); a value JSON cannot hold
+    is one line naming split, row and column."""
+    plain = {}
+    for column, value in columns.items():
+        try:
+            plain[column] = _plain(value)
+        except (TypeError, ValueError) as exc:
+            raise PipelineError(
+                f"split '{split}' row {row} column '{column}': {exc}; reward functions get the "
+                "row's columns as JSON (strings, numbers, booleans, lists, mappings)") from None
+    return json.dumps(plain, sort_keys=True, ensure_ascii=False, allow_nan=False)
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON's types: numpy scalars and arrays (parquet) as Python's, a missing
+    value (NaN, pandas' NA) as null; anything else is a TypeError (a ValueError: infinity)."""
+    import numpy as np
+    import pandas as pd
+
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value):
+            return None
+        if math.isinf(value):
+            raise ValueError(f"{value} is not a JSON number")
+        return value
+    if isinstance(value, (np.datetime64, np.timedelta64)):
+        raise TypeError(f"{type(value).__name__} is not JSON-able")
+    if isinstance(value, (np.generic, np.ndarray)):
+        return _plain(value.tolist())
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError("a mapping with keys that are not strings is not JSON-able")
+        return {k: _plain(v) for k, v in value.items()}
+    if value is pd.NA or value is pd.NaT:
+        return None
+    raise TypeError(f"{type(value).__name__} is not JSON-able")
+
+
+def encode_prompts(batch: dict[str, list], tok, bos: int | None, max_len: int
+                   ) -> dict[str, list]:
+    """The tokenize map function: each prompt's tokens (BOS first where the tokenizer adds
+    one), no label trained, truncated to `max_len` like every type's rows; the reward inputs
+    passed through."""
+    out = empty_encoding()
+    for ids in token_ids(tok, list(batch["prompt"])):
+        head = ([bos] if bos is not None else []) + ids
+        add_row(out, head, [IGNORE_INDEX] * len(head), max_len)
+    out[REWARD_INPUTS] = list(batch[REWARD_INPUTS])
+    return out
