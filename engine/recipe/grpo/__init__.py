@@ -1,0 +1,1 @@
+"""GRPO: online RL with reward functions (training.type: grpo)."""
