@@ -112,7 +112,8 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
     input_ids, attention, mask = ours_batch(out)
 
     # the rollout: rewards (TRL's calling convention), group advantages
-    done = Completions(ids=out["completion_ids"], mask=mask)
+    done = Completions(ids=out["completion_ids"], mask=mask, lengths=mask.sum(1),
+                       clipped=mask[:, -1].bool())
     funcs = [RewardFunction("reward_len", reward_len), RewardFunction("reward_vowels",
                                                                       reward_vowels)]
     inputs_json = [json.dumps({"prompt": p}) for p in PROMPTS]

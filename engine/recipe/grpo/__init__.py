@@ -1,1 +1,1 @@
-"""GRPO: online RL with reward functions (training.type: grpo)"""
+"""GRPO: online RL with reward functions (training.type: grpo)."""

@@ -70,7 +70,8 @@ class GRPORun(TrainingRun):
         self.reference = Reference.of(self) if g.uses_reference else None
         self.generator = LocalGenerator(
             self.strategy.module, sampling_params(g),
-            eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id)
+            eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
+            lockstep=self.strategy.name == "fsdp2")
         self.rewards = load_reward_functions(g.reward_funcs, reward_options(self.cfg))
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
                                     dtype=torch.float32)

@@ -1,0 +1,321 @@
+"""GRPO's in-process generator (engine/recipe/grpo/generation.py) against Hugging Face's
+`generate` and logits processors (the oracles), on the shipped stories260K.
+
+stories260K never samples its EOS (id 2) in the lengths used here, so the tests that need rows
+to finish name a token it does emit (newline, "!") as the EOS.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ROOT
+
+from engine.recipe.grpo.generation import (
+    Completions,
+    Generator,
+    LocalGenerator,
+    SamplingParams,
+    left_pad,
+    process_logits,
+    token_presence,
+)
+
+MODEL = ROOT / "data/models/stories260K"
+PAD = 0  # the config's pad_token_id; the tokenizer has none
+PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The dog",
+           "Tom and Sue went to the park. They played"]
+T = 64
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+def _model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(MODEL).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    ids, mask = left_pad([tok(p)["input_ids"] for p in PROMPTS], PAD)
+    assert len({int(m.sum()) for m in mask}) == 3  # three lengths: real left padding
+    return ids, mask
+
+
+def _hf(model, ids, mask, eos, **kw):
+    """model.generate's completions (the prompt columns cut off)."""
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=kw.pop("T", T),
+                         pad_token_id=PAD, eos_token_id=eos, **kw)
+    return out[:, ids.shape[1]:]
+
+
+def _greedy(model, ids, mask, eos, steps=T):
+    params = SamplingParams(steps, temperature=0)
+    return LocalGenerator(model, params, eos, PAD).generate(ids, mask, 1, seed=0)
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8], []], PAD)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize("eos_tokens", [["</s>"], ["</s>", "."]])
+def test_greedy_equals_hf_generate(model, tok, prompts, eos_tokens, penalty):
+    """Token for token, finished rows included: HF pads them and stops when all rows are done;
+    the generator pads them and trims to the longest completion."""
+    ids, mask = prompts
+    eos = tok.convert_tokens_to_ids(eos_tokens)
+    expected = _hf(model, ids, mask, eos, do_sample=False, repetition_penalty=penalty)
+    gen = LocalGenerator(model, SamplingParams(T, temperature=0, repetition_penalty=penalty),
+                         eos, PAD)
+    got = gen.generate(ids, mask, num_generations=1, seed=0)
+    assert isinstance(gen, Generator)
+    assert torch.equal(got.ids, expected)
+    if len(eos) > 1:  # rows stopped at different steps, none ran to T
+        assert expected.shape[1] < T and len(set(got.lengths.tolist())) == 3
+        assert not got.clipped.any()
+
+
+def test_absolute_positions_equal_hf_generate():
+    """A model with learned absolute positions (a random tiny GPT-2) sees the positions the mask
+    gives (RoPE's relative positions would forgive an offset by the padding; these do not)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=128, n_embd=32, n_layer=2,
+                                      n_head=4, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=PAD)).eval()
+    ids, mask = left_pad([[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33]], PAD)
+    expected = _hf(gpt2, ids, mask, [2], do_sample=False, T=20)
+    got = _greedy(gpt2, ids, mask, [2], 20)
+    assert torch.equal(got.ids, expected)
+
+
+SAMPLING = [
+    {},
+    {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "repetition_penalty": 1.2},
+    {"temperature": 1.3, "min_p": 0.05},
+    {"top_p": 0.6},
+]
+
+
+@pytest.mark.parametrize("kw", SAMPLING, ids=lambda kw: ",".join(kw) or "defaults")
+def test_sampling_equals_hf_generate_with_the_same_seed(model, tok, prompts, kw):
+    """The same processors and the same multinomial draws as HF's sampling after
+    torch.manual_seed(seed), and num_return_sequences' row order (prompt 0's rows first)."""
+    ids, mask = prompts
+    eos = [tok.convert_tokens_to_ids("<0x0A>")]
+    torch.manual_seed(123)
+    expected = _hf(model, ids, mask, eos, do_sample=True, num_return_sequences=4, **kw)
+    got = LocalGenerator(model, SamplingParams(T, **kw), eos, PAD).generate(ids, mask, 4, 123)
+    assert got.ids.shape == (12, expected.shape[1])
+    assert torch.equal(got.ids, expected)
+
+
+def _hf_processors(kw, ignore=None):
+    from transformers import (LogitsProcessorList, MinPLogitsWarper,
+                              RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
+
+    procs = []
+    if kw.get("repetition_penalty", 1.0) != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(kw["repetition_penalty"],
+                                                      prompt_ignore_length=ignore))
+    if kw.get("temperature", 1.0) != 1.0:
+        procs.append(TemperatureLogitsWarper(kw["temperature"]))
+    if kw.get("top_k", 0):
+        procs.append(TopKLogitsWarper(kw["top_k"]))
+    if kw.get("top_p", 1.0) < 1.0:
+        procs.append(TopPLogitsWarper(kw["top_p"]))
+    if kw.get("min_p") is not None:
+        procs.append(MinPLogitsWarper(kw["min_p"]))
+    return LogitsProcessorList(procs)
+
+
+PROCESSING = [
+    {"repetition_penalty": 1.5},
+    {"repetition_penalty": 0.7},
+    {"temperature": 0.5},
+    {"top_k": 7},
+    {"top_p": 0.5},
+    {"min_p": 0.2},
+    {"repetition_penalty": 1.3, "temperature": 0.7, "top_k": 50, "top_p": 0.8},
+    {"repetition_penalty": 1.3, "temperature": 1.7, "top_k": 500, "top_p": 0.95, "min_p": 0.1},
+]
+
+
+@pytest.mark.parametrize("kw", PROCESSING,
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_processing_equals_hf_logits_processors(kw):
+    """The same -inf positions and the same finite scores as HF's processors, for random logits
+    and left-padded token ids (the penalty skips the padding, as HF generate tells its
+    processor with prompt_ignore_length)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows, width = 512, 6, 20
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    ids = torch.randint(0, vocab, (rows, width), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[4, :19] = 0
+    ids = ids.masked_fill(mask == 0, PAD)
+    padding = (mask != 0).int().argmax(dim=1)
+    expected = _hf_processors(kw, ignore=padding)(ids, logits.clone())
+    got = process_logits(logits, SamplingParams(8, **kw), token_presence(ids, mask, vocab))
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    finite = ~torch.isinf(expected)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=0, atol=0)
+    assert not torch.equal(got, logits)  # the setting did something
+    if "repetition_penalty" in kw:  # the padding is not penalised: PAD is in no real token
+        penalty_only = SamplingParams(8, repetition_penalty=kw["repetition_penalty"])
+        penalised = process_logits(logits, penalty_only, token_presence(ids, mask, vocab))
+        assert not (ids[1, 5:] == PAD).any() and penalised[1, PAD] == logits[1, PAD]
+        assert penalised[1, ids[1, 5]] != logits[1, ids[1, 5]]
+
+
+def test_temperature_zero_keeps_the_penalty_and_nothing_else():
+    logits = torch.randn(2, 16)
+    ids = torch.tensor([[3, 4], [5, 5]])
+    params = SamplingParams(4, temperature=0, top_k=1, top_p=0.1, repetition_penalty=2.0)
+    got = process_logits(logits, params, token_presence(ids, torch.ones_like(ids), 16))
+    expected = _hf_processors({"repetition_penalty": 2.0})(ids, logits.clone())
+    assert torch.equal(got, expected)
+
+
+def test_seed_reproduces_bitwise_and_another_seed_differs(model, prompts):
+    ids, mask = prompts
+    gen = LocalGenerator(model, SamplingParams(T, top_p=0.95), [2], PAD)
+    a, b = gen.generate(ids, mask, 3, seed=7), gen.generate(ids, mask, 3, seed=7)
+    c = gen.generate(ids, mask, 3, seed=8)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+    assert not torch.equal(a.ids, c.ids)
+    # the num_generations of one prompt are different samples
+    assert len({tuple(r) for r in a.ids[:3].tolist()}) == 3
+
+
+def test_rows_are_grouped_by_prompt(model, prompts):
+    """Rows g*G .. g*G + G-1 continue prompt g (top_k=1: sampling that can only pick the
+    argmax, so every row equals its prompt's greedy completion)."""
+    ids, mask = prompts
+    greedy = _greedy(model, ids, mask, [])
+    assert len({tuple(r) for r in greedy.ids.tolist()}) == 3
+    got = LocalGenerator(model, SamplingParams(T, top_k=1), [], PAD).generate(ids, mask, 3, 5)
+    assert torch.equal(got.ids, greedy.ids.repeat_interleave(3, dim=0))
+
+
+def test_mask_lengths_and_clipped(model, tok, prompts):
+    """mask is 1 up to and including the first EOS and 0 after, ids are pad after it; a row
+    without EOS is clipped and its mask is all 1. The expectation comes from a run without EOS."""
+    ids, mask = prompts
+    free = _greedy(model, ids, mask, [])
+    bang = tok.convert_tokens_to_ids("!")
+    first = [r.index(bang) if bang in r else None for r in free.ids.tolist()]
+    assert any(f is None for f in first) and any(f is not None for f in first)  # the setup holds
+    got = _greedy(model, ids, mask, [bang])
+    assert isinstance(got, Completions) and got.ids.shape == got.mask.shape == (3, T)
+    for row, f in enumerate(first):
+        n = T if f is None else f + 1
+        assert got.mask[row].tolist() == [1] * n + [0] * (T - n)
+        assert got.ids[row].tolist() == free.ids[row, :n].tolist() + [PAD] * (T - n)
+        assert got.lengths[row] == n
+        assert bool(got.clipped[row]) == (f is None)
+
+
+def test_trimmed_to_the_longest_completion(model, tok, prompts):
+    ids, mask = prompts
+    newline = tok.convert_tokens_to_ids("<0x0A>")
+    got = _greedy(model, ids, mask, [newline])
+    assert got.ids.shape[1] == int(got.lengths.max()) < T
+    assert (got.ids[got.mask == 1] == newline).sum() == 3
+
+
+@pytest.mark.parametrize("batch_size,check", [(4, None), (None, 16), (2, 5)])
+def test_chunks_and_stop_checks_do_not_change_greedy_completions(model, tok, prompts, batch_size,
+                                                                  check):
+    """Chunks of rows (each dropping the padding all its rows share) and a stop check every
+    `check` tokens (the CUDA loop's) give the completions of one batch checking every token."""
+    ids, mask = prompts
+    eos = [tok.convert_tokens_to_ids("<0x0A>")]
+    params = SamplingParams(96, temperature=0, repetition_penalty=1.2)
+    whole = LocalGenerator(model, params, eos, PAD).generate(ids, mask, 2, 0)
+    assert whole.ids.shape[1] < 96 - 16  # every row finished early: a later check runs longer
+    got = LocalGenerator(model, params, eos, PAD, batch_size=batch_size,
+                         stop_check_every=check).generate(ids, mask, 2, 0)
+    for field in ("ids", "mask", "lengths", "clipped"):
+        assert torch.equal(getattr(got, field), getattr(whole, field)), field
+
+
+def test_under_autocast_it_equals_hf_generate(model, prompts):
+    """The caller's autocast applies to the forwards (bf16 logits), the scores are float32."""
+    ids, mask = prompts
+    dtypes = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = LocalGenerator(model, SamplingParams(T, top_k=20), [2], PAD).generate(
+                ids, mask, 1, 0)
+    finally:
+        hook.remove()
+    assert set(dtypes) == {torch.bfloat16} and len(dtypes) == T
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _hf(model, ids, mask, [2], do_sample=True, top_k=20)
+    assert torch.equal(got.ids, expected)
+
+
+def test_through_peft_lora_in_train_mode(prompts):
+    """A LoRA-wrapped model in train mode, with gradient checkpointing and use_cache=False as in
+    training: generation runs in eval mode (dropout 0.5 would otherwise change the greedy
+    tokens), equals HF generate through the same PeftModel in eval mode, leaves every module's
+    mode as it was, and its completions feed a training forward and backward."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _model()
+    base.gradient_checkpointing_enable()
+    base.config.use_cache = False
+    torch.manual_seed(0)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5,
+                                                 target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False))
+    ids, mask = prompts
+    expected = _hf(peft_model.eval(), ids, mask, [2], do_sample=False, use_cache=True)
+    with peft_model.disable_adapter():
+        assert not torch.equal(expected, _hf(peft_model, ids, mask, [2], do_sample=False,
+                                             use_cache=True))  # the adapter changes tokens
+
+    peft_model.train()
+    frozen = peft_model.get_base_model().model.norm
+    frozen.eval()  # one module left in eval mode inside a model in train mode
+    modes = {name: m.training for name, m in peft_model.named_modules()}
+    got = _greedy(peft_model, ids, mask, [2])
+    assert torch.equal(got.ids, expected)
+    assert {name: m.training for name, m in peft_model.named_modules()} == modes
+    assert peft_model.training and not frozen.training
+
+    full = torch.cat([ids, got.ids], dim=1)
+    attention = torch.cat([mask, got.mask], dim=1)
+    assert not got.ids.requires_grad and not got.ids.is_inference()
+    peft_model(input_ids=full, attention_mask=attention).logits.sum().backward()
+    grads = [p.grad for n, p in peft_model.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None for g in grads)
+
+
+@pytest.mark.parametrize("bad", [
+    {"max_completion_length": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5},
+    {"top_k": -1}, {"min_p": 1.5}, {"repetition_penalty": 0.0},
+])
+def test_sampling_params_refuse_nonsense(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**({"max_completion_length": 8} | bad))
