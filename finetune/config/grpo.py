@@ -90,6 +90,10 @@ class GRPOConfig(Section):
         0.0, ge=0, fingerprint=True,
         description="Weight of the KL term to the reference (the base: the adapter disabled "
         "under PEFT, a frozen copy otherwise); 0 loads no reference.")
+    use_bias_correction_kl: bool = Field(
+        True, fingerprint=True,
+        description="Weight the KL term by the probability ratio, so its gradient is the "
+        "unbiased reverse-KL gradient (TRL's default; DeepSeek-V3.2).")
     epsilon: float = Field(0.2, gt=0, lt=1, fingerprint=True,
                            description="Lower clipping bound of the probability ratio: "
                            "1 - epsilon.")

@@ -6,6 +6,7 @@ Per completion token t of completion i, with r = exp(log pi - log pi_old) and ad
     loss_it = -min(r A_i, clip(r, 1 - eps, 1 + eps_high) A_i) + beta * KL_it
     KL_it   = exp(log ref - log pi) - (log ref - log pi) - 1      (the k3 estimator)
 
+times r with `use_bias_correction_kl` (TRL's default: the unbiased reverse-KL gradient).
 The log-probabilities are those of the tempered distribution (logits / temperature), the one
 the completions were sampled from. How the token losses become the step's loss is `loss_type`:
 `reduce` returns a micro-batch's loss *sum* and what it is averaged over, so the loop's
@@ -61,10 +62,11 @@ class TokenLosses:
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
                  ref_logps: torch.Tensor | None, advantages: torch.Tensor, eps_low: float,
-                 eps_high: float, beta: float) -> TokenLosses:
+                 eps_high: float, beta: float, kl_correction: bool = True) -> TokenLosses:
     """The clipped surrogate plus the KL term, per token. `old_logps` None: the completions
     were sampled from these very weights (num_iterations 1), so the ratio is 1 with the
-    gradient of log pi (TRL uses logps.detach())."""
+    gradient of log pi (TRL uses logps.detach()). `kl_correction`: the KL term is weighted by
+    the ratio r (TRL's use_bias_correction_kl: the unbiased reverse-KL gradient)."""
     old = logps.detach() if old_logps is None else old_logps
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     coef_1 = torch.exp(logps - old)
@@ -74,6 +76,8 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
     if beta != 0.0:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
+        if kl_correction:
+            kl = kl * coef_1
         per_token = per_token + beta * kl
     return TokenLosses(per_token, kl, (coef_1 < 1 - eps_low) & (advantages < 0),
                        (coef_1 > 1 + eps_high) & (advantages > 0))

@@ -71,7 +71,7 @@ class GRPORun(TrainingRun):
         self.generator = LocalGenerator(
             self.strategy.module, sampling_params(g),
             eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
-            lockstep=self.strategy.name == "fsdp2")
+            lockstep=self.strategy.eval_lockstep)
         self.rewards = load_reward_functions(g.reward_funcs, reward_options(self.cfg))
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
                                     dtype=torch.float32)
@@ -238,7 +238,8 @@ class GRPORun(TrainingRun):
                                                   batch["attention_mask"], mask.shape[1],
                                                   g.temperature, with_entropy=True)
             losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
-                                  batch["advantages"], g.epsilon, g.clip_high, g.beta)
+                                  batch["advantages"], g.epsilon, g.clip_high, g.beta,
+                                  g.use_bias_correction_kl)
             loss_sum, _ = reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)
             loss = loss_sum / divisor
             (self.scaler.scale(loss) if self.scaler else loss).backward()
