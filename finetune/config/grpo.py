@@ -29,12 +29,14 @@ def reported_metrics(cfg) -> tuple[str, ...]:
     g = cfg.grpo
     names = [ref.rsplit(":", 1)[-1] for ref in g.reward_funcs]
     passes = ("pass_at_1", f"pass_at_{g.num_generations_eval}") if "correctness" in names else ()
-    return ("reward", *(f"reward_{n}" for n in names), *passes)
+    rewards = ("reward", *(f"reward_{n}" for n in names))
+    return (*rewards, *(f"sampled_{r}" for r in rewards), *passes)
 
 
 register_method(Method("grpo", accepts=("none",), data_hint=(
     "trains on prompt-only rows (completions are generated during training); set "
-    "data.dataset_type: prompt"), metrics=reported_metrics))
+    "data.dataset_type: prompt"), metrics=reported_metrics,
+    metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+"))
 
 #: reward functions shipped with the engine, named by string (engine.recipe.grpo.rewards)
 BUILT_IN_REWARDS = ("correctness", "format", "length")

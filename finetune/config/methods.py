@@ -31,6 +31,9 @@ class Method:
     #: config -> the evaluate stage's metrics this method reports besides the dataset type's
     #: (GRPO's rewards and pass rates), so the registry gate may name them
     metrics: Callable[[object], tuple[str, ...]] | None = None
+    #: a regex every such metric name matches, so `registry.gate_metric` can name one before
+    #: the whole config is known (the config-wide rule then checks the exact name)
+    metric_pattern: str | None = None
 
     def reported(self, cfg) -> tuple[str, ...]:
         return self.metrics(cfg) if self.metrics else ()
@@ -54,6 +57,14 @@ class Method:
 
 
 _METHODS: dict[str, Method] = {}
+
+
+def is_method_metric(name: str) -> bool:
+    """Whether `name` (without `eval.`) is a metric some registered method can report."""
+    import re
+
+    return any(m.metric_pattern and re.fullmatch(m.metric_pattern, name)
+               for m in _METHODS.values())
 
 
 def register_method(method: Method) -> Method:

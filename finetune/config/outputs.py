@@ -195,10 +195,15 @@ class RegistryConfig(Section):
     @field_validator("gate_metric")
     @classmethod
     def _known_metric(cls, name: str) -> str:
-        if name in GATE_METRICS or HARNESS_GATE.fullmatch(name):
+        from finetune.config.methods import is_method_metric
+
+        if name in GATE_METRICS or HARNESS_GATE.fullmatch(name) or is_method_metric(
+                name.removeprefix("eval.")):
             return name
         raise ValueError(f"unknown metric '{name}'{did_you_mean(name, GATE_METRICS)}: one of "
-                         f"{', '.join(GATE_METRICS)}, or eval.harness.TASK.METRIC.FILTER")
+                         f"{', '.join(GATE_METRICS)}, a training method's own (grpo: "
+                         "eval.reward, eval.reward_NAME, eval.sampled_reward_NAME, eval.pass_at_K), or "
+                         "eval.harness.TASK.METRIC.FILTER")
 
     @property
     def higher_wins(self) -> bool:

@@ -1,6 +1,7 @@
 """GRPO's held-out numbers: what the reward functions say of a model's completions of held-out
-prompts. For the evaluate stage, base and fine-tuned: each reward's mean on greedy completions,
-the weighted total (`reward`), and with the correctness reward its pass rate greedy
+prompts. For the evaluate stage, base and fine-tuned: each reward's mean on greedy completions
+(`reward_NAME`) and on k completions sampled as in training (`sampled_reward_NAME`), the
+weighted totals (`reward`, `sampled_reward`), and with the correctness reward its pass rate greedy
 (`pass_at_1`) and over k sampled completions (`pass_at_k`, k = grpo.num_generations_eval: a
 prompt passes when any of its k completions is correct). In training, the greedy rewards of
 the first eval.eval_batches batches (`eval_reward`).
@@ -104,6 +105,10 @@ def _summary(names, weights, greedy: torch.Tensor, sampled: torch.Tensor | None,
     out = {"reward": float(torch.nanmean(_weighted(greedy, weights)))}
     for i, name in enumerate(names):
         out[f"reward_{name}"] = float(torch.nanmean(greedy[:, i]))
+    if sampled is not None:  # what training samples: the mean over k completions each
+        out["sampled_reward"] = float(torch.nanmean(_weighted(sampled, weights)))
+        for i, name in enumerate(names):
+            out[f"sampled_reward_{name}"] = float(torch.nanmean(sampled[:, i]))
     if "correctness" in names:
         i = names.index("correctness")
         out["pass_at_1"] = float((greedy[:, i] >= 1.0).float().mean())
