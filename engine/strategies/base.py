@@ -99,6 +99,11 @@ class Strategy:
         """The ranks as the data loader sees them (which shard this rank reads)."""
         return d
 
+    def generation_done(self, finished: torch.Tensor) -> bool:
+        """Whether a generation loop may stop, given which of this rank's rows finished
+        (GRPO's rollout): here, when all of them did."""
+        return bool(finished.all())
+
     def __init__(self, setup: StrategySetup, d: Dist, meter: CommMeter):
         self.setup, self.d, self.meter = setup, d, meter
         self.model: torch.nn.Module | None = None  # what the loop calls forward on

@@ -93,6 +93,14 @@ class FSDP2Strategy(Strategy):
     name = "fsdp2"
     eval_lockstep = True
 
+    def generation_done(self, finished: torch.Tensor) -> bool:
+        """When every rank's rows finished: each forward gathers the sharded weights, a
+        collective every rank must join the same number of times, so all ranks stop together
+        (one 1-element all-reduce per check)."""
+        left = (~finished).sum().reshape(1).to(torch.int64)
+        torch.distributed.all_reduce(left)
+        return int(left) == 0
+
     def place(self, model, stored):
         """Built on meta: deferred to meta tensors now, this rank's shards read after the wrap
         (ShardedRead); otherwise as every strategy (to the device)."""

@@ -24,7 +24,7 @@ covers the tokens up to and including the first EOS; a completion without EOS wi
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -202,21 +202,22 @@ class LocalGenerator:
     draws come from one generator in row order, so completions depend on the seed and on
     batch_size. `stop_check_every`: how often the loop checks whether every row has finished
     (None: every token on the CPU, STOP_CHECK_EVERY tokens elsewhere); it changes the work
-    done, never the completions. `lockstep`: never stop early (see the attribute).
+    done, never the completions. `all_finished`: see the attribute.
     """
 
     def __init__(self, model, params: SamplingParams, eos_token_ids: list[int],
                  pad_token_id: int, batch_size: int | None = None, *,
-                 stop_check_every: int | None = None, lockstep: bool = False):
+                 stop_check_every: int | None = None,
+                 all_finished: Callable[[torch.Tensor], bool] | None = None):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
         if stop_check_every is not None and stop_check_every < 1:
             raise ValueError(f"stop_check_every must be >= 1 or None, got {stop_check_every!r}")
         self.stop_check_every = stop_check_every
-        #: every call runs all max_completion_length forwards: a sharded model (FSDP2) gathers
-        #: its weights inside each forward, a collective every rank must join the same number
-        #: of times, so no rank may stop early
-        self.lockstep = lockstep
+        #: finished rows -> whether generation may stop: this rank's rows by default; a
+        #: sharded model's strategy asks every rank (FSDP2 gathers weights inside each
+        #: forward, a collective every rank must join the same number of times)
+        self.all_finished = all_finished or (lambda finished: bool(finished.all()))
         self.model = model
         self.params = params
         self.eos_token_ids = [int(t) for t in eos_token_ids]
@@ -303,8 +304,8 @@ class LocalGenerator:
             out[:, t] = tokens
             keep[:, t] = (~finished).long()  # the EOS itself is kept
             finished |= torch.isin(tokens, eos)
-            if t + 1 == steps or (not self.lockstep and (t + 1) % check_every == 0
-                                  and bool(finished.all())):
+            if t + 1 == steps or ((t + 1) % check_every == 0
+                                  and self.all_finished(finished)):
                 break
             if seen is not None:
                 seen.scatter_(1, tokens.clamp(max=absorb)[:, None], True)

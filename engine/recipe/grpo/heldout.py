@@ -75,15 +75,17 @@ def _weighted(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class _Measure:
     """Greedy and sampled completions of held-out prompts, scored."""
 
-    def __init__(self, cfg, tokenizer, model, seed: int):
+    def __init__(self, cfg, tokenizer, model, seed: int, all_finished=None):
         g = cfg.grpo
         self.cfg, self.tok, self.model, self.seed = cfg, tokenizer, model, seed
         self.funcs = load_reward_functions(g.reward_funcs, reward_options(cfg))
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.funcs))
         self.names = [f.name for f in self.funcs]
         eos, pad = eos_ids(tokenizer, model), tokenizer.pad_token_id
-        self.greedy = LocalGenerator(model, sampling_params(g, greedy=True), eos, pad)
-        self.sampled = LocalGenerator(model, sampling_params(g), eos, pad)
+        self.greedy = LocalGenerator(model, sampling_params(g, greedy=True), eos, pad,
+                                     all_finished=all_finished)
+        self.sampled = LocalGenerator(model, sampling_params(g), eos, pad,
+                                      all_finished=all_finished)
 
     def batch(self, rows: list[dict], k: int | None, offset: int):
         """(greedy rewards [b, F], greedy texts, sampled rewards [b * k, F] or None)."""
@@ -164,7 +166,8 @@ def greedy_rewards(run, dataset) -> dict[str, float]:
     the held-out prompts (every rank its share, summed over ranks)."""
     cfg, d = run.cfg, run.dist
     module = run.strategy.module
-    measure = _Measure(cfg, run.tokenizer, module, cfg.training.seed or 0)
+    measure = _Measure(cfg, run.tokenizer, module, cfg.training.seed or 0,
+                       all_finished=run.strategy.generation_done)
     size, limit = cfg.training.per_device_eval_batch_size, cfg.eval.eval_batches
     funcs = len(measure.funcs)
     sums = torch.zeros(2 + 2 * funcs, dtype=torch.float64, device=d.device)

@@ -71,7 +71,7 @@ class GRPORun(TrainingRun):
         self.generator = LocalGenerator(
             self.strategy.module, sampling_params(g),
             eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
-            lockstep=self.strategy.eval_lockstep)
+            all_finished=self.strategy.generation_done)
         self.rewards = load_reward_functions(g.reward_funcs, reward_options(self.cfg))
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
                                     dtype=torch.float32)
