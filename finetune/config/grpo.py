@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.methods import Method, register_method
@@ -124,18 +124,18 @@ class GRPOConfig(Section):
         description="The evaluate stage's k: pass@k over k completions sampled per held-out "
         "prompt at `temperature` (greedy pass@1 is reported too).")
 
-    @model_validator(mode="after")
-    def _compat(self) -> "GRPOConfig":
-        if self.reward_weights is not None and len(self.reward_weights) != len(
-                self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for "
-                             f"{len(self.reward_funcs)} reward_funcs; give one per function "
-                             "or null")
-        for i, ref in enumerate(self.reward_funcs):
+    @field_validator("reward_funcs")
+    @classmethod
+    def _known_rewards(cls, refs: list[str]) -> list[str]:
+        for i, ref in enumerate(refs):
             if ref not in BUILT_IN_REWARDS and ":" not in ref:
                 raise ValueError(f"reward_funcs[{i}] '{ref}' is neither a built-in ("
                                  f"{', '.join(BUILT_IN_REWARDS)}) nor 'module:function'")
-        compat.check(self, "grpo")
+        return refs
+
+    @model_validator(mode="after")
+    def _compat(self) -> "GRPOConfig":
+        compat.check(self, "grpo")  # the rules among grpo keys (ROWS, in compat's table)
         return self
 
     @property
@@ -151,6 +151,11 @@ GRPO = compat.When("training.type grpo", lambda c: c.training.type == "grpo")
 
 #: grpo's rows of the compatibility table (finetune/config/compat.py)
 ROWS: list[compat.Rule] = [
+    compat.Agree("grpo", ("reward_weights", "reward_funcs"), lambda g: (
+        f"reward_weights has {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
+        "reward_funcs; give one per function or null")
+        if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs)
+        else None, example={"grpo.reward_weights": [1.0, 2.0]}),
     *(compat.Refuse("config", key, GRPO, why, used=used, example={
         "training.type": "grpo", "data.dataset_type": "prompt", **extra})
       for key, used, why, extra in (
