@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from pathlib import Path
 
 from engine import preflight as preflight_engine
@@ -41,6 +42,9 @@ def preflight(ws: Workspace) -> None:
 
 
 RESUME_ENV = "FINETUNE_RESUME"
+#: the sample table a method writes beside its curves at logging steps (GRPO's prompts,
+#: completions and rewards: engine.recipe.grpo.run.SAMPLES_FILE), logged to MLflow
+SAMPLES = "train_samples.jsonl"
 
 
 def with_resolved_seed(ws: Workspace) -> Workspace:
@@ -76,6 +80,7 @@ def train(ws: Workspace) -> dict[str, Path]:
         preflight(ws)
         return _train_worker_node(ws)
     ws = with_resolved_seed(ws)
+    launched = time.time()
     with TorchrunJob(ws) as job:  # starts now: worker start-up overlaps the checks below
         try:
             preflight(ws)
@@ -106,8 +111,11 @@ def train(ws: Workspace) -> dict[str, Path]:
         wandb_run.summary(numbers)
         wandb_run.finish(ok=True)
     render_curves(ws.layout.plots)
-    for plot in ("train.csv", "eval.csv", "curves.png"):
-        tracking.client(ws).log_artifact(run_id, str(ws.layout.plots / plot), "plots")
+    for plot in ("train.csv", "eval.csv", "curves.png", SAMPLES):
+        path = ws.layout.plots / plot
+        # a method's sample table: only when this run wrote it (not an earlier run's)
+        if plot != SAMPLES or (path.exists() and path.stat().st_mtime >= launched):
+            tracking.client(ws).log_artifact(run_id, str(path), "plots")
     write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
     return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}
 

@@ -84,6 +84,7 @@ class GRPORun(TrainingRun):
         self.token_sums = torch.zeros(len(TOKEN_STATS) + 1, dtype=torch.float64, device=device)
         self.buffer: list[dict] | None = None
         self.samples: list[dict] = []
+        self.samples_open = False  # SAMPLES_FILE written by this process yet
         self.scored_at: float | None = None
 
     def check_positions(self) -> None:
@@ -266,9 +267,9 @@ class GRPORun(TrainingRun):
         path = self.paths.plots_dir / SAMPLES_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         step = self.progress.step
-        if step <= max(self.start_step, 1) and path.exists() and self.start_step == 0:
-            path.unlink()  # a fresh run's table starts empty
-        with path.open("a") as f:
+        fresh = not self.samples_open and self.start_step == 0
+        self.samples_open = True
+        with path.open("w" if fresh else "a") as f:  # a fresh run's table starts empty
             for row in self.samples:
                 f.write(json.dumps({"step": step, **row}) + "\n")
 
