@@ -24,16 +24,23 @@ def summary(ws: Workspace) -> dict:
 def markdown(info: dict, ran: list[str] | None = None, cached: list[str] | None = None,
              experiment: str | None = None) -> str:
     ev = info.get("eval") or {}
-    extra = sorted({k for key in ("base", "finetuned") for k in (ev.get(key) or {})
-                    if "_stderr" not in k} - {"loss", "perplexity"})
-    lines = ["| model | eval loss | perplexity |" + "".join(f" {k} |" for k in extra),
-             "|---|---|---|" + "---|" * len(extra)]
+    models = [ev.get(key) or {} for key in ("base", "finetuned")]
+    # a language model's loss and perplexity lead; a method without them (grpo: rewards) has
+    # only its own columns
+    lead = [(title, key, digits) for title, key, digits in
+            (("eval loss", "loss", 4), ("perplexity", "perplexity", 2))
+            if any(key in m for m in models)]
+    extra = sorted({k for m in models for k in m if "_stderr" not in k}
+                   - {"loss", "perplexity"})
+    lines = ["| model |" + "".join(f" {t} |" for t, _, _ in lead) + "".join(
+        f" {k} |" for k in extra), "|---|" + "---|" * (len(lead) + len(extra))]
     for label, key in (("base", "base"), ("fine-tuned", "finetuned")):
         vals = ev.get(key)
         if vals:
-            lines.append(f"| {label} | {vals['loss']:.4f} | {vals['perplexity']:.2f} |"
-                         + "".join(f" {vals.get(k, float('nan')):.4f} |" for k in extra))
-    if ev.get("base") and ev.get("finetuned"):
+            lines.append(f"| {label} |" + "".join(
+                f" {vals.get(k, float('nan')):.{d}f} |" for _, k, d in lead)
+                + "".join(f" {vals.get(k, float('nan')):.4f} |" for k in extra))
+    if all("loss" in m for m in models) and all(models):
         delta = ev["base"]["loss"] - ev["finetuned"]["loss"]
         verdict = "improved" if delta > 0 else "did NOT improve"
         lines.append(f"\nfine-tuning {verdict} eval loss by {delta:+.4f}")
