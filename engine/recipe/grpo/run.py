@@ -16,9 +16,11 @@ SFT run's hooks only (the loop, the strategies and the checkpoints are the SFT r
 - `heldout_metrics`: rewards and pass rates of base and fine-tuned on held-out prompts
   (engine.recipe.grpo.heldout).
 
-Sampling is seeded per (seed, rank, step, micro-batch): the completions of a step are a
-function of the weights and of the step, so a run resumed from a checkpoint samples exactly
-what the uninterrupted run sampled, with no generator state to carry.
+Sampling is seeded per prompt, by (seed, step, the prompt's position in the step's global
+batch): the completions of a step are a function of the weights and of the step, so a run
+resumed from a checkpoint samples exactly what the uninterrupted run sampled, with no generator
+state to carry; and a prompt's completions do not depend on how the step's prompts are spread
+over ranks and micro-batches (2 ranks x batch b sample what 1 rank x batch 2b samples).
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ TIMES = ("time/generation", "time/scoring")
 SAMPLES_FILE = "train_samples.jsonl"
 
 
-def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
-    """The sampling seed of one micro-batch: distinct per rank, step and micro-batch."""
-    return (seed * 1_000_003 + rank * 7_919 + step * 131 + micro) % (2**63 - 1)
+def prompt_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
+    """The sampling seeds of `count` prompts at positions first, first + 1, ... of step
+    `step`'s global batch (engine.datapath.data: rank r's micro-batch i holds positions
+    (i * world_size + r) * batch ...): distinct per step and position, whatever the world size
+    and the accumulation."""
+    return [((seed * 1_000_003 + step) * 1_000_033 + first + j) % (2**63 - 1)
+            for j in range(count)]
 
 
 class GRPORun(TrainingRun):
@@ -127,13 +133,14 @@ class GRPORun(TrainingRun):
         device, module = d.device, self.strategy.module
         started = time.perf_counter()
         generated, self.samples = [], []
+        size = t.per_device_train_batch_size
         for i, batch in enumerate(micro):
             prompt_ids = batch["input_ids"].to(device)
             prompt_mask = batch["attention_mask"].to(device)
+            seeds = prompt_seeds(t.seed, self.progress.step, (i * d.world_size + d.rank) * size,
+                                 prompt_ids.shape[0])
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-                done = self.generator.generate(
-                    prompt_ids, prompt_mask, g.num_generations,
-                    step_seed(t.seed, d.rank, self.progress.step, i))
+                done = self.generator.generate(prompt_ids, prompt_mask, g.num_generations, seeds)
             generated.append((batch, prompt_ids, prompt_mask, done))
         generated_at = time.perf_counter()
         per_func = torch.cat([self.score(batch, done) for batch, _, _, done in generated])
