@@ -90,6 +90,7 @@ class GRPORun(TrainingRun):
         self.token_sums = torch.zeros(len(TOKEN_STATS) + 1, dtype=torch.float64, device=device)
         self.buffer: list[dict] | None = None
         self.samples: list[dict] = []
+        self.samples_started = False  # SAMPLES_FILE not written by this run yet
         self.scored_at: float | None = None
 
     def check_positions(self) -> None:
@@ -268,15 +269,29 @@ class GRPORun(TrainingRun):
         return stats
 
     def write_samples(self) -> None:
-        if not (self.dist.is_main and self.samples):
+        """Appends the last rollout's rows, every rank's (TRL's table gathers them), rank by
+        rank. A run's first write starts the table over: empty
+        for a fresh run, for a resumed one the rows up to its checkpoint's step (a crashed run
+        may have written later ones, which the resumed run writes again)."""
+        samples = self.samples
+        if self.dist.world_size > 1:  # every rank calls this at a logging step
+            gathered: list = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, samples)
+            samples = [row for rank in gathered for row in rank]
+        if not (self.dist.is_main and samples):
             return
         path = self.paths.plots_dir / SAMPLES_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         step = self.progress.step
-        if step <= max(self.start_step, 1) and path.exists() and self.start_step == 0:
-            path.unlink()  # a fresh run's table starts empty
+        if not self.samples_started:
+            kept = []
+            if self.start_step and path.exists():
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= self.start_step]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.samples_started = True
         with path.open("a") as f:
-            for row in self.samples:
+            for row in samples:
                 f.write(json.dumps({"step": step, **row}) + "\n")
 
     # -- evaluation ------------------------------------------------------------------------
