@@ -147,7 +147,9 @@ class GRPORun(TrainingRun):
         per_func = torch.cat([self.score(batch, done) for batch, _, _, done in generated])
         batches = [self.completion_batch(p_ids, p_mask, done)
                    for _, p_ids, p_mask, done in generated]
-        advantages, stats = self.advantages(per_func)
+        lengths = torch.cat([done.mask.sum(-1) for *_, done in generated])
+        clipped = torch.cat([done.clipped for *_, done in generated])
+        advantages, stats = self.advantages(per_func, torch.stack([lengths, clipped], 1))
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
             self.add_logps(module, batch)
@@ -158,13 +160,12 @@ class GRPORun(TrainingRun):
         for batch, count in zip(batches, counts):
             batch["targets"] = count
         scored_at = time.perf_counter()
-        lengths = torch.cat([done.mask.sum(-1) for *_, done in generated]).float()
-        clipped = torch.cat([done.clipped for *_, done in generated]).float()
         step_targets = sum(counts)
         host = torch.tensor([generated_at - started, scored_at - generated_at],
                             dtype=torch.float64, device=device)
-        values = torch.cat([torch.stack([*self.reward_stats(stats), lengths.mean().double(),
-                                         clipped.mean().double()]), host])
+        values = torch.cat([torch.stack([*self.reward_stats(stats),
+                                         stats["completions/mean_length"],
+                                         stats["completions/clipped_ratio"]]), host])
         self.step_sums += values * step_targets
         return batches
 
@@ -187,20 +188,29 @@ class GRPORun(TrainingRun):
                         for p, text, r in zip(prompts, texts, rewards)]
         return rewards
 
-    def advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Group-normalised advantages of this rank's completions; with `scale_rewards:
-        batch` (its std over the whole step) the rewards of every rank are gathered first."""
+    def advantages(self, per_func: torch.Tensor, completions: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict]:
+        """Group-normalised advantages of this rank's completions, and the step's statistics
+        over every rank's completions (TRL gathers them): the rewards of every rank are
+        gathered (`scale_rewards: batch` takes their std over the whole step), with
+        `completions`, each completion's [length, clipped], for the length statistics. Every
+        rank then logs the step's values (a mean of the ranks' means, each weighted by its
+        targets, would not be the mean over the step's completions)."""
         g, d = self.cfg.grpo, self.dist
-        per_func = per_func.to(d.device)
+        funcs = per_func.shape[1]
+        local = torch.cat([per_func.to(d.device),
+                           completions.to(d.device, per_func.dtype)], dim=1)
         if d.world_size > 1:
-            gathered = [torch.empty_like(per_func) for _ in range(d.world_size)]
-            torch.distributed.all_gather(gathered, per_func)
+            gathered = [torch.empty_like(local) for _ in range(d.world_size)]
+            torch.distributed.all_gather(gathered, local)
             everyone = torch.cat(gathered)
         else:
-            everyone = per_func
-        adv, stats = group_advantages(everyone, self.weights.to(d.device), g.num_generations,
-                                      g.scale_rewards)
-        n = per_func.shape[0]
+            everyone = local
+        adv, stats = group_advantages(everyone[:, :funcs], self.weights.to(d.device),
+                                      g.num_generations, g.scale_rewards)
+        stats["completions/mean_length"] = everyone[:, funcs].double().mean()
+        stats["completions/clipped_ratio"] = everyone[:, funcs + 1].double().mean()
+        n = local.shape[0]
         return adv[d.rank * n:(d.rank + 1) * n], stats
 
     def completion_batch(self, prompt_ids, prompt_mask, done) -> dict:
