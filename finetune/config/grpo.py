@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.methods import Method, register_method
@@ -124,17 +124,17 @@ class GRPOConfig(Section):
         description="The evaluate stage's k: pass@k over k completions sampled per held-out "
         "prompt at `temperature` (greedy pass@1 is reported too).")
 
-    @model_validator(mode="after")
-    def _compat(self) -> "GRPOConfig":
-        if self.reward_weights is not None and len(self.reward_weights) != len(
-                self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for "
-                             f"{len(self.reward_funcs)} reward_funcs; give one per function "
-                             "or null")
-        for i, ref in enumerate(self.reward_funcs):
+    @field_validator("reward_funcs")
+    @classmethod
+    def _named(cls, refs: list[str]) -> list[str]:
+        for i, ref in enumerate(refs):
             if ref not in BUILT_IN_REWARDS and ":" not in ref:
                 raise ValueError(f"reward_funcs[{i}] '{ref}' is neither a built-in ("
                                  f"{', '.join(BUILT_IN_REWARDS)}) nor 'module:function'")
+        return refs
+
+    @model_validator(mode="after")
+    def _compat(self) -> "GRPOConfig":
         compat.check(self, "grpo")
         return self
 
@@ -149,8 +149,18 @@ class GRPOConfig(Section):
 
 GRPO = compat.When("training.type grpo", lambda c: c.training.type == "grpo")
 
+
+def _one_weight_per_function(g: GRPOConfig) -> str | None:
+    if g.reward_weights is None or len(g.reward_weights) == len(g.reward_funcs):
+        return None
+    return (f"reward_weights has {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
+            "reward_funcs; give one per function or null")
+
+
 #: grpo's rows of the compatibility table (finetune/config/compat.py)
 ROWS: list[compat.Rule] = [
+    compat.Agree("grpo", ("reward_weights", "reward_funcs"), _one_weight_per_function,
+                 example={"grpo.reward_weights": [1.0, 2.0]}),
     *(compat.Refuse("config", key, GRPO, why, used=used, example={
         "training.type": "grpo", "data.dataset_type": "prompt", **extra})
       for key, used, why, extra in (
