@@ -162,7 +162,8 @@ ROWS: list[compat.Rule] = [
     compat.Agree("grpo", ("reward_weights", "reward_funcs"), _one_weight_per_function,
                  example={"grpo.reward_weights": [1.0, 2.0]}),
     *(compat.Refuse("config", key, GRPO, why, used=used, example={
-        "training.type": "grpo", "data.dataset_type": "prompt", **extra})
+        "training.type": "grpo", "data.dataset_type": "prompt",
+        "registry.gate_metric": "eval.reward", **extra})
       for key, used, why, extra in (
         ("training.packing", None, "completions are generated and scored as padded rows",
          {"training.packing": True}),
