@@ -203,7 +203,9 @@ class LocalGenerator:
 
     `batch_size` rows (of B * num_generations) go through the model at a time; None: all. With
     one seed, the draws come from one generator in row order, so completions depend on the seed
-    and on batch_size; with a seed per prompt, each prompt's from its own generator. `stop_check_every`: how often the loop checks whether every row has finished
+    and on batch_size; with a seed per prompt, each prompt's from its own generator, so they
+    do not depend on batch_size either while it is a multiple of num_generations (a chunk
+    that splits a prompt's rows changes the order of their draws). `stop_check_every`: how often the loop checks whether every row has finished
     (None: every token on the CPU, STOP_CHECK_EVERY tokens elsewhere); it changes the work
     done, never the completions. `lockstep`: never stop early (see the attribute).
     """
