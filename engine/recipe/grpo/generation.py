@@ -205,9 +205,9 @@ class LocalGenerator:
     one seed, the draws come from one generator in row order, so completions depend on the seed
     and on batch_size; with a seed per prompt, each prompt's from its own generator, so they
     do not depend on batch_size either while it is a multiple of num_generations (a chunk
-    that splits a prompt's rows changes the order of their draws). `stop_check_every`: how often the loop checks whether every row has finished
-    (None: every token on the CPU, STOP_CHECK_EVERY tokens elsewhere); it changes the work
-    done, never the completions. `lockstep`: never stop early (see the attribute).
+    that splits a prompt's rows changes the order of their draws). `stop_check_every`: how
+    often the loop checks whether every row has finished (None: every token on the CPU,
+    STOP_CHECK_EVERY tokens elsewhere); it changes the work done, never the completions. `lockstep`: never stop early (see the attribute).
     """
 
     def __init__(self, model, params: SamplingParams, eos_token_ids: list[int],
