@@ -18,6 +18,9 @@ from engine.reporting.callbacks import Callback, CallbackList, TrainState, load_
 
 TRAIN_FIELDS = ["step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second",
                 "num_input_tokens_seen", "memory_rss_mb"]
+#: the loop's own values of a training row that train.csv leaves out (the console, MLflow and
+#: the JSON lines have them)
+NOT_PLOTTED = ("comm_bytes_per_step", "cuda_max_memory_allocated_mb")
 EVAL_FIELDS = ["step", "eval_loss"]
 
 
@@ -37,9 +40,10 @@ class History(Callback):
 
     def on_train_end(self, state: TrainState) -> None:
         self.plots_dir.mkdir(parents=True, exist_ok=True)
-        # a trainer type's own statistics (DPO's rewards/..., logps/...) get columns too
+        # a trainer type's own statistics (DPO's rewards/..., GRPO's reward, entropy, ...)
+        # get columns too
         own = [k for k in dict.fromkeys(k for row in self.rows if "loss" in row for k in row)
-               if "/" in k]
+               if k not in TRAIN_FIELDS and k not in NOT_PLOTTED]
         for name, fields, key in (("train.csv", TRAIN_FIELDS + own, "loss"),
                                   ("eval.csv", EVAL_FIELDS, "eval_loss")):
             final = self.plots_dir / name

@@ -374,12 +374,15 @@ def _gate_reported(c) -> str | None:
             "eval.harness.tasks is empty; name the task there")
     from finetune.config.methods import method_of
 
-    reported = {m for _, part in c.data.parts() for m in part.datatype.reported_metrics()}
-    reported |= set(method_of(c.training.type).reported(c))
+    method = method_of(c.training.type)
+    if method.metrics:  # the method's evaluation reports these, not the dataset type's
+        reported, by = set(method.reported(c)), f"training.type {c.training.type}"
+    else:
+        reported = {m for _, part in c.data.parts() for m in part.datatype.reported_metrics()}
+        by = f"data.dataset_type {c.data.dataset_type}"
     if gate in reported:
         return None
-    return (f"registry.gate_metric eval.{gate} is not reported for data.dataset_type "
-            f"{c.data.dataset_type} (it reports "
+    return (f"registry.gate_metric eval.{gate} is not reported for {by} (it reports "
             f"{', '.join('eval.' + m for m in sorted(reported))})")
 
 

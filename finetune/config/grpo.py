@@ -126,7 +126,7 @@ class GRPOConfig(Section):
 
     @field_validator("reward_funcs")
     @classmethod
-    def _known_rewards(cls, refs: list[str]) -> list[str]:
+    def _named(cls, refs: list[str]) -> list[str]:
         for i, ref in enumerate(refs):
             if ref not in BUILT_IN_REWARDS and ":" not in ref:
                 raise ValueError(f"reward_funcs[{i}] '{ref}' is neither a built-in ("
@@ -135,7 +135,7 @@ class GRPOConfig(Section):
 
     @model_validator(mode="after")
     def _compat(self) -> "GRPOConfig":
-        compat.check(self, "grpo")  # the rules among grpo keys (ROWS, in compat's table)
+        compat.check(self, "grpo")
         return self
 
     @property
@@ -149,15 +149,21 @@ class GRPOConfig(Section):
 
 GRPO = compat.When("training.type grpo", lambda c: c.training.type == "grpo")
 
+
+def _one_weight_per_function(g: GRPOConfig) -> str | None:
+    if g.reward_weights is None or len(g.reward_weights) == len(g.reward_funcs):
+        return None
+    return (f"reward_weights has {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
+            "reward_funcs; give one per function or null")
+
+
 #: grpo's rows of the compatibility table (finetune/config/compat.py)
 ROWS: list[compat.Rule] = [
-    compat.Agree("grpo", ("reward_weights", "reward_funcs"), lambda g: (
-        f"reward_weights has {len(g.reward_weights)} weights for {len(g.reward_funcs)} "
-        "reward_funcs; give one per function or null")
-        if g.reward_weights is not None and len(g.reward_weights) != len(g.reward_funcs)
-        else None, example={"grpo.reward_weights": [1.0, 2.0]}),
+    compat.Agree("grpo", ("reward_weights", "reward_funcs"), _one_weight_per_function,
+                 example={"grpo.reward_weights": [1.0, 2.0]}),
     *(compat.Refuse("config", key, GRPO, why, used=used, example={
-        "training.type": "grpo", "data.dataset_type": "prompt", **extra})
+        "training.type": "grpo", "data.dataset_type": "prompt",
+        "registry.gate_metric": "eval.reward", **extra})
       for key, used, why, extra in (
         ("training.packing", None, "completions are generated and scored as padded rows",
          {"training.packing": True}),

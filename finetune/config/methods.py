@@ -28,8 +28,9 @@ class Method:
     task: ModelTask | None = None
     #: the refusal's advice when the data is not one it trains on ("" : a generic one)
     data_hint: str = ""
-    #: config -> the evaluate stage's metrics this method reports besides the dataset type's
-    #: (GRPO's rewards and pass rates), so the registry gate may name them
+    #: config -> the evaluate stage's metrics when this method's evaluation replaces the
+    #: dataset type's (GRPO's rewards and pass rates: no loss or text-match metrics of its
+    #: prompt rows), so the registry gate may name them and no other; None: the type's
     metrics: Callable[[object], tuple[str, ...]] | None = None
     #: a regex every such metric name matches, so `registry.gate_metric` can name one before
     #: the whole config is known (the config-wide rule then checks the exact name)

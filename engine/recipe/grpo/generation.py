@@ -10,10 +10,12 @@ its order and with its semantics (`process_logits`): repetition penalty over the
 tokens and the tokens generated so far, temperature, top-k, top-p, min-p; then softmax and
 `torch.multinomial` with a `torch.Generator` on the device seeded by the caller, so the same
 weights, prompts and seed give the same completions bitwise (on one device and software stack;
-on CUDA as far as the model's kernels are deterministic). Unchunked, they are the tokens
-`model.generate(do_sample=True, num_return_sequences=G)` draws after `torch.manual_seed(seed)`
-(tests/test_grpo_generation.py and bench/grpo_generation.py check it on the CPU). Temperature 0
-is greedy (argmax).
+on CUDA as far as the model's kernels are deterministic). With one seed for the call and
+unchunked, they are the tokens `model.generate(do_sample=True, num_return_sequences=G)` draws
+after `torch.manual_seed(seed)` (tests/test_grpo_generation.py and bench/grpo_generation.py check
+it on the CPU). With one seed per prompt, each prompt's completions are drawn from its own
+generator: they do not depend on which other prompts share the call (the forwards stay batched;
+only the draw is one `torch.multinomial` per prompt). Temperature 0 is greedy (argmax).
 
 Conventions are TRL's (GRPOTrainer, GRPOConfig): `top_k=0` is no top-k filtering, `min_p=None`
 no min-p; completions of prompt 0 come first (`repeat_interleave` order); the completion mask
@@ -95,11 +97,12 @@ class Generator(Protocol):
     """
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 num_generations: int, seed: int) -> Completions:
+                 num_generations: int, seed: int | Sequence[int]) -> Completions:
         """prompt_ids, prompt_mask: [B, P] LEFT-padded prompts on the model's device. Returns
         B * num_generations rows, the num_generations completions of prompt 0 first (TRL's
         repeat_interleave order). The same weights, prompts and seed give the same completions
-        bitwise."""
+        bitwise. `seed`: one for the call, or B, one per prompt: a prompt's completions then
+        depend on its own seed only, not on the other prompts of the call."""
         ...
 
 
@@ -198,11 +201,14 @@ class LocalGenerator:
     train/eval flag is restored afterwards. The caller's torch.autocast, if any, applies to the
     forwards; scores are processed in float32 as Hugging Face generate does.
 
-    `batch_size` rows (of B * num_generations) go through the model at a time; None: all. The
-    draws come from one generator in row order, so completions depend on the seed and on
-    batch_size. `stop_check_every`: how often the loop checks whether every row has finished
-    (None: every token on the CPU, STOP_CHECK_EVERY tokens elsewhere); it changes the work
-    done, never the completions. `all_finished`: see the attribute.
+    `batch_size` rows (of B * num_generations) go through the model at a time; None: all. With
+    one seed, the draws come from one generator in row order, so completions depend on the seed
+    and on batch_size; with a seed per prompt, each prompt's from its own generator, so they
+    do not depend on batch_size either while it is a multiple of num_generations (a chunk
+    that splits a prompt's rows changes the order of their draws). `stop_check_every`: how
+    often the loop checks whether every row has finished (None: every token on the CPU,
+    STOP_CHECK_EVERY tokens elsewhere); it changes the work done, never the completions.
+    `all_finished`: see the attribute.
     """
 
     def __init__(self, model, params: SamplingParams, eos_token_ids: list[int],
@@ -227,7 +233,7 @@ class LocalGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 num_generations: int, seed: int) -> Completions:
+                 num_generations: int, seed: int | Sequence[int]) -> Completions:
         if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
             raise ValueError(f"prompt_ids and prompt_mask must both be [B, P], got "
                              f"{tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
@@ -235,15 +241,15 @@ class LocalGenerator:
             raise ValueError(f"num_generations must be >= 1, got {num_generations}")
         ids = prompt_ids.repeat_interleave(num_generations, dim=0)
         mask = prompt_mask.repeat_interleave(num_generations, dim=0)
-        generator = torch.Generator(device=ids.device)
-        generator.manual_seed(int(seed))
         rows = ids.shape[0]
+        spans = _draw_spans(seed, prompt_ids.shape[0], num_generations, ids.device)
         chunk = self.batch_size or rows
 
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
         try:
-            parts = [self._generate_rows(ids[i:i + chunk], mask[i:i + chunk], generator)
+            parts = [self._generate_rows(ids[i:i + chunk], mask[i:i + chunk],
+                                         _in_chunk(spans, i, min(i + chunk, rows)))
                      for i in range(0, rows, chunk)]
         finally:
             for module, training in modes:
@@ -266,8 +272,9 @@ class LocalGenerator:
         # float32 scores, as Hugging Face generate takes them; the last position only
         return out.logits[:, -1].float(), out.past_key_values
 
-    def _generate_rows(self, ids: torch.Tensor, mask: torch.Tensor, generator: torch.Generator):
-        """One chunk of rows: prefill, then one cached forward per token.
+    def _generate_rows(self, ids: torch.Tensor, mask: torch.Tensor, spans: list[Span]):
+        """One chunk of rows: prefill, then one cached forward per token; `spans`: which
+        generator draws which of its rows (`_draw_spans`).
         -> (ids [n, T], mask [n, T], finished [n]) with T = max_completion_length."""
         params, pad, device = self.params, self.pad_token_id, ids.device
         real = mask != 0
@@ -299,7 +306,12 @@ class LocalGenerator:
             absorb = logits.shape[-1]  # the column for ids past the output vocabulary
         next_position = positions[:, -1:] + 1
         for t in range(steps):
-            tokens = next_tokens(process_logits(logits, params, seen), params, generator)
+            scores = process_logits(logits, params, seen)
+            if params.greedy or len(spans) == 1:
+                tokens = next_tokens(scores, params, spans[0][2] if spans else None)
+            else:
+                tokens = torch.cat([next_tokens(scores[a:b], params, generator)
+                                    for a, b, generator in spans])
             tokens = tokens.masked_fill(finished, pad)  # finished rows emit pad
             out[:, t] = tokens
             keep[:, t] = (~finished).long()  # the EOS itself is kept
@@ -313,3 +325,31 @@ class LocalGenerator:
                 tokens[:, None], attention[:, :prompt_len + t + 1] if padded else None,
                 next_position + t, cache)
         return out, keep, finished
+
+
+#: rows [start, end) of a call (or a chunk) whose tokens one generator draws, in row order
+Span = tuple[int, int, torch.Generator]
+
+
+def _draw_spans(seed: int | Sequence[int], prompts: int, num_generations: int,
+                device: torch.device) -> list[Span]:
+    """One seed: one generator draws every row. One seed per prompt: each prompt's
+    num_generations rows from a generator of their own."""
+    def seeded(value) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(int(value))
+        return generator
+
+    if not isinstance(seed, Sequence):
+        return [(0, prompts * num_generations, seeded(seed))]
+    if len(seed) != prompts:
+        raise ValueError(f"{len(seed)} seeds for {prompts} prompts: give one seed, or one per "
+                         "prompt")
+    return [(i * num_generations, (i + 1) * num_generations, seeded(s))
+            for i, s in enumerate(seed)]
+
+
+def _in_chunk(spans: list[Span], start: int, end: int) -> list[Span]:
+    """The spans of rows [start, end), counted from the chunk's first row."""
+    return [(max(a, start) - start, min(b, end) - start, g) for a, b, g in spans
+            if a < end and b > start]

@@ -16,9 +16,11 @@ SFT run's hooks only (the loop, the strategies and the checkpoints are the SFT r
 - `heldout_metrics`: rewards and pass rates of base and fine-tuned on held-out prompts
   (engine.recipe.grpo.heldout).
 
-Sampling is seeded per (seed, rank, step, micro-batch): the completions of a step are a
-function of the weights and of the step, so a run resumed from a checkpoint samples exactly
-what the uninterrupted run sampled, with no generator state to carry.
+Sampling is seeded per prompt, by (seed, step, the prompt's position in the step's global
+batch): the completions of a step are a function of the weights and of the step, so a run
+resumed from a checkpoint samples exactly what the uninterrupted run sampled, with no generator
+state to carry; and a prompt's completions do not depend on how the step's prompts are spread
+over ranks and micro-batches (2 ranks x batch b sample what 1 rank x batch 2b samples).
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ TIMES = ("time/generation", "time/scoring")
 SAMPLES_FILE = "train_samples.jsonl"
 
 
-def step_seed(seed: int, rank: int, step: int, micro: int) -> int:
-    """The sampling seed of one micro-batch: distinct per rank, step and micro-batch."""
-    return (seed * 1_000_003 + rank * 7_919 + step * 131 + micro) % (2**63 - 1)
+def prompt_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
+    """The sampling seeds of `count` prompts at positions first, first + 1, ... of step
+    `step`'s global batch (engine.datapath.data: rank r's micro-batch i holds positions
+    (i * world_size + r) * batch ...): distinct per step and position, whatever the world size
+    and the accumulation."""
+    return [((seed * 1_000_003 + step) * 1_000_033 + first + j) % (2**63 - 1)
+            for j in range(count)]
 
 
 class GRPORun(TrainingRun):
@@ -84,7 +90,7 @@ class GRPORun(TrainingRun):
         self.token_sums = torch.zeros(len(TOKEN_STATS) + 1, dtype=torch.float64, device=device)
         self.buffer: list[dict] | None = None
         self.samples: list[dict] = []
-        self.samples_open = False  # SAMPLES_FILE written by this process yet
+        self.samples_started = False  # SAMPLES_FILE not written by this run yet
         self.scored_at: float | None = None
 
     def check_positions(self) -> None:
@@ -128,19 +134,22 @@ class GRPORun(TrainingRun):
         device, module = d.device, self.strategy.module
         started = time.perf_counter()
         generated, self.samples = [], []
+        size = t.per_device_train_batch_size
         for i, batch in enumerate(micro):
             prompt_ids = batch["input_ids"].to(device)
             prompt_mask = batch["attention_mask"].to(device)
+            seeds = prompt_seeds(t.seed, self.progress.step, (i * d.world_size + d.rank) * size,
+                                 prompt_ids.shape[0])
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-                done = self.generator.generate(
-                    prompt_ids, prompt_mask, g.num_generations,
-                    step_seed(t.seed, d.rank, self.progress.step, i))
+                done = self.generator.generate(prompt_ids, prompt_mask, g.num_generations, seeds)
             generated.append((batch, prompt_ids, prompt_mask, done))
         generated_at = time.perf_counter()
         per_func = torch.cat([self.score(batch, done) for batch, _, _, done in generated])
         batches = [self.completion_batch(p_ids, p_mask, done)
                    for _, p_ids, p_mask, done in generated]
-        advantages, stats = self.advantages(per_func)
+        lengths = torch.cat([done.mask.sum(-1) for *_, done in generated])
+        clipped = torch.cat([done.clipped for *_, done in generated])
+        advantages, stats = self.advantages(per_func, torch.stack([lengths, clipped], 1))
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
             self.add_logps(module, batch)
@@ -151,13 +160,12 @@ class GRPORun(TrainingRun):
         for batch, count in zip(batches, counts):
             batch["targets"] = count
         scored_at = time.perf_counter()
-        lengths = torch.cat([done.mask.sum(-1) for *_, done in generated]).float()
-        clipped = torch.cat([done.clipped for *_, done in generated]).float()
         step_targets = sum(counts)
         host = torch.tensor([generated_at - started, scored_at - generated_at],
                             dtype=torch.float64, device=device)
-        values = torch.cat([torch.stack([*self.reward_stats(stats), lengths.mean().double(),
-                                         clipped.mean().double()]), host])
+        values = torch.cat([torch.stack([*self.reward_stats(stats),
+                                         stats["completions/mean_length"],
+                                         stats["completions/clipped_ratio"]]), host])
         self.step_sums += values * step_targets
         return batches
 
@@ -180,20 +188,29 @@ class GRPORun(TrainingRun):
                         for p, text, r in zip(prompts, texts, rewards)]
         return rewards
 
-    def advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Group-normalised advantages of this rank's completions; with `scale_rewards:
-        batch` (its std over the whole step) the rewards of every rank are gathered first."""
+    def advantages(self, per_func: torch.Tensor, completions: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict]:
+        """Group-normalised advantages of this rank's completions, and the step's statistics
+        over every rank's completions (TRL gathers them): the rewards of every rank are
+        gathered (`scale_rewards: batch` takes their std over the whole step), with
+        `completions`, each completion's [length, clipped], for the length statistics. Every
+        rank then logs the step's values (a mean of the ranks' means, each weighted by its
+        targets, would not be the mean over the step's completions)."""
         g, d = self.cfg.grpo, self.dist
-        per_func = per_func.to(d.device)
+        funcs = per_func.shape[1]
+        local = torch.cat([per_func.to(d.device),
+                           completions.to(d.device, per_func.dtype)], dim=1)
         if d.world_size > 1:
-            gathered = [torch.empty_like(per_func) for _ in range(d.world_size)]
-            torch.distributed.all_gather(gathered, per_func)
+            gathered = [torch.empty_like(local) for _ in range(d.world_size)]
+            torch.distributed.all_gather(gathered, local)
             everyone = torch.cat(gathered)
         else:
-            everyone = per_func
-        adv, stats = group_advantages(everyone, self.weights.to(d.device), g.num_generations,
-                                      g.scale_rewards)
-        n = per_func.shape[0]
+            everyone = local
+        adv, stats = group_advantages(everyone[:, :funcs], self.weights.to(d.device),
+                                      g.num_generations, g.scale_rewards)
+        stats["completions/mean_length"] = everyone[:, funcs].double().mean()
+        stats["completions/clipped_ratio"] = everyone[:, funcs + 1].double().mean()
+        n = local.shape[0]
         return adv[d.rank * n:(d.rank + 1) * n], stats
 
     def completion_batch(self, prompt_ids, prompt_mask, done) -> dict:
@@ -262,15 +279,29 @@ class GRPORun(TrainingRun):
         return stats
 
     def write_samples(self) -> None:
-        if not (self.dist.is_main and self.samples):
+        """Appends the last rollout's rows, every rank's (TRL's table gathers them), rank by
+        rank. A run's first write starts the table over: empty
+        for a fresh run, for a resumed one the rows up to its checkpoint's step (a crashed run
+        may have written later ones, which the resumed run writes again)."""
+        samples = self.samples
+        if self.dist.world_size > 1:  # every rank calls this at a logging step
+            gathered: list = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, samples)
+            samples = [row for rank in gathered for row in rank]
+        if not (self.dist.is_main and samples):
             return
         path = self.paths.plots_dir / SAMPLES_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         step = self.progress.step
-        fresh = not self.samples_open and self.start_step == 0
-        self.samples_open = True
-        with path.open("w" if fresh else "a") as f:  # a fresh run's table starts empty
-            for row in self.samples:
+        if not self.samples_started:
+            kept = []
+            if self.start_step and path.exists():
+                kept = [line for line in path.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= self.start_step]
+            path.write_text("".join(line + "\n" for line in kept))
+            self.samples_started = True
+        with path.open("a") as f:
+            for row in samples:
                 f.write(json.dumps({"step": step, **row}) + "\n")
 
     # -- evaluation ------------------------------------------------------------------------
