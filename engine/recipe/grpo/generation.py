@@ -258,10 +258,13 @@ def merged_lora(model):
 
 def _compiled(model) -> bool:
     """Whether a module of `model` runs under torch.compile (regional: a compiled `forward`
-    attribute; whole: an OptimizedModule): swapping a layer's forward would recompile."""
+    attribute; whole: an OptimizedModule): swapping a layer's forward would recompile. A
+    forward under torch.compiler.disable (the chunked loss's head) is not compiled."""
     for module in model.modules():
-        if hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable") or \
-                type(module).__name__ == "OptimizedModule":
+        forward = module.__dict__.get("forward")
+        if type(module).__name__ == "OptimizedModule" or (
+                hasattr(forward, "_torchdynamo_orig_callable")
+                and not getattr(forward, "_torchdynamo_disable", False)):
             return True
     return False
 
