@@ -24,7 +24,12 @@ optimizer, logging), and inside it:
   `_generate`; `reward` and `reference` are its parts (our `score`, the reference forward; TRL's
   `_calculate_rewards`, its `_get_per_token_logps_and_entropies` inside the rollout);
 - training: the step minus the rollout (forward, loss, backward, optimizer, logging).
-The first `--warmup` steps are dropped; the table gives medians over the others.
+The first `--warmup` steps are dropped; a run's numbers are medians over the others. Each side
+runs `--rounds` times per setting, alternating with the other, each run after waiting for the
+machine to be quiet (`--quiet`); the table gives each side's round with the lowest median
+step (the least disturbed on a shared machine; every round's median is in the JSON).
+`spread` is (slowest - fastest step) / median within that run, `others` the processes that
+were runnable besides ours before it, `load` the 1-minute load average after it.
 
 Ours is driven in-process without the stage machinery (no DVC/MLflow/Prefect): the prompt rows
 are formatted and tokenized with the `prompt` dataset type's own encoder
@@ -381,7 +386,30 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(out))
 
 
+def others_running(samples: int = 10, every: float = 0.2) -> float:
+    """Runnable processes besides this sampler, averaged over `samples` reads of
+    /proc/loadavg's running count (an instant reading, unlike the load averages)."""
+    counts = []
+    for _ in range(samples):
+        with open("/proc/loadavg") as fh:
+            counts.append(int(fh.read().split()[3].split("/")[0]) - 1)
+        time.sleep(every)
+    return sum(counts) / len(counts)
+
+
+def wait_for_quiet(limit: float, patience: float) -> float:
+    """Wait (at most `patience` seconds) until fewer than `limit` other processes are
+    runnable on average; returns the last reading (the machine is shared)."""
+    deadline = time.time() + patience
+    while True:
+        busy = others_running()
+        if busy < limit or time.time() > deadline:
+            return busy
+        time.sleep(10)
+
+
 def launch(side: str, args, tokens: int, beta: float) -> dict:
+    busy = wait_for_quiet(args.quiet, args.patience) if args.quiet else None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         cmd = [sys.executable, __file__, "--side", side, "--model", args.model,
@@ -392,10 +420,14 @@ def launch(side: str, args, tokens: int, beta: float) -> dict:
         if proc.returncode:
             raise SystemExit(f"{side} (T {tokens}, beta {beta}) failed:\n"
                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+    result["others_running_before"] = busy
+    result["load_after"] = loadavg()
+    return result
 
 
-def summary(result: dict, warmup: int) -> dict:
+def run_medians(result: dict, warmup: int) -> dict:
+    """One run's medians over its timed steps."""
     rows = result["rows"][warmup:]
     med = {k: statistics.median(r[k] for r in rows) for k in ("total", *PARTS)}
     gen_tokens = statistics.median(r["tokens"] for r in rows)
@@ -404,6 +436,14 @@ def summary(result: dict, warmup: int) -> dict:
     med["step_tok_s"] = gen_tokens / med["total"]
     med["spread"] = (max(r["total"] for r in rows) - min(r["total"] for r in rows)) / med["total"]
     return med
+
+
+def summary(results: list[dict], warmup: int) -> dict:
+    """The round with the lowest median step (the least disturbed on a shared machine), with
+    every round's median step beside it."""
+    rounds = [run_medians(r, warmup) for r in results]
+    best = min(rounds, key=lambda m: m["total"])
+    return {**best, "round_totals": [m["total"] for m in rounds]}
 
 
 def loadavg() -> list[float]:
@@ -420,6 +460,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="steps dropped before timing")
     parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of each side per setting, alternating (steps pooled)")
+    parser.add_argument("--quiet", type=float, default=0.5,
+                        help="before each run, wait until fewer than this many other "
+                        "processes are runnable (0: do not wait); see --patience")
+    parser.add_argument("--patience", type=float, default=600,
+                        help="seconds to wait for --quiet before running anyway")
     parser.add_argument("--profile", choices=["ours", "trl"],
                         help="cProfile the timed steps of one side (first --tokens/--beta) "
                         "and print the top functions; no table, no results file")
@@ -442,8 +489,11 @@ def main() -> None:
     rows, raw = [], []
     for tokens in args.tokens:
         for beta in args.beta:
-            # TRL first, then ours: the same order in every setting
-            res = {side: launch(side, args, tokens, beta) for side in ("trl", "ours")}
+            # TRL, then ours, `rounds` times: the same order in every setting
+            res = {"trl": [], "ours": []}
+            for _ in range(args.rounds):
+                for side in ("trl", "ours"):
+                    res[side].append(launch(side, args, tokens, beta))
             s = {side: summary(r, args.warmup) for side, r in res.items()}
             for side in ("trl", "ours"):
                 m = s[side]
@@ -452,7 +502,10 @@ def main() -> None:
                              "scoring_s": m["scoring"], "reward_s": m["reward"],
                              "reference_s": m["reference"], "training_s": m["training"],
                              "gen_tok_s": m["gen_tok_s"], "tokens": int(m["tokens"]),
-                             "spread": m["spread"]})
+                             "spread": m["spread"],
+                             "others": max((r["others_running_before"] or 0)
+                                           for r in res[side]),
+                             "load": max(r["load_after"][0] for r in res[side])})
             ratio = {p: s["trl"][p] / s["ours"][p] if s["ours"][p] else None
                      for p in ("total", "generation", "scoring", "training")}
             rows.append({"T": tokens, "beta": beta, "trainer": "TRL / ours",
@@ -465,7 +518,7 @@ def main() -> None:
                   f"{s['ours']['total']:.3f} s/step, TRL/ours {ratio['total']:.2f}x "
                   f"(load {loadavg()})", flush=True)
     columns = ["T", "beta", "trainer", "step_s", "generation_s", "scoring_s", "reward_s",
-               "reference_s", "training_s", "gen_tok_s", "tokens", "spread"]
+               "reference_s", "training_s", "gen_tok_s", "tokens", "spread", "others", "load"]
     print()
     print(markdown_table(rows, columns))
     ratios = [r["ratio_total"] for r in raw]
@@ -475,8 +528,8 @@ def main() -> None:
           f"{args.model}, {args.steps} timed steps after {args.warmup}, "
           f"{torch.get_num_threads()} threads; load before {load_before}, after {loadavg()}")
     info = machine()
-    info["threads"] = raw[0]["ours"]["threads"]
-    info["trl_threads"] = raw[0]["trl"]["threads"]
+    info["threads"] = raw[0]["ours"][0]["threads"]
+    info["trl_threads"] = raw[0]["trl"][0]["threads"]
     import peft
     import transformers
     import trl
@@ -492,9 +545,10 @@ def main() -> None:
                 "optimizer": "AdamW fused", "learning_rate": LR, "scheduler": "constant",
                 "prompt_template": TEMPLATE, "prompt_tokens": list(PROMPT_TOKENS),
                 "reward": "bench/grpo_vs_trl.py:reward", "seed": SEED, "dtype": "float32",
-                "trainable_params": {"ours": raw[0]["ours"]["trainable"],
-                                     "trl": raw[0]["trl"]["trainable"]},
-                "total_params": {"ours": raw[0]["ours"]["total"], "trl": raw[0]["trl"]["total"]}}
+                "trainable_params": {"ours": raw[0]["ours"][0]["trainable"],
+                                     "trl": raw[0]["trl"][0]["trainable"]},
+                "total_params": {"ours": raw[0]["ours"][0]["total"],
+                                 "trl": raw[0]["trl"][0]["total"]}}
     out.write_text(json.dumps({
         "machine": info, "args": {k: v for k, v in vars(args).items()
                                   if k not in ("side", "out", "profile")},
