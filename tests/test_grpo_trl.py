@@ -104,7 +104,11 @@ def last(metrics: dict, name: str) -> float:
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
 @pytest.mark.parametrize("beta,iterations", [(0.0, 1), (0.04, 1), (0.0, 2), (0.04, 2)])
-def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, beta, iterations):
+@pytest.mark.parametrize("group", [1, GROUP])
+def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, beta, iterations,
+                                                  group):
+    """group GROUP: our log-probabilities with each prompt's forward shared by its
+    completions (completion_logps `group`, what a single-process run uses)."""
     model, tok = copy.deepcopy(base[0]), base[1]
     trainer = trl_trainer(tmp_path, model, tok, loss_type, beta, iterations)
     inputs = [{"prompt": p} for p in PROMPTS for _ in range(GROUP)]
@@ -132,7 +136,8 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
 
     # the log-probabilities taken before any update
     with torch.no_grad():
-        old = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE)[0]
+        old = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
+                               group=group)[0]
     if iterations > 1:
         torch.testing.assert_close(old * mask, out["old_per_token_logps"] * mask, atol=1e-5,
                                    rtol=1e-5)
@@ -143,7 +148,7 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
     if beta:
         with torch.no_grad():
             ref = completion_logps(trainer.ref_model, input_ids, attention, mask.shape[1],
-                                   TEMPERATURE)[0]
+                                   TEMPERATURE, group=group)[0]
         # log-probabilities near -14: float noise of TRL's tiled LM head is ~1e-6 relative
         torch.testing.assert_close(ref * mask, out["ref_per_token_logps"] * mask, atol=1e-5,
                                    rtol=1e-5)
@@ -159,7 +164,7 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
     policy.zero_grad(set_to_none=True)
 
     logps, entropy = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
-                                      with_entropy=True)
+                                      with_entropy=True, group=group)
     losses = token_losses(logps, old, ref, advantages, 0.2, 0.28, beta)
     loss_sum, count = reduce(loss_type, losses.per_token, mask, LENGTH)
     ours = loss_sum / count

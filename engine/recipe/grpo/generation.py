@@ -17,6 +17,13 @@ it on the CPU). With one seed per prompt, each prompt's completions are drawn fr
 generator: they do not depend on which other prompts share the call (the forwards stay batched;
 only the draw is one `torch.multinomial` per prompt). Temperature 0 is greedy (argmax).
 
+Through a peft LoRA model computing in float32 on the CPU, generation folds each LoRA linear
+layer's adapters into one weight for the call (`merged_lora`: W + B A s, one GEMM where the
+adapter's forward runs three): the policy's distribution up to float rounding (the training
+forward, which the loss differentiates, keeps the unmerged layers); 1.38x (64 new tokens) and
+1.48x (128) faster on stories260K with LoRA r=16 on every linear layer, 16 rows, on the 2-core
+dev CPU. `merge_adapters` (LocalGenerator) turns it on or off elsewhere.
+
 Conventions are TRL's (GRPOTrainer, GRPOConfig): `top_k=0` is no top-k filtering, `min_p=None`
 no min-p; completions of prompt 0 come first (`repeat_interleave` order); the completion mask
 covers the tokens up to and including the first EOS; a completion without EOS within
@@ -25,12 +32,14 @@ covers the tokens up to and including the first EOS; a completion without EOS wi
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 #: On an accelerator the decode loop asks "has every row finished?" only every this many new
 #: tokens: the answer is a device-to-host copy that makes the host wait for the queued kernels,
@@ -190,6 +199,85 @@ def _accepts_logits_to_keep(model) -> bool:
         return False
 
 
+def _foldable_lora(module) -> bool:
+    """A peft LoRA linear layer whose active adapters fold into its weight exactly as its
+    forward applies them: plain LoRA (no DoRA or other variant, no LoRA bias), adapters
+    enabled and not already merged, over a float nn.Linear held as a plain tensor (not a
+    DTensor shard, not quantized)."""
+    base = getattr(module, "base_layer", None)
+    if not (isinstance(base, torch.nn.Linear) and hasattr(module, "get_delta_weight")
+            and hasattr(module, "lora_A")):
+        return False
+    if module.disable_adapters or module.merged:
+        return False
+    weight = base.weight
+    if type(weight.data) is not torch.Tensor or not weight.is_floating_point() or \
+            weight.is_meta:
+        return False
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if name in getattr(module, "lora_variant", {}) or module.lora_bias.get(name, False):
+            return False
+        if module.lora_A[name].weight.dtype != weight.dtype:
+            return False
+    return True
+
+
+def _merged_forward(weight: torch.Tensor, bias: torch.Tensor | None):
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    return forward
+
+
+@contextlib.contextmanager
+def merged_lora(model):
+    """While inside: every foldable LoRA linear layer of `model` (`_foldable_lora`) computes
+    x (W + sum over its active adapters of peft's get_delta_weight)^T + b, one GEMM. The
+    parameters are not touched (the merged weight is a new tensor, freed on exit) and each
+    layer's own forward is back on exit; yields how many layers were folded. No gradient."""
+    folded = []
+    try:
+        with torch.no_grad():
+            for module in model.modules():
+                if not _foldable_lora(module):
+                    continue
+                base = module.base_layer
+                weight = base.weight.detach().clone()
+                for name in module.active_adapters:
+                    if name in module.lora_A:
+                        weight += module.get_delta_weight(name)
+                folded.append((module, module.__dict__.get("forward")))
+                module.forward = _merged_forward(weight, base.bias)
+        yield len(folded)
+    finally:
+        for module, own in folded:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+
+def _compiled(model) -> bool:
+    """Whether a module of `model` runs under torch.compile (regional: a compiled `forward`
+    attribute; whole: an OptimizedModule): swapping a layer's forward would recompile. A
+    forward under torch.compiler.disable (the chunked loss's head) is not compiled."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if type(module).__name__ == "OptimizedModule" or (
+                hasattr(forward, "_torchdynamo_orig_callable")
+                and not getattr(forward, "_torchdynamo_disable", False)):
+            return True
+    return False
+
+
+def _sharded(model) -> bool:
+    """Whether the model's parameters are shards (FSDP2's DTensors): no whole weight to merge
+    an adapter into."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
 class LocalGenerator:
     """Generation in this process with the model's current weights (see `Generator`).
 
@@ -209,12 +297,18 @@ class LocalGenerator:
     often the loop checks whether every row has finished (None: every token on the CPU,
     STOP_CHECK_EVERY tokens elsewhere); it changes the work done, never the completions.
     `all_finished`: see the attribute.
+    `merge_adapters`: fold LoRA adapters into their layers' weights for the call
+    (`merged_lora`); None: where it keeps the arithmetic float32 and costs only host memory,
+    i.e. on the CPU, with float32 weights, outside autocast, not sharded (FSDP2's DTensor
+    parameters) and not compiled; True: wherever a layer allows it (also under autocast, where
+    the merged weight is cast as the base weight is); False: never.
     """
 
     def __init__(self, model, params: SamplingParams, eos_token_ids: list[int],
                  pad_token_id: int, batch_size: int | None = None, *,
                  stop_check_every: int | None = None,
-                 all_finished: Callable[[torch.Tensor], bool] | None = None):
+                 all_finished: Callable[[torch.Tensor], bool] | None = None,
+                 merge_adapters: bool | None = None):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
         if stop_check_every is not None and stop_check_every < 1:
@@ -230,6 +324,7 @@ class LocalGenerator:
         self.pad_token_id = int(pad_token_id)
         self.batch_size = batch_size
         self._logits_to_keep = _accepts_logits_to_keep(model)
+        self.merge_adapters = merge_adapters
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -247,10 +342,12 @@ class LocalGenerator:
 
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
+        merge = self._merging(ids.device)
         try:
-            parts = [self._generate_rows(ids[i:i + chunk], mask[i:i + chunk],
-                                         _in_chunk(spans, i, min(i + chunk, rows)))
-                     for i in range(0, rows, chunk)]
+            with merged_lora(self.model) if merge else contextlib.nullcontext():
+                parts = [self._generate_rows(ids[i:i + chunk], mask[i:i + chunk],
+                                             _in_chunk(spans, i, min(i + chunk, rows)))
+                         for i in range(0, rows, chunk)]
         finally:
             for module, training in modes:
                 module.training = training
@@ -262,6 +359,17 @@ class LocalGenerator:
         width = int(lengths.max())  # the one host sync of the call, besides the chunks'
         return Completions(ids=out[:, :width].contiguous(), mask=keep[:, :width].contiguous(),
                            lengths=lengths, clipped=~finished)
+
+    def _merging(self, device: torch.device) -> bool:
+        """Whether this call folds LoRA adapters (see `merge_adapters`)."""
+        if self.merge_adapters is not None:
+            return self.merge_adapters and not _sharded(self.model)
+        if (device.type != "cpu" or _sharded(self.model)
+                or torch.is_autocast_enabled("cpu")):
+            return False
+        if any(p.dtype != torch.float32 for p in self.model.parameters()):
+            return False
+        return not _compiled(self.model)
 
     def _forward(self, ids, attention_mask, positions, cache):
         kwargs = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": positions,

@@ -30,16 +30,21 @@ TOKEN_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
 
 
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     completion_len: int, temperature: float, with_entropy: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     completion_len: int, temperature: float, with_entropy: bool = False,
+                     group: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([N, T] log-probabilities of the last `completion_len` tokens of each row under the
     tempered distribution, [N, T] entropies or None), fp32. Only the completion positions'
     logits are computed (`logits_to_keep`); positions follow the attention mask, as in
-    generation, so left padding does not shift them."""
+    generation, so left padding does not shift them.
+
+    `group` > 1: the rows come in runs of `group` with the same prompt columns (the
+    completions of one prompt, TRL's repeat_interleave order), and the prompt is run once per
+    run (`completion_logits`): the same values up to float rounding, for 1/group of the
+    prompt's compute, forward and backward."""
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=completion_len + 1, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature
+    logits = completion_logits(model, input_ids, attention_mask, position_ids, completion_len,
+                               group)
+    logits = logits.float() / temperature
     targets = input_ids[:, -completion_len:]
     norm = torch.logsumexp(logits, dim=-1)
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - norm
@@ -48,6 +53,41 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         with torch.no_grad():
             entropy = norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logps, entropy
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor, completion_len: int, group: int = 1
+                      ) -> torch.Tensor:
+    """[N, completion_len, V] logits, each position's predicting its completion token.
+
+    With `group` > 1 (see `completion_logps`), two forwards: the prompt columns of one row per
+    group with a KV cache (the last prompt position's logits predict the first completion
+    token), the cache repeated `group` times (its gradient flows back to the shared prompt
+    activations), then every row's completion tokens but the last against it. Prompt tokens
+    are usually most of a GRPO row's tokens on short completions, so this cuts the training
+    and reference forwards' work by up to (group - 1) / group of the prompt's share. Falls back
+    to one forward when the model returns no cache (activation checkpointing turns it off)."""
+    rows, width = input_ids.shape
+    prompt_len = width - completion_len
+    if group > 1 and rows % group == 0 and prompt_len > 0:
+        head = model(input_ids=input_ids[::group, :prompt_len],
+                     attention_mask=attention_mask[::group, :prompt_len],
+                     position_ids=position_ids[::group, :prompt_len], logits_to_keep=1,
+                     use_cache=True)
+        cache = head.past_key_values
+        if cache is not None and hasattr(cache, "batch_repeat_interleave"):
+            first = head.logits.repeat_interleave(group, dim=0)
+            if completion_len == 1:
+                return first
+            cache.batch_repeat_interleave(group)
+            tail = model(input_ids=input_ids[:, prompt_len:-1],
+                         attention_mask=attention_mask[:, :-1],
+                         position_ids=position_ids[:, prompt_len:-1], past_key_values=cache,
+                         use_cache=True).logits
+            return torch.cat([first, tail], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=completion_len + 1, use_cache=False).logits
+    return logits[:, :-1]
 
 
 @dataclass

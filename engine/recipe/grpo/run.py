@@ -79,6 +79,12 @@ class GRPORun(TrainingRun):
             eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
             all_finished=self.strategy.generation_done)
         self.rewards = load_reward_functions(g.reward_funcs, reward_options(self.cfg))
+        t = self.cfg.training
+        #: a prompt's completions share its forward (loss.completion_logps `group`): on one
+        #: process holding the whole model, without activation checkpointing or compile
+        self.prompt_group = g.num_generations if (
+            self.strategy.name == "single" and not t.gradient_checkpointing
+            and not t.torch_compile) else 1
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
                                     dtype=torch.float32)
         self.step_names = ("reward", "reward_std", "frac_reward_zero_std",
@@ -236,7 +242,7 @@ class GRPORun(TrainingRun):
         def logps(model, b):
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
                 return completion_logps(model, b["input_ids"], b["attention_mask"], length,
-                                        g.temperature)[0]
+                                        g.temperature, group=self.prompt_group)[0]
 
         if g.num_iterations > 1:
             batch["old_logps"] = logps(module, batch)
@@ -254,7 +260,8 @@ class GRPORun(TrainingRun):
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
                 logps, entropy = completion_logps(self.model, batch["input_ids"],
                                                   batch["attention_mask"], mask.shape[1],
-                                                  g.temperature, with_entropy=True)
+                                                  g.temperature, with_entropy=True,
+                                                  group=self.prompt_group)
             losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
                                   batch["advantages"], g.epsilon, g.clip_high, g.beta,
                                   g.use_bias_correction_kl)
