@@ -166,9 +166,10 @@ def parse_message(m: Any, where: str) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def check_order(conv: list[dict[str, str]], where: str) -> None:
+def check_order(conv: list[dict[str, str]], where: str, ends_on: str = "assistant") -> None:
     """Refuse a conversation whose roles are out of order: a system message only first, then
-    user and assistant alternating from a user turn, ending on an assistant turn.
+    user and assistant alternating from a user turn, ending on an assistant turn (`ends_on`
+    "user": a prompt, ending on the turn the model answers).
 
     Why: chat templates are written for that order (many raise on anything else, and the
     others render it in ways the model never saw); the prompt evaluated is everything before
@@ -183,7 +184,10 @@ def check_order(conv: list[dict[str, str]], where: str) -> None:
             raise PipelineError(f"{where}: message {turn + head} is {m['role']}, expected "
                                 f"{expected} (user and assistant alternate from a user turn; a "
                                 "system message only first)")
-    if not body or body[-1]["role"] != "assistant":
+    if not body or body[-1]["role"] != ends_on:
+        if ends_on == "user":
+            raise PipelineError(f"{where}: the conversation does not end on a user turn (a "
+                                "prompt ends on the turn the model answers)")
         raise PipelineError(f"{where}: the conversation does not end on an assistant turn")
 
 

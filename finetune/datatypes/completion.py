@@ -9,7 +9,7 @@ trained (the text field is auto-detected when omitted).
 from __future__ import annotations
 
 from finetune.datatypes.base import DataContext, Formatted
-from finetune.datatypes.rows import TEMPLATE_KEYS, builder, placeholders, render
+from finetune.datatypes.rows import TEMPLATE_KEYS, builder, render, template_columns
 from finetune.datatypes.text import TextType
 
 
@@ -47,13 +47,7 @@ class CompletionType(TextType):
         d = self.data
         if self.plain_text:
             return super().required_columns()
-        cols: list[str] = []
-        for key in ("prompt_template", "completion_template"):
-            if getattr(d, key) is not None:
-                cols += placeholders(getattr(d, key), key)
-        if (d.prompt_func or d.completion_func) and d.input_columns:
-            cols += d.input_columns
-        return list(dict.fromkeys(cols))
+        return list(dict.fromkeys(template_columns(d)))
 
     def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
         import pandas as pd

@@ -27,9 +27,9 @@ import math
 from typing import Any
 
 from finetune.datatypes.base import DataContext, DatasetType, Formatted
-from finetune.datatypes.chat import chat_template, parse, render
+from finetune.datatypes.chat import chat_template, check_order, parse, render
 from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding, token_ids
-from finetune.datatypes.rows import TEMPLATE_KEYS, builder, placeholders
+from finetune.datatypes.rows import TEMPLATE_KEYS, builder, template_columns
 from finetune.datatypes.rows import render as render_rows
 from finetune.errors import PipelineError
 
@@ -75,13 +75,8 @@ class PromptType(DatasetType):
 
     def required_columns(self) -> list[str]:
         d = self.data
-        cols = [] if self.templated else [PROMPT]
-        for key in ("prompt_template", "completion_template"):
-            if getattr(d, key) is not None:
-                cols += placeholders(getattr(d, key), key)
-        if (d.prompt_func or d.completion_func) and d.input_columns:
-            cols += d.input_columns
-        return list(dict.fromkeys(cols))
+        return list(dict.fromkeys(([] if self.templated else [PROMPT])
+                                  + template_columns(d)))
 
     def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
         """Rows of prompt (the text the model is prompted with), completion (the evaluate
@@ -178,19 +173,9 @@ class _Conversations:
 
 
 def check_prompt_order(conv: list[dict[str, str]], where: str) -> None:
-    """A system message only first, then user and assistant alternating from a user turn,
-    ending on a user turn: the one the model answers (chat.check_order's rule, for a prompt)."""
-    head = 1 if conv[0]["role"] == "system" else 0
-    body = conv[head:]
-    for turn, m in enumerate(body):
-        expected = "user" if turn % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            raise PipelineError(f"{where}: message {turn + head} is {m['role']}, expected "
-                                f"{expected} (user and assistant alternate from a user turn; a "
-                                "system message only first)")
-    if not body or body[-1]["role"] != "user":
-        raise PipelineError(f"{where}: the conversation does not end on a user turn (a prompt "
-                            "ends on the turn the model answers)")
+    """chat.check_order's rule for a prompt: it ends on a user turn, the one the model
+    answers."""
+    check_order(conv, where, ends_on="user")
 
 
 def reward_json(columns: dict[str, Any], split: str, row: int) -> str:

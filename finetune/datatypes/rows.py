@@ -16,6 +16,18 @@ RowFn = Callable[[dict[str, Any]], str]
 TEMPLATE_KEYS = ("prompt_template", "prompt_func", "completion_template", "completion_func")
 
 
+def template_columns(data) -> list[str]:
+    """The raw columns a source's prompt and completion read: the templates' placeholders,
+    and `input_columns` when a function builds either."""
+    cols: list[str] = []
+    for key in ("prompt_template", "completion_template"):
+        if getattr(data, key) is not None:
+            cols += placeholders(getattr(data, key), key)
+    if (data.prompt_func or data.completion_func) and data.input_columns:
+        cols += data.input_columns
+    return cols
+
+
 def placeholders(template: str, key: str) -> list[str]:
     """The columns a `{column}` template names, in order."""
     try:
