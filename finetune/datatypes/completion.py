@@ -9,7 +9,8 @@ trained (the text field is auto-detected when omitted).
 from __future__ import annotations
 
 from finetune.datatypes.base import DataContext, Formatted
-from finetune.datatypes.rows import TEMPLATE_KEYS, builder, render, template_columns
+from finetune.datatypes.rows import (TEMPLATE_KEYS, builder, check_exclusive_templates, render,
+                                     template_columns)
 from finetune.datatypes.text import TextType
 
 
@@ -25,10 +26,7 @@ class CompletionType(TextType):
 
     def check(self) -> None:
         d = self.data
-        for part in ("prompt", "completion"):
-            if getattr(d, f"{part}_template") is not None and getattr(d, f"{part}_func"):
-                raise ValueError(
-                    f"{part}_template and {part}_func are exclusive; set one of them to null")
+        check_exclusive_templates(d)
         has_prompt = d.prompt_template is not None or d.prompt_func
         has_completion = d.completion_template is not None or d.completion_func
         if has_prompt and not has_completion:

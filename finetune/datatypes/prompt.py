@@ -29,7 +29,8 @@ from typing import Any
 from finetune.datatypes.base import DataContext, DatasetType, Formatted
 from finetune.datatypes.chat import chat_template, check_order, parse, render
 from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding, token_ids
-from finetune.datatypes.rows import TEMPLATE_KEYS, builder, template_columns
+from finetune.datatypes.rows import (TEMPLATE_KEYS, builder, check_exclusive_templates,
+                                     template_columns)
 from finetune.datatypes.rows import render as render_rows
 from finetune.errors import PipelineError
 
@@ -54,10 +55,7 @@ class PromptType(DatasetType):
 
     def check(self) -> None:
         d = self.data
-        for part in ("prompt", "completion"):
-            if getattr(d, f"{part}_template") is not None and getattr(d, f"{part}_func"):
-                raise ValueError(
-                    f"{part}_template and {part}_func are exclusive; set one of them to null")
+        check_exclusive_templates(d)
         if self.templated:
             # these render a conversation; a templated prompt is a string, so they would be unused
             key = "prompt_template" if d.prompt_template is not None else "prompt_func"

@@ -16,6 +16,15 @@ RowFn = Callable[[dict[str, Any]], str]
 TEMPLATE_KEYS = ("prompt_template", "prompt_func", "completion_template", "completion_func")
 
 
+def check_exclusive_templates(data) -> None:
+    """A part (prompt, completion) is a template or a function, not both: a ValueError
+    naming the keys."""
+    for part in ("prompt", "completion"):
+        if getattr(data, f"{part}_template") is not None and getattr(data, f"{part}_func"):
+            raise ValueError(
+                f"{part}_template and {part}_func are exclusive; set one of them to null")
+
+
 def template_columns(data) -> list[str]:
     """The raw columns a source's prompt and completion read: the templates' placeholders,
     and `input_columns` when a function builds either."""

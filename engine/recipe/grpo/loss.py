@@ -123,22 +123,31 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
                        (coef_1 > 1 + eps_high) & (advantages > 0))
 
 
+def averaged_over(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
+    """What the step averages a micro-batch's loss sum over (see the module docstring):
+    completions, 1 per micro-batch, or completion tokens; a device tensor (no host sync)."""
+    if loss_type in ("grpo", "dr_grpo"):
+        return torch.tensor(float(mask.shape[0]), device=mask.device)
+    if loss_type == "bnpo":
+        return torch.ones((), device=mask.device)
+    if loss_type == "dapo":
+        return mask.float().sum()
+    raise ValueError(f"grpo.loss_type '{loss_type}': not one of grpo, bnpo, dr_grpo, dapo")
+
+
 def reduce(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor,
            max_completion_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the micro-batch's loss sum, what the step averages it over: see the module
-    docstring). The count is a device tensor (no host sync)."""
+    """(the micro-batch's loss sum, what the step averages it over: `averaged_over`)."""
+    count = averaged_over(loss_type, mask)
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
-    rows = torch.tensor(float(per_token.shape[0]), device=per_token.device)
     if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), rows
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), count
     if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0), torch.ones_like(rows)
+        return masked.sum() / mask.sum().clamp(min=1.0), count
     if loss_type == "dr_grpo":
-        return masked.sum() / max_completion_length, rows
-    if loss_type == "dapo":
-        return masked.sum(), mask.sum()
-    raise ValueError(f"grpo.loss_type '{loss_type}': not one of grpo, bnpo, dr_grpo, dapo")
+        return masked.sum() / max_completion_length, count
+    return masked.sum(), count  # dapo
 
 
 def token_stat_sums(losses: TokenLosses, entropy: torch.Tensor | None, mask: torch.Tensor

@@ -36,8 +36,8 @@ from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_s
 from engine.recipe.grpo.generation import LocalGenerator
 from engine.recipe.grpo.heldout import (eos_ids, reward_metrics, reward_options,
                                         sampling_params, score_completions)
-from engine.recipe.grpo.loss import (TOKEN_STATS, completion_logps, reduce, token_losses,
-                                     token_stat_sums)
+from engine.recipe.grpo.loss import (TOKEN_STATS, averaged_over, completion_logps, reduce,
+                                     token_losses, token_stat_sums)
 from engine.recipe.grpo.rewards import load_reward_functions
 from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
@@ -159,9 +159,7 @@ class GRPORun(TrainingRun):
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
             self.add_logps(module, batch)
-        counts = torch.stack([reduce(g.loss_type, torch.zeros_like(b["completion_mask"],
-                                                                   dtype=torch.float32),
-                                     b["completion_mask"], g.max_completion_length)[1]
+        counts = torch.stack([averaged_over(g.loss_type, b["completion_mask"])
                               for b in batches]).tolist()  # one host sync per rollout
         for batch, count in zip(batches, counts):
             batch["targets"] = count
