@@ -8,26 +8,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from engine.recipe.grpo.generation import left_pad
+
 #: a prompt split's columns the run reads (finetune.datatypes.prompt writes them)
 PROMPT_COLUMNS = ("input_ids", "reward_inputs")
 
 
-def left_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, longest] ids, mask), padding on the left so that every prompt ends at the last
-    column, where generation continues."""
-    longest = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if s:
-            ids[i, longest - len(s):] = torch.as_tensor(s)
-            mask[i, longest - len(s):] = 1
-    return ids, mask
-
-
 def collate_prompts(pad_id: int) -> Callable[[list[dict]], dict]:
     def collate(rows: list[dict]) -> dict:
-        ids, mask = left_padded([r["input_ids"] for r in rows], pad_id)
+        ids, mask = left_pad([r["input_ids"] for r in rows], pad_id)
         return {"input_ids": ids, "attention_mask": mask,
                 "reward_inputs": [r.get("reward_inputs") or '{"prompt": ""}' for r in rows]}
 

@@ -19,8 +19,7 @@ import torch
 
 from engine.datapath.data import take_rows
 from engine.evaluation.heldout import Evaluated
-from engine.recipe.grpo.batches import left_padded
-from engine.recipe.grpo.generation import Completions, LocalGenerator, SamplingParams
+from engine.recipe.grpo.generation import Completions, LocalGenerator, SamplingParams, left_pad
 from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions, score
 from engine.recipe.reference import lockstep_batches
 
@@ -90,7 +89,7 @@ class _Measure:
     def batch(self, rows: list[dict], k: int | None, offset: int):
         """(greedy rewards [b, F], greedy texts, sampled rewards [b * k, F] or None)."""
         device = next(self.model.parameters()).device
-        ids, mask = left_padded([r["input_ids"] for r in rows], self.tok.pad_token_id)
+        ids, mask = left_pad([r["input_ids"] for r in rows], self.tok.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         inputs = [r["reward_inputs"] for r in rows]
         done = self.greedy.generate(ids, mask, 1, self.seed + offset)
