@@ -140,6 +140,11 @@ def _error(tmp_path: Path, overrides: dict) -> str:
          "training: packing: true does not combine with padding_free"),
         ({"export.formats": ["adapter"]}, "export.formats: list hf: the HF folder holds"),
         ({"export.formats": ["hf", "adapter", "hf"]}, "export.formats: 'hf' is listed twice"),
+        # -1 is the one "unset": another negative once trained a whole epoch
+        ({"training.max_steps": -5}, "training.max_steps: a number of optimizer steps > 0, "
+         "or -1 for unset"),
+        ({"training.num_train_epochs": -2, "training.max_steps": 10},
+         "training.num_train_epochs: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_values_are_one_line_errors(tmp_path, overrides, expected):

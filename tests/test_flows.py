@@ -63,7 +63,7 @@ def test_the_retry_reads_the_exit_code_from_dvcs_real_output(tmp_path):
     from flows.dvc_runner import StageFailed, repro_stage
     from flows.finetune import retry_if_transient, retry_unless_bad_input
 
-    project = copy_project(tmp_path / "p", {"training.max_steps": -3,
+    project = copy_project(tmp_path / "p", {"training.max_steps": -1,
                                             "training.num_train_epochs": 0})
     with pytest.raises(StageFailed) as failure:
         repro_stage(project, "validate")
@@ -99,7 +99,7 @@ def test_flow_failures_surface_the_stage_message(flow_project):
 
     params = (flow_project / "params/default.yaml").read_bytes()
     status = dvc_status(flow_project)
-    bad = finetune(workspace=str(flow_project), overrides={"training.max_steps": -3, "training.num_train_epochs": 0},
+    bad = finetune(workspace=str(flow_project), overrides={"training.max_steps": -1, "training.num_train_epochs": 0},
                    return_state=True)
     assert bad.is_failed()
     with pytest.raises(Exception, match="max_steps > 0 or num_train_epochs > 0"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, model_validator
+from pydantic import AliasChoices, field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.section import Field, Section
@@ -38,9 +38,11 @@ class TrainingConfig(Section):
         description="Optional check: must equal micro x accumulation x world size."
     )
     num_train_epochs: float = Field(
-        1.0, fingerprint=True, description="Epochs (ignored when max_steps > 0).")
+        1.0, fingerprint=True, ge=0, description="Epochs (ignored when max_steps > 0).")
     max_steps: int = Field(
-        -1, fingerprint=True, description="Optimizer steps; > 0 wins over num_train_epochs.")
+        -1, fingerprint=True,
+        description="Optimizer steps; > 0 wins over num_train_epochs; -1 (or 0): unset, "
+        "num_train_epochs decides. Other negative values are refused.")
     epoch_train_steps: int | None = Field(
         None, fingerprint=True, gt=0,
         description="A streamed train split's nominal epoch, in optimizer steps (Forgather's): "
@@ -325,6 +327,16 @@ class TrainingConfig(Section):
                                  "keep one of them")
             raw["mixed_precision"] = on[0]
         return raw
+
+    @field_validator("max_steps")
+    @classmethod
+    def _unset_is_minus_one(cls, value: int) -> int:
+        """-1 is HF's "unset"; any other negative count was a typo, and read as unset it
+        silently trained whole epochs."""
+        if value < -1:
+            raise ValueError("a number of optimizer steps > 0, or -1 for unset (then "
+                             "num_train_epochs decides)")
+        return value
 
     @model_validator(mode="after")
     def _compat(self) -> "TrainingConfig":
