@@ -120,7 +120,7 @@ def check_sources(ws: Workspace) -> None:
     from finetune.datatypes import DataContext
     from tasks.download import check_split_names
     from tasks.format import data_context
-    from tasks.stream import local_dataset, open_source
+    from tasks.stream import first_rows, local_dataset, local_files, open_source
 
     top = ws.config.data
     ctx: DataContext = data_context(ws)
@@ -132,8 +132,9 @@ def check_sources(ws: Workspace) -> None:
         label = f"source '{name}'" if name else "data"
         check_split_names(data, list(splits), eval_only=top.eval_only(name))
         required = data.datatype.required_columns()
+        files = local_files(data, ws.root)
         for split, rows in splits.items():
-            first = next(iter(rows.take(1)), None)
+            first = next(iter(first_rows(rows, 1, files.get(split))), None)
             if first is None:
                 raise PipelineError(f"{label} split '{split}': no rows")
             missing = [c for c in required if c not in first]

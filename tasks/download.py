@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from finetune import json_input
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError, TransientError
 from finetune.files import atomic_dir
@@ -22,8 +23,8 @@ from finetune.workspace import Workspace
 from tasks.contracts import validate_raw_split
 
 READERS = {
-    ".jsonl": lambda p: pd.read_json(p, lines=True),
-    ".json": lambda p: _read_json(p),
+    ".jsonl": json_input.read_frame,
+    ".json": json_input.read_frame,
     ".csv": pd.read_csv,
     ".parquet": pd.read_parquet,
 }
@@ -107,7 +108,7 @@ def _download_streamed(ws: Workspace) -> dict[str, Path]:
             if top.eval_only(name):
                 test = stream.eval_only_rows(data, source)
             else:
-                _check_raw(stream.head(data, source), data,
+                _check_raw(stream.head(data, source, root=ws.root), data,
                            f"{label} split '{data.train_split}' (first streamed rows)")
                 test = stream.materialise_test(data, source)
                 manifests[name] = stream.source_manifest(data, source, ws.root)
@@ -152,13 +153,6 @@ def _read_local(path: Path) -> pd.DataFrame:
     if frame.empty:
         raise PipelineError(f"data file {path} has no rows")
     return frame
-
-
-def _read_json(path: Path) -> pd.DataFrame:
-    """A .json file is either a JSON array (Alpaca style) or JSON lines."""
-    with open(path, encoding="utf-8") as fh:
-        first = fh.read(1024).lstrip()[:1]
-    return pd.read_json(path, lines=first != "[")
 
 
 def _load_hub(name: str, subset: str | None) -> dict[str, pd.DataFrame]:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import pandas as pd
 
+from finetune import json_input
 from finetune.config.data import DataConfig
 from finetune.config.schema import FinetuneConfig
 from finetune.datatypes import DataContext
@@ -54,12 +55,8 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
                         "the network, or point data.data_files at local files") from exc
     if local is not None and local.is_dir():
         return dict(datasets.load_dataset(str(local), streaming=True))
-    train = split_name(data.train_split)
-    files = ({train: str(local)} if local is not None
-             else data.data_files or {train: data.json_file_path})
     out = {}
-    for split, ref in files.items():
-        path = root / ref
+    for split, path in local_files(data, root).items():
         if not path.exists():
             raise PipelineError(f"data file {path} not found; fix data.json_file_path/data_files")
         builder = BUILDERS.get(path.suffix.lower())
@@ -69,6 +66,40 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
         out[split] = datasets.load_dataset(builder, data_files={split: str(path)}, split=split,
                                            streaming=True)
     return out
+
+
+def local_files(data: DataConfig, root: Path) -> dict[str, Path]:
+    """{split: file} of a source read from local files (none for a hub dataset or a folder)."""
+    local = local_dataset(data, root)
+    if (local is not None and local.is_dir()) or (data.dataset_name and local is None):
+        return {}
+    train = split_name(data.train_split)
+    files = ({train: str(local)} if local is not None
+             else data.data_files or {train: data.json_file_path})
+    return {split: root / ref for split, ref in files.items()}
+
+
+def first_rows(stream, n: int, path: Path | None = None) -> list[dict]:
+    """The first `n` rows of a split's stream. datasets' Arrow JSON reader fails on a broken
+    line with an internal error and a 0-based row; a JSON file's failure is named by its file
+    and line instead (finetune.json_input, the download stage's reader too)."""
+    import logging
+
+    # datasets logs its reader's failure as an error line of its own before raising it
+    reader_log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = reader_log.level
+    reader_log.setLevel(logging.CRITICAL)
+    try:
+        return list(islice(iter(stream), n))
+    except Exception as exc:  # ArrowInvalid, DatasetGenerationError: whatever datasets raises
+        if path is None or path.suffix.lower() not in json_input.SUFFIXES:
+            raise
+        found = json_input.first_bad_line(path)
+        if found is None:
+            raise  # not a broken line: the reader's own failure
+        raise json_input.line_error(path, *found) from exc
+    finally:
+        reader_log.setLevel(level)
 
 
 def local_dataset(data: DataConfig, root: Path) -> Path | None:
@@ -155,9 +186,13 @@ def train_rows(data: DataConfig, source: dict[str, Any]):
     return stream
 
 
-def head(data: DataConfig, source: dict[str, Any], n: int = HEAD_ROWS) -> pd.DataFrame:
-    """The first train rows (in stream order), for the download stage's contract check."""
-    rows = list(islice(iter(train_rows(data.model_copy(update={"shuffle_buffer": 1}), source)), n))
+def head(data: DataConfig, source: dict[str, Any], n: int = HEAD_ROWS,
+         root: Path | None = None) -> pd.DataFrame:
+    """The first train rows (in stream order), for the download stage's contract check (with
+    the project `root`, a broken line of a local JSON file is named)."""
+    path = local_files(data, root).get(split_name(data.train_split)) if root else None
+    rows = first_rows(train_rows(data.model_copy(update={"shuffle_buffer": 1}), source), n,
+                      path)
     if not rows:
         raise PipelineError(f"data.streaming: the '{data.train_split}' split has no rows")
     return pd.DataFrame(rows)

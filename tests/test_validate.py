@@ -101,3 +101,39 @@ def test_validate_passes_the_default_and_checks_a_resume_at_another_world_size(
     assert code == 2 and "world size 1" in line, line
     write_params(run, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000002"})
     assert validate(run, capsys, monkeypatch) == (0, "")
+
+
+def _broken_copy(project, name: str, line: int) -> str:
+    """The shipped train split with its `line` (1-based) cut short, as `name`: a truncated
+    download or a hand edit."""
+    rows = (project / "data/source/gsm8k/train.jsonl").read_text().splitlines(keepends=True)
+    if name.endswith(".json"):  # a JSON array, one row a line
+        rows = ["[\n"] + [r.rstrip("\n") + ",\n" for r in rows[:40]] + ["{}\n", "]\n"]
+    rows[line - 1] = rows[line - 1][:40] + "\n"
+    (project / "data/source" / name).write_text("".join(rows))
+    return f"data/source/{name}"
+
+
+@pytest.mark.parametrize("command", ["validate", "stage download"])
+def test_a_broken_json_line_is_named_by_file_and_line(project, capsys, monkeypatch, command):
+    """Validate used to exit 1 with an internal ArrowInvalid (a 0-based row), the download
+    stage 2 with a byte offset; both read a JSON file through finetune.json_input now."""
+    path = _broken_copy(project, "broken.jsonl", 16)
+    monkeypatch.chdir(project)
+    code = main([*command.split(), "-s", f"data.data_files={{train: {path}}}",
+                 "-s", "data.test_split=null"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        f"error: data file {project / path} line 16: not valid JSON (Unterminated string "
+        "starting at column 14); fix or remove that line"], err
+    assert not (project / "data/raw").exists(), "a failing download wrote its output"
+
+
+def test_a_broken_line_of_a_json_array_is_named_too(project):
+    from finetune import json_input
+    from finetune.errors import PipelineError
+
+    path = project / _broken_copy(project, "broken.json", 7)
+    with pytest.raises(PipelineError, match=r"broken.json line 7: not valid JSON"):
+        json_input.read_frame(path)
