@@ -209,6 +209,21 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(bad)
 
 
+def test_the_deployment_file_is_named_as_such(tmp_path):
+    """params/deployment.yaml beside the params files: passed as one, it used to fail with
+    'set exactly one of dataset_name, ...' (its first missing section)."""
+    msg = str(pytest.raises(PipelineError, load_config, ROOT / "params/deployment.yaml").value)
+    assert msg == (f"{ROOT / 'params/deployment.yaml'}: this is a deployment file (the Prefect "
+                   "schedule finetune-stack reads: name, cron, params_file), not a params "
+                   "file; pass the params file it runs: -p params/default.yaml")
+    # a params file with a section is a params file, whatever else it holds
+    raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**raw, "params_file": "x.yaml"}))
+    with pytest.raises(PipelineError, match="unknown key 'params_file' at the top level"):
+        load_config(path)
+
+
 def test_defaults_are_complete_for_dvc(tmp_path):
     """Every params key dvc.yaml tracks exists in params/default.yaml (DVC fails otherwise)."""
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())

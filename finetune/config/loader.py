@@ -85,7 +85,21 @@ def read_params_file(path: Path) -> dict[str, Any]:
         raise PipelineError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})")
     if not isinstance(raw, dict):
         raise PipelineError(f"{path}: top level must be a mapping of sections")
+    _not_a_deployment_file(path, raw)
     return raw
+
+
+def _not_a_deployment_file(path: Path, raw: dict[str, Any]) -> None:
+    """params/deployment.yaml sits beside the params files but is the Prefect deployment's
+    settings (flows/deploy.py): passed as a params file, it used to fail on its first missing
+    section, which did not say what the file is."""
+    if "params_file" in raw and not raw.keys() & FinetuneConfig.model_fields.keys():
+        runs = raw["params_file"] if isinstance(raw["params_file"], str) else None
+        instead = f"pass the params file it runs: -p {runs}" if runs else (
+            "pass a params file, e.g. -p params/default.yaml")
+        raise PipelineError(f"{path}: this is a deployment file (the Prefect schedule "
+                            f"finetune-stack reads: name, cron, params_file), not a params "
+                            f"file; {instead}")
 
 
 def load_config(
