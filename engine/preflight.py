@@ -128,8 +128,30 @@ def seed_of_resumed_checkpoint(cfg: FinetuneConfig, paths: RunPaths) -> int | No
 
 
 def newest_checkpoint(checkpoints: Path) -> tuple[Path, dict] | None:
-    """The newest complete checkpoint and its meta record (what an interrupted stage points
-    the user to), or None."""
+    """The newest complete checkpoint and its meta record, or None."""
     from engine.state.checkpoint import newest_meta
 
     return newest_meta(checkpoints)
+
+
+def checkpoint_of_this_run(cfg: FinetuneConfig, paths: RunPaths) -> tuple[Path, dict] | None:
+    """The newest checkpoint if `resume_from_checkpoint: true` with these params would
+    continue it (its fingerprint matches, at this world size and strategy), else None: what
+    an interrupted stage points the user to. An earlier run's checkpoint stays in the folder
+    until this run saves its first one, so the newest is not always this run's. A null
+    training.seed was drawn by the stage, so the seed is not compared."""
+    from engine.state import fingerprint
+    from engine.state.trainer_state import belongs_to_run
+
+    newest = newest_checkpoint(paths.checkpoints)
+    if newest is None:
+        return None
+    path, meta = newest
+    same_shape = (meta.get("world_size") == cfg.distributed.world_size
+                  and meta.get("strategy", cfg.distributed.resolved_strategy)
+                  == cfg.distributed.resolved_strategy)
+    unseeded = ("training.seed",) if cfg.training.seed is None else ()
+    if same_shape and belongs_to_run(meta, lambda: fingerprint.of_run(cfg, paths),
+                                     cfg.checkpoint, ignore=unseeded):
+        return newest
+    return None

@@ -122,12 +122,16 @@ def train(ws: Workspace) -> dict[str, Path]:
 
 def interrupted_summary(ws: Workspace) -> str:
     """What a user needs after stopping training (Ctrl-C, a scheduler's SIGTERM): the step it
-    reached (the last row the job logged), the newest checkpoint and how to resume."""
+    reached (the last row the job logged), this run's newest checkpoint and how to resume (an
+    earlier run's checkpoint, which the resume would refuse, is not offered)."""
     parts = [f"reached step {REACHED['step']}"] if "step" in REACHED else []
-    newest = preflight_engine.newest_checkpoint(ws.layout.checkpoints)
+    newest = preflight_engine.checkpoint_of_this_run(ws.config, run_paths(ws))
     if newest is None:
-        parts.append("no checkpoint to resume from (checkpoint.save_steps sets how often "
-                     "one is written)")
+        earlier = preflight_engine.newest_checkpoint(ws.layout.checkpoints) is not None
+        parts.append("no checkpoint of this run yet" + (
+            f" ({ws.layout.checkpoints.relative_to(ws.root)} keeps an earlier run's, "
+            "untouched)" if earlier else "") + "; start again with: finetune stage train "
+            "(checkpoint.save_steps sets how often one is written)")
     else:
         path, meta = newest
         parts.append(f"last checkpoint {path.relative_to(ws.root)} (step {meta['step']}); "

@@ -78,12 +78,53 @@ def test_a_new_run_killed_before_its_first_checkpoint_is_retried_fresh(tokenized
     expected, _ = train_here(tokenized, tmp_path / "expected", NEW_LR)
     project, _ = train_here(tokenized, tmp_path / "p")
     write_params(project, NEW_LR)
+    before = _checkpoints_and_model(project)
     kill_train_stage_when(project, lambda line: line.startswith("[train] step=2 "))
     wait_until_no_process_in(project)
-    assert not list((project / "data/checkpoints").glob("step-*"))  # moved aside at the start
+    # the old run's checkpoints and model stay where they were (they used to be moved aside
+    # at start-up, leaving data/checkpoints empty and the workspace DVC-dirty)
+    assert _checkpoints_and_model(project) == before
     proc = run_cli(project, "stage", "train", check=True, env={RESUME_ENV: "1"})
     assert "resumed from" not in proc.stdout, proc.stdout
     assert _bitwise_equal(project, expected) and losses(project) == losses(expected)
+
+
+def _checkpoints_and_model(project: Path) -> dict[str, str]:
+    return {k: v for k, v in stage_outputs(project).items()
+            if k.startswith(("data/checkpoints/", "data/trained/"))}
+
+
+def test_ctrl_c_before_the_first_checkpoint_offers_no_earlier_runs_checkpoint(tokenized,
+                                                                              tmp_path):
+    """A new run (new learning rate) stopped with Ctrl-C at step 2, before its first
+    checkpoint: the line says it has none yet and how to start again (it used to offer the
+    earlier run's checkpoint, which the resume it named then refused), and the earlier run's
+    checkpoints and model are where they were."""
+    import os
+    import signal
+    import subprocess
+
+    from helpers import BIN
+
+    project, _ = train_here(tokenized, tmp_path / "p")
+    write_params(project, NEW_LR)
+    before = _checkpoints_and_model(project)
+    stage = subprocess.Popen([str(BIN / "finetune"), "stage", "train"], cwd=project,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    for line in stage.stdout:
+        if line.startswith("[train] step=2 "):
+            break
+    os.killpg(stage.pid, signal.SIGINT)
+    _, err = stage.communicate(timeout=60)
+    assert stage.returncode == 130, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert line == ("error: stage train interrupted (SIGINT); reached step 2; no checkpoint of "
+                    "this run yet (data/checkpoints keeps an earlier run's, untouched); start "
+                    "again with: finetune stage train (checkpoint.save_steps sets how often one "
+                    "is written)"), line
+    wait_until_no_process_in(project)
+    assert _checkpoints_and_model(project) == before
 
 
 def test_keys_outside_the_fingerprint_do_not_block_a_resume(tokenized, tmp_path):

@@ -218,13 +218,12 @@ class TrainingRun:
 
     def open_reporters(self) -> None:
         """On the main rank, once the launcher confirmed the job: from here on we may write
-        (first, a fresh run moves an earlier run's checkpoints aside). The other ranks wait
+        (a fresh run moves an earlier run's checkpoints aside just before it first writes
+        there: trainer_state.make_room). The other ranks wait
         for the confirmation too, on the file rather than in a collective, so none sits out
         distributed.ddp_timeout while the launcher runs its checks."""
         relay = self.go()
         if not self.dist.is_main:
-            if self.writes_checkpoint_meta and self.start.moves_checkpoints:
-                trainer_state.set_aside(self)  # save_on_each_node: this node's own folder
             log_cfg = self.cfg.logging
             if (log_cfg.log_on_each_node and self.dist.leads_another_node
                     and log_cfg.log_level in ("debug", "info")):
@@ -236,8 +235,6 @@ class TrainingRun:
                                          self.paths.project_root, relay, self.history)
         if self.callback_states and self.cfg.logging.restore_callback_states_from_checkpoint:
             self.reporters.load_state_dicts(self.callback_states)
-        if self.start.moves_checkpoints:
-            trainer_state.set_aside(self)
         per_epoch = f"{self.steps_per_epoch}/epoch" if self.steps_per_epoch else "streamed"
         self.log(f"[train] {self.trainable:,} trainable / {self.total:,} params; "
                  f"{self.max_steps} steps ({per_epoch}); strategy {self.strategy.name}, world "
@@ -544,6 +541,7 @@ class TrainingRun:
             self.batches.close()
         del self.batches  # stops the loader's workers
         result = self.metrics(runtime)
+        trainer_state.make_room(self)  # a run that saved no checkpoint: not beside another's
         if self.cfg.checkpoint.load_best_model_at_end:
             result["loaded_best_step"] = trainer_state.load_best(self)
         self.write_trained()

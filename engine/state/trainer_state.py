@@ -45,6 +45,7 @@ def save(run: RunView, evaluated: dict) -> Path:
             **evaluated,
             # only a rank that writes meta.json needs it (hashing is not free)
             "fingerprint": run.fingerprint() if run.writes_checkpoint_meta else None}
+    make_room(run)
     path = ckpt.save(run.paths.checkpoints, run.progress.step,
                      run.strategy.dcp_state(run.optimizer), trainer_state, meta,
                      run.cfg.checkpoint.save_total_limit, run.monitor.best_by,
@@ -194,9 +195,26 @@ def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
     return Start(path, existing, in_folder=False)
 
 
+def make_room(run: RunView) -> None:
+    """Every rank, before the run's first write into the checkpoint folder (its first
+    checkpoint, or its trained model when it saves none): the earlier run's checkpoints
+    leave the folder now, not at start-up, so a run stopped before it saved anything leaves
+    them where they were (and the workspace as DVC recorded it)."""
+    if run.start.moves_checkpoints and run.writes_checkpoint_meta:
+        set_aside(run)
+    run.start = replace(run.start, set_aside=False, newer_than=None)  # done: once per run
+
+
+def belongs_to_run(meta: dict, fingerprint: Callable[[], dict[str, Any]],
+                   ckpt_cfg: CheckpointConfig, ignore: tuple[str, ...] = ()) -> bool:
+    """Would a resume (true) of this run continue the checkpoint with `meta`?"""
+    return not set(_changed(meta, fingerprint, ckpt_cfg)) - set(ignore)
+
+
 def set_aside(run: RunView) -> None:
-    """Main rank, once it may write: the earlier run's checkpoints leave the folder (after a
-    resume by path, those later than the resumed one)."""
+    """The main rank (a node's first with save_on_each_node), before its first write: the
+    earlier run's checkpoints leave the folder (after a resume by path, those later than
+    the resumed one)."""
     moved, deleted = ckpt.set_aside(run.paths.checkpoints, run.cfg.checkpoint.keep_previous_runs,
                                     after_step=run.start.newer_than)
     for old in deleted:
