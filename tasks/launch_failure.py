@@ -4,7 +4,8 @@ Each failing rank writes a report (engine.process.failures); a rank that died wi
 from the kernel's out-of-memory killer, a segfault) only shows in torchrun's failure summary, and a
 rendezvous that never completed only in torchrun's log. The order of preference: bad input;
 the first failure torchrun observed, when it was a death by signal; the reports by kind (disk,
-memory, crash before lost contact, which is usually a consequence of another rank's failure);
+memory, crash before a rank's share of a failed checkpoint save and lost contact, which are
+usually a consequence of another rank's failure);
 a failed rendezvous. None of these: None, and the caller shows torchrun's log.
 """
 
@@ -53,10 +54,13 @@ def explain(reports: list[Report], torchrun_log: str, dist: DistributedConfig,
     if reports:
         first = by_rank.get(root[0]) if root else None
         best = min(reports, key=lambda r: KINDS.index(r.kind))
-        chosen = first if first is not None and first.kind != "comm" else best
+        # a rank's lost contact, or its share of a failed collective checkpoint save, is
+        # the consequence of another rank's failure: the report of the cause explains it
+        chosen = first if first is not None and first.kind not in ("comm", "checkpoint") \
+            else best
         if chosen.kind == "comm":
             return TransientError(chosen.message)
-        suffix = f" (workers' log: {log_file})" if chosen.kind == "crash" else ""
+        suffix = f" (workers' log: {log_file})" if chosen.kind in ("crash", "checkpoint") else ""
         return RunFailure(chosen.message + suffix)
     if any(marker in torchrun_log for marker in _RDZV):
         return TransientError(_rendezvous(dist, torchrun_log))

@@ -198,3 +198,91 @@ def test_a_refused_write_names_the_folder_and_the_fix(tmp_path):
     assert report.kind == "disk" and report.message.startswith(
         f"cannot write {folder} (rank 0): Read-only file system; make that folder writable"), report
     assert "checkpoint.resume_from_checkpoint: true" in report.message
+
+
+def test_disk_full_under_ddp_names_the_full_disk_not_dcps_wrapper(tokenized, tmp_path):
+    """Two gloo ranks fill a tiny checkpoint filesystem at their first save. DCP raises its
+    CheckpointException on every rank, carrying each rank's own error; the line used to be
+    'training crashed on rank 1: CheckpointException ... ranks dict_keys([0, 1])'. It says
+    what the single-process run says: the disk is full, where, and what to do."""
+    if not _can_mount_privately():
+        pytest.skip("unprivileged mount namespaces are disabled on this machine")
+    project = tmp_path / "p"
+    shutil.copytree(tokenized, project, symlinks=True)
+    # a rank-256 adapter: a ~13 MB checkpoint (weights and Adam's moments) on an 8 MB disk,
+    # so the space rank 0 frees when it drops its half-written save is more than the
+    # nearly-full margin (finetune.files.NEARLY_FULL) by the time rank 1 looks
+    write_params(project, {**DDP2, "peft.r": 256})
+    before = stage_outputs(project)
+    script = (f"mkdir -p data/checkpoints && mount -t tmpfs -o size=8m tmpfs data/checkpoints"
+              f" && {BIN / 'finetune'} stage train; echo \"rc=$?\" >&2")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
+                           script], cwd=project, capture_output=True, text=True)
+    rc_line = [ln for ln in proc.stderr.splitlines() if ln.startswith("rc=")]
+    assert rc_line == ["rc=1"], proc.stderr
+    stderr = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("rc="))
+    line = error_line(subprocess.CompletedProcess([], 1, proc.stdout, stderr), code=1)
+    assert line.startswith("error: disk full writing ") and "data/checkpoints" in line, line
+    assert "CheckpointException" not in line and "checkpoint.save_total_limit" in line, line
+    assert {k: v for k, v in stage_outputs(project).items() if "/plots/" not in k} == {
+        k: v for k, v in before.items() if "/plots/" not in k}
+
+
+#: torchrun's failure summary when rank 1 exited first (the shape tasks/launch_failure reads)
+RANK_1_FIRST = """Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 3598)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 3599)
+"""
+
+
+def test_a_ranks_share_of_a_failed_checkpoint_save_gives_way_to_the_full_disk(tmp_path):
+    """The race behind 'training crashed on rank 1: CheckpointException ... ranks
+    dict_keys([0, 1])': DCP raises its CheckpointException on every rank, carrying each
+    rank's own error (torch's writer says 'unexpected pos', not ENOSPC); rank 0 finds its
+    disk full, then drops its half-written save, so rank 1, looking a moment later, finds
+    room, and torchrun saw rank 1 exit first. A real CheckpointException from a save into a
+    1 MB filesystem: rank 1's report names the rank's own error, and the launcher's one line
+    is rank 0's full disk with its path."""
+    import errno
+    import os
+    import pickle
+    import sys
+
+    from engine.process.failures import describe
+    from finetune.config.distributed import DistributedConfig
+    from tasks.launch_failure import explain
+
+    if not _can_mount_privately():
+        pytest.skip("unprivileged mount namespaces are disabled on this machine")
+    save = ("import pickle, sys, torch, torch.distributed.checkpoint as dcp, warnings\n"
+            "warnings.filterwarnings('ignore')\n"
+            "try:\n"
+            "    dcp.save({'w': torch.randn(1_000_000)}, checkpoint_id='/mnt/step')\n"
+            "except BaseException as exc:\n"
+            "    sys.stdout.buffer.write(pickle.dumps(exc))\n")
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
+                           f"mount -t tmpfs -o size=1m tmpfs /mnt && {sys.executable} -c "
+                           f"\"{save}\""], capture_output=True)
+    assert proc.stdout, proc.stderr.decode()
+    raised = pickle.loads(proc.stdout)
+    assert type(raised).__name__ == "CheckpointException", raised
+    rank1 = describe(raised, rank=1)
+    assert rank1.kind == "checkpoint", rank1
+    assert rank1.message.startswith("training crashed on rank 1 in a checkpoint save that "
+                                    "failed on ranks 0: RuntimeError: "), rank1
+    staging = tmp_path / "data/checkpoints/.step-0000003.tmp"
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staging))  # finetune.files
+    full.__cause__ = raised  # .as_disk_full on rank 0, before it removed its staging folder
+    rank0 = describe(full, rank=0)
+    error = explain([rank1, rank0], RANK_1_FIRST, DistributedConfig(), tmp_path / "log")
+    assert str(error).startswith(f"disk full writing {staging} (rank 0): free space"), error
+    # the per-rank error is what is read, whichever rank it was
+    wrapped = type(raised)("CheckpointException ranks:dict_keys([0, 1])", {
+        0: (OSError(errno.ENOSPC, "No space left on device"), None), 1: raised.failures[0]})
+    assert describe(wrapped, rank=1).kind == "disk"

@@ -18,7 +18,7 @@ from finetune.errors import PipelineError
 from finetune.files import exception_chain, refused_write
 
 #: the kinds, in the order the launcher prefers them when several ranks report
-KINDS = ("input", "disk", "memory", "crash", "comm")
+KINDS = ("input", "disk", "memory", "crash", "checkpoint", "comm")
 
 INTACT = "earlier checkpoints and outputs are intact"
 DISK_FULL = ("No space left on device", "Disk quota exceeded", "StorageFull")
@@ -65,8 +65,10 @@ def describe(exc: BaseException, rank: int, ddp_timeout: int | None = None) -> R
     text = _text(exc)
     if isinstance(exc, PipelineError):
         return Report("input", str(exc), rank)
-    if _disk_full(exc, text):
-        where = getattr(exc, "filename", None)
+    ranks = rank_errors(exc)
+    full = next((e for e in [exc, *ranks.values()] if _disk_full(e, _text(e))), None)
+    if full is not None:
+        where = getattr(exc, "filename", None) or getattr(full, "filename", None)
         at = f" writing {where}" if where else ""
         return Report("disk", (
             f"disk full{at} (rank {rank}): free space on that filesystem, lower "
@@ -100,7 +102,24 @@ def describe(exc: BaseException, rank: int, ddp_timeout: int | None = None) -> R
             "process died or hung, or the network between nodes failed; the log of the "
             f"first rank that failed says why; {INTACT}; rerun with "
             "checkpoint.resume_from_checkpoint: true"), rank)
+    if ranks:  # DCP's wrapper: the rank's own error, and that the save failed on others too
+        own = ranks.get(rank, next(iter(ranks.values())))
+        return Report("checkpoint", (
+            f"training crashed on rank {rank} in a checkpoint save that failed on ranks "
+            f"{', '.join(map(str, sorted(ranks)))}: {_first_line(own)}"), rank)
     return Report("crash", f"training crashed on rank {rank}: {_first_line(exc)}", rank)
+
+
+def rank_errors(exc: BaseException) -> dict[int, BaseException]:
+    """torch.distributed.checkpoint's CheckpointException gathers every failing rank's own
+    exception (`failures`: rank -> (exception, traceback)); its text names only the ranks.
+    Those exceptions by rank, or {} for any other error."""
+    for e in exception_chain(exc):
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            return {r: pair[0] for r, pair in failures.items()
+                    if isinstance(pair, tuple) and isinstance(pair[0], BaseException)}
+    return {}
 
 
 def _disk_full(exc: BaseException, text: str) -> bool:
