@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 
 import pytest
@@ -86,16 +87,32 @@ def test_checkpoint_roundtrip_rotation_and_corruption(tmp_path, capsys):
         warnings.simplefilter("error")  # one warning: line, not a Python warning
         assert ckpt.latest(tmp_path).name == "step-0000002"
     assert capsys.readouterr().err == (f"warning: checkpoint {newest} is incomplete or "
-                                       "corrupt; skipping it\n")
+                                       "corrupt (__0_0.distcp fails its SHA-256 check); "
+                                       "skipping it\n")
     # one flipped bit in meta.json's step (valid JSON still): detected the same way
     meta_file = tmp_path / "step-0000002/meta.json"
     text = meta_file.read_text()
     assert '"step": 2' in text
     meta_file.write_text(text.replace('"step": 2', '"step": 3'))  # 2 ^ 1 = 3: one bit
     assert ckpt.latest(tmp_path) is None
-    assert (f"warning: checkpoint {tmp_path / 'step-0000002'} is incomplete or corrupt; "
-            "skipping it") in capsys.readouterr().err.splitlines()
+    assert (f"warning: checkpoint {tmp_path / 'step-0000002'} is incomplete or corrupt "
+            "(its meta.json fails its own SHA-256); skipping it"
+            ) in capsys.readouterr().err.splitlines()
     meta_file.write_text(text)
+    # the newest checkpoint's meta.json gone (a save cut short before it was written): the
+    # resume falls back to the previous one and says which it skipped and why (it used to
+    # sort the folder first, as the oldest, and pass over it without a word)
+    for step in (4, 5):
+        ckpt.save(tmp_path, step, _dcp_state(step), {"history": [step]}, {"world_size": 1},
+                  keep=None)
+    (tmp_path / "step-0000005/meta.json").unlink()
+    capsys.readouterr()
+    assert ckpt.latest(tmp_path).name == "step-0000004"
+    assert capsys.readouterr().err == (
+        f"warning: checkpoint {tmp_path / 'step-0000005'} is incomplete or corrupt (no "
+        "readable meta.json: its save did not finish); skipping it\n")
+    shutil.rmtree(tmp_path / "step-0000004")
+    shutil.rmtree(tmp_path / "step-0000005")
     # leftover staging folder from a crash mid-save is ignored
     (tmp_path / ".step-0000004.tmp").mkdir()
     with warnings.catch_warnings():

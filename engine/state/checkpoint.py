@@ -200,12 +200,28 @@ def _meta_intact(meta: dict[str, Any]) -> bool:
 
 
 def is_valid(path: Path) -> bool:
+    return problem(path) is None
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed (said in the warning that skips it),
+    or None when it is whole."""
     meta = read_meta(path)
-    files = (meta or {}).get("files")
+    if meta is None:
+        return "no readable meta.json: its save did not finish"
+    files = meta.get("files")
     if not files or not _meta_intact(meta):
-        return False
-    return all((path / name).is_file() and file_sha256(path / name) == digest
-               for name, digest in files.items())
+        return "its meta.json fails its own SHA-256"
+    for name, digest in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if file_sha256(path / name) != digest:
+            return f"{name} fails its SHA-256 check"
+    return None
+
+
+def _skip(path: Path, why: str) -> None:
+    warn(f"checkpoint {path} is incomplete or corrupt ({why}); skipping it")
 
 
 def list_checkpoints(directory: Path, validate: bool = True) -> list[Path]:
@@ -216,11 +232,13 @@ def list_checkpoints(directory: Path, validate: bool = True) -> list[Path]:
     for path in directory.glob(f"{PREFIX}*"):
         if not path.is_dir():
             continue
-        if validate and not is_valid(path):
-            warn(f"checkpoint {path} is incomplete or corrupt; skipping it")
+        if validate and (why := problem(path)) is not None:
+            _skip(path, why)
             continue
         meta = read_meta(path) or {}
-        found.append((meta.get("saved_at_ns", 0), path))
+        # without meta.json the folder's own time places it (it used to sort first, so a
+        # resume passed over the newest, broken one without a word)
+        found.append((meta.get("saved_at_ns") or path.stat().st_mtime_ns, path))
     return [p for _, p in sorted(found)]
 
 
@@ -228,9 +246,10 @@ def latest(directory: Path) -> Path | None:
     """The newest valid checkpoint. Hashes are checked newest-first, so a resume reads only
     the checkpoint it uses (and any corrupt newer ones), not every kept checkpoint."""
     for path in reversed(list_checkpoints(directory, validate=False)):
-        if is_valid(path):
+        why = problem(path)
+        if why is None:
             return path
-        warn(f"checkpoint {path} is incomplete or corrupt; skipping it")
+        _skip(path, why)
     return None
 
 
