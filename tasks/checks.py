@@ -69,6 +69,7 @@ def check_model(ws: Workspace) -> None:
         return
     config = load_model_config(cfg.model, ws.root)
     check_positions(cfg, config)
+    check_vocabulary(ws, config)
     if cfg.peft.use_peft:
         _check_targets(ws, config)
 
@@ -81,6 +82,27 @@ def check_positions(cfg, model_config) -> None:
         raise PipelineError(
             f"data.max_seq_length {cfg.data.max_seq_length} exceeds the model's "
             f"max_position_embeddings {limit}; set data.max_seq_length <= {limit}")
+
+
+def check_vocabulary(ws: Workspace, model_config) -> None:
+    """A tokenizer other than the model's (model.tokenizer_name_or_path) with more tokens than
+    the model has embedding rows trained into an IndexError at the first unknown id. The
+    embeddings grow only with model.added_tokens or special_tokens (to the tokenizer's
+    length: engine.modeling.vocabulary), so without them such a tokenizer is refused here."""
+    cfg = ws.config.model
+    rows = getattr(model_config, "vocab_size", None)
+    if not cfg.tokenizer_name_or_path or not rows or cfg.added_tokens or cfg.special_tokens:
+        return
+    from engine.modeling.model import load_tokenizer
+
+    size = len(load_tokenizer(cfg, ws.root))
+    if size > rows:
+        raise PipelineError(
+            f"model.tokenizer_name_or_path '{cfg.tokenizer_name_or_path}' has {size} tokens "
+            f"but the model '{cfg.name_or_path}' has {rows} embedding rows (vocab_size): ids "
+            f"from {rows} on have no embedding; use the model's own tokenizer "
+            "(model.tokenizer_name_or_path: null), or name the new tokens in "
+            "model.added_tokens so the embeddings grow to the tokenizer's size")
 
 
 def _check_targets(ws: Workspace, model_config) -> None:

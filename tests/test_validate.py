@@ -137,3 +137,27 @@ def test_a_broken_line_of_a_json_array_is_named_too(project):
     path = project / _broken_copy(project, "broken.json", 7)
     with pytest.raises(PipelineError, match=r"broken.json line 7: not valid JSON"):
         json_input.read_frame(path)
+
+
+def test_a_tokenizer_larger_than_the_embeddings_is_refused(project, capsys, monkeypatch):
+    """A tokenizer with tokens past the model's embedding rows passed validate, then training
+    failed with an IndexError at the first such id. With model.added_tokens the embeddings
+    grow to the tokenizer's length (engine.modeling.vocabulary), so that passes."""
+    from engine.modeling.model import load_tokenizer
+    from finetune.config.model import ModelConfig
+
+    tok = load_tokenizer(ModelConfig(name_or_path="data/models/stories260K"), project)
+    tok.add_tokens(["<|tool|>", "<|result|>"])
+    tok.save_pretrained(project / "data/models/bigger-tokenizer")
+    code, line = validate(project, capsys, monkeypatch,
+                          "model.tokenizer_name_or_path=data/models/bigger-tokenizer")
+    assert code == 2 and line == (
+        "error: model.tokenizer_name_or_path 'data/models/bigger-tokenizer' has 514 tokens "
+        "but the model 'data/models/stories260K' has 512 embedding rows (vocab_size): ids "
+        "from 512 on have no embedding; use the model's own tokenizer "
+        "(model.tokenizer_name_or_path: null), or name the new tokens in model.added_tokens "
+        "so the embeddings grow to the tokenizer's size"), line
+    code, line = validate(project, capsys, monkeypatch,
+                          "model.tokenizer_name_or_path=data/models/bigger-tokenizer",
+                          "model.added_tokens=['<|tool|>']")
+    assert code == 0, line
