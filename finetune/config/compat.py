@@ -751,6 +751,11 @@ RULES: list[Rule] = [
          "not run there", {"training.compute_loss_func": "m:f"}),
         ("training.use_liger_kernel", None, "the last stage computes its own chunked loss; "
          "Liger's fused loss is not wired into the stages", {"training.use_liger_kernel": True}),
+        ("training.torch_compile_mode",
+         lambda c: c.training.torch_compile and c.training.torch_compile_mode == "max-autotune",
+         "max-autotune captures CUDA graphs, which replay stale gradients across a schedule's "
+         "micro-batches (as under gradient accumulation); use max-autotune-no-cudagraphs",
+         {"training.torch_compile": True, "training.torch_compile_mode": "max-autotune"}),
     )),
     Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
            "zero-bubble schedules split the backward, which compiled stages cannot",
