@@ -20,9 +20,19 @@ DATA = {"json_file_path": "x.jsonl"}
 def test_a_seed_outside_numpys_range_is_refused_when_validated():
     for key, section in (("seed", "training"), ("seed", "data")):
         with pytest.raises(ValueError, match=f"{section}.{key}\n.*greater than or equal to 0"):
-            FinetuneConfig.model_validate({"data": DATA, section: {key: -1}})
+            FinetuneConfig.model_validate({"data": DATA, section: {key: -2}})
         with pytest.raises(ValueError, match="less than or equal to 4294967295"):
             FinetuneConfig.model_validate({"data": DATA, section: {key: 2**32}})
+
+
+def test_training_seed_minus_one_is_the_seeds_do_not_seed():
+    """QEfficient's seed -1 ('do not seed') is our null: the train stage draws and logs one."""
+    unseeded = FinetuneConfig.model_validate({"data": DATA, "training": {"seed": -1}})
+    assert unseeded.training.seed is None
+    assert unseeded.model_dump() == FinetuneConfig.model_validate(
+        {"data": DATA, "training": {"seed": None}}).model_dump()
+    with pytest.raises(ValueError, match="data.seed\n.*greater than or equal to 0"):
+        FinetuneConfig.model_validate({"data": {**DATA, "seed": -1}})  # the split is seeded
 
 
 def test_the_seeds_null_and_zero_meanings():

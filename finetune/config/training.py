@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, model_validator
+from pydantic import AliasChoices, field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.section import Field, Section
@@ -233,9 +233,9 @@ class TrainingConfig(Section):
     )
     seed: int | None = Field(
         42, fingerprint=True, ge=0, le=2**32 - 1,
-        description="Seed for init, dropout and data order. null: unseeded: the "
-        "train stage draws one, logs it (MLflow param, train metrics, checkpoints) and a "
-        "resume continues with the checkpoint's.",
+        description="Seed for init, dropout and data order. null (or -1, QEfficient's 'do not "
+        "seed'): unseeded: the train stage draws one, logs it (MLflow param, train metrics, "
+        "checkpoints) and a resume continues with the checkpoint's.",
     )
     full_determinism: bool = Field(
         False, fingerprint=True,
@@ -325,6 +325,12 @@ class TrainingConfig(Section):
                                  "keep one of them")
             raw["mixed_precision"] = on[0]
         return raw
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _minus_one_is_unseeded(cls, value):
+        """-1 is how QEfficient writes 'do not seed': our null (a drawn, logged seed)."""
+        return None if type(value) is int and value == -1 else value
 
     @model_validator(mode="after")
     def _compat(self) -> "TrainingConfig":
