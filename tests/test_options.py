@@ -183,3 +183,21 @@ def test_compile_part_reads_every_compile_option():
         reset()
     with pytest.raises(PipelineError, match="names no decoder block class"):
         compile_part(torch.nn.Linear(2, 2), TrainingConfig(torch_compile=True), set())
+
+
+@pytest.mark.parametrize("section, alias, own, value", [
+    ("data", "target_column", "label_column", "label"),
+    ("eval", "max_eval_steps", "eval_batches", 2),
+    ("model", "tokenizer_name", "tokenizer_name_or_path", "tok"),
+])
+def test_an_alias_next_to_its_own_name_is_one_line_saying_keep_one(section, alias, own, value):
+    """The seed's names are aliases (pydantic's validation_alias); a file that sets both the
+    alias and our name is told so, not sent to a near-named key elsewhere."""
+    from finetune.config.loader import validate_raw
+
+    raw = {"data": dict(DATA)}
+    raw.setdefault(section, {}).update({own: value, alias: value})
+    with pytest.raises(PipelineError) as err:
+        validate_raw(raw)
+    assert str(err.value) == (f"<params>: `{section}.{alias}` is an alias of `{section}.{own}`, "
+                              "which the file also sets; keep one")
