@@ -45,6 +45,11 @@ def test_the_seeds_null_and_zero_meanings():
     assert EvalConfig(eval_batches=0).effective_eval_strategy == "no"
     assert EvalConfig(eval_batches=-1).eval_batches is None
     assert EvalConfig(max_eval_steps=-1, eval_strategy="steps").effective_eval_strategy == "steps"
+    # > 0 alone turns it on (every eval_steps); an eval_strategy the file sets wins
+    assert EvalConfig(max_eval_steps=3).effective_eval_strategy == "steps"
+    assert EvalConfig(max_eval_steps=3, eval_strategy="no").effective_eval_strategy == "no"
+    assert EvalConfig().effective_eval_strategy == "no"
+    assert EvalConfig(eval_batches=0, eval_on_save=True).evaluates_in_training is False
 
 
 def test_a_text_field_next_to_templates_is_refused_not_ignored():
@@ -58,9 +63,11 @@ def test_a_text_field_next_to_templates_is_refused_not_ignored():
 def test_group_by_length_over_a_token_column_and_no_evaluation_at_eval_batches_0(tokenized,
                                                                                  tmp_path):
     """Seed 004's length_column_name: input_ids (a list column) groups by its lengths, as the
-    length column does; eval_batches 0 evaluates nothing during training."""
+    length column does; eval_batches 0 evaluates nothing during training, not even at the
+    saves eval_on_save asks to evaluate at."""
     common = {**BASE, "training.group_by_length": True, "eval.eval_batches": 0,
-              "eval.eval_strategy": "steps", "eval.eval_steps": 2}
+              "eval.eval_strategy": "steps", "eval.eval_steps": 2, "eval.eval_on_save": True,
+              "checkpoint.save_strategy": "steps", "checkpoint.save_steps": 2}
     ids, _ = train_here(tokenized, tmp_path / "ids", {
         **common, "training.length_column_name": "input_ids"})
     length, _ = train_here(tokenized, tmp_path / "length", common)

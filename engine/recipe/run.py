@@ -486,7 +486,8 @@ class TrainingRun:
         evaluated = {}
         if eval_now or save_now or asked_stop or self.monitor.should_stop:
             self.emit_logged(wait=True)  # a checkpoint's history holds every row so far
-        if self.eval_data is not None and (eval_now or (save_now and on_save)):
+        if self.eval_data is not None and e.evaluates_in_training and (
+                eval_now or (save_now and on_save)):
             evaluated = self.evaluate()
         stop = (self.monitor.should_stop or asked_stop) and not last
         if save_now or (stop and c.effective_save_strategy != "no"):
