@@ -56,12 +56,16 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
     from engine.strategies import strategy_optimizers
 
     refs = [(cfg.optimizer.name, "optimizer.name"), *strategy_optimizers(cfg.distributed)]
-    if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
+    if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name or cfg.distributed.diloco:
         from engine.objective.optim import optimizer_class, scheduler_factory
 
         for name, key in refs:
             optimizer_class(name, key)
         scheduler_factory(cfg.scheduler.name)
+        if cfg.distributed.diloco:  # its momentum keys apply to the class the name loads
+            diloco = cfg.distributed.diloco
+            diloco.outer_optimizer_kwargs(optimizer_class(
+                diloco.outer_optimizer, "distributed.diloco.outer_optimizer"))
     if t.type != "sft":
         from engine.recipe.run import trainer_class  # imported there: the registry knows sft
 

@@ -208,3 +208,24 @@ def test_an_alias_next_to_its_own_name_is_one_line_saying_keep_one(section, alia
         validate_raw(raw)
     assert str(err.value) == (f"<params>: `{section}.{alias}` is an alias of `{section}.{own}`, "
                               "which the file also sets; keep one")
+
+
+def test_diloco_outer_momentum_goes_to_sgd_by_its_class_not_its_name():
+    """outer_momentum/outer_nesterov reach SGD however it is named (torch.optim.sgd:SGD is SGD,
+    a subclass is SGD); set for another class they are refused in one line, not dropped."""
+    from finetune.config.distributed import DilocoConfig
+
+    for ref in ("SGD", "torch.optim:SGD", "torch.optim.sgd:SGD"):
+        assert DilocoConfig(inner_steps=2, outer_optimizer=ref).outer_optimizer == "SGD"
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    c = DilocoConfig(inner_steps=2, outer_optimizer="user:MySGD", outer_momentum=0.5)
+    assert c.outer_optimizer_kwargs(MySGD) == {"lr": 0.7, "momentum": 0.5, "nesterov": True}
+    assert DilocoConfig(inner_steps=2, outer_optimizer="Adam").outer_optimizer_kwargs(
+        torch.optim.Adam) == {"lr": 0.7}
+    with pytest.raises(PipelineError, match="^distributed.diloco.outer_nesterov applies to SGD, "
+                       "and outer_optimizer 'Adam' is Adam; remove it"):
+        DilocoConfig(inner_steps=2, outer_optimizer="Adam",
+                     outer_nesterov=False).outer_optimizer_kwargs(torch.optim.Adam)
