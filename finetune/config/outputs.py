@@ -72,7 +72,8 @@ class EvalConfig(Section):
         None, ge=0, description="Batches of the test split each in-training evaluation reads "
         "(None or -1: all of them, max_eval_steps' -1; 0: no in-training evaluation at all, "
         "eval_on_save's included; > 0 with no eval_strategy in the file turns it on, every "
-        "eval_steps). The evaluate stage always reads the whole split. Alias: max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
+        "eval_steps). The evaluate stage always reads the whole split. Alias: max_eval_steps.",
+        validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
     )
     eval_on_save: bool = Field(
         False, description="Also evaluate at every checkpoint (so each one has a metric)."
