@@ -94,11 +94,12 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
     if paths.train_data is not None:
         if not paths.train_data.exists():
             raise PipelineError(f"{paths.train_data} missing; run the tokenize stage")
-        if cfg.data.collate_fn:
+        ref = cfg.data.user_collate_fn
+        if ref:
             from engine.datapath.data import check_collate, load_tokenized, take_rows, user_collate
 
             rows = take_rows(load_tokenized(paths.train_data), range(2))
-            check_collate(user_collate(cfg.data.collate_fn), rows, cfg.data.collate_fn)
+            check_collate(user_collate(ref), rows, ref)
     if cfg.checkpoint.resume_from_checkpoint:
         from engine.state import fingerprint
         from engine.state.trainer_state import plan_start

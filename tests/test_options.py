@@ -229,3 +229,18 @@ def test_diloco_outer_momentum_goes_to_sgd_by_its_class_not_its_name():
                        "and outer_optimizer 'Adam' is Adam; remove it"):
         DilocoConfig(inner_steps=2, outer_optimizer="Adam",
                      outer_nesterov=False).outer_optimizer_kwargs(torch.optim.Adam)
+
+
+def test_the_seeds_collator_name_is_ours_and_loads_no_user_code(monkeypatch):
+    """QEfficient's collate_fn: dynamic_padding (also as HF's data_collator) is our padding:
+    no user code to load before launch, pad_to_multiple_of applies; a near name is refused."""
+    from engine.preflight import check_user_code_and_machine
+
+    for key in ("collate_fn", "data_collator"):
+        cfg = FinetuneConfig.model_validate({"data": {**DATA, key: "dynamic_padding"},
+                                             "training": {"pad_to_multiple_of": 8}})
+        assert cfg.data.collate_fn == "dynamic_padding" and cfg.data.user_collate_fn is None
+        check_user_code_and_machine(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match="'dynamic' is neither a 'module:function' of the "
+                       "project nor a collator's name: dynamic_padding \\(did you mean"):
+        DataConfig(**DATA, collate_fn="dynamic")

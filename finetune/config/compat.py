@@ -715,6 +715,12 @@ RULES: list[Rule] = [
     Refuse("config", "data.collate_fn", PACKED,
            "their batches are built by the trainer's own packing collators; drop one of them",
            example={"data.collate_fn": "m:f", "training.packing": True}),
+    Refuse("config", "training.pad_to_multiple_of",
+           When("a data.collate_fn of the project (module:function)",
+                lambda c: c.data.user_collate_fn is not None),
+           "that function decides each batch's width; round it up there, or use "
+           "collate_fn: dynamic_padding, which applies pad_to_multiple_of",
+           example={"data.collate_fn": "m:f", "training.pad_to_multiple_of": 8}),
     Agree("config", ("training.type", "data.dataset_type"), _pairs_and_trainer,
           example={"training.type": "dpo"}),
     Refuse("config", "checkpoint.save_on_each_node", FSDP,
