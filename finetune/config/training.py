@@ -5,7 +5,7 @@ Its own module because it is the largest section and the one every engine featur
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, field_validator, model_validator
 
@@ -230,6 +230,14 @@ class TrainingConfig(Section):
         "fp32", fingerprint=True,
         description="Autocast dtype; fp32/no = full precision. HF's flags set it too: "
         "bf16: true or fp16: true (false leaves it as it is).",
+    )
+    deepspeed_config: str | dict[str, Any] | None = Field(
+        None, fingerprint=False,
+        description="A DeepSpeed config (ds_config JSON file, relative to the project, or the "
+        "mapping inline as QEfficient writes it) read as this pipeline's keys: ZeRO-2/3 is "
+        "FSDP2, its batch, precision, clipping, optimizer and scheduler blocks the keys that do "
+        "the same; a key with no equivalent, or one the params file sets to another value, is "
+        "refused. `finetune validate` prints the table (docs/distributed.md).",
     )
     seed: int | None = Field(
         42, fingerprint=True, ge=0, le=2**32 - 1,
