@@ -13,6 +13,7 @@ print it (`describe`).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ def apply(raw: dict, root: Path | None = None) -> dict:
     if source is None:
         return raw
     ds, where = load(source, root)
-    merged = json.loads(json.dumps(raw))
+    merged = copy.deepcopy(raw)
     clashes = []
     for row in rows(ds, where):
         for dotted, ours in row.sets:
