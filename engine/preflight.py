@@ -53,19 +53,16 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
 
         for spec in cfg.logging.callbacks:
             check_user_callback(spec)
-    from engine.strategies import strategy_optimizers
+    from engine.strategies import check_strategy_optimizers, strategy_optimizers
 
     refs = [(cfg.optimizer.name, "optimizer.name"), *strategy_optimizers(cfg.distributed)]
-    if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name or cfg.distributed.diloco:
+    if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
         from engine.objective.optim import optimizer_class, scheduler_factory
 
         for name, key in refs:
             optimizer_class(name, key)
         scheduler_factory(cfg.scheduler.name)
-        if cfg.distributed.diloco:  # its momentum keys apply to the class the name loads
-            diloco = cfg.distributed.diloco
-            diloco.outer_optimizer_kwargs(optimizer_class(
-                diloco.outer_optimizer, "distributed.diloco.outer_optimizer"))
+    check_strategy_optimizers(cfg.distributed)
     if t.type != "sft":
         from engine.recipe.run import trainer_class  # imported there: the registry knows sft
 

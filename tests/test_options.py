@@ -229,6 +229,14 @@ def test_diloco_outer_momentum_goes_to_sgd_by_its_class_not_its_name():
                        "and outer_optimizer 'Adam' is Adam; remove it"):
         DilocoConfig(inner_steps=2, outer_optimizer="Adam",
                      outer_nesterov=False).outer_optimizer_kwargs(torch.optim.Adam)
+    # before launch (finetune validate, the train stage), not in a worker
+    from engine.preflight import check_user_code_and_machine
+
+    cfg = FinetuneConfig.model_validate({"data": DATA, "distributed": {
+        "strategy": "diloco", "diloco": {"inner_steps": 2, "outer_optimizer": "torch.optim:Adam",
+                                         "outer_momentum": 0.5}}})
+    with pytest.raises(PipelineError, match="^distributed.diloco.outer_momentum applies to SGD"):
+        check_user_code_and_machine(cfg, torch.device("cpu"))
 
 
 def test_the_seeds_collator_name_is_ours_and_loads_no_user_code(monkeypatch):
