@@ -53,7 +53,7 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
 
         for spec in cfg.logging.callbacks:
             check_user_callback(spec)
-    from engine.strategies import strategy_optimizers
+    from engine.strategies import check_strategy_optimizers, strategy_optimizers
 
     refs = [(cfg.optimizer.name, "optimizer.name"), *strategy_optimizers(cfg.distributed)]
     if any(":" in name for name, _ in refs) or ":" in cfg.scheduler.name:
@@ -62,6 +62,7 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
         for name, key in refs:
             optimizer_class(name, key)
         scheduler_factory(cfg.scheduler.name)
+    check_strategy_optimizers(cfg.distributed)
     if t.type != "sft":
         from engine.recipe.run import trainer_class  # imported there: the registry knows sft
 
@@ -90,11 +91,12 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
     if paths.train_data is not None:
         if not paths.train_data.exists():
             raise PipelineError(f"{paths.train_data} missing; run the tokenize stage")
-        if cfg.data.collate_fn:
+        ref = cfg.data.user_collate_fn
+        if ref:
             from engine.datapath.data import check_collate, load_tokenized, take_rows, user_collate
 
             rows = take_rows(load_tokenized(paths.train_data), range(2))
-            check_collate(user_collate(cfg.data.collate_fn), rows, cfg.data.collate_fn)
+            check_collate(user_collate(ref), rows, ref)
     if cfg.checkpoint.resume_from_checkpoint:
         from engine.state import fingerprint
         from engine.state.trainer_state import plan_start

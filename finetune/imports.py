@@ -36,6 +36,13 @@ def project_files(root: Path) -> Iterator[None]:
         _project_root = before
 
 
+def project_root() -> Path:
+    """The folder a params file's relative paths resolve against: its project while it is
+    validated (`project_files`), else the working directory (every stage's and worker's is
+    the project root)."""
+    return _project_root or Path.cwd()
+
+
 def load_object(ref: str, key: str) -> Any:
     """'package.module:name' -> the object it names; a failure is one line naming `key`."""
     module_name, _, attr = ref.partition(":")

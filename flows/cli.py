@@ -162,6 +162,7 @@ def cmd_validate(args) -> int:
     if str(ws.root) not in sys.path:
         sys.path.insert(0, str(ws.root))
     check_without_data(ws)
+    _print_deepspeed_table(ws)
     print(f"ok: {ws.params_path} is valid")
     if args.mark:  # constant content: a valid edit reruns no stage that depends on it
         args.mark.parent.mkdir(parents=True, exist_ok=True)
@@ -173,8 +174,18 @@ def cmd_config(args) -> int:
     import yaml
 
     ws = Workspace.load(args.params, args.overrides)
+    _print_deepspeed_table(ws, sys.stderr)  # stdout is the resolved file
     print(yaml.safe_dump(ws.config.model_dump(mode="json"), sort_keys=False), end="")
     return 0
+
+
+def _print_deepspeed_table(ws: Workspace, stream=None) -> None:
+    """training.deepspeed_config's keys as ours (finetune/config/deepspeed.py), when set."""
+    source = ws.config.training.deepspeed_config
+    if source is not None:
+        from finetune.config.deepspeed import describe
+
+        print(describe(source, ws.root), file=stream or sys.stdout)
 
 
 def cmd_run(args) -> int:

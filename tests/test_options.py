@@ -20,9 +20,19 @@ DATA = {"json_file_path": "x.jsonl"}
 def test_a_seed_outside_numpys_range_is_refused_when_validated():
     for key, section in (("seed", "training"), ("seed", "data")):
         with pytest.raises(ValueError, match=f"{section}.{key}\n.*greater than or equal to 0"):
-            FinetuneConfig.model_validate({"data": DATA, section: {key: -1}})
+            FinetuneConfig.model_validate({"data": DATA, section: {key: -2}})
         with pytest.raises(ValueError, match="less than or equal to 4294967295"):
             FinetuneConfig.model_validate({"data": DATA, section: {key: 2**32}})
+
+
+def test_training_seed_minus_one_is_the_seeds_do_not_seed():
+    """QEfficient's seed -1 ('do not seed') is our null: the train stage draws and logs one."""
+    unseeded = FinetuneConfig.model_validate({"data": DATA, "training": {"seed": -1}})
+    assert unseeded.training.seed is None
+    assert unseeded.model_dump() == FinetuneConfig.model_validate(
+        {"data": DATA, "training": {"seed": None}}).model_dump()
+    with pytest.raises(ValueError, match="data.seed\n.*greater than or equal to 0"):
+        FinetuneConfig.model_validate({"data": {**DATA, "seed": -1}})  # the split is seeded
 
 
 def test_the_seeds_null_and_zero_meanings():
@@ -35,6 +45,11 @@ def test_the_seeds_null_and_zero_meanings():
     assert EvalConfig(eval_batches=0).effective_eval_strategy == "no"
     assert EvalConfig(eval_batches=-1).eval_batches is None
     assert EvalConfig(max_eval_steps=-1, eval_strategy="steps").effective_eval_strategy == "steps"
+    # > 0 alone turns it on (every eval_steps); an eval_strategy the file sets wins
+    assert EvalConfig(max_eval_steps=3).effective_eval_strategy == "steps"
+    assert EvalConfig(max_eval_steps=3, eval_strategy="no").effective_eval_strategy == "no"
+    assert EvalConfig().effective_eval_strategy == "no"
+    assert EvalConfig(eval_batches=0, eval_on_save=True).evaluates_in_training is False
 
 
 def test_a_text_field_next_to_templates_is_refused_not_ignored():
@@ -48,9 +63,11 @@ def test_a_text_field_next_to_templates_is_refused_not_ignored():
 def test_group_by_length_over_a_token_column_and_no_evaluation_at_eval_batches_0(tokenized,
                                                                                  tmp_path):
     """Seed 004's length_column_name: input_ids (a list column) groups by its lengths, as the
-    length column does; eval_batches 0 evaluates nothing during training."""
+    length column does; eval_batches 0 evaluates nothing during training, not even at the
+    saves eval_on_save asks to evaluate at."""
     common = {**BASE, "training.group_by_length": True, "eval.eval_batches": 0,
-              "eval.eval_strategy": "steps", "eval.eval_steps": 2}
+              "eval.eval_strategy": "steps", "eval.eval_steps": 2, "eval.eval_on_save": True,
+              "checkpoint.save_strategy": "steps", "checkpoint.save_steps": 2}
     ids, _ = train_here(tokenized, tmp_path / "ids", {
         **common, "training.length_column_name": "input_ids"})
     length, _ = train_here(tokenized, tmp_path / "length", common)
@@ -173,3 +190,65 @@ def test_compile_part_reads_every_compile_option():
         reset()
     with pytest.raises(PipelineError, match="names no decoder block class"):
         compile_part(torch.nn.Linear(2, 2), TrainingConfig(torch_compile=True), set())
+
+
+@pytest.mark.parametrize("section, alias, own, value", [
+    ("data", "target_column", "label_column", "label"),
+    ("eval", "max_eval_steps", "eval_batches", 2),
+    ("model", "tokenizer_name", "tokenizer_name_or_path", "tok"),
+])
+def test_an_alias_next_to_its_own_name_is_one_line_saying_keep_one(section, alias, own, value):
+    """The seed's names are aliases (pydantic's validation_alias); a file that sets both the
+    alias and our name is told so, not sent to a near-named key elsewhere."""
+    from finetune.config.loader import validate_raw
+
+    raw = {"data": dict(DATA)}
+    raw.setdefault(section, {}).update({own: value, alias: value})
+    with pytest.raises(PipelineError) as err:
+        validate_raw(raw)
+    assert str(err.value) == (f"<params>: `{section}.{alias}` is an alias of `{section}.{own}`, "
+                              "which the file also sets; keep one")
+
+
+def test_diloco_outer_momentum_goes_to_sgd_by_its_class_not_its_name():
+    """outer_momentum/outer_nesterov reach SGD however it is named (torch.optim.sgd:SGD is SGD,
+    a subclass is SGD); set for another class they are refused in one line, not dropped."""
+    from finetune.config.distributed import DilocoConfig
+
+    for ref in ("SGD", "torch.optim:SGD", "torch.optim.sgd:SGD"):
+        assert DilocoConfig(inner_steps=2, outer_optimizer=ref).outer_optimizer == "SGD"
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    c = DilocoConfig(inner_steps=2, outer_optimizer="user:MySGD", outer_momentum=0.5)
+    assert c.outer_optimizer_kwargs(MySGD) == {"lr": 0.7, "momentum": 0.5, "nesterov": True}
+    assert DilocoConfig(inner_steps=2, outer_optimizer="Adam").outer_optimizer_kwargs(
+        torch.optim.Adam) == {"lr": 0.7}
+    with pytest.raises(PipelineError, match="^distributed.diloco.outer_nesterov applies to SGD, "
+                       "and outer_optimizer 'Adam' is Adam; remove it"):
+        DilocoConfig(inner_steps=2, outer_optimizer="Adam",
+                     outer_nesterov=False).outer_optimizer_kwargs(torch.optim.Adam)
+    # before launch (finetune validate, the train stage), not in a worker
+    from engine.preflight import check_user_code_and_machine
+
+    cfg = FinetuneConfig.model_validate({"data": DATA, "distributed": {
+        "strategy": "diloco", "diloco": {"inner_steps": 2, "outer_optimizer": "torch.optim:Adam",
+                                         "outer_momentum": 0.5}}})
+    with pytest.raises(PipelineError, match="^distributed.diloco.outer_momentum applies to SGD"):
+        check_user_code_and_machine(cfg, torch.device("cpu"))
+
+
+def test_the_seeds_collator_name_is_ours_and_loads_no_user_code(monkeypatch):
+    """QEfficient's collate_fn: dynamic_padding (also as HF's data_collator) is our padding:
+    no user code to load before launch, pad_to_multiple_of applies; a near name is refused."""
+    from engine.preflight import check_user_code_and_machine
+
+    for key in ("collate_fn", "data_collator"):
+        cfg = FinetuneConfig.model_validate({"data": {**DATA, key: "dynamic_padding"},
+                                             "training": {"pad_to_multiple_of": 8}})
+        assert cfg.data.collate_fn == "dynamic_padding" and cfg.data.user_collate_fn is None
+        check_user_code_and_machine(cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match="'dynamic' is neither a 'module:function' of the "
+                       "project nor a collator's name: dynamic_padding \\(did you mean"):
+        DataConfig(**DATA, collate_fn="dynamic")

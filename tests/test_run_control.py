@@ -363,9 +363,10 @@ def a_list(rows):
 
 
 def test_a_user_collate_fn_batches_the_training_examples(tokenized, tmp_path, monkeypatch):
-    """data.collate_fn (seed 004) builds every training batch: padding to 64 columns costs
-    the attention more positions but trains the same tokens, so the losses equal the default
-    padding's; a collator that returns no batch is one line before launch."""
+    """data.collate_fn (seed 004) builds every training batch and the in-training evaluation's:
+    padding to 64 columns costs the attention more positions but trains the same tokens, so
+    the losses equal the default padding's; a collator that returns no batch is one line
+    before launch."""
     from tasks.train import preflight
 
     project = tmp_path / "c"
@@ -378,10 +379,15 @@ def test_a_user_collate_fn_batches_the_training_examples(tokenized, tmp_path, mo
     from finetune.workspace import Workspace
 
     cfg = Workspace.load(project / "params/default.yaml").config
-    batch = cfg.training.per_device_train_batch_size
-    # one call per micro-batch, nothing else collated by it; the prefetch thread may have
-    # collated up to three more (two queued, one in hand) before the run ended
-    assert calls == [str(batch)] * len(calls) and 4 <= len(calls) <= 7
+    batch, eval_batch = (cfg.training.per_device_train_batch_size,
+                         cfg.training.per_device_eval_batch_size)
+    assert batch != eval_batch and cfg.eval.eval_batches == 1
+    # one call per micro-batch and one for the final step's evaluation batch, nothing else
+    # collated by it; the prefetch thread may have collated up to three more training batches
+    # (two queued, one in hand) before the run ended
+    train_calls = [c for c in calls if c != str(eval_batch)]
+    assert train_calls == [str(batch)] * len(train_calls) and 4 <= len(train_calls) <= 7
+    assert calls.count(str(eval_batch)) == 1
     plain, _ = train_here(tokenized, tmp_path / "p", BASE)
     assert losses(project) == pytest.approx(losses(plain), abs=1e-5)
     write_params(project, {"data.collate_fn": "my_collate:a_list"})

@@ -11,6 +11,7 @@ drop_last false, the last step is filled with examples from the start of the epo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -126,6 +127,13 @@ def user_collate(ref: str) -> Callable[[list[dict]], dict]:
         return fn([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
 
     return collate_user
+
+
+def eval_collate(data_cfg, pad_id: int) -> Callable[[list[dict]], dict]:
+    """How evaluation batches are built: by the project's data.collate_fn when it names one
+    (so the held-out loss is measured on the batches training saw), else dynamic padding."""
+    ref = data_cfg.user_collate_fn
+    return user_collate(ref) if ref else functools.partial(collate, pad_id=pad_id)
 
 
 def check_collate(collate_fn: Callable[[list[dict]], dict], rows: list[dict], ref: str) -> None:

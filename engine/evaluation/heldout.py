@@ -20,9 +20,12 @@ from engine.process.distributed import Dist, all_reduce_sum
 @torch.no_grad()
 def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | None = None,
                   max_batches: int | None = None, autocast_dtype: torch.dtype | None = None,
-                  lockstep: bool = False, loss_sum_fn=token_loss_sum) -> dict:
+                  lockstep: bool = False, loss_sum_fn=token_loss_sum,
+                  collate_fn: Callable[[list[dict]], dict] | None = None) -> dict:
     """Mean next-token loss and perplexity; rank r takes batches r, r+world, ...
 
+    `collate_fn`: builds each batch from its rows (engine.datapath.data.eval_collate: the
+    project's data.collate_fn when set); None: dynamic padding with `pad_id`.
     `lockstep`: every rank runs the same number of forwards (FSDP2 all-gathers inside forward,
     so a rank with one batch fewer would hang the others); the extra ones are not counted.
     `loss_sum_fn(logits, labels)`: the summed loss (a classifier's is per row)."""
@@ -39,11 +42,12 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
     for i in range(rounds):
         counted = i < len(mine)
         start = mine[i] if counted else starts[0]
-        batch = collate(take_rows(dataset, range(start, min(start + batch_size, len(dataset)))),
-                        pad_id)
+        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
+        batch = collate_fn(rows) if collate_fn else collate(rows, pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = model(input_ids=batch["input_ids"],
+                           attention_mask=batch.get("attention_mask")).logits
         if counted:
             tokens += count_targets(batch)
             loss_sum += float(loss_sum_fn(logits, batch["labels"]))

@@ -92,8 +92,8 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
     t = cfg.training
     collate_fn = prepare_batch_layout(t, cfg.data.max_seq_length, model, pad_id, d.device,
                                       amp, log)
-    if cfg.data.collate_fn:
-        collate_fn = user_collate(cfg.data.collate_fn)
+    if cfg.data.user_collate_fn:  # a named collator is the layout's own (dynamic_padding)
+        collate_fn = user_collate(cfg.data.user_collate_fn)
     loss = None
     if t.use_liger_kernel:  # the pipeline and user losses are refused with it (compat)
         from engine.objective.liger import apply_liger

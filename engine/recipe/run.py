@@ -31,6 +31,7 @@ from engine.datapath.attention import host_keys
 from engine.datapath.data import (
     MODEL_COLUMNS,
     count_targets,
+    eval_collate,
     load_tokenized,
     model_inputs,
     to_device,
@@ -205,6 +206,7 @@ class TrainingRun:
                             self.labels, self.tokenizer.pad_token_id, self.amp, self.log)
         self.model, self.strategy, self.loss = built.model, built.strategy, built.loss
         self.collate_fn, self.construction = built.collate_fn, built.construction
+        self.eval_collate = eval_collate(self.cfg.data, self.tokenizer.pad_token_id)
         self.trainable, self.total = built.trainable, built.total
 
     def open_train_data(self):
@@ -483,7 +485,8 @@ class TrainingRun:
         evaluated = {}
         if eval_now or save_now or asked_stop or self.monitor.should_stop:
             self.emit_logged(wait=True)  # a checkpoint's history holds every row so far
-        if self.eval_data is not None and (eval_now or (save_now and on_save)):
+        if self.eval_data is not None and e.evaluates_in_training and (
+                eval_now or (save_now and on_save)):
             evaluated = self.evaluate()
         stop = (self.monitor.should_stop or asked_stop) and not last
         if save_now or (stop and c.effective_save_strategy != "no"):
@@ -516,7 +519,8 @@ class TrainingRun:
                                              self.cfg.training.per_device_eval_batch_size,
                                              self.tokenizer.pad_token_id,
                                              self.cfg.eval.eval_batches, self.amp,
-                                             loss_sum_fn=self.loss and self.loss.eval_loss_sum)
+                                             loss_sum_fn=self.loss and self.loss.eval_loss_sum,
+                                             collate_fn=self.eval_collate)
         evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:

@@ -38,6 +38,19 @@ def strategy_optimizers(dist: DistributedConfig) -> list[tuple[str, str]]:
     return [(dist.diloco.outer_optimizer, "distributed.diloco.outer_optimizer")]
 
 
+def check_strategy_optimizers(dist: DistributedConfig) -> None:
+    """The strategy's own optimizers take what the params give them: DiLoCo's outer momentum
+    keys go to SGD by its class, and are refused for another (before launch, not in a
+    worker)."""
+    if dist.diloco is None:
+        return
+    from engine.objective.optim import optimizer_class
+
+    c = dist.diloco
+    c.outer_optimizer_kwargs(optimizer_class(c.outer_optimizer,
+                                             "distributed.diloco.outer_optimizer"))
+
+
 def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
     """The strategy that runs: `distributed.resolved_strategy` (DDP and FSDP2 with one
     process are single-device), for the world size the job was launched with."""

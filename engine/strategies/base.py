@@ -191,10 +191,12 @@ class Strategy:
         return {}
 
     def evaluate_loss(self, dataset, batch_size: int, pad_id: int, max_batches: int | None,
-                      amp, loss_sum_fn=token_loss_sum) -> dict:
-        """The in-training evaluation's loss over `dataset` (all ranks)."""
+                      amp, loss_sum_fn=token_loss_sum, collate_fn=None) -> dict:
+        """The in-training evaluation's loss over `dataset` (all ranks); `collate_fn` builds
+        the batches (None: dynamic padding)."""
         return evaluate_loss(self.module, dataset, batch_size, pad_id, self.d, max_batches, amp,
-                             lockstep=self.eval_lockstep, loss_sum_fn=loss_sum_fn)
+                             lockstep=self.eval_lockstep, loss_sum_fn=loss_sum_fn,
+                             collate_fn=collate_fn)
 
     # -- checkpoint and export -----------------------------------------------------------
     def dcp_state(self, optimizer) -> dict:

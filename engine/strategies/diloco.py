@@ -83,7 +83,7 @@ class DiLoCoStrategy(Strategy):
         self.local = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.globals = _GlobalParams([(n, _local(p)) for n, p in self.local])
         klass = optimizer_class(c.outer_optimizer, "distributed.diloco.outer_optimizer")
-        self.outer = klass(self.globals.parameters(), **c.outer_optimizer_kwargs())
+        self.outer = klass(self.globals.parameters(), **c.outer_optimizer_kwargs(klass))
         self.outer_schedule = get_scheduler(
             OUTER_SCHEDULES[c.outer_lr_schedule], self.outer, num_warmup_steps=0,
             num_training_steps=c.diloco_loops)

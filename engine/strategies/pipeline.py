@@ -250,9 +250,10 @@ class PipelineStrategy(Strategy):
     # -- evaluation and export -----------------------------------------------------------
     @torch.no_grad()
     def evaluate_loss(self, dataset, batch_size: int, pad_id: int, max_batches: int | None,
-                      amp, loss_sum_fn=None) -> dict:
+                      amp, loss_sum_fn=None, collate_fn=None) -> dict:
         """Every rank runs every eval batch through the pipeline (forward only); the last
-        stage's summed loss and target count are shared."""
+        stage's summed loss and target count are shared. `collate_fn` builds the rows before
+        the stages' fixed-width padding (None: dynamic padding)."""
         self.module.eval()
         starts = list(range(0, len(dataset), batch_size))[:max_batches or None]
         starts = starts[self.d.rank // self.pipe::self.replicas]  # each replica its share
@@ -260,7 +261,7 @@ class PipelineStrategy(Strategy):
         with self.meter.pause():
             for start in starts:
                 rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
-                batch = collate(rows, pad_id)
+                batch = collate_fn(rows) if collate_fn else collate(rows, pad_id)
                 padded = {k: v.to(self.d.device) for k, v in
                           self._padded(batch, batch_size).items()}
                 loss_sum += float(self._forward_only(padded, amp))

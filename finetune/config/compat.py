@@ -715,6 +715,12 @@ RULES: list[Rule] = [
     Refuse("config", "data.collate_fn", PACKED,
            "their batches are built by the trainer's own packing collators; drop one of them",
            example={"data.collate_fn": "m:f", "training.packing": True}),
+    Refuse("config", "training.pad_to_multiple_of",
+           When("a data.collate_fn of the project (module:function)",
+                lambda c: c.data.user_collate_fn is not None),
+           "that function decides each batch's width; round it up there, or use "
+           "collate_fn: dynamic_padding, which applies pad_to_multiple_of",
+           example={"data.collate_fn": "m:f", "training.pad_to_multiple_of": 8}),
     Agree("config", ("training.type", "data.dataset_type"), _pairs_and_trainer,
           example={"training.type": "dpo"}),
     Refuse("config", "checkpoint.save_on_each_node", FSDP,
@@ -751,6 +757,11 @@ RULES: list[Rule] = [
          "not run there", {"training.compute_loss_func": "m:f"}),
         ("training.use_liger_kernel", None, "the last stage computes its own chunked loss; "
          "Liger's fused loss is not wired into the stages", {"training.use_liger_kernel": True}),
+        ("training.torch_compile_mode",
+         lambda c: c.training.torch_compile and c.training.torch_compile_mode == "max-autotune",
+         "max-autotune captures CUDA graphs, which replay stale gradients across a schedule's "
+         "micro-batches (as under gradient accumulation); use max-autotune-no-cudagraphs",
+         {"training.torch_compile": True, "training.torch_compile_mode": "max-autotune"}),
     )),
     Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
            "zero-bubble schedules split the backward, which compiled stages cannot",

@@ -13,7 +13,12 @@ from typing import Any, Literal
 from pydantic import AliasChoices, create_model, field_validator, model_validator
 
 from finetune.config import compat
-from finetune.config.section import Field, Section
+from finetune.config.section import Field, Section, did_you_mean
+
+
+#: data.collate_fn's names for the pipeline's own collators (QEfficient's names), each with
+#: what it does; anything else is a 'module:function' of the project
+NAMED_COLLATORS = {"dynamic_padding": "pad each batch to its longest row (the default)"}
 
 
 class DataConfig(Section):
@@ -120,12 +125,16 @@ class DataConfig(Section):
     seed: int = Field(42, ge=0, le=2**32 - 1,
                       description="Seed for the train/test split and the stream shuffle.")
     collate_fn: str | None = Field(
-        None, code_ref=True,
+        None, code_ref=tuple(NAMED_COLLATORS),
+        validation_alias=AliasChoices("collate_fn", "data_collator"),
         description="'module:function' that turns a list of examples ({input_ids, labels} "
         "lists) into a batch ({input_ids, labels, attention_mask} tensors, labels -100 where "
-        "not trained), as HF's data_collator (QEfficient's collate_fn); None: dynamic padding. Training "
-        "batches only (evaluation pads as usual, so eval losses stay comparable); checked on "
-        "two train rows before launch; not with packing or padding_free.",
+        "not trained), as HF's data_collator (alias data_collator; QEfficient's collate_fn), "
+        "or a collator's name: dynamic_padding (QEfficient's default: each batch padded to its "
+        "longest row, training.pad_to_multiple_of applies), which None also means. It builds "
+        "the training batches and the evaluation ones (in training and in the evaluate "
+        "stage); a function is checked on two train rows before launch. Not with packing or "
+        "padding_free; a function not with training.pad_to_multiple_of (it decides the width).",
     )
     streaming: bool = Field(
         False,
@@ -152,6 +161,21 @@ class DataConfig(Section):
         if shaping or not completion:
             raw = {**{k: None for k in TEMPLATE_KEYS}, **raw}
         return raw
+
+    @field_validator("collate_fn")
+    @classmethod
+    def _named_or_reference(cls, value: str | None) -> str | None:
+        if value is None or value in NAMED_COLLATORS or ":" in value:
+            return value
+        raise ValueError(f"'{value}' is neither a 'module:function' of the project nor a "
+                         f"collator's name: {', '.join(NAMED_COLLATORS)}"
+                         f"{did_you_mean(value, NAMED_COLLATORS)}")
+
+    @property
+    def user_collate_fn(self) -> str | None:
+        """collate_fn when it names the project's function ('module:function'); None for
+        the pipeline's own collators (a name, or none)."""
+        return None if self.collate_fn in (None, *NAMED_COLLATORS) else self.collate_fn
 
     @field_validator("dataset_type")
     @classmethod

@@ -26,10 +26,11 @@ TORCH_OPTIMIZERS = frozenset({
 
 def torch_optimizer_name(name: str) -> str:
     """A torch.optim class name, or 'module:Class' (checked when the stage loads it);
-    'torch.optim:SGD' is SGD (one name, one fingerprint, SGD's momentum keys apply)."""
-    if name.startswith("torch.optim:"):
-        name = name.removeprefix("torch.optim:")
-    elif ":" in name:
+    'torch.optim:SGD' and 'torch.optim.sgd:SGD' are SGD (one name, one fingerprint)."""
+    module, _, attr = name.partition(":")
+    if module == "torch.optim" or module.startswith("torch.optim."):
+        name = _torch_optim_name(module, attr) or name  # torch.optim.sgd:SGD is SGD too
+    if ":" in name:
         return name
     if name in TORCH_OPTIMIZERS:
         return name
@@ -40,6 +41,20 @@ def torch_optimizer_name(name: str) -> str:
         raise ValueError(f"'{name}' is not a torch.optim optimizer class"
                          f"{did_you_mean(name, TORCH_OPTIMIZERS)} (e.g. AdamW, SGD)")
     return name
+
+
+def _torch_optim_name(module: str, attr: str) -> str | None:
+    """The torch.optim name of the class a 'torch.optim....:Class' reference names, or None
+    (then the reference stays as written and the stage loads it)."""
+    import importlib
+
+    import torch.optim
+
+    try:
+        klass = getattr(importlib.import_module(module), attr, None)
+    except ImportError:
+        return None
+    return attr if klass is not None and getattr(torch.optim, attr, None) is klass else None
 
 
 class FsdpConfig(Section):
@@ -144,11 +159,25 @@ class DilocoConfig(Section):
     def _known_optimizer(cls, name: str) -> str:
         return torch_optimizer_name(name)
 
-    def outer_optimizer_kwargs(self) -> dict[str, Any]:
+    def outer_optimizer_kwargs(self, klass: type) -> dict[str, Any]:
+        """The outer optimizer's kwargs for its class `klass` (what outer_optimizer loads):
+        outer_momentum and outer_nesterov go to SGD and its subclasses however the class is
+        named; set for another class, they are refused (it has no such arguments)."""
+        import torch.optim
+
+        from finetune.errors import PipelineError
+
         kwargs: dict[str, Any] = {"lr": self.outer_lr}
-        if self.outer_optimizer == "SGD":
+        if issubclass(klass, torch.optim.SGD):
             kwargs.update(momentum=self.outer_momentum,
                           nesterov=self.outer_nesterov and self.outer_momentum > 0)
+        else:
+            named = sorted({"outer_momentum", "outer_nesterov"} & self.model_fields_set)
+            if named:
+                raise PipelineError(
+                    f"distributed.diloco.{named[0]} applies to SGD, and outer_optimizer "
+                    f"'{self.outer_optimizer}' is {klass.__name__}; remove it or pass the "
+                    "class's own arguments in outer_kwargs")
         return {**kwargs, **self.outer_kwargs}
 
 

@@ -172,7 +172,8 @@ ROWS: list[compat.Rule] = [
         ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
          "generation needs the whole model on each rank; use single, ddp or fsdp2",
          {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
-        ("data.collate_fn", None, "the trainer batches the generated completions itself",
+        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,  # dynamic_padding is
+         "the trainer batches the generated completions itself",  # what it does
          {"data.collate_fn": "m:f"}),
         ("training.compute_loss_func", None, "the loss is grpo.loss_type's",
          {"training.compute_loss_func": "m:f"}),

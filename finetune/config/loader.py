@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 
 from finetune.config.schema import FinetuneConfig
 from finetune.config.section import did_you_mean, section_model
@@ -129,6 +129,10 @@ def explain(error: dict[str, Any]) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         parent, name = loc[:-1], loc[-1]
+        own = _alias_of(parent, name)
+        if own:  # pydantic took the other name and left this one over
+            dotted = ".".join(parent + [own])
+            return (f"`{key}` is an alias of `{dotted}`, which the file also sets; keep one")
         close = difflib.get_close_matches(name, _field_names(parent), n=1, cutoff=0.6)
         # the exact name in another section beats a near name in this one
         suggestion = _elsewhere(name, exact=True) or (
@@ -171,12 +175,32 @@ def _elsewhere(name: str, exact: bool = False) -> str | None:
     return leaves[close[0]] if close else None
 
 
-def _field_names(loc: list[str]) -> list[str]:
+def _section_at(loc: list[str]) -> type[BaseModel] | None:
+    """The section class at a dotted location (list indices, as in data.sources.0, skipped)."""
     model: type[BaseModel] | None = FinetuneConfig
     for part in loc:
+        if part.isdigit():
+            continue
         field = model.model_fields.get(part) if model else None
         model = section_model(field.annotation) if field else None
+    return model
+
+
+def _field_names(loc: list[str]) -> list[str]:
+    model = _section_at(loc)
     return list(model.model_fields) if model else []
+
+
+def _alias_of(loc: list[str], name: str) -> str | None:
+    """The field of the section at `loc` that `name` is another name of (its validation
+    aliases: QEfficient's target_column for label_column, ...), or None."""
+    model = _section_at(loc)
+    for field_name, field in (model.model_fields.items() if model else ()):
+        alias = field.validation_alias
+        choices = alias.choices if isinstance(alias, AliasChoices) else [alias]
+        if field_name != name and name in choices:
+            return field_name
+    return None
 
 
 def config_fingerprint(cfg: FinetuneConfig, sections: tuple[str, ...] | None = None) -> str:

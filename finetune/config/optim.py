@@ -16,6 +16,7 @@ SCHEDULERS = (
     "linear",
     "cosine",
     "cosine_with_restarts",
+    "cosine_with_min_lr",  # kwargs min_lr_rate (DeepSpeed's WarmupCosineLR cos_min_ratio)
     "polynomial",
     "constant",
     "constant_with_warmup",

@@ -70,9 +70,10 @@ class EvalConfig(Section):
     )
     eval_batches: int | None = Field(
         None, ge=0, description="Batches of the test split each in-training evaluation reads "
-        "(None or -1: all of them, max_eval_steps' -1; 0: no in-training evaluation, "
-        "eval_batches > 0 turns it on). The evaluate stage always reads the whole split. Alias: "
-        "max_eval_steps.", validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
+        "(None or -1: all of them, max_eval_steps' -1; 0: no in-training evaluation at all, "
+        "eval_on_save's included; > 0 with no eval_strategy in the file turns it on, every "
+        "eval_steps). The evaluate stage always reads the whole split. Alias: max_eval_steps.",
+        validation_alias=AliasChoices("eval_batches", "max_eval_steps"),
     )
     eval_on_save: bool = Field(
         False, description="Also evaluate at every checkpoint (so each one has a metric)."
@@ -111,10 +112,25 @@ class EvalConfig(Section):
     def _no_cap(cls, value):
         return None if isinstance(value, int) and value == -1 else value
 
+    @model_validator(mode="after")
+    def _batches_turn_evaluation_on(self) -> "EvalConfig":
+        """QEfficient's max_eval_steps > 0 is what turns in-training evaluation on: with no
+        eval_strategy in the file, eval_batches > 0 means every eval_steps (an explicit
+        eval_strategy, `no` included, wins)."""
+        if self.eval_batches and "eval_strategy" not in self.model_fields_set:
+            self.__dict__["eval_strategy"] = "steps"  # derived: not marked as set
+        return self
+
+    @property
+    def evaluates_in_training(self) -> bool:
+        """False at eval_batches 0: no in-training evaluation at all (not on a step, an epoch
+        end, a save with eval_on_save, nor a callback's request)."""
+        return self.eval_batches != 0
+
     @property
     def effective_eval_strategy(self) -> str:
         """eval_strategy with "0 disables" applied (eval_batches 0: no evals)."""
-        return "no" if self.eval_batches == 0 else self.eval_strategy
+        return self.eval_strategy if self.evaluates_in_training else "no"
 
     @field_validator("answer_regex")
     @classmethod

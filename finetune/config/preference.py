@@ -88,7 +88,8 @@ ROWS: list[compat.Rule] = [
          {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
         ("data.streaming", None, "pairs are read from the tokenized split",
          {"data.streaming": True}),
-        ("data.collate_fn", None, "the trainer batches each pair's two sides itself",
+        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,  # dynamic_padding is
+         "the trainer batches each pair's two sides itself",  # what it does
          {"data.collate_fn": "m:f"}),
         ("training.compute_loss_func", None, "the loss is dpo.loss_type's",
          {"training.compute_loss_func": "m:f"}),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import model_validator
 
-from finetune.config import compat, fingerprint, reads
+from finetune.config import compat, deepspeed, fingerprint, reads
 from finetune.config.checkpoint import CheckpointConfig
 from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig
@@ -76,6 +76,12 @@ class FinetuneConfig(Section):
         model.pop("tokenizer_name", None)
         model["tokenizer_name_or_path"] = name
         return {**raw, "data": data, "model": model}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_keys(cls, raw):
+        """training.deepspeed_config's keys set as ours (finetune/config/deepspeed.py)."""
+        return deepspeed.apply(raw) if isinstance(raw, dict) else raw
 
     @model_validator(mode="after")
     def _cross_section(self) -> "FinetuneConfig":

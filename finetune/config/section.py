@@ -22,7 +22,7 @@ from finetune.config import reads
 FACTS = ("fingerprint", "code_ref")
 
 
-def Field(*args: Any, fingerprint: bool | None = None, code_ref: bool = False,
+def Field(*args: Any, fingerprint: bool | None = None, code_ref: bool | tuple[str, ...] = False,
           **kwargs: Any) -> Any:
     """pydantic's Field plus the key's facts:
     - `fingerprint`: True, the key decides a run's trajectory (it is in the config part of a
@@ -32,10 +32,11 @@ def Field(*args: Any, fingerprint: bool | None = None, code_ref: bool = False,
       own field for every key that counts.
     - `code_ref`: the value is a 'module:function' reference to user code that must import
       and be callable; the train stage and `finetune validate` load it before launch
-      (engine/preflight.py), naming the key in the refusal."""
+      (engine/preflight.py), naming the key in the refusal. A tuple: the key also takes
+      these names of the pipeline's own functions, which are not user code."""
     facts = {"fingerprint": fingerprint} if fingerprint is not None else {}
     if code_ref:
-        facts["code_ref"] = True
+        facts["code_ref"] = list(code_ref) if isinstance(code_ref, tuple) else True
     if facts:
         kwargs["json_schema_extra"] = {**(kwargs.get("json_schema_extra") or {}), **facts}
     return pydantic.Field(*args, **kwargs)
@@ -119,9 +120,17 @@ def code_ref_keys(model: type[BaseModel]) -> tuple[str, ...]:
 
 def code_refs(config: BaseModel) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of each code_ref field of `config` (None inside an absent optional
-    sub-section); only those keys are read, so a stage's recorded reads stay its own."""
+    sub-section, and for a name of the pipeline's own the field takes); only those keys are
+    read, so a stage's recorded reads stay its own."""
     for key in code_ref_keys(type(config)):
         value: Any = config
         for part in key.split("."):
             value = getattr(value, part) if value is not None else None
-        yield key, value
+        builtin = fact(_field_at(type(config), key), "code_ref")
+        yield key, None if isinstance(builtin, list) and value in builtin else value
+
+
+def _field_at(model: type[BaseModel], dotted: str) -> FieldInfo:
+    for part in dotted.split(".")[:-1]:
+        model = section_model(model.model_fields[part].annotation)
+    return model.model_fields[dotted.rsplit(".", 1)[-1]]

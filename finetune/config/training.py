@@ -5,7 +5,7 @@ Its own module because it is the largest section and the one every engine featur
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, field_validator, model_validator
 
@@ -233,11 +233,19 @@ class TrainingConfig(Section):
         description="Autocast dtype; fp32/no = full precision. HF's flags set it too: "
         "bf16: true or fp16: true (false leaves it as it is).",
     )
+    deepspeed_config: str | dict[str, Any] | None = Field(
+        None, fingerprint=False,
+        description="A DeepSpeed config (ds_config JSON file, relative to the project, or the "
+        "mapping inline as QEfficient writes it) read as this pipeline's keys: ZeRO-2/3 is "
+        "FSDP2, its batch, precision, clipping, optimizer and scheduler blocks the keys that do "
+        "the same; a key with no equivalent, or one the params file sets to another value, is "
+        "refused. `finetune validate` prints the table (docs/distributed.md).",
+    )
     seed: int | None = Field(
         42, fingerprint=True, ge=0, le=2**32 - 1,
-        description="Seed for init, dropout and data order. null: unseeded: the "
-        "train stage draws one, logs it (MLflow param, train metrics, checkpoints) and a "
-        "resume continues with the checkpoint's.",
+        description="Seed for init, dropout and data order. null (or -1, QEfficient's 'do not "
+        "seed'): unseeded: the train stage draws one, logs it (MLflow param, train metrics, "
+        "checkpoints) and a resume continues with the checkpoint's.",
     )
     full_determinism: bool = Field(
         False, fingerprint=True,
@@ -337,6 +345,12 @@ class TrainingConfig(Section):
             raise ValueError("a number of optimizer steps > 0, or -1 for unset (then "
                              "num_train_epochs decides)")
         return value
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _minus_one_is_unseeded(cls, value):
+        """-1 is how QEfficient writes 'do not seed': our null (a drawn, logged seed)."""
+        return None if type(value) is int and value == -1 else value
 
     @model_validator(mode="after")
     def _compat(self) -> "TrainingConfig":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from engine.datapath.data import eval_collate
 from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
 from engine.modeling.model import max_positions
@@ -23,17 +24,18 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
     rows = held.rows()
     # The whole split: eval.eval_batches caps only the quick in-training evals.
     args = (held.test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
+    batches = eval_collate(cfg.data, tok.pad_token_id)  # data.collate_fn's, as in training
     results, generations = {}, {}
-    results["base"] = loss_entry(evaluate_loss(held.base, *args))
+    results["base"] = loss_entry(evaluate_loss(held.base, *args, collate_fn=batches))
     if rows is not None:
         generations["base"] = generate(held, held.base, rows)
     tuned = held.tuned()
-    tuned_loss = evaluate_loss(tuned, *args)
+    tuned_loss = evaluate_loss(tuned, *args, collate_fn=batches)
     results["finetuned"] = loss_entry(tuned_loss)
     t = cfg.training
     if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
         quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
-        results["quantized"] = loss_entry(evaluate_loss(quantized, *args))
+        results["quantized"] = loss_entry(evaluate_loss(quantized, *args, collate_fn=batches))
         del quantized
     if after_loss is not None:
         after_loss(held, results)
