@@ -189,8 +189,10 @@ class TrainingConfig(Section):
         None, fingerprint=True,
         description="Quantisation-aware training (torchao): fake-quantised linear layers in "
         "training; the export stage writes the converted model to data/export/quantized and "
-        "the evaluate stage reports its loss. int8-dynamic-act-int4-weight converts on CPU, "
-        "the others need a CUDA GPU (refused with one line before training). Not with "
+        "the evaluate stage reports its loss. Every recipe trains on any device; the "
+        "conversion needs torchao's kernels (int8-dynamic-act-int4-weight has them on CPU, "
+        "the others need a CUDA GPU): where missing, the evaluate stage skips the quantized "
+        "loss, and export.formats with quantized is refused before training. Not with "
         "fp8_recipe.",
     )
     qat_group_size: Literal[32, 64, 128, 256] = Field(
