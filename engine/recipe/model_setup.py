@@ -4,7 +4,8 @@ module the loop runs forward on, in one order (the recipe's `setup` calls `build
 Order, and why:
 1. load (model.dtype; training.construct_model_on: on the CPU, straight onto the device, or
    as a weightless skeleton);
-2. gradient checkpointing: HF's hooks go on the base model, before the adapter wraps it;
+2. gradient checkpointing: HF's hooks (or those on the modules enable_activation_checkpoint_fn
+   chooses) go on the base model, before the adapter wraps it;
 3. PEFT, then QAT's fake-quantised layers around the frozen ones (inside the adapters);
 4. the strategy keeps this rank's part (pipeline: its stages) and places it (`Strategy.place`):
    on the device, or read from the checkpoint when built on meta;
@@ -55,7 +56,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     t = cfg.training
     base = load_base_model(cfg.model, root, labels=labels, construct=t.construct_model_on,
                            device=d.device)
-    enable_gradient_checkpointing(base, t)
+    enable_gradient_checkpointing(base, t, log)
     model = apply_peft(base, cfg.peft)
     if t.qat_recipe:  # around the frozen layers, inside the adapters
         prepare_qat(model, t.qat_recipe, t.qat_group_size, log)

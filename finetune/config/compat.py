@@ -524,6 +524,13 @@ RULES: list[Rule] = [
            "fp8 trains in fp8; QAT simulates another format: set one",
            example={"training.fp8_recipe": "tensorwise",
                     "training.qat_recipe": "int8-dynamic-act-int4-weight"}),
+    Refuse("training", "enable_activation_checkpoint_fn", _in(
+        "gradient_checkpointing_kwargs.use_reentrant",
+        lambda t: t.gradient_checkpointing_kwargs.use_reentrant),
+        "the chosen modules are checkpointed by hooks, which torch runs non-reentrant; set "
+        "use_reentrant: false", example={
+            "training.enable_activation_checkpoint_fn": "os:getcwd",
+            "training.gradient_checkpointing_kwargs.use_reentrant": True}),
     Refuse("training", "use_cpu", _in("device: cuda", lambda t: t.device == "cuda"),
            "they contradict each other; set one",
            example={"training.use_cpu": True, "training.device": "cuda"}),

@@ -248,6 +248,14 @@ class TrainingConfig(Section):
         False, fingerprint=False,
         description="Recompute activations in backward (less memory, ~30% more compute)."
     )
+    enable_activation_checkpoint_fn: str | None = Field(
+        None, fingerprint=False, code_ref=True,
+        description="'module:function' choosing which modules recompute their activations "
+        "in backward: called with each (module, name) of the base model (or the module "
+        "alone, torch's check_fn), returns True or False; the outermost chosen modules are "
+        "checkpointed (torch's composable checkpoint: names unchanged). Replaces "
+        "gradient_checkpointing's per-block choice; non-reentrant only.",
+    )
     gradient_checkpointing_kwargs: GradientCheckpointingKwargs = Field(
         fingerprint=False, default_factory=GradientCheckpointingKwargs,
         description="torch.utils.checkpoint options.",
