@@ -100,6 +100,11 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
         from engine.objective.liger import apply_liger
 
         loss = apply_liger(model, d.device, amp, log)
+    elif t.fused_loss_factory:  # likewise refused with a user loss and the pipeline
+        from engine.objective.fused import factory_loss
+
+        loss = strategy.make_loss(
+            lambda: factory_loss(model, t.fused_loss_factory, d.device, amp, log))
     else:
         user_fn = (load_object(t.compute_loss_func, "training.compute_loss_func")
                    if t.compute_loss_func else None)

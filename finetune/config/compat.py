@@ -580,6 +580,10 @@ RULES: list[Rule] = [
            "Liger's fused linear cross entropy is the loss; a loss of full logits cannot be "
            "both; set one",
            example={"training.use_liger_kernel": True, "training.compute_loss_func": "m:f"}),
+    *(Refuse("training", "fused_loss_factory", _in(other, lambda t, o=other: bool(
+        getattr(t, o))), "one loss: the factory's fused loss or the other; set one", example={
+            "training.fused_loss_factory": "m:f", f"training.{other}": value})
+      for other, value in (("use_liger_kernel", True), ("compute_loss_func", "m:f"))),
     Refuse("training", "packing", _in("padding_free", lambda t: t.padding_free),
            "alternatives: padding_free puts each micro-batch in one row without padding, "
            "packing in rows of packed_sequence_length; set one",
@@ -758,6 +762,8 @@ RULES: list[Rule] = [
          "not run there", {"training.compute_loss_func": "m:f"}),
         ("training.use_liger_kernel", None, "the last stage computes its own chunked loss; "
          "Liger's fused loss is not wired into the stages", {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None, "the last stage computes its own chunked "
+         "loss; a fused loss is not wired into the stages", {"training.fused_loss_factory": "m:f"}),
     )),
     Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
            "zero-bubble schedules split the backward, which compiled stages cannot",
@@ -838,6 +844,9 @@ RULES: list[Rule] = [
         ("training.use_liger_kernel", None,
          "Liger's fused loss is for a vocabulary head; a classifier's head has classes",
          {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None,
+         "a fused loss is for a vocabulary head; a classifier's head has classes",
+         {"training.fused_loss_factory": "m:f"}),
         ("eval.generation_metrics", None,
          "a classifier does not generate; it reports accuracy and macro_f1",
          {"eval.generation_metrics": ["rouge"]}),

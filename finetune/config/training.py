@@ -150,6 +150,14 @@ class TrainingConfig(Section):
         1.0, gt=0, fingerprint=True,
         description="Gradient clipping norm; null: no clipping (the norm is still "
         "logged, except with fuse_optim_with_backward).")
+    fused_loss_factory: str | None = Field(
+        None, fingerprint=True, code_ref=True,
+        description="'module:function' called once with no arguments that returns your fused "
+        "linear cross entropy fn(hidden, weight, labels) -> summed loss: hidden states of the "
+        "positions that predict a target, the output layer's weight, their target ids; it "
+        "replaces the chunked loss, installed on the output layer as Liger's is, after a "
+        "start-up probe against the full cross entropy (loss and gradients).",
+    )
     compute_loss_func: str | None = Field(
         None, fingerprint=True, code_ref=True,
         description="'module:function' computing the loss from the model's outputs, called as "
