@@ -77,7 +77,7 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
     if t.fp8_recipe or t.qat_recipe:
         from engine.modeling.quantization import check_low_precision
 
-        check_low_precision(t, device)
+        check_low_precision(cfg, device)
 
 
 def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:

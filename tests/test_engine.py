@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import warnings
 
@@ -487,6 +488,82 @@ def test_gradient_checkpointing_recomputes_blocks_in_backward(reentrant):
     ckpt_calls, ckpt_grad = forward_calls(True)
     assert (plain_calls, ckpt_calls) == (1, 2)  # the block runs again during backward
     assert torch.allclose(plain_grad, ckpt_grad, atol=1e-6) and plain_grad.abs().sum() > 0
+
+
+POLICIES = """
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+
+def first_mlp(module, name):
+    return name == "model.layers.0.mlp"
+
+
+def blocks(module):  # torch's check_fn: the module alone
+    return isinstance(module, LlamaDecoderLayer)
+
+
+def nothing(module, name):
+    return False
+
+
+def unsure(module, name):
+    return None
+"""
+
+
+@pytest.mark.parametrize("policy", ["first_mlp", "blocks"])
+def test_activation_checkpoint_fn_recomputes_the_modules_it_chooses(tmp_path, policy):
+    """training.enable_activation_checkpoint_fn: only the chosen modules run again in backward,
+    the gradients and the parameter names are those without checkpointing."""
+    from engine.modeling.adapter import apply_peft
+    from engine.modeling.runtime import enable_gradient_checkpointing
+    from finetune.config.model import PeftSection
+    from finetune.config.training import TrainingConfig
+
+    (tmp_path / "policies.py").write_text(POLICIES)
+
+    def forward_calls(fn: str | None) -> tuple[list[int], torch.Tensor, list[str]]:
+        torch.manual_seed(0)
+        base = _stories()
+        logged: list[str] = []
+        enable_gradient_checkpointing(base, TrainingConfig(enable_activation_checkpoint_fn=fn),
+                                      logged.append)
+        model = apply_peft(base, PeftSection(r=4))
+        model.train()
+        calls = [0, 0]
+        for i in (0, 1):
+            base.model.layers[i].mlp.register_forward_pre_hook(
+                lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+        ids = torch.tensor([[1, 40, 50, 60, 70, 80]])
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grad = next(p.grad for n, p in model.named_parameters() if "lora_B" in n)
+        return calls, grad, [n for n, _ in model.named_parameters()], logged
+
+    plain_calls, plain_grad, plain_names, _ = forward_calls(None)
+    calls, grad, names, logged = forward_calls(f"{tmp_path}/policies.py:{policy}")
+    assert plain_calls == [1, 1]
+    assert calls == ([2, 1] if policy == "first_mlp" else [2, 2])
+    assert torch.allclose(plain_grad, grad, atol=1e-6) and plain_grad.abs().sum() > 0
+    assert names == plain_names  # hooks, not wrappers: the adapter and checkpoints' keys stay
+    n = 1 if policy == "first_mlp" else len(_stories().model.layers)
+    assert f"{n} modules recomputed in backward" in logged[0]
+
+
+@pytest.mark.parametrize("policy, says", [
+    ("nothing", "'{ref}' chose none of the LlamaForCausalLM's modules"),
+    ("unsure", "'{ref}' must return True or False; it returned None for module ''"),
+])
+def test_an_activation_checkpoint_fn_that_chooses_badly_is_one_line(tmp_path, policy, says):
+    from engine.modeling.runtime import enable_gradient_checkpointing
+    from finetune.config.training import TrainingConfig
+    from finetune.errors import PipelineError
+
+    (tmp_path / "policies.py").write_text(POLICIES)
+    ref = f"{tmp_path}/policies.py:{policy}"
+    with pytest.raises(PipelineError, match=re.escape(
+            "training.enable_activation_checkpoint_fn: " + says.format(ref=ref))):
+        enable_gradient_checkpointing(_stories(), TrainingConfig(
+            enable_activation_checkpoint_fn=ref))
 
 
 def test_torch_compile_captures_graphs_and_refuses_cudagraphs_with_accumulation():

@@ -130,3 +130,29 @@ def test_chunked_loss_lowers_peak_memory():
     # measured: full 1516 MB alone, 934 MB beside other tests; chunked 208 MB
     assert full > 500, full  # at least the fp32 logits (524 MB)
     assert chunked < full / 3, (chunked, full)
+
+
+def test_a_fused_loss_factory_is_probed_against_the_full_loss(tmp_path):
+    """fused_loss_factory: the plain cross entropy of (hidden, weight, labels) gives the full
+    loss and its gradients; a function returning the mean is refused with one line."""
+    from engine.objective.fused import factory_loss
+
+    (tmp_path / "fused.py").write_text(
+        "import torch\n"
+        "def ce(reduction='sum'):\n"
+        "    return lambda h, w, y: torch.nn.functional.cross_entropy(\n"
+        "        (h @ w.T).float(), y, reduction=reduction)\n"
+        "def mean():\n"
+        "    return ce('mean')\n")
+    model, logged = _tiny(), []
+    ids, labels = _batch(1000)
+    full = FullLoss().loss_sum(model(input_ids=ids), labels)
+    loss = factory_loss(model, f"{tmp_path}/fused.py:ce", torch.device("cpu"), None,
+                        logged.append)
+    with loss.computing(labels):
+        fused = loss.loss_sum(model(input_ids=ids), labels)
+    assert torch.allclose(fused, full, rtol=1e-5) and "fused loss from" in logged[0]
+    with pytest.raises(PipelineError, match=r"training.fused_loss_factory: '.*fused.py:mean' "
+                       r"does not compute the summed cross entropy \(probe loss"):
+        factory_loss(_tiny(), f"{tmp_path}/fused.py:mean", torch.device("cpu"), None,
+                     logged.append)

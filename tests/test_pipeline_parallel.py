@@ -6,15 +6,20 @@ Its own file so it runs beside test_strategies.py (pytest-xdist, one file per wo
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import pytest
 from helpers import (
     adapter,
     assert_weights_close,
     interrupt_then_resume,
     losses,
+    run_cli,
     train_copy,
     train_here,
     train_metrics,
+    write_params,
 )
 
 from finetune.config.schema import FinetuneConfig
@@ -127,3 +132,75 @@ def test_stage_balance_by_parameter_count():
     assert balance([10, 1, 1, 1, 1, 1], 5, 1, 2) == [range(0, 1), range(1, 6)]
     assert balance([1] * 6, 0, 0, 3) == [range(0, 2), range(2, 4), range(4, 6)]
     assert stage_ids(0, 2, 2, "loop") == [0, 2] and stage_ids(0, 2, 2, "v") == [0, 3]
+
+
+SPLITTER = """
+def first_layer_alone(model, stages):
+    assert stages == 2, stages
+    return [(0, 1), (1, len(model.model.layers))]
+"""
+
+
+def test_model_splitter_and_the_debug_switches(tokenized, single, tmp_path):
+    """distributed.pipeline.model_splitter cuts the stages where it says (training is still
+    single-process training); the four debug switches print the split, the schedule's steps
+    and each micro-batch's losses, each rank's parameters and what each rank built."""
+    project = tmp_path / "pp"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "split_here.py").write_text(SPLITTER)
+    write_params(project, {
+        **PIPE, "distributed.pipeline.schedule": "1F1B",
+        "distributed.pipeline.model_splitter": "split_here:first_layer_alone",
+        **{f"distributed.pipeline.debug_{what}": True
+           for what in ("split_model", "pipeline", "model_params", "model_init")}})
+    out = run_cli(project, "stage", "train", check=True).stdout
+    assert "2 stages (0: layers 0-0, 1: layers 1-4)" in out
+    assert losses(project) == pytest.approx(losses(single), abs=1e-5)
+    # debug_split_model: rank 0, each stage's parts and parameter count
+    split = next(line for line in out.splitlines() if line.startswith("[pipeline] split: "))
+    assert "stage 0: embed_tokens, layers 0-0: " in split and "(rank 0)" in split
+    assert "stage 1: layers 1-4, norm, lm_head: " in split and "(rank 1)" in split
+    assert " trainable)" in split
+    # debug_pipeline: per training micro-batch, what each rank's stage ran, in order (1F1B:
+    # rank 0 runs both forwards before the first backward, the last stage alternates), and
+    # the last stage's loss of each pipeline micro-batch
+    steps = re.findall(r"\[pipeline rank (\d)\] micro-batch of 4 rows, 2 pipeline "
+                       r"micro-batches of 2: ([\dFB ]+)"
+                       r"(?:, summed losses (\d+\.\d+) (\d+\.\d+))?", out)
+    assert [s[1] for s in steps if s[0] == "0"] == ["0F0 0F1 0B0 0B1"] * 10, out
+    last = [s for s in steps if s[0] == "1"]
+    assert [s[1] for s in last] == ["1F0 1B0 1F1 1B1"] * 10
+    assert all(float(s[2]) > 0 and float(s[3]) > 0 for s in last)
+    # debug_model_params: each rank's own parameters only
+    params = re.findall(r"\[pipeline rank (\d)\] param (\S+) \(", out)
+    rank0 = {name for rank, name in params if rank == "0"}
+    rank1 = {name for rank, name in params if rank == "1"}
+    assert any("layers.0." in n for n in rank0) and not any("layers.1." in n for n in rank0)
+    assert any("layers.4." in n for n in rank1) and not any("layers.0." in n for n in rank1)
+    assert re.search(r"\[pipeline rank 1\] param \S+lora_A\S+ \(\d+, \d+\) float32 cpu "
+                     r"trainable", out), out
+    # debug_model_init: what each rank built
+    assert re.search(r"\[pipeline rank 0\] init: stages 0 \(Stage: 1 layers, embed_tokens\); "
+                     r"construct_model_on \w+; [\d,]+ parameters on cpu .*output layer "
+                     r"elsewhere", out), out
+    assert re.search(r"\[pipeline rank 1\] init: stages 1 \(Stage: 4 layers, norm\); .* 0 still "
+                     r"on meta; output layer here", out), out
+
+
+@pytest.mark.parametrize("spans, says", [
+    ([(0, 2)], "1 spans for 2 stages"),
+    ([(0, 2), (3, 5)], "span 3-5 does not start where the last one ended (2)"),
+    ([(0, 2), (2, 4)], "they end at layer 4, the model has 5"),
+    ([(0, 0), (0, 5)], "span 0-0 is empty"),
+    ([(1, 2), (2, 5)], "span 1-2 does not start where the last one ended (0)"),
+    (3, "not a list of (start, end) pairs"),
+])
+def test_a_model_splitter_with_wrong_spans_is_one_line(spans, says):
+    from engine.modeling.pipeline_stages import check_spans
+    from finetune.errors import PipelineError
+
+    with pytest.raises(PipelineError, match=re.escape(
+            f"distributed.pipeline.model_splitter: 'm:f' returned {spans!r}: {says}; it must "
+            "return 2 (start, end) layer spans, end exclusive, that cover layers 0-4 in order")):
+        check_spans(spans, 5, 2, "m:f")
+    assert check_spans([(0, 1), range(1, 5)], 5, 2, "m:f") == [range(0, 1), range(1, 5)]

@@ -273,6 +273,34 @@ def test_compute_loss_func_is_the_objective(tokenized, tmp_path, monkeypatch):
     assert losses(run)[0] == pytest.approx(2 * losses(plain)[0], rel=1e-5)
 
 
+FUSED = """
+import torch
+
+
+def plain_ce():
+    def loss(hidden, weight, labels):
+        logits = (hidden @ weight.T).float()
+        return torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+    return loss
+"""
+
+
+def test_fused_loss_factory_trains_like_the_default_loss(tokenized, tmp_path, monkeypatch):
+    """training.fused_loss_factory: a factory whose function is the plain cross entropy of
+    (hidden, weight, labels) trains exactly as the built-in chunked loss does."""
+    project = tmp_path / "f"
+    shutil.copytree(tokenized, project, symlinks=True)
+    (project / "user_fused.py").write_text(FUSED)
+    monkeypatch.chdir(project)
+    run, proc = train_here(project, tmp_path / "r", {
+        **BASE, "training.fused_loss_factory": "user_fused:plain_ce"})
+    assert "[train] fused loss from user_fused:plain_ce (probe: loss error" in proc.stdout
+    plain, _ = train_here(project, tmp_path / "p", BASE)
+    assert losses(run) == pytest.approx(losses(plain), rel=1e-5)
+    assert len(losses(run)) == 4
+    assert_weights_close(adapter(run), adapter(plain))
+
+
 MODEL_INIT = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

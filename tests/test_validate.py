@@ -75,7 +75,11 @@ def test_validate_refuses_what_a_later_stage_would(project, capsys, monkeypatch,
 def test_validate_loads_every_code_reference_the_fields_mark(project, capsys, monkeypatch, key):
     """Each key whose field says code_ref=True (engine/preflight.py walks them) must name
     something callable: a tuple is refused with one line naming the key."""
-    code, line = validate(project, capsys, monkeypatch, f"{key}=finetune.config.compat:SCOPES")
+    # a key of a strategy's section is read with that strategy only
+    extra = (["distributed.strategy=pipeline", "distributed.nproc_per_node=2"]
+             if key.startswith("distributed.pipeline.") else [])
+    code, line = validate(project, capsys, monkeypatch, f"{key}=finetune.config.compat:SCOPES",
+                          *extra)
     assert code == 2 and line == f"error: {key}: 'finetune.config.compat:SCOPES' is not a " \
         "function", line
 

@@ -3,9 +3,11 @@
 A stage is a contiguous range of decoder layers; the first stage also embeds the tokens, the
 last one applies the final norm (the output layer runs in the loss, engine.strategies.pipeline,
 so the full logits are never materialised at once). Ranges are balanced by parameter count,
-embedding and head included. This rank keeps only its stages' modules: the others are removed
-from the model in place, so the model's own state dict (the names DCP checkpoints use, the names
-the exported HF/PEFT folder needs) is exactly this rank's share, under the original names.
+embedding and head included, unless `distributed.pipeline.model_splitter` names a function
+that returns the spans (checked: contiguous, all layers, one per stage). This rank keeps only
+its stages' modules: the others are removed from the model in place, so the model's own state
+dict (the names DCP checkpoints use, the names the exported HF/PEFT folder needs) is exactly
+this rank's share, under the original names.
 
 Works for the Llama family's layout (`model.embed_tokens`, `model.layers`, `model.norm`,
 `model.rotary_emb`, `lm_head`: Llama, Mistral, Qwen2/3, Phi-3, ...); another layout is refused
@@ -105,9 +107,59 @@ class Stage(nn.Module):
         return self.norm(hidden) if self.last else hidden
 
 
-def cut_stages(model, ids: list[int], num_stages: int) -> tuple[list[Stage], list[range]]:
-    """This rank's stages (in `ids` order) and every stage's layer range; the rest of the
-    model is removed in place (its names stay the original ones)."""
+SPLITTER = "distributed.pipeline.model_splitter"
+
+
+def check_spans(spans, layers: int, stages: int, ref: str) -> list[range]:
+    """A model_splitter's answer as layer ranges, or one line saying what is wrong with it:
+    `stages` (start, end) spans, end exclusive, contiguous from layer 0 to the last, none
+    empty."""
+    def wrong(why: str) -> PipelineError:
+        return PipelineError(
+            f"{SPLITTER}: '{ref}' returned {spans!r}: {why}; it must return {stages} (start, "
+            f"end) layer spans, end exclusive, that cover layers 0-{layers - 1} in order")
+
+    try:
+        ranges = [r if isinstance(r, range) else range(*r) for r in spans]
+    except TypeError:
+        raise wrong("not a list of (start, end) pairs") from None
+    if len(ranges) != stages:
+        raise wrong(f"{len(ranges)} spans for {stages} stages")
+    end = 0
+    for r in ranges:
+        if r.step != 1 or r.stop <= r.start:
+            raise wrong(f"span {r.start}-{r.stop} is empty")
+        if r.start != end:
+            raise wrong(f"span {r.start}-{r.stop} does not start where the last one ended "
+                        f"({end})")
+        end = r.stop
+    if end != layers:
+        raise wrong(f"they end at layer {end}, the model has {layers}")
+    return ranges
+
+
+def split_layout(lm, inner, ranges: list[range]) -> list[str]:
+    """Each stage's parts and parameter count (trainable too), for debug_split_model."""
+    lines = []
+    for s, r in enumerate(ranges):
+        parts = [inner.embed_tokens] if s == 0 else []
+        parts += [inner.layers[i] for i in r]
+        parts += [inner.norm, lm.lm_head] if s == len(ranges) - 1 else []
+        params = {id(p): p for m in parts for p in m.parameters()}.values()  # tied: once
+        names = ((["embed_tokens"] if s == 0 else []) + [f"layers {r.start}-{r.stop - 1}"]
+                 + (["norm", "lm_head"] if s == len(ranges) - 1 else []))
+        lines.append(f"stage {s}: {', '.join(names)}: {sum(p.numel() for p in params):,} "
+                     f"parameters ({sum(p.numel() for p in params if p.requires_grad):,} "
+                     "trainable)")
+    return lines
+
+
+def cut_stages(model, ids: list[int], num_stages: int, splitter: str | None = None,
+               ) -> tuple[list[Stage], list[range], list[str]]:
+    """This rank's stages (in `ids` order), every stage's layer range and their layout (one
+    line each); the rest of the model is removed in place (its names stay the original
+    ones). `splitter`: a 'module:function' called with (the causal LM, the number of stages)
+    that returns the stages' layer spans (check_spans), instead of the balance by size."""
     lm, inner = decoder_of(model)
     head = getattr(lm.lm_head, "weight", None)
     if head is not None and head is getattr(inner.embed_tokens, "weight", None) and (
@@ -117,8 +169,15 @@ def cut_stages(model, ids: list[int], num_stages: int) -> tuple[list[Stage], lis
             "layer and trains them, but they sit on the first and the last stage; freeze them "
             "(LoRA without embedding modules_to_save) or use ddp / fsdp2")
     layers = list(inner.layers)
-    ranges = balance([_size(layer) for layer in layers], _size(inner.embed_tokens),
-                     _size(inner.norm) + _size(lm.lm_head), num_stages)
+    if splitter:
+        from finetune.imports import load_object
+
+        ranges = check_spans(load_object(splitter, SPLITTER)(lm, num_stages), len(layers),
+                             num_stages, splitter)
+    else:
+        ranges = balance([_size(layer) for layer in layers], _size(inner.embed_tokens),
+                         _size(inner.norm) + _size(lm.lm_head), num_stages)
+    layout = split_layout(lm, inner, ranges)
     stages = [Stage(inner, [layers[i] for i in ranges[s]], s == 0, s == num_stages - 1)
               for s in ids]
     kept = {i for s in ids for i in ranges[s]}
@@ -129,4 +188,4 @@ def cut_stages(model, ids: list[int], num_stages: int) -> tuple[list[Stage], lis
     if num_stages - 1 not in ids:
         inner.norm = None
         lm.lm_head = None
-    return stages, ranges
+    return stages, ranges, layout

@@ -11,7 +11,11 @@
   stage merges the adapter and converts ("convert" step: the same quantiser applied to the
   merged weights) into the export's `quantized/` folder; the evaluate stage reports its loss.
   Layers whose input size is not a multiple of `qat_group_size` are left unquantised and
-  listed (`quantization.json`). The output layer is never quantised.
+  listed (`quantization.json`). The output layer is never quantised. QAT has no hardware
+  gate: the fake quantiser is plain torch and trains on CPU and GPU alike; only the
+  conversion needs torchao's low-bit kernels (here: int8-dynamic-act-int4-weight on CPU,
+  int4-weight-only needs mslk's CUDA kernels, float8 a GPU of SM >= 8.9), which
+  `conversion_blocker` finds out by converting one layer.
 
 torchao is imported only when a recipe is set (`pip install 'finetune-pipeline[torchao]'`).
 """
@@ -27,8 +31,6 @@ from torch import nn
 
 from finetune.errors import PipelineError
 
-#: recipes whose converted (real low-bit) kernels exist on CPU; the others need a CUDA GPU
-CPU_CONVERTIBLE = ("int8-dynamic-act-int4-weight",)
 INFO = "quantization.json"
 WEIGHTS = "quantized_state_dict.pt"
 
@@ -82,24 +84,51 @@ def skipped_layers(model: nn.Module, group_size: int) -> list[str]:
             if _candidate(m, fqn) and m.in_features % group_size]
 
 
-def check_convertible(recipe: str, device: torch.device) -> None:
-    """The export converts to real low-bit kernels: refuse before training where it cannot."""
-    if recipe in CPU_CONVERTIBLE or device.type == "cuda":
-        return
-    raise PipelineError(
-        f"training.qat_recipe {recipe}: its quantised kernels need a CUDA GPU (torchao's "
-        f"{'int4 tinygemm/mslk' if recipe == 'int4-weight-only' else 'float8 (SM >= 8.9)'} "
-        "kernels), so the export could not convert the model on this machine; use "
-        "int8-dynamic-act-int4-weight (runs on CPU) or train on a GPU")
+def conversion_blocker(recipe: str, group_size: int, device: torch.device) -> str | None:
+    """Why torchao cannot convert `recipe` on `device` (None: it can), found by converting one
+    small layer and running it: which low-bit kernels exist depends on the device and on the
+    installed packages (int4-weight-only needs mslk's kernels, float8 a GPU of SM >= 8.9), so
+    the probe is the truth. QAT's training itself (the fake quantiser: plain torch ops) runs
+    on every device; only this conversion, done by the evaluate and export stages, needs them."""
+    from torchao.quantization import quantize_
+
+    probe = nn.Sequential(nn.Linear(group_size, 16, dtype=torch.bfloat16, device=device))
+    try:
+        quantize_(probe, base_config(recipe, group_size))
+        probe(torch.zeros(1, group_size, dtype=torch.bfloat16, device=device))
+    except (ImportError, AssertionError, NotImplementedError, RuntimeError) as exc:
+        return str(exc).strip().splitlines()[0] or type(exc).__name__
+    return None
 
 
-def check_low_precision(t, device: torch.device) -> None:
-    """Before launch: what the training section's fp8/QAT recipe needs, as one line."""
+def check_convertible(recipe: str, group_size: int, device: torch.device) -> None:
+    """The export's `quantized` format converts to real low-bit kernels: one line where it
+    cannot on this device (the export writes nothing; earlier outputs stay)."""
+    reason = conversion_blocker(recipe, group_size, device)
+    if reason:
+        raise PipelineError(
+            f"export.formats quantized: training.qat_recipe {recipe} cannot be converted on "
+            f"{device.type} here (torchao: {reason}); export on a machine that can, or drop "
+            "quantized from export.formats")
+
+
+def check_low_precision(cfg, device: torch.device) -> None:
+    """Before launch: what the fp8/QAT recipe needs, as one line. QAT trains on any device;
+    refused here only when export.formats asks for the converted model and this machine
+    cannot convert that recipe (found out now, not after training)."""
+    t = cfg.training
     if t.fp8_recipe:  # its GPU: a machine row of finetune/config/compat.py
         torchao_module("training.fp8_recipe")
     if t.qat_recipe:
         torchao_module("training.qat_recipe")
-        check_convertible(t.qat_recipe, device)
+        reason = (conversion_blocker(t.qat_recipe, t.qat_group_size, device)
+                  if "quantized" in cfg.export.formats else None)
+        if reason:
+            raise PipelineError(
+                f"training.qat_recipe {t.qat_recipe}: QAT trains on {device.type}, but "
+                f"export.formats quantized cannot convert it here (torchao: {reason}); drop "
+                "quantized from export.formats (the export then ships the QAT-trained weights "
+                "unconverted) or use int8-dynamic-act-int4-weight, which converts on CPU")
 
 
 def prepare_qat(model: nn.Module, recipe: str, group_size: int, log) -> None:

@@ -86,8 +86,15 @@ def attention_backends(t: TrainingConfig, device: torch.device):
         yield
 
 
-def enable_gradient_checkpointing(model, t: TrainingConfig) -> None:
-    """On the base model (before the adapter): HF's hook-based checkpointing per block."""
+def enable_gradient_checkpointing(model, t: TrainingConfig, log=None) -> None:
+    """On the base model (before the adapter): HF's hook-based checkpointing per block, or
+    the modules `enable_activation_checkpoint_fn` chooses."""
+    if t.enable_activation_checkpoint_fn:
+        chosen = checkpoint_chosen_modules(model, t)
+        if log is not None:
+            log(f"[train] activation checkpointing ({t.enable_activation_checkpoint_fn}): "
+                f"{len(chosen)} modules recomputed in backward, e.g. {chosen[0]}")
+        return
     if not t.gradient_checkpointing:
         return
     if not getattr(model, "supports_gradient_checkpointing", False):
@@ -104,6 +111,51 @@ def enable_gradient_checkpointing(model, t: TrainingConfig) -> None:
         # reentrant checkpointing only backpropagates into blocks whose *inputs* need grad;
         # with frozen embeddings (adapters) that is never, so make the embeddings' output need it
         model.enable_input_require_grads()
+
+
+CHECKPOINT_FN = "training.enable_activation_checkpoint_fn"
+
+
+def checkpoint_policy(ref: str):
+    """The user's policy as `choose(module, name) -> bool`: a function of (module, name), or
+    of the module alone (torch's `check_fn` of apply_activation_checkpointing)."""
+    import inspect
+
+    from finetune.imports import load_object
+
+    fn = load_object(ref, CHECKPOINT_FN)
+    try:
+        arity = len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin or C function: called with the module
+        arity = 1
+    return fn if arity >= 2 else (lambda module, name: fn(module))
+
+
+def checkpoint_chosen_modules(model: torch.nn.Module, t: TrainingConfig) -> list[str]:
+    """Recompute in backward the modules the policy returns True for (torch's composable
+    checkpoint: hooks, so parameter names, the adapter's targets and checkpoints' keys stay as
+    they are). Only the outermost of nested choices: an inner one would be recomputed twice.
+    Returns their names; a policy that chooses nothing, or answers other than True/False, is
+    one line."""
+    from torch.distributed._composable import checkpoint
+
+    ref = t.enable_activation_checkpoint_fn
+    choose = checkpoint_policy(ref)
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        answer = choose(module, name)
+        if not isinstance(answer, bool):
+            raise PipelineError(f"{CHECKPOINT_FN}: '{ref}' must return True or False; it "
+                                f"returned {answer!r} for module '{name}'")
+        if answer and not any(name.startswith(f"{outer}.") or not outer for outer, _ in chosen):
+            chosen.append((name, module))
+    if not chosen:
+        raise PipelineError(f"{CHECKPOINT_FN}: '{ref}' chose none of the "
+                            f"{type(model).__name__}'s modules; it is called with each "
+                            "(module, name) and returns True for those to recompute")
+    for _, module in chosen:
+        checkpoint(module, preserve_rng_state=t.gradient_checkpointing_kwargs.preserve_rng_state)
+    return [name or type(model).__name__ for name, _ in chosen]
 
 
 def use_fast_bf16_cpu_kernels(model, device: torch.device, amp: torch.dtype | None,

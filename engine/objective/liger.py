@@ -22,7 +22,13 @@ import torch
 
 from engine.datapath.data import IGNORE_INDEX
 from engine.modeling.model import base_model
-from engine.objective.loss import ChunkedLoss, FullLoss, PendingTargets
+from engine.objective.loss import (
+    ChunkedLoss,
+    FullLoss,
+    PendingTargets,
+    loss_and_grads,
+    relative_errors,
+)
 from finetune.errors import PipelineError
 
 KEY = "training.use_liger_kernel"
@@ -67,24 +73,6 @@ def _families() -> dict:
     return MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
-def _loss_and_grads(model, loss, ids: torch.Tensor, labels: torch.Tensor, device, amp
-                    ) -> tuple[float, list[torch.Tensor]]:
-    """One forward and backward of the probe batch; the gradients cloned, then cleared."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    with torch.autocast(device.type, dtype=amp, enabled=amp is not None), \
-            loss.computing(labels):
-        output = model(input_ids=ids.to(device), use_cache=False)
-    summed = loss.loss_sum(output, labels.to(device))
-    summed.backward()
-    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-             for p in params]
-    for p in params:
-        p.grad = None
-    return float(summed), grads
-
-
 def apply_liger(model, device: torch.device, amp: torch.dtype | None, log) -> LigerLoss:
     """Patch `model` with Liger's kernels for its family and return the fused loss, after the
     probe agreed; one line (PipelineError) when the family, the head or the probe says no."""
@@ -109,18 +97,15 @@ def apply_liger(model, device: torch.device, amp: torch.dtype | None, log) -> Li
     was_training = model.training
     model.eval()  # no dropout: both passes compute the same function
     try:
-        before, before_grads = _loss_and_grads(model, FullLoss(), ids, labels, device, amp)
+        before, before_grads = loss_and_grads(model, FullLoss(), ids, labels, device, amp)
         _apply_liger_kernel_to_instance(model=base, rope=True, rms_norm=True, swiglu=True,
                                         cross_entropy=False, fused_linear_cross_entropy=False)
         loss = LigerLoss(model, device)
-        after, after_grads = _loss_and_grads(model, loss, ids, labels, device, amp)
+        after, after_grads = loss_and_grads(model, loss, ids, labels, device, amp)
     finally:
         model.train(was_training)
     tolerance = 1e-3 if amp is None else 3e-2
-    num = sum(float((a - b).float().pow(2).sum()) for a, b in zip(after_grads, before_grads))
-    den = sum(float(b.float().pow(2).sum()) for b in before_grads)
-    grad_error = (num / max(den, 1e-30)) ** 0.5
-    loss_error = abs(after - before) / max(abs(before), 1e-12)
+    loss_error, grad_error = relative_errors((before, before_grads), (after, after_grads))
     if loss_error > tolerance or grad_error > tolerance:
         raise PipelineError(
             f"{KEY}: Liger's kernels change this model's results (probe loss {after:.6g} vs "

@@ -218,3 +218,33 @@ def build_loss(model, chunk_tokens: int | None, device: torch.device, amp=None,
             f"logits after the output layer (probe loss {float(chunked):.6g} vs "
             f"{float(full):.6g}); set training.loss_chunk_tokens: null")
     return loss
+
+
+def loss_and_grads(model, loss, ids: torch.Tensor, labels: torch.Tensor, device, amp
+                   ) -> tuple[float, list[torch.Tensor]]:
+    """One forward and backward of a probe batch with `loss` (how Liger and
+    fused_loss_factory are checked against FullLoss); the gradients cloned, then cleared."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None), \
+            loss.computing(labels):
+        output = model(input_ids=ids.to(device), use_cache=False)
+    summed = loss.loss_sum(output, labels.to(device))
+    summed.backward()
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+             for p in params]
+    for p in params:
+        p.grad = None
+    return float(summed), grads
+
+
+def relative_errors(reference: tuple[float, list[torch.Tensor]],
+                    probed: tuple[float, list[torch.Tensor]]) -> tuple[float, float]:
+    """(loss, gradient) relative errors of a probed loss against the reference's, each a
+    `loss_and_grads` result: the gradient error is the norm of the difference over all
+    trainable parameters, relative to the reference gradient's norm."""
+    (before, before_grads), (after, after_grads) = reference, probed
+    num = sum(float((a - b).float().pow(2).sum()) for a, b in zip(after_grads, before_grads))
+    den = sum(float(b.float().pow(2).sum()) for b in before_grads)
+    return abs(after - before) / max(abs(before), 1e-12), (num / max(den, 1e-30)) ** 0.5

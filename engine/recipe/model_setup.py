@@ -4,7 +4,8 @@ module the loop runs forward on, in one order (the recipe's `setup` calls `build
 Order, and why:
 1. load (model.dtype; training.construct_model_on: on the CPU, straight onto the device, or
    as a weightless skeleton);
-2. gradient checkpointing: HF's hooks go on the base model, before the adapter wraps it;
+2. gradient checkpointing: HF's hooks (or those on the modules enable_activation_checkpoint_fn
+   chooses) go on the base model, before the adapter wraps it;
 3. PEFT, then QAT's fake-quantised layers around the frozen ones (inside the adapters);
 4. the strategy keeps this rank's part (pipeline: its stages) and places it (`Strategy.place`):
    on the device, or read from the checkpoint when built on meta;
@@ -55,7 +56,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     t = cfg.training
     base = load_base_model(cfg.model, root, labels=labels, construct=t.construct_model_on,
                            device=d.device)
-    enable_gradient_checkpointing(base, t)
+    enable_gradient_checkpointing(base, t, log)
     model = apply_peft(base, cfg.peft)
     if t.qat_recipe:  # around the frozen layers, inside the adapters
         prepare_qat(model, t.qat_recipe, t.qat_group_size, log)
@@ -99,6 +100,11 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
         from engine.objective.liger import apply_liger
 
         loss = apply_liger(model, d.device, amp, log)
+    elif t.fused_loss_factory:  # likewise refused with a user loss and the pipeline
+        from engine.objective.fused import factory_loss
+
+        loss = strategy.make_loss(
+            lambda: factory_loss(model, t.fused_loss_factory, d.device, amp, log))
     else:
         user_fn = (load_object(t.compute_loss_func, "training.compute_loss_func")
                    if t.compute_loss_func else None)

@@ -13,6 +13,7 @@ export gathers the stages into one HF/PEFT folder.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 
 import torch
@@ -32,6 +33,39 @@ from engine.strategies.base import Strategy
 #: fills the columns a batch is padded to max_seq_length with: after every real token, with
 #: label -100, so any id does (causal attention never looks ahead)
 PAD_ID = 0
+
+
+def say(text: str) -> None:
+    """A debug switch's output: one write per block (line and newline together), so the
+    ranks' lines do not run into each other."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def record_actions(stage: PipelineStage, actions: list[str]) -> None:
+    """debug_pipeline: append each chunk this stage runs to `actions`, as torch's schedule IR
+    names them (`<stage>F<micro-batch>` forward, `B` full backward, `I` input and `W` weight
+    gradient: the zero-bubble halves), in the order the schedule really runs them."""
+    forward, backward, weight = (stage.forward_one_chunk, stage.backward_one_chunk,
+                                 stage.backward_weight_one_chunk)
+    s = stage.stage_index
+
+    def forward_one_chunk(chunk, *args, **kwargs):
+        actions.append(f"{s}F{chunk}")
+        return forward(chunk, *args, **kwargs)
+
+    def backward_one_chunk(chunk, *args, **kwargs):
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        actions.append(f"{s}{'B' if full else 'I'}{chunk}")
+        return backward(chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(chunk, *args, **kwargs):
+        actions.append(f"{s}W{chunk}")
+        return weight(chunk, *args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 class PipelineStrategy(Strategy):
@@ -65,6 +99,7 @@ class PipelineStrategy(Strategy):
         pp, world, pipe = self.setup.distributed.pipeline, self.d.world_size, self.pipe
         self.num_stages = pp.stages(world)
         first = self.d.rank - self.d.rank % pipe  # this pipeline's first global rank
+        self.first = first
         self.ids = stage_ids(self.d.rank - first, pipe, pp.resolved_stages_per_rank,
                              pp.resolved_stage_type)
         self.rank_of = {s: first + r for r in range(pipe)  # stage -> global rank
@@ -82,7 +117,12 @@ class PipelineStrategy(Strategy):
         self.blocks = block_names(model)  # what torch_compile_scope: blocks compiles
         self.hidden = lm.config.hidden_size
         self.act_dtype = inner.embed_tokens.weight.dtype  # the residual stream's
-        self.stage_modules, self.ranges = cut_stages(model, self.ids, self.num_stages)
+        self.stage_modules, self.ranges, layout = cut_stages(model, self.ids, self.num_stages,
+                                                             pp.model_splitter)
+        if pp.debug_split_model and self.d.is_main:
+            owners = {s: r - first for s, r in self.rank_of.items()}
+            say("[pipeline] split: " + "; ".join(
+                f"{line} (rank {owners[s]})" for s, line in enumerate(layout)))
         self.head = lm.lm_head if self.num_stages - 1 in self.ids else None
         return model
 
@@ -92,6 +132,7 @@ class PipelineStrategy(Strategy):
         self._sums: list[torch.Tensor] = []
         self._divisor = 1.0
         self.schedules: dict[int, object] = {}  # rows per batch -> training schedule
+        self._actions: list[str] = []  # debug_pipeline: what this rank's stages ran
         self.model = model
         if self.d.is_main:
             spans = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}"
@@ -100,7 +141,33 @@ class PipelineStrategy(Strategy):
                   f"{pp.resolved_stages_per_rank} per rank ({pp.resolved_stage_type}), "
                   f"{self.n_micro} micro-batches, {self.replicas} data-parallel "
                   f"replica{'s' if self.replicas > 1 else ''}", flush=True)
+        if pp.debug_model_init:
+            say(self._init_details())
+        if pp.debug_model_params:
+            say("\n".join(
+                f"[pipeline rank {self.d.rank}] param {name} {tuple(p.shape)} "
+                f"{str(p.dtype).removeprefix('torch.')} {p.device}"
+                f"{' trainable' if p.requires_grad else ''}"
+                for name, p in model.named_parameters()))
         return model
+
+    def _init_details(self) -> str:
+        """debug_model_init: what this rank built, as it is before the first step."""
+        t = self.setup.training
+        params = list(self.module.parameters())
+        on_meta = sum(p.numel() for p in params if p.is_meta)
+        stages = ", ".join(
+            f"{s} ({type(m).__name__}: {len(m.layers)} layers"
+            f"{', embed_tokens' if m.first else ''}{', norm' if m.last else ''})"
+            for s, m in zip(self.ids, self.stage_modules))
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+        return (f"[pipeline rank {self.d.rank}] init: stages {stages}; "
+                f"construct_model_on {t.construct_model_on}; "
+                f"{sum(p.numel() for p in params):,} parameters on "
+                f"{', '.join(sorted({str(p.device) for p in params}))} ({', '.join(dtypes)}), "
+                f"{sum(p.numel() for p in params if p.requires_grad):,} trainable, "
+                f"{on_meta:,} still on meta; output layer "
+                f"{'here' if self.head is not None else 'elsewhere'}")
 
     def _schedule(self, rows: int):
         """The training schedule for batches of `rows` rows (a stage's activation shapes are
@@ -116,6 +183,9 @@ class PipelineStrategy(Strategy):
             single = issubclass(klass, PipelineScheduleSingle)
             self.schedules[key] = klass(stages[0] if single else stages, self.n_micro,
                                         loss_fn=self._loss, scale_grads=False)
+            if self.setup.distributed.pipeline.debug_pipeline:
+                for stage in stages:
+                    record_actions(stage, self._actions)
         return self.schedules[key]
 
     # -- one step ------------------------------------------------------------------------
@@ -154,6 +224,15 @@ class PipelineStrategy(Strategy):
         with torch.autocast(self.d.device.type, dtype=amp, enabled=amp is not None):
             schedule.step(*args, target=target)
         self._count_activations(rows, train=True)
+        if self.setup.distributed.pipeline.debug_pipeline:
+            # debug only: reads each pipeline micro-batch's loss off the device
+            losses = (", summed losses " + " ".join(
+                f"{float(x):.4f}" for x in self._sums[-self.n_micro:])
+                if self.head is not None else "")
+            say(f"[pipeline rank {self.d.rank}] micro-batch of {rows} rows, {self.n_micro} "
+                f"pipeline micro-batches of {rows // self.n_micro}: "
+                f"{' '.join(self._actions)}{losses}")
+            self._actions.clear()
         # the schedule's first step infers the stages' shapes with a forward of its own: its
         # loss is not this batch's
         return self._summed(self._sums[-self.n_micro:])

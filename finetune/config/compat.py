@@ -524,6 +524,13 @@ RULES: list[Rule] = [
            "fp8 trains in fp8; QAT simulates another format: set one",
            example={"training.fp8_recipe": "tensorwise",
                     "training.qat_recipe": "int8-dynamic-act-int4-weight"}),
+    Refuse("training", "enable_activation_checkpoint_fn", _in(
+        "gradient_checkpointing_kwargs.use_reentrant",
+        lambda t: t.gradient_checkpointing_kwargs.use_reentrant),
+        "the chosen modules are checkpointed by hooks, which torch runs non-reentrant; set "
+        "use_reentrant: false", example={
+            "training.enable_activation_checkpoint_fn": "os:getcwd",
+            "training.gradient_checkpointing_kwargs.use_reentrant": True}),
     Refuse("training", "use_cpu", _in("device: cuda", lambda t: t.device == "cuda"),
            "they contradict each other; set one",
            example={"training.use_cpu": True, "training.device": "cuda"}),
@@ -573,6 +580,10 @@ RULES: list[Rule] = [
            "Liger's fused linear cross entropy is the loss; a loss of full logits cannot be "
            "both; set one",
            example={"training.use_liger_kernel": True, "training.compute_loss_func": "m:f"}),
+    *(Refuse("training", "fused_loss_factory", _in(other, lambda t, o=other: bool(
+        getattr(t, o))), "one loss: the factory's fused loss or the other; set one", example={
+            "training.fused_loss_factory": "m:f", f"training.{other}": value})
+      for other, value in (("use_liger_kernel", True), ("compute_loss_func", "m:f"))),
     Refuse("training", "packing", _in("padding_free", lambda t: t.padding_free),
            "alternatives: padding_free puts each micro-batch in one row without padding, "
            "packing in rows of packed_sequence_length; set one",
@@ -762,6 +773,8 @@ RULES: list[Rule] = [
          "max-autotune captures CUDA graphs, which replay stale gradients across a schedule's "
          "micro-batches (as under gradient accumulation); use max-autotune-no-cudagraphs",
          {"training.torch_compile": True, "training.torch_compile_mode": "max-autotune"}),
+        ("training.fused_loss_factory", None, "the last stage computes its own chunked "
+         "loss; a fused loss is not wired into the stages", {"training.fused_loss_factory": "m:f"}),
     )),
     Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
            "zero-bubble schedules split the backward, which compiled stages cannot",
@@ -842,6 +855,9 @@ RULES: list[Rule] = [
         ("training.use_liger_kernel", None,
          "Liger's fused loss is for a vocabulary head; a classifier's head has classes",
          {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None,
+         "a fused loss is for a vocabulary head; a classifier's head has classes",
+         {"training.fused_loss_factory": "m:f"}),
         ("eval.generation_metrics", None,
          "a classifier does not generate; it reports accuracy and macro_f1",
          {"eval.generation_metrics": ["rouge"]}),

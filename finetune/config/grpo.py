@@ -179,6 +179,8 @@ ROWS: list[compat.Rule] = [
          {"training.compute_loss_func": "m:f"}),
         ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
          {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None, "a fused loss is the SFT cross entropy",
+         {"training.fused_loss_factory": "m:f"}),
         ("training.group_by_length", None, "prompts are drawn in seeded order; their "
          "completions' lengths are not known in advance", {"training.group_by_length": True}))),
 ]

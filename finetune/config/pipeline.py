@@ -57,6 +57,33 @@ class PipelineConfig(Section):
         "per stage before the optimizer step.",
     )
 
+    model_splitter: str | None = Field(
+        None, fingerprint=True, code_ref=True,
+        description="'module:function' that cuts the decoder layers into the stages instead "
+        "of the balance by parameter count: called with (the causal LM, the number of "
+        "stages), returns one (start, end) layer span per stage, end exclusive, contiguous "
+        "from layer 0 to the last (the embedding goes with the first stage, the norm and "
+        "output layer with the last); anything else is one line at start-up.",
+    )
+    debug_split_model: bool = Field(
+        False, fingerprint=False,
+        description="Rank 0 prints each stage's parts (layers, embedding, norm, output layer), "
+        "its parameter count (trainable too) and its rank.")
+    debug_pipeline: bool = Field(
+        False, fingerprint=False,
+        description="Print the schedule's actions per rank and time step once (each "
+        "pipeline's first rank), and per training micro-batch its pipeline micro-batches' "
+        "summed losses (the last stage's rank; reads them off the device: slower).")
+    debug_model_params: bool = Field(
+        False, fingerprint=False,
+        description="Each rank prints its parameters after placement: name, shape, dtype, "
+        "device, trainable.")
+    debug_model_init: bool = Field(
+        False, fingerprint=False,
+        description="Each rank prints what it built: its stages and their layers, "
+        "construct_model_on, parameter count, devices and dtypes, trainable count, any still "
+        "on meta, whether it holds the output layer.")
+
     @model_validator(mode="after")
     def _compat(self) -> "PipelineConfig":
         compat.check(self, "distributed.pipeline")

@@ -94,6 +94,8 @@ ROWS: list[compat.Rule] = [
         ("training.compute_loss_func", None, "the loss is dpo.loss_type's",
          {"training.compute_loss_func": "m:f"}),
         ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
-         {"training.use_liger_kernel": True}))),
+         {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None, "a fused loss is the SFT cross entropy",
+         {"training.fused_loss_factory": "m:f"}))),
 ]
 compat.add_rows("dpo", ROWS)

@@ -152,6 +152,14 @@ class TrainingConfig(Section):
         1.0, gt=0, fingerprint=True,
         description="Gradient clipping norm; null: no clipping (the norm is still "
         "logged, except with fuse_optim_with_backward).")
+    fused_loss_factory: str | None = Field(
+        None, fingerprint=True, code_ref=True,
+        description="'module:function' called once with no arguments that returns your fused "
+        "linear cross entropy fn(hidden, weight, labels) -> summed loss: hidden states of the "
+        "positions that predict a target, the output layer's weight, their target ids; it "
+        "replaces the chunked loss, installed on the output layer as Liger's is, after a "
+        "start-up probe against the full cross entropy (loss and gradients).",
+    )
     compute_loss_func: str | None = Field(
         None, fingerprint=True, code_ref=True,
         description="'module:function' computing the loss from the model's outputs, called as "
@@ -191,8 +199,10 @@ class TrainingConfig(Section):
         None, fingerprint=True,
         description="Quantisation-aware training (torchao): fake-quantised linear layers in "
         "training; the export stage writes the converted model to data/export/quantized and "
-        "the evaluate stage reports its loss. int8-dynamic-act-int4-weight converts on CPU, "
-        "the others need a CUDA GPU (refused with one line before training). Not with "
+        "the evaluate stage reports its loss. Every recipe trains on any device; the "
+        "conversion needs torchao's kernels (int8-dynamic-act-int4-weight has them on CPU, "
+        "the others need a CUDA GPU): where missing, the evaluate stage skips the quantized "
+        "loss, and export.formats with quantized is refused before training. Not with "
         "fp8_recipe.",
     )
     qat_group_size: Literal[32, 64, 128, 256] = Field(
@@ -255,6 +265,14 @@ class TrainingConfig(Section):
     gradient_checkpointing: bool = Field(
         False, fingerprint=False,
         description="Recompute activations in backward (less memory, ~30% more compute)."
+    )
+    enable_activation_checkpoint_fn: str | None = Field(
+        None, fingerprint=False, code_ref=True,
+        description="'module:function' choosing which modules recompute their activations "
+        "in backward: called with each (module, name) of the base model (or the module "
+        "alone, torch's check_fn), returns True or False; the outermost chosen modules are "
+        "checkpointed (torch's composable checkpoint: names unchanged). Replaces "
+        "gradient_checkpointing's per-block choice; non-reentrant only.",
     )
     gradient_checkpointing_kwargs: GradientCheckpointingKwargs = Field(
         fingerprint=False, default_factory=GradientCheckpointingKwargs,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.modeling.quantization import quantized_copy, save_quantized
+from engine.modeling.quantization import check_convertible, quantized_copy, save_quantized
 from tasks.exporters.context import ExportContext
 
 QUANTIZED_DIR = "quantized"
@@ -18,6 +18,7 @@ def write(ctx: ExportContext) -> Path | None:
     t = ctx.config.training
     if not t.qat_recipe:
         return None
+    check_convertible(t.qat_recipe, t.qat_group_size, next(ctx.hf_model.parameters()).device)
     # a converted copy of the HF folder's model (quantized_copy merges an unmerged adapter)
     quantized, skipped = quantized_copy(ctx.hf_model, t.qat_recipe, t.qat_group_size)
     save_quantized(quantized, ctx.staging / QUANTIZED_DIR, t.qat_recipe, t.qat_group_size,

@@ -12,7 +12,7 @@ from engine.datapath.data import eval_collate
 from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
 from engine.modeling.model import max_positions
-from engine.modeling.quantization import quantized_copy
+from engine.modeling.quantization import conversion_blocker, quantized_copy
 from finetune.errors import PipelineError
 
 
@@ -34,9 +34,16 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
     results["finetuned"] = loss_entry(tuned_loss)
     t = cfg.training
     if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
-        quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
-        results["quantized"] = loss_entry(evaluate_loss(quantized, *args, collate_fn=batches))
-        del quantized
+        device = next(tuned.parameters()).device
+        reason = conversion_blocker(t.qat_recipe, t.qat_group_size, device)
+        if reason:  # QAT trained here; its conversion needs kernels this machine lacks
+            print(f"[evaluate] quantized loss not measured: training.qat_recipe "
+                  f"{t.qat_recipe} cannot be converted on {device.type} (torchao: {reason})",
+                  flush=True)
+        else:
+            quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
+            results["quantized"] = loss_entry(evaluate_loss(quantized, *args, collate_fn=batches))
+            del quantized
     if after_loss is not None:
         after_loss(held, results)
     if rows is not None:
