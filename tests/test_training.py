@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import (
     BASE,
+    PER_STEP_SERIES,
     adapter,
     assert_weights_close,
     checkpoint_names,
@@ -30,12 +31,6 @@ from helpers import (
 )
 
 from finetune.errors import PipelineError
-
-
-#: what the training loop logs at its steps (engine.reporting.reporters.History's rows)
-PER_STEP_SERIES = {"loss", "learning_rate", "grad_norm", "tokens_per_second",
-                   "num_input_tokens_seen", "memory_rss_mb", "epoch", "comm_bytes_per_step",
-                   "eval_loss"}
 
 
 def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
