@@ -114,20 +114,13 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict],
         flat = {f"eval.{k}": v for k, v in results["finetuned"].items()}
         flat.update({f"eval.base_{k}": v for k, v in results["base"].items()})
         flat.update({f"eval.quantized_{k}": v for k, v in results.get("quantized", {}).items()})
-        # at the step the evaluated model was trained to (not 0: a step-0 point would sit
-        # before the training curves it belongs after)
-        tracking.log_metrics(ws, run_id, flat, step=_trained_step(ws))
+        # one value each, at step 0: MLflow draws such a metric as a bar labelled with it
+        tracking.log_metrics(ws, run_id, flat, step=0)
         if samples:
             tracking.client(ws).log_table(run_id, pd.DataFrame(samples), "eval/samples.json")
         if harness:
             tracking.client(ws).log_dict(run_id, harness, "eval/harness.json")
     return {"metrics": path, "samples": samples_path}
-
-
-def _trained_step(ws: Workspace) -> int:
-    """The training's last step (`global_step` in data/metrics/train.json; 0 without one)."""
-    path = ws.layout.metrics / "train.json"
-    return int(json.loads(path.read_text()).get("global_step") or 0) if path.exists() else 0
 
 
 def _generation_rows(ws: Workspace) -> pd.DataFrame:
