@@ -293,28 +293,84 @@ FACTS = {"seed", "world_size", "first_step_unix", "total_params", "trainable_par
          "comm_bytes_total", "global_step", "train_runtime"}
 
 
-def browse(url: str, png, profile, ready=lambda dom: True) -> str:
-    """Chromium, headless, with no network but 127.0.0.1: the page's DOM once its scripts
-    ran (30 s of virtual time), and its screenshot in `png`. Loaded again (three times at
-    most) until `ready(dom)`: a server's first answers can come after the virtual time."""
-    for _ in range(3):
-        dom = _browse_once(url, png, profile)
-        if ready(dom):
-            break
-    if os.environ.get(SCREENS_ENV):
-        shutil.copy(png, Path(os.environ[SCREENS_ENV]) / png.name)
-    return dom
+class Chromium:
+    """Headless Chromium with no network but 127.0.0.1, driven over the DevTools protocol
+    (the `websockets` package Prefect brings): a page is read and screenshotted once a
+    condition holds in it, waited for in real time (a loaded machine parses MLflow's
+    charting code for seconds; a fixed virtual-time budget screenshotted spinners)."""
+
+    def __init__(self, profile: Path):
+        import time
+        import urllib.request
+
+        from websockets.sync.client import connect
+
+        log = profile.with_name(f"{profile.name}.log")
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(
+                [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                 f"--user-data-dir={profile}", "--window-size=1400,1000",
+                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+                 "--remote-debugging-port=0", "about:blank"],
+                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        deadline = time.monotonic() + 60
+        # it says "DevTools listening on ws://127.0.0.1:PORT/..." on stderr
+        while not (said := re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/",
+                                     log.read_text())):
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        port = said.group(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as answer:
+            page = next(t for t in json.load(answer) if t["type"] == "page")
+        self.ws = connect(page["webSocketDebuggerUrl"], max_size=None)
+        self.calls = 0
+        self.send("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
+                  deviceScaleFactor=1, mobile=False)
+
+    def send(self, method: str, **params):
+        self.calls += 1
+        self.ws.send(json.dumps({"id": self.calls, "method": method, "params": params}))
+        while True:
+            answer = json.loads(self.ws.recv())
+            if answer.get("id") == self.calls:
+                assert "error" not in answer, (method, answer["error"])
+                return answer["result"]
+
+    def evaluate(self, expression: str):
+        return self.send("Runtime.evaluate", expression=expression,
+                         returnByValue=True)["result"].get("value")
+
+    def open(self, url: str, png, ready: str = "true", timeout: float = 120) -> str:
+        """Load `url`, wait until the JS expression `ready` holds, screenshot it into `png`
+        (and into $FINETUNE_SCREENSHOTS); its DOM."""
+        import base64
+        import time
+
+        self.send("Page.navigate", url=url)
+        deadline = time.monotonic() + timeout
+        while not self.evaluate(f"document.readyState === 'complete' && ({ready})"):
+            assert time.monotonic() < deadline, (
+                f"{url}: not ({ready}) after {timeout:.0f} s; the page says: "
+                f"{self.evaluate('document.body && document.body.innerText')!r:.3000}")
+            time.sleep(0.5)
+        time.sleep(1.5)  # the frame after: charts finish their transitions
+        shot = self.send("Page.captureScreenshot", format="png")["data"]
+        png.write_bytes(base64.b64decode(shot))
+        if os.environ.get(SCREENS_ENV):
+            shutil.copy(png, Path(os.environ[SCREENS_ENV]) / png.name)
+        return self.evaluate("document.documentElement.outerHTML")
+
+    def close(self) -> None:
+        self.ws.close()
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=30)
 
 
-def _browse_once(url: str, png, profile) -> str:
-    proc = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-         f"--user-data-dir={profile}", "--window-size=1400,1000",
-         "--virtual-time-budget=30000", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-         f"--screenshot={png}", "--dump-dom", url],
-        capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0 and png.exists(), proc.stderr[-2000:]
-    return proc.stdout
+@pytest.fixture
+def chromium(tmp_path):
+    browser = Chromium(tmp_path / "chromium")
+    yield browser
+    browser.close()
 
 
 def visible_text(dom: str) -> str:
@@ -372,7 +428,8 @@ def mlflow_ui(repro, tmp_path):
 
 @pytest.mark.slow
 @needs_chromium
-def test_mlflow_pages_show_curves_facts_and_the_champion(repro, mlflow_ui, tmp_path):
+def test_mlflow_pages_show_curves_facts_and_the_champion(repro, mlflow_ui, chromium,
+                                                          tmp_path):
     """After two trainings (the second not promoted): the run's metrics page counts and
     draws only its metrics (no fact as a chart), its overview lists the facts as tags, and
     the registered model's page and its champion version show a few lineage tags beside
@@ -382,45 +439,43 @@ def test_mlflow_pages_show_curves_facts_and_the_champion(repro, mlflow_ui, tmp_p
     champion = client.get_model_version_by_alias("finetune-default", "champion")
     run = client.get_run(champion.run_id)
     run_page = f"{mlflow_ui}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
-    profile = tmp_path / "chromium"
+    text = "document.body.innerText"
 
     png = tmp_path / "mlflow-run-metrics.png"
-    names = set(run.data.metrics) | FACTS
-
-    def charts(dom: str) -> set[str]:
-        """The metric charts drawn (their cards' titles; the UI draws those in view)."""
-        drawn = re.search(r'class="[^"]*\bjs-plotly-plot\b', dom)
-        return set(re.findall(r'title="([^"]+)"', dom)) & names if drawn else set()
-
-    dom = browse(f"{run_page}/model-metrics", png, profile, ready=charts)
+    dom = chromium.open(f"{run_page}/model-metrics", png,
+                        ready="document.querySelectorAll('.js-plotly-plot').length > 0")
     shown = re.search(r"Model metrics \( ?(\d+) ?\)", visible_text(dom))
     assert shown and int(shown.group(1)) == len(run.data.metrics), visible_text(dom)[:3000]
-    assert charts(dom) and charts(dom) <= set(run.data.metrics), charts(dom)
+    # the charts drawn (the UI draws those in view), by their cards' titles
+    charts = set(re.findall(r'title="([^"]+)"', dom)) & (set(run.data.metrics) | FACTS)
+    assert charts and charts <= set(run.data.metrics), charts
     assert ink(png) > 0.01
 
     png = tmp_path / "mlflow-run-overview.png"
-    text = visible_text(browse(run_page, png, profile))
-    assert "train.seed" in text and "config_fingerprint" in text, text[:3000]
-    assert "dvc_out." not in text and "dvc_stage." not in text
+    page = visible_text(chromium.open(run_page, png, ready=f"{text}.includes('Tags')"))
+    assert "train.seed" in page and "config_fingerprint" in page, page[:3000]
+    assert "dvc_out." not in page and "dvc_stage." not in page
     assert ink(png) > 0.01
 
     png = tmp_path / "mlflow-registered-model.png"
-    text = visible_text(browse(f"{mlflow_ui}/#/models/finetune-default", png, profile))
-    assert "champion" in text and "candidate" in text and "Version 2" in text, text[:3000]
-    assert "git_commit" in text and "dvc_out." not in text and "data_sha256." not in text
+    page = visible_text(chromium.open(f"{mlflow_ui}/#/models/finetune-default", png,
+                                      ready=f"{text}.includes('Version 1')"))
+    assert "champion" in page and "candidate" in page and "Version 2" in page, page[:3000]
+    assert "git_commit" in page and "dvc_out." not in page and "data_sha256." not in page
     assert ink(png) > 0.01
 
     png = tmp_path / "mlflow-model-version.png"
-    text = visible_text(browse(f"{mlflow_ui}/#/models/finetune-default/versions/"
-                               f"{champion.version}", png, profile))
-    assert "champion" in text and "gate.eval.loss" in text, text[:3000]
-    assert "dvc_stage." not in text
+    page = visible_text(chromium.open(
+        f"{mlflow_ui}/#/models/finetune-default/versions/{champion.version}", png,
+        ready=f"{text}.includes('Source Run')"))
+    assert "champion" in page and "gate.eval.loss" in page, page[:3000]
+    assert "dvc_stage." not in page
     assert ink(png) > 0.01
 
 
 @pytest.mark.slow
 @needs_chromium
-def test_dvc_plots_page_draws_offline(repro, tmp_path):
+def test_dvc_plots_page_draws_offline(repro, chromium, tmp_path):
     """`dvc plots show` with the template `make setup` writes (flows/plots_page.py, named in
     DVC's local config) draws its three panels with no network; DVC's own page, which loads
     Vega from a CDN, stays blank there."""
@@ -430,10 +485,8 @@ def test_dvc_plots_page_draws_offline(repro, tmp_path):
     template = ROOT / CACHE / TEMPLATE
     if not template.exists():
         pytest.skip(f"{template.relative_to(ROOT)} missing: `make setup` writes it (needs npm)")
-    profile = tmp_path / "chromium"
     dvc(project, "plots", "show", "-o", str(tmp_path / "cdn"))
-    blank = browse((tmp_path / "cdn/index.html").as_uri(), tmp_path / "dvc-plots-cdn.png",
-                   profile)
+    blank = chromium.open((tmp_path / "cdn/index.html").as_uri(), tmp_path / "dvc-plots-cdn.png")
     assert "<canvas" not in blank and "<svg" not in blank  # offline, DVC's page draws nothing
     dvc(project, "config", "--local", "plots.html_template", str(template))
     try:
@@ -445,7 +498,8 @@ def test_dvc_plots_page_draws_offline(repro, tmp_path):
     for title in ("Training and eval loss", "Learning rate", "Gradient norm"):
         assert page.count(f'"text": "{title}"') == 1, title
     png = tmp_path / "dvc-plots.png"
-    dom = browse((tmp_path / "page/index.html").as_uri(), png, profile)
+    dom = chromium.open((tmp_path / "page/index.html").as_uri(), png,
+                        ready="document.querySelectorAll('.vega-embed canvas').length == 3")
     assert dom.count('class="vega-embed') == 3 and dom.count("<canvas") == 3, dom[-3000:]
     assert ink(png) > 0.01 > 10 * ink(tmp_path / "dvc-plots-cdn.png")
 
