@@ -343,7 +343,7 @@ def test_callbacks_and_reporters(tokenized, tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
     assert [round(e.value, 4) for e in acc.Scalars("loss")] == [round(x, 4) for x in losses(project)]
-    # no "mlflow" in report_to: the run exists (params, final metrics) without step curves
+    # no "mlflow" in report_to: the run exists (params, the facts as tags) without step curves
     run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     assert client.get_metric_history(run_id, "loss") == []
