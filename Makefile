@@ -18,7 +18,11 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup run test fuzz stack clean-outputs
 
-setup: $(STAMP)
+# The `dvc plots show` page template with Vega inlined, so the page draws offline
+# (flows/plots_page.py; needs npm once; without it DVC's page loads Vega from its CDN).
+PLOTS_PAGE := .cache/vega/dvc-plots.html
+
+setup: $(STAMP) $(PLOTS_PAGE)
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -26,6 +30,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q torch==2.13.0 -c constraints.txt
 	$(PY) -m pip install -q -e ".[test]" -c constraints.txt
 	touch $@
+
+$(PLOTS_PAGE): $(STAMP)
+	-$(PY) -m flows.plots_page
 
 run: setup
 	finetune run

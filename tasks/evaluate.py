@@ -114,7 +114,8 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict],
         flat = {f"eval.{k}": v for k, v in results["finetuned"].items()}
         flat.update({f"eval.base_{k}": v for k, v in results["base"].items()})
         flat.update({f"eval.quantized_{k}": v for k, v in results.get("quantized", {}).items()})
-        tracking.log_metrics(ws, run_id, flat)
+        # one value each, at step 0: MLflow draws such a metric as a bar labelled with it
+        tracking.log_metrics(ws, run_id, flat, step=0)
         if samples:
             tracking.client(ws).log_table(run_id, pd.DataFrame(samples), "eval/samples.json")
         if harness:

@@ -7,7 +7,8 @@ weights, adapter merged; tokenizer, generation config and a README, the model ca
 base model, data hash, params, metrics and commit); `data/export/adapter` is the PEFT adapter
 alone, for users who keep the base model; `data/export/quantized` the QAT model converted. The
 merged model is then logged to the training's MLflow run (transformers flavour), registered,
-tagged with lineage and gated (see tasks.registry).
+tagged with a lineage summary (the whole lineage is the run's `lineage.json`) and gated (see
+tasks.registry).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def export(ws: Workspace) -> dict[str, Path]:
     if trained_template.exists():  # a chat dataset's template, saved by the train stage
         tok.chat_template = trained_template.read_text()
     run_id = tracking.run_id_of(ws)
-    lineage = tracking.lineage_tags(ws)
+    lineage = tracking.lineage(ws)
     with atomic_dir(ws.layout.export) as staging:
         ctx = ExportContext(ws, model, tok, metrics, lineage, run_id, staging,
                             tuple(cfg.export.formats))
@@ -48,7 +49,8 @@ def export(ws: Workspace) -> dict[str, Path]:
             write(ctx)
     record = {"registered": False, "reason": "registry.register_model is false"}
     if run_id:
-        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), **lineage})
+        tracking.log_lineage(ws, run_id, lineage)
+        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export)})
         tracking.client(ws).log_artifact(run_id, str(ws.layout.export / "README.md"), "export")
         if cfg.registry.register_model:
             record = _register(ws, run_id, ctx.servable, tok, gate_value, lineage)
@@ -77,7 +79,8 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
                                         (ws.layout.export / "README.md").read_text(),
                                         pipeline_tag=cfg.model_task.pipeline_tag)
     client = tracking.client(ws)
-    registry.tag_version(client, name, version, {**lineage, "mlflow_run_id": run_id})
+    # the version's lineage is its run's lineage.json; its page shows the summary
+    registry.tag_version(client, name, version, tracking.lineage_summary(lineage))
     decision = registry.promote(client, name, version, gate_value, cfg.registry)
     aliases = [cfg.registry.candidate_alias] + ([cfg.registry.champion_alias]
                                                  if decision.promoted else [])

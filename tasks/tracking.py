@@ -2,7 +2,11 @@
 
 The train stage opens the run and records its id in `data/lineage/train_run.json` (a DVC out), so
 evaluate and export, even when launched as separate DVC/Prefect steps, log into the same run.
-Lineage tags: git commit and dirty flag, params file, config fingerprint, dvc.lock stage hashes.
+Lineage (git commit and dirty flag, params file, config fingerprint, data and dvc.lock hashes) is
+one artifact, `lineage.json`, with a few of its entries as tags (LINEAGE_TAGS): some 40 tags
+would bury the run's and each registered version's page.
+The metrics page holds what changes per step and the final evaluation; facts about the run
+(seed, world size, parameter counts, runtime) are tags (`train.<key>`), not one-point charts.
 """
 
 from __future__ import annotations
@@ -98,7 +102,13 @@ def data_hashes(raw_dir: Path) -> dict[str, str]:
     return {"data_sha256": whole.hexdigest(), **tags}
 
 
-def lineage_tags(ws: Workspace) -> dict[str, str]:
+#: the lineage entries shown as tags on the run and each registered version (the rest is in
+#: the `lineage.json` artifact)
+LINEAGE_TAGS = ("git_commit", "git_dirty", "params_file", "config_fingerprint", "data_sha256")
+LINEAGE_ARTIFACT = "lineage.json"
+
+
+def lineage(ws: Workspace) -> dict[str, str]:
     """Everything needed to trace a model back to code, config and data."""
     return {
         **git_info(ws.root),
@@ -134,8 +144,10 @@ def start_run(ws: Workspace, extra_tags: dict[str, str] | None = None) -> str:
     local = ws.mlflow_uri() == f"sqlite:///{ws.root / 'mlflow.db'}"
     location = (ws.root / "mlruns").as_uri() if local else None
     exp_id = exp.experiment_id if exp else c.create_experiment(exp_name, location)
-    tags = {**lineage_tags(ws), **(extra_tags or {})}
-    run = c.create_run(exp_id, tags=tags, run_name=ws.config.logging.run_name)
+    traced = lineage(ws)
+    run = c.create_run(exp_id, tags={**lineage_summary(traced), **(extra_tags or {})},
+                       run_name=ws.config.logging.run_name)
+    c.log_dict(run.info.run_id, traced, LINEAGE_ARTIFACT)
     params = flatten(ws.config.model_dump(mode="json"))
     items = [Param(k, v[:6000]) for k, v in params.items()]
     for i in range(0, len(items), 100):
@@ -160,8 +172,27 @@ def log_batch(mlflow_client, run_id: str, metrics: dict[str, float], step: int) 
                                              for k, v in metrics.items()])
 
 
-def log_metrics(ws: Workspace, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+def log_metrics(ws: Workspace, run_id: str, metrics: dict[str, float], step: int) -> None:
     log_batch(client(ws), run_id, metrics, step)
+
+
+def lineage_summary(traced: dict[str, str]) -> dict[str, str]:
+    """The few lineage entries shown as tags."""
+    return {k: traced[k] for k in LINEAGE_TAGS if k in traced}
+
+
+def log_lineage(ws: Workspace, run_id: str, traced: dict[str, str]) -> None:
+    """The lineage as the run's `lineage.json` (replacing the one training logged: the export
+    knows the later stages' dvc.lock entries too) and its summary as tags."""
+    client(ws).log_dict(run_id, traced, LINEAGE_ARTIFACT)
+    set_tags(ws, run_id, lineage_summary(traced))
+
+
+def run_lineage(ws: Workspace, run_id: str) -> dict[str, str]:
+    """The lineage start_run logged with the run (read back, not hashed again)."""
+    from mlflow.artifacts import load_dict
+
+    return load_dict(f"{client(ws).get_run(run_id).info.artifact_uri}/{LINEAGE_ARTIFACT}")
 
 
 def step_logger(ws: Workspace, run_id: str):
@@ -181,13 +212,6 @@ def set_tags(ws: Workspace, run_id: str, tags: dict[str, str]) -> None:
     from mlflow.entities import RunTag
 
     client(ws).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-
-
-def run_tags(ws: Workspace, run_id: str) -> dict[str, str]:
-    """The lineage tags start_run gave the run (read back, not hashed again), without
-    MLflow's own `mlflow.*` tags."""
-    tags = client(ws).get_run(run_id).data.tags
-    return {k: v for k, v in tags.items() if not k.startswith("mlflow.")}
 
 
 def finish_run(ws: Workspace, run_id: str, status: str = "FINISHED") -> None:

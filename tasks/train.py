@@ -19,7 +19,6 @@ from engine import preflight as preflight_engine
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
-from tasks.curves import render_curves
 from tasks.launch import TorchrunJob, run_paths
 from tasks.wandb_tracking import WandbRun, wandb_module
 
@@ -95,7 +94,7 @@ def train(ws: Workspace) -> dict[str, Path]:
             if "mlflow" in ws.config.logging.report_to:
                 relays.append(tracking.step_logger(ws, run_id))
             if "wandb" in ws.config.logging.report_to:
-                wandb_run = WandbRun(ws, run_id, tracking.run_tags(ws, run_id))
+                wandb_run = WandbRun(ws, run_id, tracking.run_lineage(ws, run_id))
                 relays.append(wandb_run.log)
             job.go(_fan_out(relays))  # also keeps the step reached (interrupted_summary)
             job.wait()
@@ -106,12 +105,12 @@ def train(ws: Workspace) -> dict[str, Path]:
             raise
     metrics = json.loads((ws.layout.metrics / "train.json").read_text())
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
-    tracking.log_metrics(ws, run_id, numbers)
+    curves = SERIES if "mlflow" in ws.config.logging.report_to else set()
+    tracking.set_tags(ws, run_id, run_facts(metrics, curves))
     if wandb_run is not None:
         wandb_run.summary(numbers)
         wandb_run.finish(ok=True)
-    render_curves(ws.layout.plots)
-    for plot in ("train.csv", "eval.csv", "curves.png", SAMPLES):
+    for plot in ("train.csv", "eval.csv", SAMPLES):
         path = ws.layout.plots / plot
         # a method's sample table: only when this run wrote it (not an earlier run's)
         if plot != SAMPLES or (path.exists() and path.stat().st_mtime >= launched):
@@ -142,16 +141,28 @@ def interrupted_summary(ws: Workspace) -> str:
 
 #: the last training step the running job logged (read when the stage is interrupted)
 REACHED: dict[str, int] = {}
+#: the names the running job logged per step (MLflow has them as curves)
+SERIES: set[str] = set()
+
+
+def run_facts(metrics: dict, series: set[str]) -> dict[str, str]:
+    """`data/metrics/train.json` less the values MLflow already has as per-step curves, as
+    tags `train.<key>` (seed, world size, parameter counts, runtime, mean loss): one number
+    each, which the metrics page would draw as a chart of a single bar."""
+    return {f"train.{k}": str(v) for k, v in metrics.items()
+            if k not in series and v is not None}
 
 
 def _fan_out(relays: list):
     """One relay callable that hands each row to every tracker (MLflow, W&B) and notes the
     step reached."""
     REACHED.clear()
+    SERIES.clear()
 
     def relay(row: dict) -> None:
         if "loss" in row and "step" in row:
             REACHED["step"] = int(row["step"])
+        SERIES.update(k for k in row if k != "step")
         for each in relays:
             each(row)
 

@@ -353,3 +353,10 @@ def logged_column(project, name: str, file: str = "train.csv") -> list[float]:
 
     with open(project / "data/plots" / file) as fh:
         return [float(r[name]) for r in csv.DictReader(fh)]
+
+
+#: the MLflow metrics a training run has: what the loop logs at its steps (History's rows);
+#: the evaluate stage adds `eval.*` (tests/test_pipeline.py)
+PER_STEP_SERIES = {"loss", "learning_rate", "grad_norm", "tokens_per_second",
+                   "num_input_tokens_seen", "memory_rss_mb", "epoch", "comm_bytes_per_step",
+                   "eval_loss"}

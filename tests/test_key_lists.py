@@ -6,6 +6,7 @@ is compared with dvc.yaml during a real repro: tests/test_pipeline.py.)"""
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 
 import yaml
@@ -102,11 +103,25 @@ def test_each_stage_depends_on_the_code_that_makes_its_outputs():
             assert (ROOT / dep).exists() or dep.startswith("data/"), dep
 
 
-def test_dvc_plots_show_renders_each_plot_once(tmp_path):
-    """Asked of DVC itself, in a clone with the committed curves: the page `dvc plots show`
-    renders has curves.png once (declared both as a stage plot and as a top-level plot, the
-    page showed it twice; with that declaration this test fails) and each curve once."""
+#: the panels dvc.yaml's top-level `plots:` declares: title -> (x title, y title)
+PANELS = {"Training and eval loss": ("optimizer step", "loss (cross-entropy per token)"),
+          "Learning rate": ("optimizer step", "learning rate"),
+          "Gradient norm": ("optimizer step", "gradient L2 norm")}
+
+
+def plot_specs(page: str) -> list[dict]:
+    """The Vega-Lite specs of a `dvc plots show` page (one `var spec = {...};` per panel)."""
     import re
+
+    return [json.loads(m) for m in re.findall(r"var spec = (\{.*?\});\n", page, re.S)]
+
+
+def test_dvc_plots_show_draws_each_series_once_against_the_step(tmp_path):
+    """Asked of DVC itself, in a clone with the committed curves: the page `dvc plots show`
+    renders has the declared panels only, each titled, drawn against the `step` column with
+    named axes (declared as stage plots, train.csv and eval.csv each got a panel of their own
+    against the CSV row number, its axis labelled "step", and the y axis "y"), and no image
+    (curves.png drew the same series again)."""
     import subprocess
 
     from helpers import BIN, copy_project
@@ -117,8 +132,17 @@ def test_dvc_plots_show_renders_each_plot_once(tmp_path):
                           cwd=project, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     page = (tmp_path / "html/index.html").read_text()
-    assert len(re.findall(r"<img ", page)) == 1
-    assert page.count("Training and eval loss") == 1
+    assert "<img " not in page
+    specs = plot_specs(page)
+    assert sorted(s["title"]["text"] for s in specs) == sorted(PANELS)
+    for spec in specs:
+        x_title, y_title = PANELS[spec["title"]["text"]]
+        assert spec["encoding"]["x"] == {"field": "step", "type": "quantitative",
+                                         "title": x_title}, spec["encoding"]["x"]
+        assert spec["layer"][0]["encoding"]["y"]["title"] == y_title
+    loss = next(s for s in specs if s["title"]["text"] == "Training and eval loss")
+    drawn = {row["filename::field"] for row in loss["data"]["values"]}
+    assert drawn == {"train.csv::loss", "eval.csv::eval_loss"}, drawn
 
 
 def test_each_plot_is_declared_once():

@@ -6,12 +6,16 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import BIN, copy_project, write_params
+from helpers import BIN, PER_STEP_SERIES, ROOT, copy_project, write_params
+
+from tasks.tracking import LINEAGE_TAGS
 
 STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]
 
@@ -103,12 +107,47 @@ def test_mlflow_run_has_lineage(repro):
     from mlflow.tracking import MlflowClient
 
     run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
-    run = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}").get_run(run_id)
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert len(tags["git_commit"]) == 40 and tags["data_sha256"]
-    assert {"dvc_stage.download", "dvc_stage.tokenize", "dvc_stage.train"} <= set(tags)
+    # the whole lineage is one artifact; the run's tags show a summary of it
+    lineage = run_lineage(run)
+    assert {"dvc_stage.download", "dvc_stage.tokenize", "dvc_stage.train"} <= set(lineage)
+    assert {k: tags[k] for k in LINEAGE_TAGS} == {k: lineage[k] for k in LINEAGE_TAGS}
+    assert not [k for k in tags if k.startswith(("dvc_stage.", "dvc_out.", "data_sha256."))]
     assert run.data.metrics["eval.loss"] < run.data.metrics["eval.base_loss"]
+
+
+def test_mlflow_metrics_are_the_step_curves_and_the_final_evaluation(repro):
+    """The run's metrics page: exactly the series the loop logs per step and the evaluate
+    stage's results (one value each, which MLflow draws as a labelled bar); no curve has a
+    step-0 point holding its final value (the old train.json summary put `epoch`,
+    `memory_rss_mb`, ... there); the run's facts (seed, world size, parameter counts,
+    runtime) are tags, not single-bar charts."""
+    project, _ = repro
+    run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
+    client = mlflow_client(project)
+    run = client.get_run(run_id)
+    ev = json.loads((project / "data/metrics/eval.json").read_text())
+    train = json.loads((project / "data/metrics/train.json").read_text())
+    evaluation = ({f"eval.{k}" for k in ev["finetuned"]}
+                  | {f"eval.base_{k}" for k in ev["base"]})
+    assert set(run.data.metrics) == PER_STEP_SERIES | evaluation, (
+        set(run.data.metrics) ^ (PER_STEP_SERIES | evaluation))
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        if key in evaluation:
+            assert steps == [0], (key, steps)
+        else:
+            assert min(steps) >= 1 and len(steps) == len(set(steps)), (key, steps)
+    facts = {k: v for k, v in run.data.tags.items() if k.startswith("train.")}
+    assert facts["train.seed"] == str(train["seed"]) == run.data.params["training.seed"]
+    assert facts["train.world_size"] == "1" and facts["train.strategy"] == "single"
+    assert int(facts["train.total_params"]) > int(facts["train.trainable_params"]) > 0
+    assert float(facts["train.train_runtime"]) > 0
+    assert not {k.removeprefix("train.") for k in facts} & PER_STEP_SERIES
 
 
 def mlflow_client(project):
@@ -128,14 +167,13 @@ def test_evaluate_writes_generation_metrics_samples_and_plots(repro):
     assert set(samples[0]) == {"prompt", "reference", "generation", "base_generation"}
     assert samples[0]["prompt"].startswith("Question:") and "####" in samples[0]["reference"]
     assert samples[0]["generation"] != samples[0]["base_generation"]
-    png = project / "data/plots/curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # DVC draws the panels dvc.yaml declares (no image: MLflow draws the metrics itself)
     plots = json.loads(dvc(project, "plots", "show", "--json").stdout)["data"]
-    assert {"loss", "learning_rate", "data/plots/curves.png"} <= set(plots), set(plots)
+    assert set(plots) == {"loss", "learning_rate", "grad_norm"}, set(plots)
     run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
     client = mlflow_client(project)
     logged = {a.path for folder in ("plots", "eval") for a in client.list_artifacts(run_id, folder)}
-    assert {"plots/curves.png", "plots/train.csv", "eval/samples.json"} <= logged, logged
+    assert logged == {"plots/train.csv", "plots/eval.csv", "eval/samples.json"}, logged
     assert "eval.exact_match" in client.get_run(run_id).data.metrics
 
 
@@ -176,26 +214,36 @@ def test_registered_version_walks_back_to_the_dataset(repro):
 
     client = mlflow_client(project)
     mv = client.get_model_version_by_alias("finetune-default", "champion")
+    # the version's page: a lineage summary and the gate value, nothing that pushes the
+    # aliases below the fold; the whole lineage is its run's lineage.json
+    assert set(mv.tags) == {*LINEAGE_TAGS, "gate.eval.loss"}, sorted(mv.tags)
+    run = client.get_run(mv.run_id)
+    lineage = run_lineage(run)
     whole = hashlib.sha256()
     for path in sorted((project / "data/raw").glob("*.parquet")):
         whole.update(path.name.encode())
         whole.update(path.read_bytes())
-        assert mv.tags[f"data_sha256.{path.name}"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert mv.tags["data_sha256"] == whole.hexdigest()
-    assert mv.tags["dvc_out.data/raw"] == out_hash(project, "download", "data/raw")
-    assert mv.tags["dvc_out.data/tokenized"] == out_hash(project, "tokenize", "data/tokenized")
+        assert lineage[f"data_sha256.{path.name}"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert mv.tags["data_sha256"] == lineage["data_sha256"] == whole.hexdigest()
+    assert lineage["dvc_out.data/raw"] == out_hash(project, "download", "data/raw")
+    assert lineage["dvc_out.data/tokenized"] == out_hash(project, "tokenize", "data/tokenized")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project, capture_output=True,
                           text=True, check=True).stdout.strip()
-    run = client.get_run(mv.run_id)
-    for tags in (mv.tags, run.data.tags):
+    for tags in (mv.tags, run.data.tags, lineage):
         assert tags["git_commit"] == head and tags["git_dirty"] in ("true", "false")
-        assert tags["strategy"] == "single" and tags["world_size"] == "1"
-        assert {"dvc_stage.download", "dvc_stage.train", "dvc_stage.evaluate"} <= set(tags)
-    assert mv.tags["mlflow_run_id"] == mv.run_id
+    assert lineage["strategy"] == "single" and lineage["world_size"] == "1"
+    assert {"dvc_stage.download", "dvc_stage.train", "dvc_stage.evaluate"} <= set(lineage)
     params = load_dict(f"{run.info.artifact_uri}/resolved_params.json")
     written = yaml.safe_load((project / "params/default.yaml").read_text())
     assert params["training"]["max_steps"] == written["training"]["max_steps"]
     assert params["data"]["data_files"] == written["data"]["data_files"]
+
+
+def run_lineage(run) -> dict:
+    """The run's lineage.json artifact."""
+    from mlflow.artifacts import load_dict
+
+    return load_dict(f"{run.info.artifact_uri}/lineage.json")
 
 
 def out_hash(project, stage, path):
@@ -230,6 +278,230 @@ def test_second_repro_is_noop_and_training_change_reruns_only_later_stages(repro
     assert record["aliases"] == ["candidate"] and record["champion_version"] == "1"
     mv = mlflow_client(project).get_model_version_by_alias("finetune-default", "champion")
     assert str(mv.version) == "1"
+
+
+# -- what a person sees: the pages, screenshotted by headless Chromium ----------------------
+
+CHROMIUM = shutil.which("chromium")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None, reason="headless Chromium is not installed (Debian: apt-get install "
+    "chromium; .ci/run installs it): no screenshots of the MLflow and DVC pages")
+#: a folder to copy the screenshots into, for a person to look at
+SCREENS_ENV = "FINETUNE_SCREENSHOTS"
+#: names a run's facts had when they were metrics (one-bar charts)
+FACTS = {"seed", "world_size", "first_step_unix", "total_params", "trainable_params",
+         "comm_bytes_total", "global_step", "train_runtime"}
+
+
+class Chromium:
+    """Headless Chromium with no network but 127.0.0.1, driven over the DevTools protocol
+    (the `websockets` package Prefect brings): a page is read and screenshotted once a
+    condition holds in it, waited for in real time (a loaded machine parses MLflow's
+    charting code for seconds; a fixed virtual-time budget screenshotted spinners)."""
+
+    def __init__(self, profile: Path):
+        import time
+        import urllib.request
+
+        from websockets.sync.client import connect
+
+        log = profile.with_name(f"{profile.name}.log")
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(
+                [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                 f"--user-data-dir={profile}", "--window-size=1400,1000",
+                 "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+                 "--remote-debugging-port=0", "about:blank"],
+                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        deadline = time.monotonic() + 60
+        # it says "DevTools listening on ws://127.0.0.1:PORT/..." on stderr
+        while not (said := re.search(r"DevTools listening on ws://127\.0\.0\.1:(\d+)/",
+                                     log.read_text())):
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        port = said.group(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list") as answer:
+            page = next(t for t in json.load(answer) if t["type"] == "page")
+        self.ws = connect(page["webSocketDebuggerUrl"], max_size=None)
+        self.calls = 0
+        self.send("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
+                  deviceScaleFactor=1, mobile=False)
+
+    def send(self, method: str, **params):
+        self.calls += 1
+        self.ws.send(json.dumps({"id": self.calls, "method": method, "params": params}))
+        while True:
+            answer = json.loads(self.ws.recv())
+            if answer.get("id") == self.calls:
+                assert "error" not in answer, (method, answer["error"])
+                return answer["result"]
+
+    def evaluate(self, expression: str):
+        return self.send("Runtime.evaluate", expression=expression,
+                         returnByValue=True)["result"].get("value")
+
+    def open(self, url: str, png, ready: str = "true", timeout: float = 120) -> str:
+        """Load `url`, wait until the JS expression `ready` holds, screenshot it into `png`
+        (and into $FINETUNE_SCREENSHOTS); its DOM."""
+        import base64
+        import time
+
+        self.send("Page.navigate", url=url)
+        deadline = time.monotonic() + timeout
+        while not self.evaluate(f"document.readyState === 'complete' && ({ready})"):
+            assert time.monotonic() < deadline, (
+                f"{url}: not ({ready}) after {timeout:.0f} s; the page says: "
+                f"{self.evaluate('document.body && document.body.innerText')!r:.3000}")
+            time.sleep(0.5)
+        time.sleep(1.5)  # the frame after: charts finish their transitions
+        shot = self.send("Page.captureScreenshot", format="png")["data"]
+        png.write_bytes(base64.b64decode(shot))
+        if os.environ.get(SCREENS_ENV):
+            shutil.copy(png, Path(os.environ[SCREENS_ENV]) / png.name)
+        return self.evaluate("document.documentElement.outerHTML")
+
+    def close(self) -> None:
+        self.ws.close()
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def chromium(tmp_path):
+    browser = Chromium(tmp_path / "chromium")
+    yield browser
+    browser.close()
+
+
+def visible_text(dom: str) -> str:
+    """The DOM's text, without scripts and styles."""
+    dom = re.sub(r"<(script|style)\b.*?</\1>", "", dom, flags=re.S)
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+
+
+def ink(png) -> float:
+    """The share of the screenshot's pixels that are not (near) white."""
+    from PIL import Image
+
+    with Image.open(png) as image:
+        grey = image.convert("L")
+        return sum(grey.histogram()[:230]) / (grey.width * grey.height)
+
+
+@pytest.fixture
+def mlflow_ui(repro, tmp_path):
+    """`mlflow ui` on the project's store, on a free port of 127.0.0.1."""
+    import socket
+    import time
+    import urllib.request
+
+    project, _ = repro
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "mlflow-ui.log", "w")
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "ui", "--backend-store-uri", f"sqlite:///{project / 'mlflow.db'}",
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        cwd=project, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    (tmp_path / "mlflow-ui.log").read_text()[-2000:])
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_mlflow_pages_show_curves_facts_and_the_champion(repro, mlflow_ui, chromium,
+                                                          tmp_path):
+    """After two trainings (the second not promoted): the run's metrics page counts and
+    draws only its metrics (no fact as a chart), its overview lists the facts as tags, and
+    the registered model's page and its champion version show a few lineage tags beside
+    the aliases (not ~36 that pushed the champion below the fold)."""
+    project, _ = repro
+    client = mlflow_client(project)
+    champion = client.get_model_version_by_alias("finetune-default", "champion")
+    run = client.get_run(champion.run_id)
+    run_page = f"{mlflow_ui}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    text = "document.body.innerText"
+
+    png = tmp_path / "mlflow-run-metrics.png"
+    dom = chromium.open(f"{run_page}/model-metrics", png,
+                        ready="document.querySelectorAll('.js-plotly-plot').length > 0")
+    shown = re.search(r"Model metrics \( ?(\d+) ?\)", visible_text(dom))
+    assert shown and int(shown.group(1)) == len(run.data.metrics), visible_text(dom)[:3000]
+    # the charts drawn (the UI draws those in view), by their cards' titles
+    charts = set(re.findall(r'title="([^"]+)"', dom)) & (set(run.data.metrics) | FACTS)
+    assert charts and charts <= set(run.data.metrics), charts
+    assert ink(png) > 0.01
+
+    png = tmp_path / "mlflow-run-overview.png"
+    page = visible_text(chromium.open(run_page, png, ready=f"{text}.includes('Tags')"))
+    assert "train.seed" in page and "config_fingerprint" in page, page[:3000]
+    assert "dvc_out." not in page and "dvc_stage." not in page
+    assert ink(png) > 0.01
+
+    png = tmp_path / "mlflow-registered-model.png"
+    page = visible_text(chromium.open(f"{mlflow_ui}/#/models/finetune-default", png,
+                                      ready=f"{text}.includes('Version 1')"))
+    assert "champion" in page and "candidate" in page and "Version 2" in page, page[:3000]
+    assert "git_commit" in page and "dvc_out." not in page and "data_sha256." not in page
+    assert ink(png) > 0.01
+
+    png = tmp_path / "mlflow-model-version.png"
+    page = visible_text(chromium.open(
+        f"{mlflow_ui}/#/models/finetune-default/versions/{champion.version}", png,
+        ready=f"{text}.includes('Source Run')"))
+    assert "champion" in page and "gate.eval.loss" in page, page[:3000]
+    assert "dvc_stage." not in page
+    assert ink(png) > 0.01
+
+
+@pytest.mark.slow
+@needs_chromium
+def test_dvc_plots_page_draws_offline(repro, chromium, tmp_path):
+    """`dvc plots show` with the template `make setup` writes (flows/plots_page.py, named in
+    DVC's local config) draws its three panels with no network; DVC's own page, which loads
+    Vega from a CDN, stays blank there."""
+    from flows.plots_page import CACHE, TEMPLATE
+
+    project, _ = repro
+    template = ROOT / CACHE / TEMPLATE
+    if not template.exists():
+        pytest.skip(f"{template.relative_to(ROOT)} missing: `make setup` writes it (needs npm)")
+    dvc(project, "plots", "show", "-o", str(tmp_path / "cdn"))
+    blank = chromium.open((tmp_path / "cdn/index.html").as_uri(), tmp_path / "dvc-plots-cdn.png")
+    assert "<canvas" not in blank and "<svg" not in blank  # offline, DVC's page draws nothing
+    dvc(project, "config", "--local", "plots.html_template", str(template))
+    try:
+        dvc(project, "plots", "show", "-o", str(tmp_path / "page"))
+    finally:
+        dvc(project, "config", "--local", "--unset", "plots.html_template")
+    page = (tmp_path / "page/index.html").read_text()
+    assert "<script src" not in page and "cdn.jsdelivr" not in page
+    for title in ("Training and eval loss", "Learning rate", "Gradient norm"):
+        assert page.count(f'"text": "{title}"') == 1, title
+    png = tmp_path / "dvc-plots.png"
+    dom = chromium.open((tmp_path / "page/index.html").as_uri(), png,
+                        ready="document.querySelectorAll('.vega-embed canvas').length == 3")
+    assert dom.count('class="vega-embed') == 3 and dom.count("<canvas") == 3, dom[-3000:]
+    assert ink(png) > 0.01 > 10 * ink(tmp_path / "dvc-plots-cdn.png")
 
 
 def test_failing_repro_keeps_previous_outputs(repro):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import (
     BASE,
+    PER_STEP_SERIES,
     adapter,
     assert_weights_close,
     checkpoint_names,
@@ -55,6 +56,18 @@ def test_train_stage_outputs_and_tracking(tokenized, tmp_path):
     assert [m.step for m in history] == [1, 2, 3, 4, 5, 6]
     assert history[-1].value == pytest.approx(losses(project)[-1], abs=1e-5)
     assert client.get_metric_history(run_id, "eval_loss")
+    # the metrics page: the per-step curves only, each point at a training step (no step-0
+    # point holding the final value); the run's facts are tags
+    assert set(run.data.metrics) == PER_STEP_SERIES, set(run.data.metrics) ^ PER_STEP_SERIES
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert steps and min(steps) >= 1 and len(steps) == len(set(steps)), (key, steps)
+    assert run.data.tags["train.seed"] == str(metrics["seed"]) == run.data.params["training.seed"]
+    assert run.data.tags["train.world_size"] == "1"
+    assert run.data.tags["train.global_step"] == "6"
+    assert float(run.data.tags["train.train_loss"]) == metrics["train_loss"]
+    assert int(run.data.tags["train.trainable_params"]) > 0
+    assert not [k for k in run.data.tags if k.startswith("train.") and k[6:] in PER_STEP_SERIES]
     # the data as MLflow records data: the tokenized splits as inputs (DVC's hash, or the
     # files' when dvc.lock has none), their statistics as a table; no data.* metrics
     assert not [k for k in run.data.metrics if k.startswith("data.")], run.data.metrics
@@ -330,11 +343,13 @@ def test_callbacks_and_reporters(tokenized, tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4]
     assert [round(e.value, 4) for e in acc.Scalars("loss")] == [round(x, 4) for x in losses(project)]
-    # no "mlflow" in report_to: the run exists (params, final metrics) without step curves
+    # no "mlflow" in report_to: the run exists (params, the facts as tags) without step curves
     run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
     assert client.get_metric_history(run_id, "loss") == []
-    assert "train_loss" in client.get_run(run_id).data.metrics
+    run = client.get_run(run_id)
+    assert run.data.metrics == {} and "train.train_loss" in run.data.tags
+    assert "train.epoch" in run.data.tags  # no curves in MLflow: the final values are facts
     assert "4/4" in proc.stderr  # the progress bar, forced on in a non-terminal
     # W&B, offline: the relay's rows (the same losses), the run name and the params
     (run_file,) = (project / "data/logs/wandb").glob("offline-run-*/run-*.wandb")
