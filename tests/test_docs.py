@@ -328,7 +328,7 @@ BACKGROUND = {
                    '"default"'),
     "mlflow ui --backend-store-uri sqlite:///mlflow.db":
         ("http://127.0.0.1:5000/ajax-api/2.0/mlflow/experiments/search?max_results=50",
-         '"finetune"'),
+         '"finetune-default"'),  # the default run's experiment
 }
 #: a block that runs longer has hung (on a quiet 2-core CPU the longest take ~6 min; with other
 #: work on the machine a 3-minute `make run` took 25)
