@@ -50,9 +50,10 @@ test: setup
 
 # The second step of .ci/run: every command the README and docs/ show in a bash block, run in
 # order on a fresh clone of the project, one page per test (tests/test_docs.py, marker
-# docs_commands, which `make test` leaves out). Runs the committed tree: commit first.
+# docs_commands, which `make test` leaves out; -rP prints each block's time). Runs the committed
+# tree: commit first.
 test-docs: setup
-	$(PY) -m pytest -m docs_commands -n 2 --dist load $(PYTEST_ARGS) tests/test_docs.py
+	$(PY) -m pytest -m docs_commands -n 2 --dist load -rP $(PYTEST_ARGS) tests/test_docs.py
 
 # The config fuzzer at length: FUZZ_EXAMPLES draws from the schema (tests/test_config_fuzz.py),
 # seeded by FUZZ_SEED (default: the time; printed, so a failing run can be drawn again).

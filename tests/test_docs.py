@@ -484,7 +484,6 @@ def test_the_shown_commands_run_on_a_fresh_clone(page, blocks, tmp_path):
             logs / "background").exists() else []
         (logs / "background").unlink(missing_ok=True)
         left = [pgid for pgid in pgids if not _stop(pgid)]
-        print(output)
         failed = re.search(r"docs-test: FAILED at (\S+) with exit (\w+)", output)
         where = failed.group(1) if failed else f"{page}:{first}"
         shown = {f"{page}:{first + k}": _command(ln) for k, ln in enumerate(lines)}
