@@ -16,7 +16,7 @@ export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run test fuzz stack clean-outputs
+.PHONY: setup run sft-base test test-docs fuzz stack clean-outputs
 
 # The `dvc plots show` page template with Vega inlined, so the page draws offline
 # (flows/plots_page.py; needs npm once; without it DVC's page loads Vega from its CDN).
@@ -37,6 +37,15 @@ $(PLOTS_PAGE): $(STAMP)
 run: setup
 	finetune run
 
+# The base of the DPO and GRPO examples (params/dpo-gsm8k.yaml, params/grpo-gsm8k.yaml): the
+# default run's merged model, copied where their exports cannot overwrite it. Made once: with
+# data/sft/gsm8k there, nothing runs (so GRPO after DPO starts from the same SFT model).
+sft-base: data/sft/gsm8k
+
+data/sft/gsm8k: | setup
+	finetune run
+	rm -rf $@.tmp && mkdir -p $(@D) && cp -r data/export $@.tmp && mv $@.tmp $@
+
 stack: setup
 	finetune-stack
 
@@ -45,6 +54,13 @@ stack: setup
 # use one torch thread per process (tests/conftest.py).
 test: setup
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+
+# The second step of .ci/run: every command the README and docs/ show in a bash block, run in
+# order on a fresh clone of the project, one page per test (tests/test_docs.py, marker
+# docs_commands, which `make test` leaves out; -rP prints each block's time). Runs the committed
+# tree: commit first.
+test-docs: setup
+	$(PY) -m pytest -m docs_commands -n 2 --dist load -rP $(PYTEST_ARGS) tests/test_docs.py
 
 # The config fuzzer at length: FUZZ_EXAMPLES draws from the schema (tests/test_config_fuzz.py),
 # seeded by FUZZ_SEED (default: the time; printed, so a failing run can be drawn again).
