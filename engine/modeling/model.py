@@ -166,6 +166,17 @@ def model_class(name: str):
     )
 
 
+def refuse_encoder_decoder(model_config, source: str) -> None:
+    """An encoder-decoder model (T5-style) reached by a path the config rows cannot see (a
+    folder's config.json, model.model_init, a 'module:Class'): refused before anything trains
+    on the wrong label layout (finetune.config.compat.ENCODER_DECODER_WHY)."""
+    from finetune.config.compat import ENCODER_DECODER_WHY
+
+    if getattr(model_config, "is_encoder_decoder", False):
+        kind = getattr(model_config, "model_type", None) or type(model_config).__name__
+        raise PipelineError(f"{source}: a {kind} model: {ENCODER_DECODER_WHY}")
+
+
 def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
                     labels: list[str] | None = None, construct: str = "default",
                     device: torch.device | None = None):
@@ -199,6 +210,8 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     else:
         model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
                                  **kwargs)
+    refuse_encoder_decoder(model.config, "model.model_init" if cfg.model_init and ref is None
+                           else f"model.name_or_path {ref or cfg.name_or_path}")
     model.config.use_cache = cfg.use_cache
     if grows:
         grow_vocabulary(model, len(tok))

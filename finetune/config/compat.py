@@ -248,6 +248,27 @@ def _in(name: str, test) -> When:
 
 # -- messages of the arithmetic rows ---------------------------------------------------------
 
+#: why an encoder-decoder (T5-style) model is refused, for the rows below and the model loader
+ENCODER_DECODER_WHY = (
+    "encoder-decoder (T5-style) models are not supported yet: their labels are the "
+    "completion alone, unshifted and of another length than input_ids, while the batching, "
+    "the loss and the evaluation here assume a decoder-only layout (labels aligned with "
+    "input_ids, next-token shifted); use a decoder-only model (AutoModelForCausalLM, "
+    "peft.task_type CAUSAL_LM)")
+
+#: the values that name an encoder-decoder model, by key
+ENCODER_DECODER = {"peft.task_type": "SEQ_2_SEQ_LM",
+                   "model.auto_class_name": "AutoModelForSeq2SeqLM"}
+
+
+def _encoder_decoder(key: str):
+    """The row's message: `key` names an encoder-decoder model, which no stage handles yet."""
+    def message(c) -> str | None:
+        value = _get(c, key)
+        return f"{key}: {value}: {ENCODER_DECODER_WHY}" if value == ENCODER_DECODER[key] else None
+    return message
+
+
 def _pairs_and_trainer(c) -> str | None:
     """Each source's rows are ones the trainer type trains on (finetune.config.methods: preference
     pairs train with dpo, and dpo trains on nothing else)."""
@@ -835,6 +856,8 @@ RULES: list[Rule] = [
           "it sizes a streamed split's epoch; a stored split knows its length",
           used=lambda c: c.training.epoch_train_steps is not None,
           example={"training.epoch_train_steps": 2}),
+    *(Agree("config", (key,), _encoder_decoder(key), example={key: value})
+      for key, value in ENCODER_DECODER.items()),
     Agree("config", ("model.auto_class_name", "peft.task_type", "data.dataset_type"),
           _model_task, example={"data.dataset_type": "classification",
                                 "data.prompt_template": None, "data.completion_template": None,
