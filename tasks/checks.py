@@ -68,7 +68,12 @@ def check_model(ws: Workspace) -> None:
     if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
         return
     config = load_model_config(cfg.model, ws.root)
-    refuse_encoder_decoder(config, f"model.name_or_path {cfg.model.name_or_path}")
+    if not cfg.model_task.encoder_decoder:
+        refuse_encoder_decoder(config, f"model.name_or_path {cfg.model.name_or_path}")
+    elif not getattr(config, "is_encoder_decoder", False):
+        raise PipelineError(f"model.name_or_path {cfg.model.name_or_path}: data.dataset_type "
+                            "seq2seq trains an encoder-decoder model (T5-style); this one is "
+                            "decoder-only: use data.dataset_type completion")
     check_positions(cfg, config)
     check_vocabulary(ws, config)
     if cfg.peft.use_peft:

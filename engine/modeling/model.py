@@ -210,8 +210,9 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     else:
         model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
                                  **kwargs)
-    refuse_encoder_decoder(model.config, "model.model_init" if cfg.model_init and ref is None
-                           else f"model.name_or_path {ref or cfg.name_or_path}")
+    if cfg.auto_class_name != "AutoModelForSeq2SeqLM":  # the seq2seq type's model class
+        refuse_encoder_decoder(model.config, "model.model_init" if cfg.model_init and ref is None
+                               else f"model.name_or_path {ref or cfg.name_or_path}")
     model.config.use_cache = cfg.use_cache
     if grows:
         grow_vocabulary(model, len(tok))
@@ -260,6 +261,20 @@ def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_di
         base = base if base is not None else load_base_model(cfg, root, labels=labels)
         return PeftModel.from_pretrained(base, str(trained_dir))
     return load_base_model(cfg, root, ref=str(trained_dir), labels=labels)
+
+
+def decoder_start(cfg, model) -> int | None:
+    """An encoder-decoder model's decoder_start_token_id, which its batches begin the decoder
+    with (engine.datapath.data.collate_seq2seq); None for every other model task. `cfg`: the
+    FinetuneConfig; `model`: the model, maybe PEFT-wrapped (not strategy-wrapped)."""
+    if not cfg.model_task.encoder_decoder:
+        return None
+    start = getattr(base_model(model).config, "decoder_start_token_id", None)
+    if start is None:
+        raise PipelineError(f"model.name_or_path {cfg.model.name_or_path}: its config has no "
+                            "decoder_start_token_id, which an encoder-decoder model's decoder "
+                            "starts from; set it in config.json")
+    return start
 
 
 def base_model(model):

@@ -115,5 +115,5 @@ class PeftSection(Section):
     task_type: Literal["CAUSAL_LM", "SEQ_CLS", "SEQ_2_SEQ_LM"] = Field(
         "CAUSAL_LM", fingerprint=True,
         description="peft task type (SEQ_CLS, set for data.dataset_type "
-        "classification, also trains the classification head: modules_to_save). "
-        "SEQ_2_SEQ_LM (encoder-decoder, T5-style) is refused: not supported yet.")
+        "classification, also trains the classification head: modules_to_save; SEQ_2_SEQ_LM, "
+        "set for data.dataset_type seq2seq: an encoder-decoder model, T5-style).")
