@@ -94,9 +94,16 @@ def test_seq2seq_trains_evaluates_and_exports(tokenized_s2s, tmp_path):
     exported = AutoModelForSeq2SeqLM.from_pretrained(project / "data/export")
     assert type(exported).__name__ == "T5ForConditionalGeneration"
     tok = AutoTokenizer.from_pretrained(project / "data/export")
-    ids = tok([prompt], add_special_tokens=False, return_tensors="pt")
-    out = exported.generate(**ids, max_new_tokens=4, do_sample=False)
-    assert out.shape[1] <= 5  # the decoder's tokens alone, not the prompt repeated
+    ids = tok([prompt], add_special_tokens=False)["input_ids"]
+    out = exported.generate(input_ids=torch.tensor(ids), max_new_tokens=4, do_sample=False,
+                            eos_token_id=tok.eos_token_id)
+    assert out.shape[1] <= 5  # the decoder's tokens alone, after its start token
+    from engine.evaluation.generation import greedy_generate
+
+    ours = greedy_generate(exported, tok, ids, batch_size=1, max_new_tokens=4)
+    row = out[0, 1:].tolist()
+    row = row[:row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
+    assert ours == [tok.decode(row, skip_special_tokens=True)], (ours, out)
 
 
 def test_seq2seq_trains_with_ddp_on_two_processes(tokenized_s2s, tmp_path):

@@ -17,6 +17,7 @@ import torch
 from engine.modeling.labels import classifier_kwargs, read_labels
 from engine.modeling.vocabulary import grow_vocabulary
 from finetune.config.model import ModelConfig, PeftSection
+from finetune.datatypes.base import SEQ_2_SEQ_LM
 from finetune.errors import PipelineError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -210,7 +211,7 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     else:
         model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
                                  **kwargs)
-    if cfg.auto_class_name != "AutoModelForSeq2SeqLM":  # the seq2seq type's model class
+    if cfg.auto_class_name != SEQ_2_SEQ_LM.auto_class:  # the seq2seq type's model class
         refuse_encoder_decoder(model.config, "model.model_init" if cfg.model_init and ref is None
                                else f"model.name_or_path {ref or cfg.name_or_path}")
     model.config.use_cache = cfg.use_cache
