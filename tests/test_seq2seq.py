@@ -125,7 +125,8 @@ def test_a_model_of_the_other_kind_is_refused_in_one_line(tokenized_s2s):
     line = error_line(run_cli(project, "validate", "--set",
                              "model.name_or_path=data/models/stories260K"))
     assert "data.dataset_type seq2seq trains an encoder-decoder model" in line, line
-    for key, value in (("training.packing", "true"), ("training.type", "dpo")):
+    for key, value in (("training.packing", "true"), ("training.type", "dpo"),
+                       ("training.type", "grpo"), ("registry.register_model", "true")):
         line = error_line(run_cli(project, "validate", "--set", f"{key}={value}"))
         assert key in line, line
 
