@@ -32,20 +32,23 @@ def validate_raw_split(frame: pd.DataFrame, required: list[str], where: str,
 
 
 def validate_tokenized(frame: pd.DataFrame, max_len: int, where: str,
-                       trainable: bool = True) -> None:
+                       trainable: bool = True, aligned: bool = True) -> None:
     """Tokenized data, as per-row counts: lengths bounded, labels aligned, and, where the
     dataset type's rows carry targets (`trainable`, finetune.datatypes.base.requires_trainable),
-    >= 1 trainable token. A prompt-only row has none: its method makes the completion."""
+    >= 1 trainable token. A prompt-only row has none: its method makes the completion.
+    `aligned`: labels have one entry per input token (not so for an encoder-decoder model,
+    whose labels are the decoder's: then they are bounded by max_len on their own)."""
     trained = [pa.Check.ge(1, name=">= 1 trainable token")] if trainable else []
+    bounded = pa.Check.in_range(1, max_len, name=f"1 <= n <= {max_len}")
     schema = pa.DataFrameSchema(
         {
-            "n_tokens": pa.Column(int, [pa.Check.in_range(1, max_len, name=f"1 <= n <= {max_len}")]),
-            "n_labels": pa.Column(int),
+            "n_tokens": pa.Column(int, [bounded]),
+            "n_labels": pa.Column(int, [] if aligned else [bounded]),
             "n_trainable": pa.Column(int, trained),
         },
         checks=[
             pa.Check(lambda df: df["n_tokens"] == df["n_labels"], name="labels aligned with tokens")
-        ],
+        ] if aligned else [],
         name="tokenized",
     )
     check_frame(schema, frame, where)

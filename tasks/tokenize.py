@@ -102,7 +102,8 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
     if trainable:
         ds, counts, dropped = _drop_untrainable(ds, counts, role, data.max_dropped_fraction,
                                                 datatype.untrainable, fingerprint)
-    validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'", trainable)
+    validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'", trainable,
+                       aligned=not datatype.task.encoder_decoder)
     # per-example lengths for group_by_length (training.length_column_name), computed once
     ds = ds.add_column("length", counts["n_tokens"].tolist(),
                        new_fingerprint=f"{fingerprint}-length")

@@ -117,6 +117,27 @@ def collate(rows: list[dict], pad_id: int, multiple: int | None = None
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
+def collate_seq2seq(rows: list[dict], pad_id: int, start_id: int, multiple: int | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """An encoder-decoder model's batch (finetune.datatypes.base.ModelTask.encoder_decoder):
+    the prompts (input_ids, attention_mask) and the completions (labels, IGNORE_INDEX after
+    each row's end) padded each to their own longest row, and the decoder's inputs: the labels
+    shifted right behind `start_id` (the model's decoder_start_token_id), padding as pad_id,
+    which is what a T5-style model builds from labels itself. The labels are then the
+    decoder's own positions: no next-token shift (`label_shift`)."""
+    batch = collate([{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows],
+                    pad_id, multiple)
+    longest = round_up(max(len(r["labels"]) for r in rows), multiple)
+    labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
+    for i, r in enumerate(rows):
+        labels[i, :len(r["labels"])] = torch.as_tensor(r["labels"])
+    decoder = torch.cat([torch.full((len(rows), 1), start_id, dtype=torch.long),
+                         labels[:, :-1]], dim=1)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+            "labels": labels, "decoder_input_ids": decoder.masked_fill(decoder == IGNORE_INDEX,
+                                                                        pad_id)}
+
+
 def user_collate(ref: str) -> Callable[[list[dict]], dict]:
     """data.collate_fn: the user's collator, given each example's input_ids and labels."""
     fn = load_object(ref, "data.collate_fn")
@@ -129,9 +150,13 @@ def user_collate(ref: str) -> Callable[[list[dict]], dict]:
     return collate_user
 
 
-def eval_collate(data_cfg, pad_id: int) -> Callable[[list[dict]], dict]:
+def eval_collate(data_cfg, pad_id: int, decoder_start: int | None = None
+                 ) -> Callable[[list[dict]], dict]:
     """How evaluation batches are built: by the project's data.collate_fn when it names one
-    (so the held-out loss is measured on the batches training saw), else dynamic padding."""
+    (so the held-out loss is measured on the batches training saw), else dynamic padding;
+    `decoder_start`: an encoder-decoder model's (collate_seq2seq)."""
+    if decoder_start is not None:
+        return functools.partial(collate_seq2seq, pad_id=pad_id, start_id=decoder_start)
     ref = data_cfg.user_collate_fn
     return user_collate(ref) if ref else functools.partial(collate, pad_id=pad_id)
 
@@ -155,15 +180,23 @@ def check_collate(collate_fn: Callable[[list[dict]], dict], rows: list[dict], re
                             f"{shapes} for {len(rows)} rows")
 
 
+def label_shift(batch: dict) -> int:
+    """How far a batch's labels sit from the logits that predict them: 1 for a decoder-only
+    model (position t predicts token t+1), 0 for an encoder-decoder batch (collate_seq2seq:
+    the labels are the decoder's own positions)."""
+    return 0 if "decoder_input_ids" in batch else 1
+
+
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens that contribute to the loss after the causal shift."""
-    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    """Tokens that contribute to the loss (after the causal shift, where there is one)."""
+    return int((batch["labels"][:, label_shift(batch):] != IGNORE_INDEX).sum())
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy; callers divide by the step's token count."""
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:]
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, shift: int = 1) -> torch.Tensor:
+    """Summed next-token cross entropy (`shift` 0: of an encoder-decoder's own positions);
+    callers divide by the step's token count."""
+    shift_logits = logits[:, :logits.shape[1] - shift, :].float()
+    shift_labels = labels[:, shift:]
     return torch.nn.functional.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)),
         shift_labels.reshape(-1),
@@ -285,7 +318,7 @@ def varlen_boundaries(lengths: list[int], bucketed: bool = False) -> dict:
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                "max_length_q", "max_length_k")
+                "max_length_q", "max_length_k", "decoder_input_ids")
 #: example boundaries: read on the host by the kernels that slice with Python ints (per-example
 #: SDPA, FlexAttention's mask); the flash kernels take them on the device, copied with the batch
 #: (engine.datapath.attention.host_keys says which)

@@ -49,7 +49,10 @@ def greedy_generate(model, tok, prompts: list[list[int]], batch_size: int,
             mask[row, width - len(p):] = 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              generation_config=config)
-        for row in out[:, width:].tolist():
+        # a decoder-only output repeats the prompt; an encoder-decoder's is the decoder's
+        # alone, after its start token
+        cut = 1 if getattr(model.config, "is_encoder_decoder", False) else width
+        for row in out[:, cut:].tolist():
             if eos in row:
                 row = row[: row.index(eos)]
             texts.append(tok.decode(row, skip_special_tokens=True))

@@ -12,15 +12,19 @@ from typing import Any, Callable
 
 import torch
 
-from engine.datapath.data import collate, count_targets, take_rows, token_loss_sum
+from engine.datapath.data import collate, count_targets, label_shift, take_rows, token_loss_sum
 from engine.modeling.adapter import adapter_disabled, has_adapter
 from engine.process.distributed import Dist, all_reduce_sum
+
+
+#: what an encoder-decoder batch gives the forward besides the encoder's inputs
+DECODER_INPUTS = ("decoder_input_ids",)
 
 
 @torch.no_grad()
 def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | None = None,
                   max_batches: int | None = None, autocast_dtype: torch.dtype | None = None,
-                  lockstep: bool = False, loss_sum_fn=token_loss_sum,
+                  lockstep: bool = False, loss_sum_fn=None,
                   collate_fn: Callable[[list[dict]], dict] | None = None) -> dict:
     """Mean next-token loss and perplexity; rank r takes batches r, r+world, ...
 
@@ -28,7 +32,8 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
     project's data.collate_fn when set); None: dynamic padding with `pad_id`.
     `lockstep`: every rank runs the same number of forwards (FSDP2 all-gathers inside forward,
     so a rank with one batch fewer would hang the others); the extra ones are not counted.
-    `loss_sum_fn(logits, labels)`: the summed loss (a classifier's is per row)."""
+    `loss_sum_fn(logits, labels)`: the summed loss (a classifier's is per row); None: the
+    token loss, shifted as the batch's layout says (engine.datapath.data.label_shift)."""
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     device = dist.device if dist else torch.device("cpu")
     was_training = model.training
@@ -47,10 +52,12 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
         batch = {k: v.to(device) for k, v in batch.items()}
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(input_ids=batch["input_ids"],
-                           attention_mask=batch.get("attention_mask")).logits
+                           attention_mask=batch.get("attention_mask"),
+                           **{k: batch[k] for k in DECODER_INPUTS if k in batch}).logits
         if counted:
             tokens += count_targets(batch)
-            loss_sum += float(loss_sum_fn(logits, batch["labels"]))
+            loss_sum += float(loss_sum_fn(logits, batch["labels"]) if loss_sum_fn
+                              else token_loss_sum(logits, batch["labels"], label_shift(batch)))
     if dist:
         loss_sum, tokens = all_reduce_sum(loss_sum, dist), int(all_reduce_sum(tokens, dist))
     model.train(was_training)

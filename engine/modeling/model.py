@@ -17,6 +17,7 @@ import torch
 from engine.modeling.labels import classifier_kwargs, read_labels
 from engine.modeling.vocabulary import grow_vocabulary
 from finetune.config.model import ModelConfig, PeftSection
+from finetune.datatypes.base import SEQ_2_SEQ_LM
 from finetune.errors import PipelineError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,6 +167,17 @@ def model_class(name: str):
     )
 
 
+def refuse_encoder_decoder(model_config, source: str) -> None:
+    """An encoder-decoder model (T5-style) reached by a path the config rows cannot see (a
+    folder's config.json, model.model_init, a 'module:Class'): refused before anything trains
+    on the wrong label layout (finetune.config.compat.ENCODER_DECODER_WHY)."""
+    from finetune.config.compat import ENCODER_DECODER_WHY
+
+    if getattr(model_config, "is_encoder_decoder", False):
+        kind = getattr(model_config, "model_type", None) or type(model_config).__name__
+        raise PipelineError(f"{source}: a {kind} model: {ENCODER_DECODER_WHY}")
+
+
 def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
                     labels: list[str] | None = None, construct: str = "default",
                     device: torch.device | None = None):
@@ -199,6 +211,9 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
     else:
         model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
                                  **kwargs)
+    if cfg.auto_class_name != SEQ_2_SEQ_LM.auto_class:  # the seq2seq type's model class
+        refuse_encoder_decoder(model.config, "model.model_init" if cfg.model_init and ref is None
+                               else f"model.name_or_path {ref or cfg.name_or_path}")
     model.config.use_cache = cfg.use_cache
     if grows:
         grow_vocabulary(model, len(tok))
@@ -247,6 +262,20 @@ def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_di
         base = base if base is not None else load_base_model(cfg, root, labels=labels)
         return PeftModel.from_pretrained(base, str(trained_dir))
     return load_base_model(cfg, root, ref=str(trained_dir), labels=labels)
+
+
+def decoder_start(cfg, model) -> int | None:
+    """An encoder-decoder model's decoder_start_token_id, which its batches begin the decoder
+    with (engine.datapath.data.collate_seq2seq); None for every other model task. `cfg`: the
+    FinetuneConfig; `model`: the model, maybe PEFT-wrapped (not strategy-wrapped)."""
+    if not cfg.model_task.encoder_decoder:
+        return None
+    start = getattr(base_model(model).config, "decoder_start_token_id", None)
+    if start is None:
+        raise PipelineError(f"model.name_or_path {cfg.model.name_or_path}: its config has no "
+                            "decoder_start_token_id, which an encoder-decoder model's decoder "
+                            "starts from; set it in config.json")
+    return start
 
 
 def base_model(model):

@@ -22,6 +22,7 @@ micro-batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,17 @@ class FullLoss:
 
     def loss_sum(self, output, labels: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(output.logits, labels)
+
+
+class Seq2SeqLoss(FullLoss):
+    """An encoder-decoder model's logits are the decoder's positions, one per label: the same
+    summed cross entropy without the next-token shift (what T5's own `labels=` loss sums)."""
+
+    name = "seq2seq"
+    eval_loss_sum = staticmethod(functools.partial(token_loss_sum, shift=0))
+
+    def loss_sum(self, output, labels: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(output.logits, labels, shift=0)
 
 
 class ChunkedLoss:
@@ -184,16 +196,20 @@ class _Outputs:
 
 
 def build_loss(model, chunk_tokens: int | None, device: torch.device, amp=None,
-               vocab_size: int | None = None, classify: bool = False, user_fn=None
-               ) -> FullLoss | ChunkedLoss | ClassificationLoss | UserLoss:
+               vocab_size: int | None = None, classify: bool = False, user_fn=None,
+               encoder_decoder: bool = False
+               ) -> FullLoss | ChunkedLoss | ClassificationLoss | UserLoss | Seq2SeqLoss:
     """The loss for `training.loss_chunk_tokens`, checked against the full loss on a probe
     batch (before any wrapping) so a model that transforms its logits is refused. A
-    classifier (`classify`) has no vocabulary head to chunk; `user_fn`:
-    training.compute_loss_func on the model's full outputs."""
+    classifier (`classify`) has no vocabulary head to chunk; an `encoder_decoder` model's
+    labels are unshifted (Seq2SeqLoss); `user_fn`: training.compute_loss_func on the model's
+    full outputs."""
     if user_fn is not None:
         return UserLoss(user_fn)
     if classify:
         return ClassificationLoss()
+    if encoder_decoder:
+        return Seq2SeqLoss()
     if chunk_tokens is None:
         return FullLoss()
     loss = ChunkedLoss(model, chunk_tokens, device)

@@ -20,17 +20,19 @@ collective). Which of the two happens is the strategy's placement, not a branch 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from engine.datapath.data import user_collate
+from engine.datapath.data import collate_seq2seq, user_collate
 from engine.datapath.packing import prepare_batch_layout
 from engine.modeling.adapter import apply_peft
 from engine.modeling.compile import maybe_compile
-from engine.modeling.model import count_parameters, load_base_model, resolve_model_ref
+from engine.modeling.model import (count_parameters, decoder_start, load_base_model,
+                                   resolve_model_ref)
 from engine.modeling.quantization import convert_to_fp8, prepare_qat
 from engine.modeling.runtime import enable_gradient_checkpointing, use_fast_bf16_cpu_kernels
 from engine.objective.loss import build_loss
@@ -49,6 +51,8 @@ class BuiltModel:
     trainable: int  # parameters of the whole model, before any rank keeps its part
     total: int
     construction: dict[str, Any] = field(default_factory=dict)  # what meta read
+    #: an encoder-decoder model's decoder_start_token_id (its batches' layout), else None
+    decoder_start: int | None = None
 
 
 def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | None,
@@ -83,7 +87,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
             f"stored tensors ({construction['construct_bytes_read'] / 2**20:.2f} MiB) on this "
             "rank")
     return BuiltModel(maybe_compile(wrapped, t), strategy, loss, collate_fn, trainable, total,
-                      construction)
+                      construction, decoder_start(cfg, model))
 
 
 def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad_id: int, d,
@@ -95,6 +99,10 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
                                       amp, log)
     if cfg.data.user_collate_fn:  # a named collator is the layout's own (dynamic_padding)
         collate_fn = user_collate(cfg.data.user_collate_fn)
+    start = decoder_start(cfg, model)
+    if start is not None:  # the compat table leaves an encoder-decoder no other layout
+        collate_fn = functools.partial(collate_seq2seq, pad_id=pad_id, start_id=start,
+                                       multiple=t.pad_to_multiple_of)
     loss = None
     if t.use_liger_kernel:  # the pipeline and user losses are refused with it (compat)
         from engine.objective.liger import apply_liger
@@ -109,5 +117,6 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
         user_fn = (load_object(t.compute_loss_func, "training.compute_loss_func")
                    if t.compute_loss_func else None)
         loss = strategy.make_loss(lambda: build_loss(model, t.loss_chunk_tokens, d.device, amp,
-                                                     classify=bool(labels), user_fn=user_fn))
+                                                     classify=bool(labels), user_fn=user_fn,
+                                                     encoder_decoder=start is not None))
     return collate_fn, loss

@@ -206,7 +206,8 @@ class TrainingRun:
                             self.labels, self.tokenizer.pad_token_id, self.amp, self.log)
         self.model, self.strategy, self.loss = built.model, built.strategy, built.loss
         self.collate_fn, self.construction = built.collate_fn, built.construction
-        self.eval_collate = eval_collate(self.cfg.data, self.tokenizer.pad_token_id)
+        self.eval_collate = eval_collate(self.cfg.data, self.tokenizer.pad_token_id,
+                                         built.decoder_start)
         self.trainable, self.total = built.trainable, built.total
 
     def open_train_data(self):

@@ -216,6 +216,8 @@ META = When("training.construct_model_on meta",
 STREAMING = When("data.streaming", lambda c: c.data.streaming)
 STORED = When("data.streaming: true", lambda c: c.data.streaming)
 CLASSIFIER = When("a classification dataset", lambda c: c.data.task.classifier)
+ENCODER_DECODER = When("an encoder-decoder model (data.dataset_type seq2seq)",
+                       lambda c: c.model_task.encoder_decoder)
 DILOCO = When("distributed.strategy diloco", lambda c: c.distributed.strategy == "diloco")
 SINGLE = When("distributed.strategy single", lambda c: c.distributed.strategy == "single")
 PACKED = When("training.packing or training.padding_free",
@@ -247,6 +249,14 @@ def _in(name: str, test) -> When:
 
 
 # -- messages of the arithmetic rows ---------------------------------------------------------
+
+#: why an encoder-decoder model needs the seq2seq type, for the model loader's refusal
+ENCODER_DECODER_WHY = (
+    "an encoder-decoder (T5-style) model reads the prompt in its encoder and takes the "
+    "completion alone as labels, unshifted; it trains with data.dataset_type seq2seq "
+    "(AutoModelForSeq2SeqLM, peft.task_type SEQ_2_SEQ_LM), and a decoder-only model with the "
+    "other types")
+
 
 def _pairs_and_trainer(c) -> str | None:
     """Each source's rows are ones the trainer type trains on (finetune.config.methods: preference
@@ -350,10 +360,10 @@ def _model_task(c) -> str | None:
     """A model class or peft task set by hand must be the model task's (it derives them): the
     trainer type's when it names one (finetune.config.methods), else the dataset type's."""
     from finetune.config.methods import method_of
-    from finetune.datatypes.base import CAUSAL_LM, SEQUENCE_CLASSIFICATION
+    from finetune.datatypes.base import CAUSAL_LM, SEQ_2_SEQ_LM, SEQUENCE_CLASSIFICATION
 
     task = c.model_task
-    tasks = {CAUSAL_LM, SEQUENCE_CLASSIFICATION, task}
+    tasks = {CAUSAL_LM, SEQUENCE_CLASSIFICATION, SEQ_2_SEQ_LM, task}
     decided_by = (f"training.type {c.training.type}" if method_of(c.training.type).task
                   else f"data.dataset_type {c.data.dataset_type}")
     for section, key, wanted, known in (
@@ -868,6 +878,38 @@ RULES: list[Rule] = [
          lambda c: c.training.loss_chunk_tokens not in (
              None, type(c.training).model_fields["loss_chunk_tokens"].default),
          "it chunks a vocabulary head, which a classifier has none of; remove it",
+         {"training.loss_chunk_tokens": 1024}),
+    )),
+    *(Refuse("config", key, ENCODER_DECODER, why, used=used, example={
+        "data.dataset_type": "seq2seq", "registry.register_model": False, **extra})
+      for key, used, why, extra in (
+        ("registry.register_model", None,
+         "MLflow logs a transformers pipeline, and transformers 5 has none for an "
+         "encoder-decoder model (text2text-generation was removed); set it to false (the "
+         "export folder is still written)", {"registry.register_model": True}),
+        ("training.packing", None, "its prompts and completions are batched apart, one a row",
+         {"training.packing": True}),
+        ("training.padding_free", None,
+         "its prompts and completions are batched apart, one a row",
+         {"training.padding_free": True}),
+        ("training.use_liger_kernel", None,
+         "Liger's fused loss is wired for decoder-only models", {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None,
+         "a fused loss is probed on a decoder-only forward", {"training.fused_loss_factory": "m:f"}),
+        ("training.compute_loss_func", None,
+         "its loss is the decoder's unshifted cross entropy", {"training.compute_loss_func": "m:f"}),
+        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
+         "its batches carry the decoder's inputs (engine.datapath.data.collate_seq2seq)",
+         {"data.collate_fn": "m:f"}),
+        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+         "the pipeline splits a decoder-only stack", {"distributed.strategy": "pipeline",
+                                                      "distributed.nproc_per_node": 2}),
+        ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
+         "lm-eval's tasks here score decoder-only models", {"eval.harness.tasks": ["arc_easy"]}),
+        ("training.loss_chunk_tokens",
+         lambda c: c.training.loss_chunk_tokens not in (
+             None, type(c.training).model_fields["loss_chunk_tokens"].default),
+         "its loss is the decoder's full cross entropy; remove it",
          {"training.loss_chunk_tokens": 1024}),
     )),
     Needs("config", "checkpoint.preserve_n_best", METRIC,

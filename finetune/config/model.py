@@ -112,7 +112,8 @@ class PeftSection(Section):
     )
     bias: Literal["none", "all", "lora_only"] = Field(
         "none", fingerprint=True, description="Which biases train.")
-    task_type: Literal["CAUSAL_LM", "SEQ_CLS"] = Field(
+    task_type: Literal["CAUSAL_LM", "SEQ_CLS", "SEQ_2_SEQ_LM"] = Field(
         "CAUSAL_LM", fingerprint=True,
         description="peft task type (SEQ_CLS, set for data.dataset_type "
-        "classification, also trains the classification head: modules_to_save).")
+        "classification, also trains the classification head: modules_to_save; SEQ_2_SEQ_LM, "
+        "set for data.dataset_type seq2seq: an encoder-decoder model, T5-style).")

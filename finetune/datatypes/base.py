@@ -39,11 +39,17 @@ class ModelTask:
     #: one label per row (its class id, on the last token): a classification head, the class
     #: names next to the data and the weights, predictions instead of generations
     classifier: bool
+    #: an encoder-decoder model (T5-style): the prompt goes to the encoder and the labels are
+    #: the completion alone, the decoder's own positions (no next-token shift), batched with
+    #: their own padding and the decoder's inputs (engine.datapath.data.collate_seq2seq)
+    encoder_decoder: bool = False
 
 
 CAUSAL_LM = ModelTask("AutoModelForCausalLM", "CAUSAL_LM", "text-generation", False)
 SEQUENCE_CLASSIFICATION = ModelTask("AutoModelForSequenceClassification", "SEQ_CLS",
                                     "text-classification", True)
+SEQ_2_SEQ_LM = ModelTask("AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", "text2text-generation", False,
+                         encoder_decoder=True)
 
 
 #: what a dataset type's rows can give a method to train on (DatasetType.targets)

@@ -1,4 +1,4 @@
-"""Dataset type names -> types: the built-in six, their aliases, a project's own.
+"""Dataset type names -> types: the built-in seven, their aliases, a project's own.
 
 The only place that knows which types exist. `data.dataset_type` names one of them, an alias
 (QEfficient's `seq_completion`), a type registered by the project with `register_dataset_type`,
@@ -15,6 +15,7 @@ from finetune.datatypes.classification import ClassificationType
 from finetune.datatypes.completion import CompletionType
 from finetune.datatypes.preference import PreferenceType
 from finetune.datatypes.prompt import PromptType
+from finetune.datatypes.seq2seq import Seq2SeqType
 from finetune.datatypes.text import TextType
 from finetune.errors import PipelineError
 from finetune.registry import Registry
@@ -35,7 +36,7 @@ def register_dataset_type(cls: type[DatasetType]) -> type[DatasetType]:
 
 
 for _builtin in (CompletionType, TextType, ChatType, ClassificationType, PreferenceType,
-                 PromptType):
+                 PromptType, Seq2SeqType):
     register_dataset_type(_builtin)
 
 

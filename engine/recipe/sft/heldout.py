@@ -11,7 +11,7 @@ from typing import Callable
 from engine.datapath.data import eval_collate
 from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
-from engine.modeling.model import max_positions
+from engine.modeling.model import decoder_start, max_positions
 from engine.modeling.quantization import conversion_blocker, quantized_copy
 from finetune.errors import PipelineError
 
@@ -24,7 +24,8 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
     rows = held.rows()
     # The whole split: eval.eval_batches caps only the quick in-training evals.
     args = (held.test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
-    batches = eval_collate(cfg.data, tok.pad_token_id)  # data.collate_fn's, as in training
+    # data.collate_fn's, as in training; an encoder-decoder model's own layout
+    batches = eval_collate(cfg.data, tok.pad_token_id, decoder_start(cfg, held.base))
     results, generations = {}, {}
     results["base"] = loss_entry(evaluate_loss(held.base, *args, collate_fn=batches))
     if rows is not None:
