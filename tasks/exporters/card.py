@@ -1,5 +1,7 @@
-"""The model card (README.md of the HF folder): base model, data hash, params, metrics, commit,
-and how to load what the export holds."""
+"""The model card (README.md of the HF folder): base model, data hash, params, metrics, and how
+to load what the export holds. Only what the params, code and data determine: the export is a
+DVC out, so the same run must write the same bytes; the git commit and MLflow run id, which
+differ per commit and per run, are tags of the registered version and of the run."""
 
 from __future__ import annotations
 
@@ -56,9 +58,9 @@ Fine-tuned with {cfg.peft.peft_type if cfg.peft.use_peft else 'full'} fine-tunin
 
 - Base model: `{cfg.model.name_or_path}` (`{base}`)
 - Data: `{source}`, raw splits sha256 `{lineage.get('data_sha256')}`
-- Git commit: `{lineage['git_commit']}` (dirty: {lineage['git_dirty']})
+- Config fingerprint: `{lineage.get('config_fingerprint')}`
 - Strategy: {cfg.distributed.strategy}, world size {cfg.distributed.world_size}
-- MLflow run: `{ctx.run_id}`
+- Git commit and MLflow run: the tags of the registered model version and of its MLflow run
 
 ## Metrics (test split)
 {_metrics_table(ctx.metrics)}
