@@ -20,12 +20,14 @@ from engine.process.distributed import Dist, all_reduce_sum
 @torch.no_grad()
 def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | None = None,
                   max_batches: int | None = None, autocast_dtype: torch.dtype | None = None,
-                  lockstep: bool = False, loss_sum_fn=token_loss_sum) -> dict:
+                  lockstep: bool = False, loss_sum_fn=token_loss_sum,
+                  on_batch: Callable[[], None] | None = None) -> dict:
     """Mean next-token loss and perplexity; rank r takes batches r, r+world, ...
 
     `lockstep`: every rank runs the same number of forwards (FSDP2 all-gathers inside forward,
     so a rank with one batch fewer would hang the others); the extra ones are not counted.
-    `loss_sum_fn(logits, labels)`: the summed loss (a classifier's is per row)."""
+    `loss_sum_fn(logits, labels)`: the summed loss (a classifier's is per row). `on_batch()`:
+    called after each batch (a progress bar)."""
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     device = dist.device if dist else torch.device("cpu")
     was_training = model.training
@@ -47,6 +49,8 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
         if counted:
             tokens += count_targets(batch)
             loss_sum += float(loss_sum_fn(logits, batch["labels"]))
+        if on_batch is not None:
+            on_batch()
     if dist:
         loss_sum, tokens = all_reduce_sum(loss_sum, dist), int(all_reduce_sum(tokens, dist))
     model.train(was_training)

@@ -12,6 +12,7 @@ from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
 from engine.modeling.model import max_positions
 from engine.modeling.quantization import quantized_copy
+from engine.reporting.reporters import work_bar
 from finetune.errors import PipelineError
 
 
@@ -22,23 +23,33 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
     cfg, tok = held.cfg, held.tokenizer
     rows = held.rows()
     # The whole split: eval.eval_batches caps only the quick in-training evals.
-    args = (held.test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
-    results, generations = {}, {}
-    results["base"] = loss_entry(evaluate_loss(held.base, *args))
-    if rows is not None:
-        generations["base"] = generate(held, held.base, rows)
-    tuned = held.tuned()
-    tuned_loss = evaluate_loss(tuned, *args)
-    results["finetuned"] = loss_entry(tuned_loss)
+    batch = cfg.training.per_device_eval_batch_size
+    args = (held.test, batch, tok.pad_token_id)
     t = cfg.training
-    if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
-        quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
-        results["quantized"] = loss_entry(evaluate_loss(quantized, *args))
-        del quantized
-    if after_loss is not None:
-        after_loss(held, results)
-    if rows is not None:
-        generations["finetuned"] = generate(held, tuned, rows)
+    loss_batches = -(-len(held.test) // batch)
+    gen_batches = 0 if rows is None else -(-len(rows) // batch)
+    total = 2 * (loss_batches + gen_batches) + (loss_batches if t.qat_recipe else 0)
+    what = f"loss on {len(held.test)} rows" + (
+        "" if rows is None else f", {len(rows)} greedy generations of up to "
+        f"{cfg.eval.generation_max_new_tokens} tokens")
+    results, generations = {}, {}
+    with work_bar(total, "evaluate", cfg.logging) as advance:
+        print(f"[evaluate] base model: {what}", flush=True)
+        results["base"] = loss_entry(evaluate_loss(held.base, *args, on_batch=advance))
+        if rows is not None:
+            generations["base"] = generate(held, held.base, rows, advance)
+        print(f"[evaluate] fine-tuned model: {what}", flush=True)
+        tuned = held.tuned()
+        tuned_loss = evaluate_loss(tuned, *args, on_batch=advance)
+        results["finetuned"] = loss_entry(tuned_loss)
+        if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
+            quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
+            results["quantized"] = loss_entry(evaluate_loss(quantized, *args, on_batch=advance))
+            del quantized
+        if after_loss is not None:
+            after_loss(held, results)
+        if rows is not None:
+            generations["finetuned"] = generate(held, tuned, rows, advance)
         for name, texts in generations.items():
             scores = held.scorer.generations(rows, texts)
             results[name].update({k: round(v, 6) for k, v in scores.items()})
@@ -51,7 +62,8 @@ def loss_entry(result: dict) -> dict:
     return {"loss": round(result["loss"], 6), "perplexity": round(result["perplexity"], 4)}
 
 
-def generate(held: HeldOut, model, rows) -> list[str]:
+def generate(held: HeldOut, model, rows, on_batch: Callable[[], None] | None = None
+             ) -> list[str]:
     ev, tok = held.cfg.eval, held.tokenizer
     limit = max_positions(held.cfg.model, held.root)
     room = limit - ev.generation_max_new_tokens if limit else None
@@ -62,7 +74,7 @@ def generate(held: HeldOut, model, rows) -> list[str]:
         )
     prompts = encode_prompts(tok, rows["prompt"].tolist(), room)
     return greedy_generate(model, tok, prompts, held.cfg.training.per_device_eval_batch_size,
-                           ev.generation_max_new_tokens)
+                           ev.generation_max_new_tokens, on_batch=on_batch)
 
 
 def samples(rows, generations: dict[str, list[str]], n: int) -> list[dict]:
