@@ -235,7 +235,7 @@ def test_a_rerun_leaves_git_clean_and_a_stage_by_hand_says_how_to_get_back(repro
     git(clone, "commit", "-qm", "the first run's results")
     rerun = dvc(clone, "repro", "--force")
     assert ran(rerun) == ["validate", *STAGES]
-    assert git(clone, "status", "--porcelain") == ""
+    assert git(clone, "status", "--porcelain") == "", git(clone, "diff")
 
     by_hand = run_cli(clone, "stage", "train", "-s", "training.max_steps=3", check=True)
     note = by_hand.stdout.strip().splitlines()[-1]

@@ -34,6 +34,8 @@ def _metrics_table(metrics: dict) -> str:
 def model_card(ctx: ExportContext) -> str:
     ws, cfg, lineage = ctx.ws, ctx.config, ctx.lineage
     base = resolve_model_ref(cfg.model.name_or_path, ws.root)
+    if Path(base).is_relative_to(ws.root):  # a folder of the project: no clone's own path
+        base = Path(base).relative_to(ws.root).as_posix()
     source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
     export_dir = ws.layout.export.relative_to(ws.root)
     auto, tag = cfg.model_task.auto_class, cfg.model_task.pipeline_tag
