@@ -165,8 +165,8 @@ def out_of_sync_notice(root: Path, stage: str, overrides: list[str]) -> str | No
     if proc.returncode == 0:
         return None
     made = f" with {' '.join('-s ' + o for o in overrides)}" if overrides else ""
-    back = [f"`dvc checkout {stage}` (the cached outputs {', '.join(cached)}, from DVC's cache)"
-            ] if cached else []
+    back = [f"`dvc checkout --force {stage}` (the cached outputs {', '.join(cached)}, from "
+            "DVC's cache; this run's are discarded)"] if cached else []
     if uncached:
         back.append(f"`git checkout -- {' '.join(uncached)}`")
     return (f"[{stage}] note: this run{made} wrote its outputs outside DVC, so the workspace now "
