@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from throughput import MODELS, build_model
-from workdir import ROOT, copy_project, machine, markdown_table, read_json, set_params, stage
+from workdir import ROOT, copy_project, machine, markdown_table, set_params, stage, train_metrics
 
 PAIRS = {split: ROOT / f"data/source/gsm8k-pairs/{split}.jsonl" for split in ("train", "test")}
 PROMPT = "Question: {question}\nAnswer:"
@@ -46,7 +46,7 @@ def run(project: Path, params: dict) -> dict:
     set_params(project, params)
     for name in ("download", "format", "tokenize", "train"):
         stage(project, name)
-    m = read_json(project, "data/metrics/train.json")
+    m = train_metrics(project)
     return {"steps_per_s": m["train_steps_per_second"], "train_loss": m["train_loss"],
             "rss_mb": m["memory_rss_mb"]}
 

@@ -91,13 +91,12 @@ def main() -> None:
             == (resumed / "trained/adapter_model.safetensors").read_bytes())
     ref = losses(done["bf16-padded"])
     print(f"\ndevice: {device}, torch {torch.__version__}\n")
-    print("| run | final loss | max |loss - bf16 padded| | tokens/s (last row) |")
+    print("| run | final loss | max |loss - bf16 padded| | tokens/s (run) |")
     print("|---|---|---|---|")
     for name, work in {**done, "fp32-resumed": resumed}.items():
         ls = losses(work)
         diff = max(abs(a - b) for a, b in zip(ls, ref)) if name.startswith("bf16") else None
-        with open(work / "plots/train.csv") as fh:
-            tps = float(list(csv.DictReader(fh))[-1]["tokens_per_second"])
+        tps = json.loads((work / "train.json").read_text())["train_tokens_per_second"]
         shown = "-" if diff is None else f"{diff:.2e}"
         print(f"| {name} | {ls[-1]:.6f} | {shown} | {tps:,.0f} |")
     print(f"\nresumed adapter bytes equal to uninterrupted: {same}")

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from throughput import COMMON, MODELS, SHARED, prepare_data
-from workdir import ROOT, copy_project, machine, markdown_table, read_json, set_params, stage
+from workdir import ROOT, copy_project, machine, markdown_table, set_params, stage, train_metrics
 
 GPT2 = SHARED / "models/gpt2-tokenizer"
 #: (lever, baseline name, lever name, params of the baseline, params of the lever)
@@ -58,7 +58,7 @@ def build_gpt2_vocab_model(dest: Path) -> Path:
 
 
 def peak_mb(project: Path) -> tuple[float, str]:
-    m = read_json(project, "data/metrics/train.json")
+    m = train_metrics(project)
     if "cuda_max_memory_allocated_mb" in m:
         return m["cuda_max_memory_allocated_mb"], "cuda allocated"
     return m["memory_rss_mb"], "rss"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from workdir import BIN, SHARED, read_json, set_params
+from workdir import BIN, SHARED, set_params, train_metrics
 
 GPT2 = SHARED / "models/gpt2-tokenizer"
 
@@ -76,7 +76,7 @@ def pipeline_overheads(project: Path) -> dict:
         started = time.perf_counter()
         subprocess.run([dvc, "repro"], cwd=project, check=True, capture_output=True)
         noops.append(time.perf_counter() - started)
-    m = read_json(project, "data/metrics/train.json")
+    m = train_metrics(project)
     return {"repro_total_s": total, "train_stage_s": train_wall,
             "orchestration_share": total / train_wall, "train_runtime_s": m["train_runtime"],
             "dvc_repro_noop_s": min(noops)}

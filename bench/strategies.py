@@ -17,7 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from workdir import ROOT, copy_project, machine, markdown_table, read_json, set_params, stage
+from workdir import (ROOT, copy_project, machine, markdown_table, read_json, set_params, stage,
+                     train_metrics)
 
 TWO = {"distributed.nproc_per_node": 2, "training.per_device_train_batch_size": 4}
 
@@ -65,7 +66,7 @@ def main() -> None:
         set_params(project, overrides)
         wall = stage(project, "train")
         stage(project, "evaluate")
-        t, e = read_json(project, "data/metrics/train.json"), read_json(project, "data/metrics/eval.json")
+        t, e = train_metrics(project), read_json(project, "data/metrics/eval.json")
         rows.append({
             "strategy": label,
             "world": t["world_size"],

@@ -22,7 +22,9 @@ from pathlib import Path
 from stages import pipeline_overheads, tokenize_throughput
 from throughput import (DATASETS, LAYOUTS, MODELS, build_model, compare, matmul_ceiling,
                         n_params, prepare_data)
-from workdir import ROOT, copy_project, machine, markdown_table, set_params
+from workdir import ROOT, SHARED, copy_project, machine, markdown_table, set_params
+
+SECTIONS = ("throughput", "tokenize", "overheads", "strategies")
 
 COLUMNS = ["dataset", "model", "params_M", "precision", "hf_tok_s", "ours_padded_tok_s",
            "ours_packed_tok_s", "ours_padfree_tok_s", "ratio_padfree_vs_hf",
@@ -31,11 +33,34 @@ COLUMNS = ["dataset", "model", "params_M", "precision", "hf_tok_s", "ours_padded
            "ours_padfree_loss", "hf_rss_mb", "ours_padfree_rss_mb", "train_startup_s"]
 
 
+def required_inputs(sections: list[str], datasets: list[str]) -> dict[Path, str]:
+    """The files the chosen sections read beyond what the project ships -> what needs them."""
+    alpaca, gpt2 = SHARED / "data/alpaca_2k.json", SHARED / "models/gpt2-tokenizer"
+    needs: dict[Path, str] = {}
+    if "throughput" in sections and "alpaca" in datasets:
+        needs[alpaca] = "the throughput section's alpaca dataset"
+    if "tokenize" in sections:
+        needs.setdefault(alpaca, "the tokenize section")
+        needs[gpt2 / "tokenizer.json"] = "the tokenize section (GPT-2 tokenizer)"
+    return needs
+
+
+def check_inputs(sections: list[str], datasets: list[str]) -> None:
+    """Before any work: the first missing input in one line, exit 2 (a run that would fail
+    after minutes of benchmarks fails now)."""
+    for path, why in required_inputs(sections, datasets).items():
+        if not path.exists():
+            print(f"error: {path} not found, needed by {why}: set FINETUNE_BENCH_DATA to the "
+                  "folder holding data/alpaca_2k.json and models/gpt2-tokenizer (bench/workdir.py),"
+                  " or leave the section out (--skip tokenize, --datasets gsm8k)", file=sys.stderr)
+            raise SystemExit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run (stories260K, GSM8K, 6 steps)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per training run")
-    ap.add_argument("--skip", nargs="*", default=[],
+    ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS,
                     help="sections to skip: throughput tokenize overheads strategies")
     ap.add_argument("--models", nargs="*", choices=list(MODELS), help="default: all")
     ap.add_argument("--datasets", nargs="*", choices=list(DATASETS), help="default: all")
@@ -50,6 +75,7 @@ def main() -> None:
     steps = 6 if args.quick else args.steps
     datasets = ["gsm8k"] if args.quick else (args.datasets or list(DATASETS))
     models = ["stories260K"] if args.quick else (args.models or list(MODELS))
+    check_inputs([s for s in SECTIONS if s not in args.skip], datasets)
     work = Path(tempfile.mkdtemp(prefix="bench-suite-"))
     out = {"machine": machine(), "steps": steps, "batch": 8}
     print(f"# Benchmark suite ({out['machine']['cpu']}, {out['machine']['cores']} cores, "

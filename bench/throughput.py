@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from workdir import ROOT, SHARED, read_json, set_params, stage
+from workdir import ROOT, SHARED, set_params, stage, train_metrics
 
 ALPACA = {
     "data.data_files": {"train": str(SHARED / "data/alpaca_2k.json")},
@@ -136,14 +136,14 @@ def run_ours(project: Path, model_dir: Path, precision: str, steps: int, layout:
                          **LAYOUTS[layout]})
     launched = time.time()
     wall = stage(project, "train")
-    m = read_json(project, "data/metrics/train.json")
+    m = train_metrics(project)
     import csv
 
     with open(project / "data/plots/train.csv") as fh:
         rows = list(csv.DictReader(fh))
     return {"tokens_per_s": m["num_input_tokens_seen"] / m["train_runtime"],
             "padding_fraction": m["padding_fraction"], "final_loss": float(rows[-1]["loss"]),
-            "peak_rss_mb": float(rows[-1]["memory_rss_mb"]), "stage_wall_s": wall,
+            "peak_rss_mb": m["memory_rss_mb"], "stage_wall_s": wall,
             "train_runtime_s": m["train_runtime"],
             "startup_s": m["first_step_unix"] - launched}  # launch to first optimizer step
 

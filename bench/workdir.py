@@ -50,11 +50,11 @@ def copy_project(dest: Path) -> Path:
 
 
 def set_params(project: Path, overrides: dict) -> None:
-    from finetune.config.loader import apply_overrides
+    from finetune.config.loader import set_keys
 
     path = project / "params/default.yaml"
     raw = yaml.safe_load(path.read_text())
-    path.write_text(yaml.safe_dump(apply_overrides(raw, overrides), sort_keys=False))
+    path.write_text(yaml.safe_dump(set_keys(raw, overrides), sort_keys=False))
 
 
 def stage(project: Path, name: str) -> float:
@@ -70,6 +70,13 @@ def stage(project: Path, name: str) -> float:
 
 def read_json(project: Path, rel: str) -> dict:
     return json.loads((project / rel).read_text())
+
+
+def train_metrics(project: Path) -> dict:
+    """The train stage's final metrics with its timings (data/logs/train_timings.json)."""
+    timings = project / "data/logs/train_timings.json"
+    return {**read_json(project, "data/metrics/train.json"),
+            **(json.loads(timings.read_text()) if timings.exists() else {})}
 
 
 def machine() -> dict:

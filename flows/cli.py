@@ -28,7 +28,10 @@ from finetune.workspace import DEFAULT_PARAMS, Workspace
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--params", default=DEFAULT_PARAMS, help="params file (YAML)")
     p.add_argument("-s", "--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override one key (repeatable)")
+                   metavar="[FILE:]KEY=VALUE",
+                   help="override one key (repeatable), as dvc exp run -S does: KEY=VALUE changes "
+                   "a key of the params file, +KEY=VALUE adds one, ++KEY=VALUE adds or changes, "
+                   "~KEY deletes")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +154,12 @@ def cmd_stage(args) -> int:
             return code
     shown = ", ".join(f"{k}={_rel(v, ws.root)}" for k, v in outputs.items())
     print(f"[{args.name}] done in {time.perf_counter() - started:.1f}s: {shown}")
+    if "DVC_STAGE" not in os.environ:  # by hand, not as dvc.yaml's cmd: dvc.lock did not see it
+        from flows.dvc_runner import out_of_sync_notice
+
+        notice = out_of_sync_notice(ws.root, args.name, args.overrides)
+        if notice:
+            print(notice)
     return 0
 
 

@@ -25,11 +25,15 @@ from typing import Any, Callable
 import yaml
 
 from engine.process.lifetime import EXIT_WITH, child_dies_with_us
-from finetune.config.loader import apply_overrides, read_params_file, validate_raw
+from finetune.config.loader import read_params_file, set_keys, validate_raw
+from finetune.config.overrides import apply_overrides
 from finetune.errors import PipelineError
 
 RAN = re.compile(r"Running stage '([\w-]+)'")
-GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots", "data/lineage", "data/eval")
+GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots", "data/eval")
+#: what an override run puts back as it was: the git-tracked results, and the record of which
+#: MLflow run and registered version the restored outputs belong to (gitignored)
+RESTORED = (*GIT_TRACKED_RESULTS, "data/lineage")
 
 
 class StageFailed(PipelineError):
@@ -135,6 +139,41 @@ def repro_stage(root: Path, stage: str, on_line: Callable[[str], None] | None = 
     return StageResult(stage, stage in RAN.findall(out), out)
 
 
+def stage_outs(root: Path, stage: str) -> tuple[list[str], list[str]]:
+    """dvc.yaml's outputs of `stage`: (cached ones, uncached ones kept in git)."""
+    spec = yaml.safe_load((root / "dvc.yaml").read_text())["stages"].get(stage, {})
+    cached, uncached = [], []
+    for kind in ("outs", "metrics", "plots"):
+        for entry in spec.get(kind, []):
+            path, opts = next(iter(entry.items())) if isinstance(entry, dict) else (entry, {})
+            (uncached if (opts or {}).get("cache") is False else cached).append(path)
+    return cached, uncached
+
+
+def out_of_sync_notice(root: Path, stage: str, overrides: list[str]) -> str | None:
+    """After `finetune stage NAME` by hand: whether the workspace still matches dvc.lock, and
+    if not, what the next `dvc repro` will do and how to get the recorded outputs back. None
+    when DVC sees no change (the same params wrote the same bytes) or the project has no
+    dvc.yaml stage of that name."""
+    if not (root / "dvc.yaml").exists() or not (root / "dvc.lock").exists():
+        return None
+    cached, uncached = stage_outs(root, stage)
+    if not cached and not uncached:
+        return None
+    proc = subprocess.run(dvc_exe() + ["status", "--quiet", stage], cwd=root, env=dvc_env(),
+                          capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    made = f" with {' '.join('-s ' + o for o in overrides)}" if overrides else ""
+    back = [f"`dvc checkout --force {stage}` (the cached outputs {', '.join(cached)}, from "
+            "DVC's cache; this run's are discarded)"] if cached else []
+    if uncached:
+        back.append(f"`git checkout -- {' '.join(uncached)}`")
+    return (f"[{stage}] note: this run{made} wrote its outputs outside DVC, so the workspace now "
+            f"differs from dvc.lock; the next `dvc repro` reruns {stage} and the stages after "
+            f"it. To get back what dvc.lock records: {' and '.join(back)}.")
+
+
 class OverrideSession:
     """Apply overrides to the params file for one run; restore everything afterwards.
 
@@ -143,16 +182,19 @@ class OverrideSession:
     are restored byte for byte and `dvc checkout` puts the baseline outputs back.
     """
 
-    def __init__(self, root: Path, params_file: Path, overrides: dict[str, Any]):
+    def __init__(self, root: Path, params_file: Path, overrides: dict[str, Any] | list[str]):
         self.root, self.params_file, self.overrides = root, params_file, overrides
         self._backup: Path | None = None
 
     def __enter__(self) -> "OverrideSession":
         raw = read_params_file(self.params_file)
-        merged = apply_overrides(raw, self.overrides)
+        if isinstance(self.overrides, dict):  # dotted keys to JSON values
+            merged = set_keys(raw, self.overrides)
+        else:  # `-s` strings, as dvc exp run -S applies them
+            merged = apply_overrides(raw, self.overrides, str(self.params_file), self.params_file)
         validate_raw(merged, source=f"{self.params_file} with overrides")
         self._backup = Path(tempfile.mkdtemp(prefix="finetune-baseline-"))
-        for rel in (str(self.params_file.relative_to(self.root)), *GIT_TRACKED_RESULTS):
+        for rel in (str(self.params_file.relative_to(self.root)), *RESTORED):
             src = self.root / rel
             if src.is_dir():
                 shutil.copytree(src, self._backup / rel)
@@ -174,7 +216,7 @@ class OverrideSession:
 
     def __exit__(self, *exc) -> None:
         assert self._backup is not None
-        for rel in (str(self.params_file.relative_to(self.root)), *GIT_TRACKED_RESULTS):
+        for rel in (str(self.params_file.relative_to(self.root)), *RESTORED):
             saved, live = self._backup / rel, self.root / rel
             if saved.is_dir():
                 shutil.rmtree(live, ignore_errors=True)

@@ -119,15 +119,19 @@ def project_root(workspace: str | None) -> Path:
 
 
 @flow(name="finetune", log_prints=True)
-def finetune(params_file: str = DEFAULT_PARAMS, overrides: dict[str, Any] | None = None,
+def finetune(params_file: str = DEFAULT_PARAMS,
+             overrides: dict[str, Any] | list[str] | None = None,
              workspace: str | None = None, lock_wait_seconds: float = 0.0):
-    """Run (or skip, when up to date) every stage of the pipeline in `workspace`."""
+    """Run (or skip, when up to date) every stage of the pipeline in `workspace`.
+    `overrides`: `-s` strings as `finetune -s` and `dvc exp run -S` take them
+    (["training.max_steps=300", "+model.load_in_4bit=true"]), or dotted keys to values
+    ({"training.max_steps": 300})."""
     root = project_root(workspace)
     params = (root / params_file).resolve()
     if params != (root / DEFAULT_PARAMS).resolve():
         raise PipelineError(f"the flow reproduces {DEFAULT_PARAMS} (what dvc.yaml tracks); "
                             f"pass overrides instead of params_file={params_file}")
-    ws = Workspace.load(params, overrides or {})  # validate before anything runs
+    ws = Workspace.load(params, overrides or [])  # validate before anything runs
     experiment = None
     overriding = OverrideSession(root, params, overrides) if overrides else contextlib.nullcontext()
     with workspace_lock(root, lock_wait_seconds), overriding as session:

@@ -17,7 +17,8 @@ def summary(ws: Workspace) -> dict:
         "registry": json.loads(registry_file.read_text()) if registry_file.exists() else None,
         "mlflow_run_id": run_id_of(ws),
         "mlflow_uri": ws.mlflow_uri(),
-        "export_path": str(ws.layout.export),
+        # relative: what the summary prints is what a user in the project types
+        "export_path": str(ws.layout.export.relative_to(ws.root)),
     }
 
 

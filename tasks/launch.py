@@ -30,6 +30,16 @@ from tasks.launch_failure import explain
 from tasks.stream_manifest import MANIFEST
 
 STREAM_SOURCE = "tasks.stream:open_train_stream"
+#: the train stage's measurements of the machine (data/logs/, gitignored): they differ on
+#: every run, so keeping them out of data/metrics/train.json lets a rerun leave git clean
+TIMINGS_FILE = "train_timings.json"
+
+
+def train_metrics(ws: Workspace) -> dict:
+    """The train stage's final metrics: data/metrics/train.json with its timings merged in."""
+    metrics = json.loads((ws.layout.metrics / "train.json").read_text())
+    timings = ws.layout.logs / TIMINGS_FILE
+    return {**metrics, **(json.loads(timings.read_text()) if timings.exists() else {})}
 
 
 def run_paths(ws: Workspace) -> RunPaths:
@@ -43,6 +53,8 @@ def run_paths(ws: Workspace) -> RunPaths:
         checkpoints=layout.checkpoints,
         trained=layout.trained,
         metrics_file=layout.metrics / "train.json",
+        # wall clock, throughput, memory: not in the git-tracked DVC metrics (TIMINGS_FILE)
+        timings_file=layout.logs / TIMINGS_FILE,
         plots_dir=layout.plots,
         # a streamed split is identified by its manifest (source file hashes, sampling)
         train_identity=layout.tokenized / MANIFEST if streamed else None,

@@ -1,7 +1,9 @@
 """MLflow bookkeeping shared by the stages: one run per training, found again downstream.
 
-The train stage opens the run and records its id in `data/lineage/train_run.json` (a DVC out), so
-evaluate and export, even when launched as separate DVC/Prefect steps, log into the same run.
+The train stage opens the run, ends it (FINISHED, or FAILED when training fails) and records its
+id in `data/lineage/train_run.json` (gitignored, outside DVC: the id names a run in this clone's
+store), so evaluate and export, even when launched as separate DVC/Prefect steps, log into the
+same run.
 Lineage (git commit and dirty flag, params file, config fingerprint, data and dvc.lock hashes) is
 one artifact, `lineage.json`, with a few of its entries as tags (LINEAGE_TAGS): some 40 tags
 would bury the run's and each registered version's page.
@@ -225,7 +227,7 @@ def log_data_inputs(ws: Workspace, run_id: str, tokenized: Path, stats: dict) ->
     statistics as a table artifact (data/tokenize_stats.json): not as metrics, where 30 of
     them would bury the loss curve."""
     _env_quiet()
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.dataset_source_registry import get_registered_sources
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
@@ -233,11 +235,13 @@ def log_data_inputs(ws: Workspace, run_id: str, tokenized: Path, stats: dict) ->
 
     dvc_md5 = dvc_out_hashes(ws.root).get(f"dvc_out.{tokenized.relative_to(ws.root)}")
     splits = sorted(p for p in tokenized.iterdir() if p.is_dir()) if tokenized.is_dir() else []
+    # the local-files source by name: MLflow registers it twice (for "" and "file:" URIs), and
+    # resolving a file URI among the registered sources warns that it is ambiguous
+    local = next(s for s in get_registered_sources() if s._get_source_type() == "local")
     inputs = []
     for folder in splits:
         digest = (dvc_md5 or data_hash(folder))[:36]  # MLflow keeps 36 characters
-        dataset = MetaDataset(resolve_dataset_source(folder.resolve().as_uri()),
-                              name=folder.name, digest=digest)
+        dataset = MetaDataset(local(folder.resolve().as_uri()), name=folder.name, digest=digest)
         context = "train" if folder.name == "train" else "eval"
         inputs.append(DatasetInput(dataset._to_mlflow_entity(),
                                    [InputTag("mlflow.data.context", context)]))

@@ -19,7 +19,7 @@ from engine import preflight as preflight_engine
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import tracking
-from tasks.launch import TorchrunJob, run_paths
+from tasks.launch import TorchrunJob, run_paths, train_metrics
 from tasks.wandb_tracking import WandbRun, wandb_module
 
 
@@ -103,7 +103,7 @@ def train(ws: Workspace) -> dict[str, Path]:
             if wandb_run is not None:
                 wandb_run.finish(ok=False)
             raise
-    metrics = json.loads((ws.layout.metrics / "train.json").read_text())
+    metrics = train_metrics(ws)
     numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None}
     curves = SERIES if "mlflow" in ws.config.logging.report_to else set()
     tracking.set_tags(ws, run_id, run_facts(metrics, curves))
@@ -116,6 +116,9 @@ def train(ws: Workspace) -> dict[str, Path]:
         if plot != SAMPLES or (path.exists() and path.stat().st_mtime >= launched):
             tracking.client(ws).log_artifact(run_id, str(path), "plots")
     write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
+    # the training is over: the run ends here, FINISHED (evaluate and export, if they run,
+    # log into it afterwards); a stage run on its own leaves no run RUNNING forever
+    tracking.finish_run(ws, run_id)
     return {"trained": ws.layout.trained, "checkpoints": ws.layout.checkpoints}
 
 

@@ -63,14 +63,14 @@ def copy_project(dest: Path, overrides: dict | None = None) -> Path:
 
 
 def write_params(project: Path, overrides: dict, name: str = "params/default.yaml") -> Path:
-    from finetune.config.loader import apply_overrides
+    from finetune.config.loader import set_keys
 
     path = project / name
     raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
     if path.exists():
         raw = yaml.safe_load(path.read_text())
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(apply_overrides(raw, overrides), sort_keys=False))
+    path.write_text(yaml.safe_dump(set_keys(raw, overrides), sort_keys=False))
     return path
 
 
@@ -136,9 +136,12 @@ def adapter(project: Path) -> dict:
 
 
 def train_metrics(project: Path) -> dict:
+    """The train stage's final metrics, its timings (data/logs, not git-tracked) merged in."""
     import json
 
-    return json.loads((project / "data/metrics/train.json").read_text())
+    timings = project / "data/logs/train_timings.json"
+    return {**json.loads((project / "data/metrics/train.json").read_text()),
+            **(json.loads(timings.read_text()) if timings.exists() else {})}
 
 
 def assert_weights_close(a, b):

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.config import load_config, parse_override
-from finetune.config.loader import apply_overrides
+from finetune.config import load_config
+from finetune.config.loader import set_keys
 from finetune.errors import PipelineError
 
 from helpers import ROOT
@@ -33,7 +33,7 @@ def test_at_least_two_documented_examples_besides_default():
 def _error(tmp_path: Path, overrides: dict) -> str:
     raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump(apply_overrides(raw, overrides)))
+    path.write_text(yaml.safe_dump(set_keys(raw, overrides)))
     with pytest.raises(PipelineError) as exc:
         load_config(path)
     msg = str(exc.value)
@@ -177,22 +177,61 @@ def test_resolved_strategy_is_what_runs():
 
 def test_global_batch_consistent_is_accepted(tmp_path):
     raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
-    raw = apply_overrides(raw, {"training.global_batch_size": 16,
+    raw = set_keys(raw, {"training.global_batch_size": 16,
                                 "training.gradient_accumulation_steps": 2})
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(raw))
     assert load_config(path).training.global_batch_size == 16
 
 
-def test_overrides_parse_yaml_values():
-    assert parse_override("training.max_steps=10") == ("training.max_steps", 10)
-    assert parse_override("optimizer.learning_rate=3e-4") == ("optimizer.learning_rate", 3e-4)
-    assert parse_override("peft.target_modules=[q_proj, v_proj]")[1] == ["q_proj", "v_proj"]
-    assert parse_override("data.subset=null") == ("data.subset", None)
-    with pytest.raises(PipelineError, match="section.key=value"):
-        parse_override("training.max_steps")
-    with pytest.raises(PipelineError, match="dotted"):
-        parse_override("max_steps=3")
+OVERRIDDEN = ["training.max_steps=10", "optimizer.learning_rate=3e-4", "data.subset=null",
+              "peft.target_modules=[q_proj, v_proj]", "params/default.yaml:peft.r=4",
+              "+model.load_in_4bit=false", "++training.seed=7", "~data.num_proc",
+              "data.prompt_template='Q: {question}'"]
+
+
+def test_overrides_mean_what_dvc_exp_run_set_param_means(tmp_path):
+    """`-s` is DVC's `-S`: the same parser (Hydra's grammar) and the same struct rules, so
+    DVC's own apply_overrides (what `dvc exp run -S params/default.yaml:...` does to the
+    file) and ours give the same params."""
+    from dvc.utils.cli_parse import to_path_overrides
+    from dvc.utils.hydra import apply_overrides as dvc_apply
+
+    from finetune.config.overrides import apply_overrides
+
+    source = ROOT / "params/default.yaml"
+    (tmp_path / "params").mkdir()
+    theirs = tmp_path / "params/default.yaml"
+    theirs.write_text(source.read_text())
+    by_file = to_path_overrides([o if ":" in o.partition("=")[0] else f"params/default.yaml:{o}"
+                                 for o in OVERRIDDEN])
+    dvc_apply(theirs, by_file["params/default.yaml"])
+    ours = apply_overrides(yaml.safe_load(source.read_text()), OVERRIDDEN, params_path=source)
+    assert ours == yaml.safe_load(theirs.read_text())
+    assert ours["training"]["max_steps"] == 10 and ours["optimizer"]["learning_rate"] == 3e-4
+    assert ours["peft"]["r"] == 4 and ours["model"]["load_in_4bit"] is False
+    assert "num_proc" not in ours["data"] and ours["data"]["prompt_template"] == "Q: {question}"
+
+
+@pytest.mark.parametrize("override, says", [
+    ("training.max_steps", "is not [FILE:]KEY=VALUE"),
+    ("max_steps=3", "unknown key 'max_steps' (did you mean 'training.max_steps'?)"),
+    ("training.lerning_rate=1", "unknown key 'training.lerning_rate' (did you mean "
+     "'optimizer.learning_rate'?)"),
+    ("model.load_in_4bit=true", "has no key 'model.load_in_4bit' (its default applies); add it "
+     "with '+model.load_in_4bit=true'"),
+    ("+training.max_steps=3", "already has 'training.max_steps'; change it with "
+     "'training.max_steps=3'"),
+    ("~training.nope", "has no key 'training.nope' to delete"),
+    ("training.max_steps=1,2", "is a sweep"),
+    ("params/other.yaml:training.max_steps=3", "names params/other.yaml, but the params file is"),
+    ("training.max_steps.x=3", "'training.max_steps' is not a section"),
+])
+def test_bad_override_is_one_line_naming_it(override, says):
+    with pytest.raises(PipelineError) as err:
+        load_config(ROOT / "params/default.yaml", [override])
+    line = str(err.value)
+    assert "\n" not in line and f"'{override}'" in line and says in line, line
 
 
 def test_override_applies_through_loader():

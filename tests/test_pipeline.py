@@ -264,6 +264,42 @@ def test_forced_retrain_reproduces_the_model_bit_for_bit(repro, tmp_path):
     assert "up to date" in status, status  # evaluate/export see identical weights: no rerun
 
 
+def git(project, *args):
+    return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_a_rerun_leaves_git_clean_and_a_stage_by_hand_says_how_to_get_back(repro, tmp_path):
+    """The first hour: results committed, every stage rerun (a fresh clone's `finetune
+    run`): `git status` stays clean (no timings, ids or timestamps in what git or dvc.lock
+    records). Then one stage by hand with an override: it says the workspace now differs
+    from dvc.lock and how to get back, ends its MLflow run, and what it says works."""
+    from helpers import run_cli
+
+    project, _ = repro
+    clone = tmp_path / "clone"
+    shutil.copytree(project, clone, symlinks=True)
+    git(clone, "add", "-A")
+    git(clone, "commit", "-qm", "the first run's results")
+    rerun = dvc(clone, "repro", "--force")
+    assert ran(rerun) == ["validate", *STAGES]
+    assert git(clone, "status", "--porcelain") == "", git(clone, "diff")
+
+    by_hand = run_cli(clone, "stage", "train", "-s", "training.max_steps=3", check=True)
+    note = by_hand.stdout.strip().splitlines()[-1]
+    assert note.startswith("[train] note: this run with -s training.max_steps=3 wrote its "
+                           "outputs outside DVC, so the workspace now differs from dvc.lock"), note
+    run_id = json.loads((clone / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
+    assert mlflow_client(clone).get_run(run_id).info.status == "FINISHED"
+    assert "train" in dvc(clone, "status", "train").stdout
+    for command in re.findall(r"`((?:dvc|git) [^`]+)`", note.split("To get back")[1]):
+        args = command.split()
+        args[0] = str(BIN / "dvc") if args[0] == "dvc" else args[0]
+        subprocess.run(args, cwd=clone, check=True, capture_output=True)
+    assert "up to date" in dvc(clone, "status").stdout
+    assert git(clone, "status", "--porcelain") == ""
+
+
 def test_second_repro_is_noop_and_training_change_reruns_only_later_stages(repro):
     project, _ = repro
     again = dvc(project, "repro")

@@ -301,3 +301,29 @@ def test_an_interrupted_stage_says_where_it_stopped_and_how_to_resume(tokenized,
     named = project / line.split("; last checkpoint ")[1].split(" (step")[0]
     assert is_valid(named)
     assert read_meta(named)["fingerprint"]["config"]["optimizer.learning_rate"] == 0.005
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    if folder.is_file():
+        return {folder.name: folder.read_bytes()}
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_the_same_run_twice_writes_the_same_bytes(tokenized, tmp_path):
+    """DVC hashes data/checkpoints and data/trained and git keeps the metrics and plots, so a
+    rerun of an unchanged checkout must write them byte for byte (checkpoints carried the save
+    time and wall-clock rows: 3369287 vs 3369289 bytes). Two projects in two folders: no
+    absolute path either. The timings go to data/logs, outside DVC and git."""
+    import json
+
+    a, _ = train_here(tokenized, tmp_path / "a")
+    b, _ = train_here(tokenized, tmp_path / "b")
+    assert sorted(p.name for p in (a / "data/checkpoints").iterdir())  # something to compare
+    for rel in ("data/checkpoints", "data/trained", "data/metrics/train.json",
+                "data/plots/train.csv", "data/plots/eval.csv"):
+        x, y = _files(a / rel), _files(b / rel)
+        assert x.keys() == y.keys() and [k for k in x if x[k] != y[k]] == [], rel
+    timings = json.loads((a / "data/logs/train_timings.json").read_text())
+    assert timings["train_runtime"] > 0 and timings["memory_rss_mb"] > 0
+    assert not set(timings) & set(json.loads((a / "data/metrics/train.json").read_text()))

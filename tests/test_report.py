@@ -26,3 +26,20 @@ def test_a_method_without_a_loss_gets_its_own_columns():
     assert lines[:4] == ["| model | pass_at_1 | reward |", "|---|---|---|",
                          "| base | 0.0000 | 0.0500 |", "| fine-tuned | 0.0000 | 0.6700 |"]
     assert not any("eval loss" in line for line in lines)
+
+
+def test_the_summary_names_the_export_as_the_readme_shows_it(tmp_path):
+    """`exported model: data/export`, relative to the project (not the clone's absolute
+    path), as README.md shows it."""
+    from finetune.config import load_config
+    from finetune.workspace import Workspace
+    from flows.report import summary
+    from helpers import ROOT
+
+    ws = Workspace(config=load_config(ROOT / "params/default.yaml"), root=tmp_path,
+                   params_path=tmp_path / "params/default.yaml")
+    info = summary(ws)
+    assert info["export_path"] == "data/export"
+    shown = "exported model: data/export (AutoModelForCausalLM.from_pretrained)"
+    assert shown in markdown({**info, "eval": {}})
+    assert shown in (ROOT / "README.md").read_text()

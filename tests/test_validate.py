@@ -26,6 +26,7 @@ def validate(project, capsys, monkeypatch, *overrides: str) -> tuple[int, str]:
     return code, errors[0] if errors else ""
 
 
+#: overrides as `dvc exp run -S` takes them: '+' adds a key the params file does not list
 BAD = [
     # the held-out cases: each used to pass validate and fail in a later stage
     ("model.name_or_path=data/models/nope", "model.name_or_path: local folder"),
@@ -36,7 +37,7 @@ BAD = [
     ("peft.target_modules=[q_proj, nope_proj]", "peft.target_modules: 'nope_proj' is not a "
      "module of the model (its linear layers: down_proj, gate_proj, k_proj, lm_head, "
      "o_proj, q_proj, up_proj, v_proj)"),
-    ("model.load_in_4bit=true", "model.load_in_4bit: true needs a CUDA GPU"),
+    ("+model.load_in_4bit=true", "model.load_in_4bit: true needs a CUDA GPU"),
     ("training.mixed_precision=fp16", "training.mixed_precision: fp16 needs a CUDA GPU"),
     ("checkpoint.resume_from_checkpoint=data/checkpoints/step-0000009",
      "data/checkpoints/step-0000009 is not a complete checkpoint"),
@@ -54,7 +55,7 @@ BAD = [
     ("optimizer.name=AdamWW", "(did you mean 'AdamW'?)"),
     ("distributed.strategy=dpp", "(did you mean 'ddp'?)"),
     # a name no exporter has (tasks/exporters), which the export stage would refuse
-    ("export.formats=[hf, adaptor]", "export.formats: unknown format 'adaptor' (did you mean "
+    ("+export.formats=[hf, adaptor]", "export.formats: unknown format 'adaptor' (did you mean "
      "'adapter'?): one of hf, adapter, quantized"),
 ]
 
@@ -76,9 +77,9 @@ def test_validate_loads_every_code_reference_the_fields_mark(project, capsys, mo
     """Each key whose field says code_ref=True (engine/preflight.py walks them) must name
     something callable: a tuple is refused with one line naming the key."""
     # a key of a strategy's section is read with that strategy only
-    extra = (["distributed.strategy=pipeline", "distributed.nproc_per_node=2"]
+    extra = (["++distributed.strategy=pipeline", "++distributed.nproc_per_node=2"]
              if key.startswith("distributed.pipeline.") else [])
-    code, line = validate(project, capsys, monkeypatch, f"{key}=finetune.config.compat:SCOPES",
+    code, line = validate(project, capsys, monkeypatch, f"++{key}=finetune.config.compat:SCOPES",
                           *extra)
     assert code == 2 and line == f"error: {key}: 'finetune.config.compat:SCOPES' is not a " \
         "function", line

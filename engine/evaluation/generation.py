@@ -7,6 +7,8 @@ was trained to continue.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from finetune.datatypes.encoding import bos_prefix_id
@@ -28,8 +30,10 @@ def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int | None) -> li
 
 @torch.no_grad()
 def greedy_generate(model, tok, prompts: list[list[int]], batch_size: int,
-                    max_new_tokens: int, device: torch.device | None = None) -> list[str]:
-    """Greedy continuations (decoded, special tokens dropped), one per prompt, in order."""
+                    max_new_tokens: int, device: torch.device | None = None,
+                    on_batch: Callable[[], None] | None = None) -> list[str]:
+    """Greedy continuations (decoded, special tokens dropped), one per prompt, in order.
+    `on_batch()`: called after each batch (a progress bar)."""
     from transformers import GenerationConfig
 
     device = device or next(model.parameters()).device
@@ -56,5 +60,7 @@ def greedy_generate(model, tok, prompts: list[list[int]], batch_size: int,
             if eos in row:
                 row = row[: row.index(eos)]
             texts.append(tok.decode(row, skip_special_tokens=True))
+        if on_batch is not None:
+            on_batch()
     model.train(was_training)
     return texts

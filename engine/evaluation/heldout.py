@@ -25,7 +25,8 @@ DECODER_INPUTS = ("decoder_input_ids",)
 def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | None = None,
                   max_batches: int | None = None, autocast_dtype: torch.dtype | None = None,
                   lockstep: bool = False, loss_sum_fn=None,
-                  collate_fn: Callable[[list[dict]], dict] | None = None) -> dict:
+                  collate_fn: Callable[[list[dict]], dict] | None = None,
+                  on_batch: Callable[[], None] | None = None) -> dict:
     """Mean next-token loss and perplexity; rank r takes batches r, r+world, ...
 
     `collate_fn`: builds each batch from its rows (engine.datapath.data.eval_collate: the
@@ -33,7 +34,8 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
     `lockstep`: every rank runs the same number of forwards (FSDP2 all-gathers inside forward,
     so a rank with one batch fewer would hang the others); the extra ones are not counted.
     `loss_sum_fn(logits, labels)`: the summed loss (a classifier's is per row); None: the
-    token loss, shifted as the batch's layout says (engine.datapath.data.label_shift)."""
+    token loss, shifted as the batch's layout says (engine.datapath.data.label_shift).
+    `on_batch()`: called after each batch (a progress bar)."""
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     device = dist.device if dist else torch.device("cpu")
     was_training = model.training
@@ -58,6 +60,8 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
             tokens += count_targets(batch)
             loss_sum += float(loss_sum_fn(logits, batch["labels"]) if loss_sum_fn
                               else token_loss_sum(logits, batch["labels"], label_shift(batch)))
+        if on_batch is not None:
+            on_batch()
     if dist:
         loss_sum, tokens = all_reduce_sum(loss_sum, dist), int(all_reduce_sum(tokens, dist))
     model.train(was_training)

@@ -3,6 +3,8 @@ modules exist, and saved adapter files that are byte-identical for identical tra
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,6 +44,18 @@ def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
     )
 
 
+@contextlib.contextmanager
+def peft_wrapping():
+    """Around PEFT's wrapping of a model: peft 0.21's PeftModel.__init__ asks the model
+    `is_gradient_checkpointing`, a property transformers 5 deprecated for
+    `is_activation_checkpointing` (same answer), so every wrap printed a FutureWarning that no
+    code of ours can act on. Only that warning, raised inside this block, is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
 def apply_peft(model, cfg: PeftSection):
     """Wrap with an adapter (or leave for full fine-tuning). A grown vocabulary's embedding
     and output layers train in full and are saved with the adapter (peft's modules_to_save):
@@ -56,7 +70,8 @@ def apply_peft(model, cfg: PeftSection):
     out = model.get_output_embeddings()
     tied = grew and out is not None and out.weight is model.get_input_embeddings().weight
     try:
-        return get_peft_model(model, peft_config(cfg, extra, tied))
+        with peft_wrapping():
+            return get_peft_model(model, peft_config(cfg, extra, tied))
     except ValueError as exc:
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
 

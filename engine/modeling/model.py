@@ -259,8 +259,11 @@ def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_di
     if peft_cfg.use_peft:
         from peft import PeftModel
 
+        from engine.modeling.adapter import peft_wrapping
+
         base = base if base is not None else load_base_model(cfg, root, labels=labels)
-        return PeftModel.from_pretrained(base, str(trained_dir))
+        with peft_wrapping():
+            return PeftModel.from_pretrained(base, str(trained_dir))
     return load_base_model(cfg, root, ref=str(trained_dir), labels=labels)
 
 

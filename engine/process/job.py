@@ -38,6 +38,10 @@ class RunPaths:
     train_identity: Path | None = None
     #: a classification run's class names (a JSON list in id order); None: a language model
     labels: Path | None = None
+    #: where the final metrics that measure the machine (wall clock, throughput, memory:
+    #: reporters.MEASURED_METRICS) go, so `metrics_file` holds only what the params and data
+    #: determine (the pipeline's DVC metrics file, hashed in dvc.lock); None: `metrics_file`
+    timings_file: Path | None = None
 
     def to_json(self) -> dict[str, str | None]:
         return {k: None if v is None else str(v) for k, v in asdict(self).items()}

@@ -63,7 +63,7 @@ from engine.reporting.monitor import Monitor, due
 from engine.reporting.profiler import StepProfiler
 from engine.reporting.progress import Progress
 from engine.reporting.readback import Readback
-from engine.reporting.reporters import Console, build_reporters
+from engine.reporting.reporters import MEASURED_METRICS, Console, build_reporters
 from engine.state import fingerprint, trainer_state
 from finetune.config import FinetuneConfig
 from finetune.config.compat import check_machine
@@ -114,6 +114,17 @@ def total_steps(cfg: FinetuneConfig, steps_per_epoch: int | None) -> int:
     if cfg.total_steps_hint:
         return cfg.total_steps_hint
     return max(1, math.ceil(cfg.training.num_train_epochs * steps_per_epoch))
+
+
+def write_final_metrics(paths: RunPaths, result: dict[str, Any]) -> None:
+    """The final metrics; with `paths.timings_file`, the machine's measurements
+    (MEASURED_METRICS) go there and `metrics_file` keeps what the params and data determine."""
+    if paths.timings_file is None:
+        write_json_atomic(paths.metrics_file, result)
+        return
+    timings = {k: v for k, v in result.items() if k in MEASURED_METRICS}
+    write_json_atomic(paths.timings_file, timings)
+    write_json_atomic(paths.metrics_file, {k: v for k, v in result.items() if k not in timings})
 
 
 def peak_rss_mb() -> float:
@@ -555,7 +566,7 @@ class TrainingRun:
                      f"{result['comm_bytes_total'] / 1e6:.3f} MB sent per rank, "
                      f"{result['comm_bytes_per_step'] / 1e3:.1f} KB per optimizer step")
             self.reporters.on_train_end(self.state)
-            write_json_atomic(self.paths.metrics_file, result)
+            write_final_metrics(self.paths, result)
         if self.dist.world_size > 1:
             torch.distributed.barrier()
         return result

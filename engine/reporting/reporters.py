@@ -8,6 +8,7 @@ its JSON-lines log) are whole.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -16,12 +17,29 @@ from pathlib import Path
 
 from engine.reporting.callbacks import Callback, CallbackList, TrainState, load_user_callback
 
-TRAIN_FIELDS = ["step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second",
-                "num_input_tokens_seen", "memory_rss_mb"]
+TRAIN_FIELDS = ["step", "epoch", "loss", "learning_rate", "grad_norm", "num_input_tokens_seen"]
 #: the loop's own values of a training row that train.csv leaves out (the console, MLflow and
 #: the JSON lines have them)
-NOT_PLOTTED = ("comm_bytes_per_step", "cuda_max_memory_allocated_mb")
+NOT_PLOTTED = ("comm_bytes_per_step",)
 EVAL_FIELDS = ["step", "eval_loss"]
+#: logged values that measure the machine (wall clock, throughput, memory), not the run: the
+#: console, MLflow and the JSON lines have them; train.csv and the checkpoints' history leave
+#: them out, so two runs of the same params write the same bytes there (DVC hashes both, and
+#: git tracks train.csv)
+MEASURED = ("tokens_per_second", "memory_rss_mb", "cuda_max_memory_allocated_mb")
+#: the final metrics of that kind (RunPaths.timings_file)
+MEASURED_METRICS = ("train_runtime", "first_step_unix", "train_tokens_per_second",
+                    "train_steps_per_second", "speed_metrics_start_step", "memory_rss_mb",
+                    "cuda_max_memory_allocated_mb")
+
+
+def measured(key: str) -> bool:
+    """A machine measurement: MEASURED, or a method's own timing (GRPO's time/generation)."""
+    return key in MEASURED or key.startswith("time/")
+
+
+def without_measured(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not measured(k)}
 
 
 def _rounded(logs: dict) -> dict:
@@ -43,7 +61,7 @@ class History(Callback):
         # a trainer type's own statistics (DPO's rewards/..., GRPO's reward, entropy, ...)
         # get columns too
         own = [k for k in dict.fromkeys(k for row in self.rows if "loss" in row for k in row)
-               if k not in TRAIN_FIELDS and k not in NOT_PLOTTED]
+               if k not in TRAIN_FIELDS and k not in NOT_PLOTTED and not measured(k)]
         for name, fields, key in (("train.csv", TRAIN_FIELDS + own, "loss"),
                                   ("eval.csv", EVAL_FIELDS, "eval_loss")):
             final = self.plots_dir / name
@@ -175,6 +193,33 @@ class ProgressBar(Callback):
             self.bar.stop()
         else:
             self.bar.close()
+
+
+@contextlib.contextmanager
+def work_bar(total: int, desc: str, log_cfg):
+    """A bar like training's (tqdm or rich, `logging.progress_bar`, on stderr) over a stage's
+    batches outside training: the evaluate stage's losses and generations, minutes on a CPU.
+    Shown when the training bar would be (`logging.disable_tqdm`); yields `advance(n=1)`."""
+    if not progress_enabled(log_cfg.disable_tqdm):
+        yield lambda n=1: None
+        return
+    if log_cfg.progress_bar == "rich":
+        from rich.console import Console as RichConsole
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeRemainingColumn)
+
+        with Progress(TextColumn(desc), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=RichConsole(file=sys.stderr)) as bar:
+            task = bar.add_task(desc, total=total)
+            yield lambda n=1: bar.advance(task, n)
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
 
 
 def progress_enabled(disable_tqdm: bool | None, stream=None) -> bool:

@@ -12,7 +12,7 @@ Layout of `<dir>/step-0000050/`:
 All ranks write into one hidden staging folder, which rank 0 renames into place once everything
 is on disk, so a crash mid-save leaves the previous checkpoint valid. A half-written or corrupted
 checkpoint fails its hashes on load and the previous one is used, with a warning. Rotation keeps
-the newest `save_total_limit` by save time, or, with a metric, the newest plus the best. The folder
+the newest `save_total_limit` by step, or, with a metric, the newest plus the best. The folder
 must be on storage all nodes share, unless save_on_each_node gives each node a whole copy of its
 own (written and read through a node-local process group).
 """
@@ -103,14 +103,16 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
     # a half-written checkpoint must not keep the space; the leader owns the folder
     with discard_on_failure(staging, remove=leader):
         with _single_process_ok():
-            dcp.save(dcp_state, checkpoint_id=str(staging), process_group=group)
+            dcp.save(dcp_state, storage_writer=_ReproducibleWriter(str(staging)),
+                     process_group=group)
         for r, state in _rng_files(rank, group, leader):
             _torch_save(state, staging / f"rank-{r:05d}.pt")
         _barrier()
         if leader:
             _torch_save(trainer_state, staging / TRAINER)
             files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
-            meta = {**meta, "step": step, "saved_at_ns": time.time_ns(), "files": files}
+            # no save time: the same run writes the same bytes (DVC hashes the folder)
+            meta = {**meta, "step": step, "files": files}
             meta[META_HASH] = _meta_digest(meta)
             (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
             _fsync_dir(staging)
@@ -121,6 +123,16 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
+
+
+class _ReproducibleWriter(dcp.FileSystemWriter):
+    """DCP's file writer, minus what made the same save differ in bytes: its `.metadata`
+    recorded the staging folder's absolute path and a fresh uuid (`storage_meta`:
+    checkpoint_id, save_id). Loading needs neither (it makes its own), and DVC hashes the
+    checkpoint folder, so a rerun of the same params must write the same bytes."""
+
+    def storage_meta(self):
+        return None
 
 
 def _rng_files(rank: int, group, leader: bool) -> list[tuple[int, dict]]:
@@ -225,7 +237,9 @@ def _skip(path: Path, why: str) -> None:
 
 
 def list_checkpoints(directory: Path, validate: bool = True) -> list[Path]:
-    """Checkpoints oldest -> newest by save time; invalid ones skipped (with a warning)."""
+    """Checkpoints oldest -> newest, by step: one folder holds one run's checkpoints (a fresh
+    run sets the earlier ones aside, a resume by path the later ones), so a later step is a
+    later save. Invalid ones are skipped (with a warning)."""
     if not directory.exists():
         return []
     found = []
@@ -235,10 +249,7 @@ def list_checkpoints(directory: Path, validate: bool = True) -> list[Path]:
         if validate and (why := problem(path)) is not None:
             _skip(path, why)
             continue
-        meta = read_meta(path) or {}
-        # without meta.json the folder's own time places it (it used to sort first, so a
-        # resume passed over the newest, broken one without a word)
-        found.append((meta.get("saved_at_ns") or path.stat().st_mtime_ns, path))
+        found.append((_step_of(path) or 0, path))
     return [p for _, p in sorted(found)]
 
 

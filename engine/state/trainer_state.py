@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.reporting.reporters import History
+from engine.reporting.reporters import History, without_measured
 from engine.state import checkpoint as ckpt
 from engine.state.fingerprint import differences
 from engine.state.run_view import RunView
@@ -35,7 +35,8 @@ def save(run: RunView, evaluated: dict) -> Path:
         "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict() if run.scaler else None,
         "strategy": run.strategy.trainer_state(),
-        "history": history_rows(run.reporters),
+        # without wall-clock values: the same run saves the same bytes (DVC hashes the folder)
+        "history": [without_measured(row) for row in history_rows(run.reporters)],
         "monitor": run.monitor.state_dict(),
         "callbacks": run.reporters.state_dicts() if run.reporters else {},
     }

@@ -1,6 +1,6 @@
 """Typed config (schema) and how params files become it (loader)."""
 
-from finetune.config.loader import config_fingerprint, load_config, parse_override, validate_raw
+from finetune.config.loader import config_fingerprint, load_config, validate_raw
 from finetune.config.schema import FinetuneConfig
 
-__all__ = ["FinetuneConfig", "config_fingerprint", "load_config", "parse_override", "validate_raw"]
+__all__ = ["FinetuneConfig", "config_fingerprint", "load_config", "validate_raw"]

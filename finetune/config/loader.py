@@ -1,4 +1,4 @@
-"""Read a params file, apply `-s section.key=value` overrides, validate, explain errors.
+"""Read a params file, apply overrides (finetune.config.overrides), validate, explain errors.
 
 Every failure becomes a `PipelineError` with one line: the file, the dotted key, what is wrong and
 (for unknown keys) the closest valid name.
@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import AliasChoices, BaseModel, ValidationError
 
+from finetune.config.overrides import apply_overrides
 from finetune.config.schema import FinetuneConfig
 from finetune.config.section import did_you_mean, section_model
 from finetune.errors import PipelineError
@@ -35,30 +36,12 @@ def project_root_for(params_path: Path) -> Path:
     return params_path.parent
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """`section.key=value` -> (dotted key, YAML-parsed value)."""
-    if "=" not in text:
-        raise PipelineError(f"override '{text}' must look like section.key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or "." not in key:
-        raise PipelineError(f"override '{text}': key must be dotted, e.g. training.max_steps=10")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, str):  # YAML 1.1 reads 3e-4 as a string; users mean a number
-        try:
-            value = float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
-            pass
-    return key, value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Return a copy of `raw` with each dotted key set (sections created as needed)."""
+def set_keys(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `raw` with each dotted key set to its (already typed) value, sections created
+    as needed: how code writes params (tests, benchmarks, the flow's dict of overrides). The
+    command line's `-s` strings go through finetune.config.overrides, DVC's rules."""
     merged = json.loads(json.dumps(raw))
-    for dotted, value in overrides.items():
+    for dotted, value in values.items():
         node = merged
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -105,12 +88,14 @@ def _not_a_deployment_file(path: Path, raw: dict[str, Any]) -> None:
 def load_config(
     path: str | Path, overrides: dict[str, Any] | list[str] | None = None
 ) -> FinetuneConfig:
-    """Load and validate a params file; the only way the code gets a config."""
+    """Load and validate a params file; the only way the code gets a config. `overrides`:
+    `-s` strings (DVC's syntax and rules) or a dict of dotted keys to values (set_keys)."""
     path = Path(path)
     raw = read_params_file(path)
-    if isinstance(overrides, list):
-        overrides = dict(parse_override(o) for o in overrides)
-    raw = apply_overrides(raw, overrides or {})
+    if isinstance(overrides, list):  # `-s` strings: as dvc exp run -S applies them
+        raw = apply_overrides(raw, overrides, source=str(path), params_path=path)
+    else:
+        raw = set_keys(raw, overrides or {})
     with project_files(project_root_for(path)):  # 'path/to/file:Class' references
         return validate_raw(raw, source=str(path))
 
@@ -161,6 +146,10 @@ def _all_keys(model: type[BaseModel] = FinetuneConfig, prefix: str = "") -> list
         sub = section_model(field.annotation)
         keys += _all_keys(sub, f"{prefix}{name}.") if sub else [f"{prefix}{name}"]
     return keys
+
+
+def all_keys() -> list[str]:
+    return _all_keys()
 
 
 def _elsewhere(name: str, exact: bool = False) -> str | None:

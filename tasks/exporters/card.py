@@ -1,5 +1,7 @@
-"""The model card (README.md of the HF folder): base model, data hash, params, metrics, commit,
-and how to load what the export holds."""
+"""The model card (README.md of the HF folder): base model, data hash, params, metrics, and how
+to load what the export holds. Only what the params, code and data determine: the export is a
+DVC out, so the same run must write the same bytes; the git commit and MLflow run id, which
+differ per commit and per run, are tags of the registered version and of the run."""
 
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def _metrics_table(metrics: dict) -> str:
 def model_card(ctx: ExportContext) -> str:
     ws, cfg, lineage = ctx.ws, ctx.config, ctx.lineage
     base = resolve_model_ref(cfg.model.name_or_path, ws.root)
+    if Path(base).is_relative_to(ws.root):  # a folder of the project: no clone's own path
+        base = Path(base).relative_to(ws.root).as_posix()
     source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
     export_dir = ws.layout.export.relative_to(ws.root)
     auto, tag = cfg.model_task.auto_class, cfg.model_task.pipeline_tag
@@ -56,9 +60,9 @@ Fine-tuned with {cfg.peft.peft_type if cfg.peft.use_peft else 'full'} fine-tunin
 
 - Base model: `{cfg.model.name_or_path}` (`{base}`)
 - Data: `{source}`, raw splits sha256 `{lineage.get('data_sha256')}`
-- Git commit: `{lineage['git_commit']}` (dirty: {lineage['git_dirty']})
+- Config fingerprint: `{lineage.get('config_fingerprint')}`
 - Strategy: {cfg.distributed.strategy}, world size {cfg.distributed.world_size}
-- MLflow run: `{ctx.run_id}`
+- Git commit and MLflow run: the tags of the registered model version and of its MLflow run
 
 ## Metrics (test split)
 {_metrics_table(ctx.metrics)}

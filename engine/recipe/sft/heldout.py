@@ -13,6 +13,7 @@ from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
 from engine.modeling.model import decoder_start, max_positions
 from engine.modeling.quantization import conversion_blocker, quantized_copy
+from engine.reporting.reporters import work_bar
 from finetune.errors import PipelineError
 
 
@@ -23,32 +24,44 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
     cfg, tok = held.cfg, held.tokenizer
     rows = held.rows()
     # The whole split: eval.eval_batches caps only the quick in-training evals.
-    args = (held.test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
+    batch = cfg.training.per_device_eval_batch_size
+    args = (held.test, batch, tok.pad_token_id)
     # data.collate_fn's, as in training; an encoder-decoder model's own layout
     batches = eval_collate(cfg.data, tok.pad_token_id, decoder_start(cfg, held.base))
-    results, generations = {}, {}
-    results["base"] = loss_entry(evaluate_loss(held.base, *args, collate_fn=batches))
-    if rows is not None:
-        generations["base"] = generate(held, held.base, rows)
-    tuned = held.tuned()
-    tuned_loss = evaluate_loss(tuned, *args, collate_fn=batches)
-    results["finetuned"] = loss_entry(tuned_loss)
     t = cfg.training
-    if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
-        device = next(tuned.parameters()).device
-        reason = conversion_blocker(t.qat_recipe, t.qat_group_size, device)
-        if reason:  # QAT trained here; its conversion needs kernels this machine lacks
-            print(f"[evaluate] quantized loss not measured: training.qat_recipe "
-                  f"{t.qat_recipe} cannot be converted on {device.type} (torchao: {reason})",
-                  flush=True)
-        else:
-            quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
-            results["quantized"] = loss_entry(evaluate_loss(quantized, *args, collate_fn=batches))
-            del quantized
-    if after_loss is not None:
-        after_loss(held, results)
-    if rows is not None:
-        generations["finetuned"] = generate(held, tuned, rows)
+    loss_batches = -(-len(held.test) // batch)
+    gen_batches = 0 if rows is None else -(-len(rows) // batch)
+    total = 2 * (loss_batches + gen_batches) + (loss_batches if t.qat_recipe else 0)
+    what = f"loss on {len(held.test)} rows" + (
+        "" if rows is None else f", {len(rows)} greedy generations of up to "
+        f"{cfg.eval.generation_max_new_tokens} tokens")
+    results, generations = {}, {}
+    with work_bar(total, "evaluate", cfg.logging) as advance:
+        print(f"[evaluate] base model: {what}", flush=True)
+        results["base"] = loss_entry(evaluate_loss(held.base, *args, collate_fn=batches,
+                                                   on_batch=advance))
+        if rows is not None:
+            generations["base"] = generate(held, held.base, rows, advance)
+        print(f"[evaluate] fine-tuned model: {what}", flush=True)
+        tuned = held.tuned()
+        tuned_loss = evaluate_loss(tuned, *args, collate_fn=batches, on_batch=advance)
+        results["finetuned"] = loss_entry(tuned_loss)
+        if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
+            device = next(tuned.parameters()).device
+            reason = conversion_blocker(t.qat_recipe, t.qat_group_size, device)
+            if reason:  # QAT trained here; its conversion needs kernels this machine lacks
+                print(f"[evaluate] quantized loss not measured: training.qat_recipe "
+                      f"{t.qat_recipe} cannot be converted on {device.type} (torchao: {reason})",
+                      flush=True)
+            else:
+                quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
+                results["quantized"] = loss_entry(evaluate_loss(
+                    quantized, *args, collate_fn=batches, on_batch=advance))
+                del quantized
+        if after_loss is not None:
+            after_loss(held, results)
+        if rows is not None:
+            generations["finetuned"] = generate(held, tuned, rows, advance)
         for name, texts in generations.items():
             scores = held.scorer.generations(rows, texts)
             results[name].update({k: round(v, 6) for k, v in scores.items()})
@@ -61,7 +74,8 @@ def loss_entry(result: dict) -> dict:
     return {"loss": round(result["loss"], 6), "perplexity": round(result["perplexity"], 4)}
 
 
-def generate(held: HeldOut, model, rows) -> list[str]:
+def generate(held: HeldOut, model, rows, on_batch: Callable[[], None] | None = None
+             ) -> list[str]:
     ev, tok = held.cfg.eval, held.tokenizer
     limit = max_positions(held.cfg.model, held.root)
     room = limit - ev.generation_max_new_tokens if limit else None
@@ -72,7 +86,7 @@ def generate(held: HeldOut, model, rows) -> list[str]:
         )
     prompts = encode_prompts(tok, rows["prompt"].tolist(), room)
     return greedy_generate(model, tok, prompts, held.cfg.training.per_device_eval_batch_size,
-                           ev.generation_max_new_tokens)
+                           ev.generation_max_new_tokens, on_batch=on_batch)
 
 
 def samples(rows, generations: dict[str, list[str]], n: int) -> list[dict]:
