@@ -12,7 +12,7 @@ import yaml
 
 from helpers import ROOT
 from finetune.config import compat
-from finetune.config.loader import apply_overrides, validate_raw
+from finetune.config.loader import set_keys, validate_raw
 from finetune.errors import PipelineError
 
 DEFAULT = yaml.safe_load((ROOT / "params/default.yaml").read_text())
@@ -20,7 +20,7 @@ ROWS = [r for r in compat.RULES if r.scope != "machine"]
 
 
 def _validate(overrides: dict):
-    return validate_raw(apply_overrides(DEFAULT, overrides), source="p.yaml")
+    return validate_raw(set_keys(DEFAULT, overrides), source="p.yaml")
 
 
 def _row_id(rule) -> str:

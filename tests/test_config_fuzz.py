@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import TINY, as_a_worker, copy_project, stages_here
-from finetune.config.loader import _all_keys, apply_overrides, validate_raw
+from finetune.config.loader import _all_keys, set_keys, validate_raw
 from finetune.config.schema import FinetuneConfig
 from finetune.config.section import section_model
 from finetune.errors import PipelineError
@@ -169,7 +169,7 @@ def check_draw(project: Path, work: Path, base: str, overrides: dict, stages: bo
     from tasks.launch import job_spec
     from tasks.train import with_resolved_seed
 
-    raw = apply_overrides(project_params(project), {**BASES[base], **overrides})
+    raw = set_keys(project_params(project), {**BASES[base], **overrides})
     try:
         cfg = validate_raw(raw, source="p.yaml")
         ws = Workspace(config=cfg, root=project, params_path=project / "params/default.yaml")

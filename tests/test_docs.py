@@ -39,7 +39,7 @@ TOP = ("params/", "tasks/", "engine/", "flows/", "finetune/", "tests/", "bench/"
        "constraints.txt", "prefect.yaml", "mkdocs.yml")
 #: written by a run but neither a DVC output nor in git: the train logs, the checkpoints a
 #: fresh run moves aside, an interrupted write's staging folders
-RUN_PATHS = ("data/logs", "data/checkpoints.previous", "data/.trained.tmp-*",
+RUN_PATHS = ("data/logs", "data/lineage", "data/checkpoints.previous", "data/.trained.tmp-*",
              "data/sft/gsm8k")  # the DPO example's base: the default run's export, copied
 #: names that look like paths and are not: the Prefect deployment
 NOT_PATHS = ("finetune/default",)

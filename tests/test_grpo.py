@@ -342,11 +342,11 @@ def test_beta_with_full_fine_tuning_says_it_holds_a_frozen_copy(prompts, tmp_pat
 def _config(overrides: dict, params: str = "params/grpo-gsm8k.yaml"):
     import yaml
 
-    from finetune.config.loader import apply_overrides, validate_raw
+    from finetune.config.loader import set_keys, validate_raw
     from helpers import ROOT
 
     raw = yaml.safe_load((ROOT / params).read_text())
-    return validate_raw(apply_overrides(raw, overrides), source="p.yaml")
+    return validate_raw(set_keys(raw, overrides), source="p.yaml")
 
 
 def test_grpo_refuses_rows_that_are_not_prompts_and_its_rows_are_in_the_table():

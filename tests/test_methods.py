@@ -121,11 +121,11 @@ def test_the_per_example_objective_is_not_sfts(toy_run, tmp_path):
 def _config(overrides: dict):
     import yaml
 
-    from finetune.config.loader import apply_overrides, validate_raw
+    from finetune.config.loader import set_keys, validate_raw
     from helpers import ROOT
 
     raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
-    return validate_raw(apply_overrides(raw, overrides), source="p.yaml")
+    return validate_raw(set_keys(raw, overrides), source="p.yaml")
 
 
 def test_a_trainer_type_may_set_the_model_it_trains():

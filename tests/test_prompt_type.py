@@ -182,10 +182,10 @@ def test_streamed_examples_carry_the_reward_inputs(tok, ctx):
 def _config(overrides: dict):
     import yaml
 
-    from finetune.config.loader import apply_overrides, validate_raw
+    from finetune.config.loader import set_keys, validate_raw
 
     raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
-    return validate_raw(apply_overrides(raw, overrides), source="p.yaml")
+    return validate_raw(set_keys(raw, overrides), source="p.yaml")
 
 
 def test_sft_refuses_prompt_rows_in_one_line_and_a_method_of_prompts_takes_gsm8ks_keys(

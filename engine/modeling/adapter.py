@@ -3,13 +3,11 @@ modules exist, and saved adapter files that are byte-identical for identical tra
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from pathlib import Path
 
 import torch
 
-from engine.modeling.model import resolve_model_ref
+from engine.modeling.model import peft_wrapping, resolve_model_ref
 from engine.modeling.vocabulary import GREW, embedding_module_names
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.errors import PipelineError
@@ -42,18 +40,6 @@ def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
         modules_to_save=modules_to_save,
         ensure_weight_tying=tied,
     )
-
-
-@contextlib.contextmanager
-def peft_wrapping():
-    """Around PEFT's wrapping of a model: peft 0.21's PeftModel.__init__ asks the model
-    `is_gradient_checkpointing`, a property transformers 5 deprecated for
-    `is_activation_checkpointing` (same answer), so every wrap printed a FutureWarning that no
-    code of ours can act on. Only that warning, raised inside this block, is dropped."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                category=FutureWarning)
-        yield
 
 
 def apply_peft(model, cfg: PeftSection):

@@ -8,7 +8,9 @@ and what to do, instead of a 40-line traceback from huggingface_hub.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -259,8 +261,6 @@ def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_di
     if peft_cfg.use_peft:
         from peft import PeftModel
 
-        from engine.modeling.adapter import peft_wrapping
-
         base = base if base is not None else load_base_model(cfg, root, labels=labels)
         with peft_wrapping():
             return PeftModel.from_pretrained(base, str(trained_dir))
@@ -290,3 +290,15 @@ def count_parameters(model) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, total
+
+
+@contextlib.contextmanager
+def peft_wrapping():
+    """Around PEFT's wrapping of a model: peft 0.21's PeftModel.__init__ asks the model
+    `is_gradient_checkpointing`, a property transformers 5 deprecated for
+    `is_activation_checkpointing` (same answer), so every wrap printed a FutureWarning that no
+    code of ours can act on. Only that warning, raised inside this block, is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield

@@ -18,7 +18,7 @@ from pydantic import AliasChoices, BaseModel, ValidationError
 
 from finetune.config.overrides import apply_overrides
 from finetune.config.schema import FinetuneConfig
-from finetune.config.section import did_you_mean, section_model
+from finetune.config.section import did_you_mean, dotted_keys, section_model
 from finetune.errors import PipelineError
 from finetune.imports import project_files
 
@@ -139,13 +139,9 @@ def explain(error: dict[str, Any]) -> str:
     return f"{key}: {msg}{shown}"
 
 
-def _all_keys(model: type[BaseModel] = FinetuneConfig, prefix: str = "") -> list[str]:
+def _all_keys() -> list[str]:
     """Every dotted key of the schema."""
-    keys = []
-    for name, field in model.model_fields.items():
-        sub = section_model(field.annotation)
-        keys += _all_keys(sub, f"{prefix}{name}.") if sub else [f"{prefix}{name}"]
-    return keys
+    return dotted_keys(FinetuneConfig)
 
 
 def all_keys() -> list[str]:

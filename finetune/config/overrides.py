@@ -106,7 +106,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | dict[str, Any],
 
 def _explain(override, raw: dict[str, Any], source: str, exc: Exception) -> str:
     """Hydra's refusal -> one line: the override, the key, what to write instead."""
-    from finetune.config.loader import all_keys
+    from finetune.config.schema import FinetuneConfig
+    from finetune.config.section import dotted_keys
+
+    keys = dotted_keys(FinetuneConfig)
 
     line, key = override.input_line, override.key_or_group
     plain = line.split(":", 1)[1] if ":" in line.partition("=")[0] else line
@@ -117,11 +120,11 @@ def _explain(override, raw: dict[str, Any], source: str, exc: Exception) -> str:
                 f"'{plain.lstrip('+')}' (or '+{plain}' to add or change)")
     if _present(raw, key.split(".")[:-1]) is False:
         return f"override '{line}': '{key.rsplit('.', 1)[0]}' is not a section in {source}"
-    if key in all_keys():
+    if key in keys:
         return (f"override '{line}': {source} has no key '{key}' (its default applies); add "
                 f"it with '+{plain}', as dvc exp run -S needs")
     if "Could not override" in str(exc):
-        close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return f"override '{line}': unknown key '{key}'{hint}"
     cause = exc.__cause__ or exc

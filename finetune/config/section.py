@@ -134,3 +134,13 @@ def _field_at(model: type[BaseModel], dotted: str) -> FieldInfo:
     for part in dotted.split(".")[:-1]:
         model = section_model(model.model_fields[part].annotation)
     return model.model_fields[dotted.rsplit(".", 1)[-1]]
+
+
+def dotted_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of a config class (sections walked into): the schema's key list, for
+    the loader's hints and the overrides' (which cannot import the loader)."""
+    keys = []
+    for name, field in model.model_fields.items():
+        sub = section_model(field.annotation)
+        keys += dotted_keys(sub, f"{prefix}{name}.") if sub else [f"{prefix}{name}"]
+    return keys
