@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.datapath.data import IGNORE_INDEX
 from engine.modeling.model import base_model
 from engine.objective.loss import (
     ChunkedLoss,
     FullLoss,
     PendingTargets,
     loss_and_grads,
+    probe_batch,
     relative_errors,
 )
 from finetune.errors import PipelineError
@@ -72,10 +72,7 @@ def factory_loss(model, ref: str, device: torch.device, amp: torch.dtype | None,
             f"{' with a bias' if getattr(head, 'bias', None) is not None else ''}, not a plain "
             "linear layer (an adapter on lm_head?), so (hidden, weight, labels) cannot compute "
             "it; leave lm_head out of peft.target_modules or remove fused_loss_factory")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, base.config.vocab_size, (2, 64), generator=g)
-    labels = ids.clone()
-    labels[:, :16] = IGNORE_INDEX
+    ids, labels = probe_batch(base.config.vocab_size)
     was_training = model.training
     model.eval()  # no dropout: both passes compute the same function
     try:

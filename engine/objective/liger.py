@@ -27,6 +27,7 @@ from engine.objective.loss import (
     FullLoss,
     PendingTargets,
     loss_and_grads,
+    probe_batch,
     relative_errors,
 )
 from finetune.errors import PipelineError
@@ -90,10 +91,7 @@ def apply_liger(model, device: torch.device, amp: torch.dtype | None, log) -> Li
                             "peft.target_modules or set it false")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, base.config.vocab_size, (2, 64), generator=g)
-    labels = ids.clone()
-    labels[:, :16] = IGNORE_INDEX
+    ids, labels = probe_batch(base.config.vocab_size)
     was_training = model.training
     model.eval()  # no dropout: both passes compute the same function
     try:
