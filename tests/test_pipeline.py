@@ -45,6 +45,8 @@ READS_ENV = "FINETUNE_CONFIG_READS"
 NOT_OUTPUT_KEYS = {
     "logging.mlflow_tracking_uri": "where the MLflow store is; no DVC output records it",
     "data.num_proc": "tokenizer worker processes: the same tokens either way",
+    "logging.disable_tqdm": "whether the evaluate stage draws a progress bar; same numbers",
+    "logging.progress_bar": "which progress bar the evaluate stage draws; same numbers",
 }
 
 

@@ -7,6 +7,7 @@ before its first checkpoint resumed the previous run's last one.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -119,10 +120,12 @@ def test_ctrl_c_before_the_first_checkpoint_offers_no_earlier_runs_checkpoint(to
     _, err = stage.communicate(timeout=60)
     assert stage.returncode == 130, err
     (line,) = [ln for ln in err.splitlines() if ln.startswith("error: ")]
-    assert line == ("error: stage train interrupted (SIGINT); reached step 2; no checkpoint of "
-                    "this run yet (data/checkpoints keeps an earlier run's, untouched); start "
-                    "again with: finetune stage train (checkpoint.save_steps sets how often one "
-                    "is written)"), line
+    # the step the stage last heard of: the relay may lag the worker's own step=2 line
+    assert re.fullmatch(
+        r"error: stage train interrupted \(SIGINT\); reached step [12]; no checkpoint of "
+        r"this run yet \(data/checkpoints keeps an earlier run's, untouched\); start "
+        r"again with: finetune stage train \(checkpoint.save_steps sets how often one "
+        r"is written\)", line), line
     wait_until_no_process_in(project)
     assert _checkpoints_and_model(project) == before
 
