@@ -58,6 +58,9 @@ def test_a_killed_dvc_repro_leaves_no_analytics_process(project, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("DVC_NO_ANALYTICS", "DVC_TEST", "DO_NOT_TRACK", "DVC_DAEMON")}
     env["DVC_DAEMON_LOGFILE"] = str(log)
+    # each line as it is written: block-buffered into the pipe, "Running stage" could arrive
+    # only as dvc exits, and the Ctrl-C would land on a finished repro
+    env["PYTHONUNBUFFERED"] = "1"
     before = set(_analytics_daemons())
     repro = subprocess.Popen([str(BIN / "dvc"), "repro"], cwd=project, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
