@@ -155,6 +155,17 @@ def _to(ours: str, convert=lambda v: v, note: str = ""):
     return handle
 
 
+def _entries(prefix: str, block: dict, out: list[Row]):
+    """(json key, name, value) of each entry of a block, less the "auto" ones: those are
+    rows saying the params file's value stands."""
+    for sub, v in block.items():
+        json_key = f"{prefix}.{sub}"
+        if v == AUTO:
+            out.append(Row(json_key, v, note="auto: the params file's value"))
+        else:
+            yield json_key, sub, v
+
+
 def _clipping(key, value, out, refused):
     # DeepSpeed's 0 is no clipping, our null
     out.append(Row(key, value, (("training.max_grad_norm", value or None),)))
@@ -165,11 +176,8 @@ def _precision(name: str):
         if not isinstance(value, dict):
             refused.add(key, value, 'write it as {"enabled": true}')
             return
-        for sub, v in value.items():
-            json_key = f"{key}.{sub}"
-            if v == AUTO:
-                out.append(Row(json_key, v, note="auto: the params file's value"))
-            elif sub == "enabled":
+        for json_key, sub, v in _entries(key, value, out):
+            if sub == "enabled":
                 out.append(Row(json_key, v, (("training.mixed_precision", name),) if v else (),
                                "" if v else "off: the params file's mixed_precision"))
             elif name == "fp16" and sub == "loss_scale" and v == 0:
@@ -202,11 +210,8 @@ def _zero(key, value, out, refused):
     if not isinstance(value, dict):
         refused.add(key, value, "write it as an object with a stage")
         return
-    for sub, v in value.items():
-        json_key = f"{key}.{sub}"
-        if v == AUTO:
-            out.append(Row(json_key, v, note="auto: the params file's value"))
-        elif sub == "stage":
+    for json_key, sub, v in _entries(key, value, out):
+        if sub == "stage":
             if v in _STAGES:
                 out.append(Row(json_key, v, _STAGES[v]))
             else:
@@ -228,11 +233,8 @@ def _offload(key, value, out, refused):
     if not isinstance(value, dict):
         refused.add(key, value, 'write it as {"device": "cpu"}')
         return
-    for sub, v in value.items():
-        json_key = f"{key}.{sub}"
-        if v == AUTO:
-            out.append(Row(json_key, v, note="auto: the params file's value"))
-        elif sub == "device" and v == "cpu":
+    for json_key, sub, v in _entries(key, value, out):
+        if sub == "device" and v == "cpu":
             out.append(Row(json_key, v, (("distributed.fsdp.cpu_offload", True),),
                            "FSDP2 keeps parameters, gradients and the optimizer step on the "
                            "CPU together"))
@@ -271,11 +273,8 @@ def _optimizer(key, value, out, refused):
         return
     out.append(Row(f"{key}.type", kind, (("optimizer.name", name),), note))
     accepted = set(inspect.signature(klass).parameters)
-    for sub, v in params.items():
-        json_key = f"{key}.params.{sub}"
-        if v == AUTO:
-            out.append(Row(json_key, v, note="auto: the params file's value"))
-        elif sub in _OPTIMIZER_KEYS:
+    for json_key, sub, v in _entries(f"{key}.params", params, out):
+        if sub in _OPTIMIZER_KEYS:
             out.append(Row(json_key, v, ((_OPTIMIZER_KEYS[sub], v),)))
         elif sub in ("adam_w_mode", "torch_adam"):
             out.append(Row(json_key, v, note="chooses DeepSpeed's implementation; the torch "
@@ -305,11 +304,8 @@ def _scheduler(key, value, out, refused):
                     "default)"), 'the warmups here are linear; set "warmup_type": "linear"')
     if kind == "WarmupCosineLR" and "cos_min_ratio" not in params:
         params["cos_min_ratio"] = 0.0001  # DeepSpeed's default, said in the table
-    for sub, v in params.items():
-        json_key = f"{key}.params.{sub}"
-        if v == AUTO:
-            out.append(Row(json_key, v, note="auto: the params file's value"))
-        elif sub == "warmup_type":  # any other value is refused above
+    for json_key, sub, v in _entries(f"{key}.params", params, out):
+        if sub == "warmup_type":  # any other value is refused above
             if v == "linear":
                 out.append(Row(json_key, v, note="transformers' warmups are linear"))
         elif sub == "warmup_num_steps":
