@@ -37,6 +37,18 @@ def _can_mount_privately() -> bool:
     return probe.returncode == 0
 
 
+def _in_own_mount_namespace(project, script: str):
+    """Run `script` (which mounts a small tmpfs and ends with `echo "rc=$?" >&2`) in its own
+    user and mount namespace; the stage's exit code must be 1; its one error line."""
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
+                           script], cwd=project, capture_output=True, text=True)
+    rc_line = [ln for ln in proc.stderr.splitlines() if ln.startswith("rc=")]
+    assert rc_line == ["rc=1"], proc.stderr
+    stderr = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("rc="))
+    line = error_line(subprocess.CompletedProcess([], 1, proc.stdout, stderr), code=1)
+    return proc, line
+
+
 def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_what_was_written(
         tokenized, tmp_path):
     if not _can_mount_privately():
@@ -57,12 +69,7 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_keeps_what_was_written(
         f"{BIN / 'python'} -c \"from pathlib import Path; from engine.state import checkpoint as c; "
         f"print('latest', c.latest(Path('data/checkpoints')).name); "
         f"print('entries', sorted(p.name for p in Path('data/checkpoints').iterdir()))\"")
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
-                           script], cwd=project, capture_output=True, text=True)
-    rc_line = [ln for ln in proc.stderr.splitlines() if ln.startswith("rc=")]
-    assert rc_line == ["rc=1"], proc.stderr
-    stderr = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("rc="))
-    line = error_line(subprocess.CompletedProcess([], 1, proc.stdout, stderr), code=1)
+    proc, line = _in_own_mount_namespace(project, script)
     assert line.startswith("error: disk full writing ") and "data/checkpoints" in line, line
     assert "checkpoint.save_total_limit" in line and "intact" in line, line
     # the step-3 checkpoint is still the valid latest, and the half-written one is gone
@@ -216,12 +223,7 @@ def test_disk_full_under_ddp_names_the_full_disk_not_dcps_wrapper(tokenized, tmp
     before = stage_outputs(project)
     script = (f"mkdir -p data/checkpoints && mount -t tmpfs -o size=8m tmpfs data/checkpoints"
               f" && {BIN / 'finetune'} stage train; echo \"rc=$?\" >&2")
-    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "bash", "-c",
-                           script], cwd=project, capture_output=True, text=True)
-    rc_line = [ln for ln in proc.stderr.splitlines() if ln.startswith("rc=")]
-    assert rc_line == ["rc=1"], proc.stderr
-    stderr = "\n".join(ln for ln in proc.stderr.splitlines() if not ln.startswith("rc="))
-    line = error_line(subprocess.CompletedProcess([], 1, proc.stdout, stderr), code=1)
+    _, line = _in_own_mount_namespace(project, script)
     assert line.startswith("error: disk full writing ") and "data/checkpoints" in line, line
     assert "CheckpointException" not in line and "checkpoint.save_total_limit" in line, line
     assert {k: v for k, v in stage_outputs(project).items() if "/plots/" not in k} == {
