@@ -149,7 +149,7 @@ class EvalConfig(Section):
 
 
 #: export.formats unless set: every format, each written when it applies (tasks/exporters)
-EXPORT_FORMATS = ("hf", "adapter", "quantized")
+EXPORT_FORMATS = ("hf", "adapter", "quantized", "gguf")
 
 
 class ExportConfig(Section):
@@ -167,7 +167,14 @@ class ExportConfig(Section):
         "card is in it, the other formats' folders too, and the registry logs its model); "
         "adapter, the PEFT adapter alone in <export>/adapter (PEFT runs with merge_adapter and "
         "save_adapter); quantized, the QAT model converted, in <export>/quantized (runs with "
-        "training.qat_recipe). Written hf first, whatever the list's order.")
+        "training.qat_recipe); gguf, llama.cpp's files in <export>/gguf (when export.gguf "
+        "lists types). Written hf first, whatever the list's order.")
+    gguf: list[str] = Field(
+        default_factory=list,
+        description="GGUF file types the export stage writes to <export>/gguf (f32, f16, "
+        "bf16, q8_0: tasks/exporters/gguf/quants.py), the adapter merged, one file each, "
+        "with an Ollama Modelfile and, for LoRA runs with save_adapter, the adapter alone as "
+        "a LoRA-GGUF (docs/gguf.md). Empty: none.")
 
     @field_validator("formats")
     @classmethod
@@ -179,6 +186,23 @@ class ExportConfig(Section):
         if twice:
             raise ValueError(f"'{twice[0]}' is listed twice")
         return formats
+
+    @field_validator("gguf")
+    @classmethod
+    def _gguf_once(cls, types: list[str]) -> list[str]:
+        """Names are checked against the encoders (tasks/exporters/gguf/quants.py) by
+        `finetune validate` and the export stage; a name twice would write one file twice."""
+        twice = [t for i, t in enumerate(types) if t in types[:i]]
+        if twice:
+            raise ValueError(f"'{twice[0]}' is listed twice")
+        return types
+
+    @model_validator(mode="after")
+    def _gguf_is_a_format(self) -> "ExportConfig":
+        if self.gguf and "gguf" not in self.formats:
+            raise ValueError(f"gguf lists {', '.join(self.gguf)} but formats does not list "
+                             "gguf: add it to export.formats or empty export.gguf")
+        return self
 
 
 class RegistryConfig(Section):
