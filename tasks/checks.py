@@ -29,10 +29,11 @@ def check_without_data(ws: Workspace) -> None:
 
 def check_export_formats(ws: Workspace) -> None:
     """export.formats: every name is an exporter's (tasks.exporters, which the export stage
-    runs)."""
-    from tasks.exporters import resolve
+    runs); export.gguf: every type is one the GGUF exporter encodes."""
+    from tasks.exporters import gguf, resolve
 
     resolve(ws.config.export.formats)
+    gguf.check_types(ws.config.export.gguf)
 
 
 def check_harness(ws: Workspace) -> None:

@@ -23,7 +23,8 @@ from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
 from tasks import registry, tracking
-from tasks.exporters import ExportContext, resolve
+from tasks.exporters import ExportContext, gguf, preflight, resolve
+from tasks.exporters.card import model_card
 
 
 def export(ws: Workspace) -> dict[str, Path]:
@@ -45,15 +46,18 @@ def export(ws: Workspace) -> dict[str, Path]:
     with atomic_dir(ws.layout.export) as staging:
         ctx = ExportContext(ws, model, tok, metrics, lineage, run_id, staging,
                             tuple(cfg.export.formats))
+        preflight(ctx)
         for write in exporters:
             write(ctx)
+        (staging / "README.md").write_text(model_card(ctx))  # last: it lists what they wrote
     record = {"registered": False, "reason": "registry.register_model is false"}
+    gguf_tags = gguf.tags(gguf.entries(ws.layout.export))  # the GGUF files' types and sha256
     if run_id:
         tracking.log_lineage(ws, run_id, lineage)
-        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export)})
+        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), **gguf_tags})
         tracking.client(ws).log_artifact(run_id, str(ws.layout.export / "README.md"), "export")
         if cfg.registry.register_model:
-            record = _register(ws, run_id, ctx.servable, tok, gate_value, lineage)
+            record = _register(ws, run_id, ctx.servable, tok, gate_value, lineage, gguf_tags)
         tracking.finish_run(ws, run_id)
     elif cfg.registry.register_model:
         record = {"registered": False, "reason": f"no MLflow run in {ws.layout.train_run}"}
@@ -70,7 +74,7 @@ def _gate_value(ws: Workspace, metrics: dict) -> float | None:
 
 
 def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
-              lineage: dict[str, str]) -> dict:
+              lineage: dict[str, str], gguf_tags: dict[str, str]) -> dict:
     cfg = ws.config
     fallback = cfg.logging.experiment_name  # read either way: dvc.yaml must list it
     name = cfg.registry.registered_model_name or fallback
@@ -80,7 +84,8 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
                                         pipeline_tag=cfg.model_task.pipeline_tag)
     client = tracking.client(ws)
     # the version's lineage is its run's lineage.json; its page shows the summary
-    registry.tag_version(client, name, version, tracking.lineage_summary(lineage))
+    registry.tag_version(client, name, version,
+                         {**tracking.lineage_summary(lineage), **gguf_tags})
     decision = registry.promote(client, name, version, gate_value, cfg.registry)
     aliases = [cfg.registry.candidate_alias] + ([cfg.registry.champion_alias]
                                                  if decision.promoted else [])

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from finetune.config.section import did_you_mean
 from finetune.errors import PipelineError
-from tasks.exporters import adapter, hf, quantized
+from tasks.exporters import adapter, gguf, hf, quantized
 from tasks.exporters.context import ExportContext
 
 Exporter = Callable[[ExportContext], Path | None]
@@ -24,7 +24,19 @@ EXPORTERS: dict[str, Exporter] = {
     "hf": hf.write,
     "adapter": adapter.write,
     "quantized": quantized.write,
+    "gguf": gguf.write,
 }
+
+#: name -> what it refuses, checked for every listed format before any writes
+PREFLIGHTS: dict[str, Callable[[ExportContext], None]] = {"gguf": gguf.preflight}
+
+
+def preflight(ctx: ExportContext) -> None:
+    """Each listed format's refusals, before any format writes a file: a refused export
+    costs no half-built folder and says why at once."""
+    for name in ctx.formats:
+        if name in PREFLIGHTS:
+            PREFLIGHTS[name](ctx)
 
 
 def resolve(formats: Sequence[str]) -> list[Exporter]:
@@ -38,4 +50,4 @@ def resolve(formats: Sequence[str]) -> list[Exporter]:
     return [write for name, write in EXPORTERS.items() if name in formats]
 
 
-__all__ = ["EXPORTERS", "ExportContext", "Exporter", "resolve"]
+__all__ = ["EXPORTERS", "ExportContext", "Exporter", "preflight", "resolve"]

@@ -12,7 +12,7 @@ import yaml
 from engine.modeling.model import resolve_model_ref
 from finetune.config import FinetuneConfig
 from finetune.config.outputs import EXPORT_FORMATS
-from tasks.exporters import adapter
+from tasks.exporters import adapter, gguf
 from tasks.exporters.context import ExportContext
 
 #: the params the model card records: what made the model and its export. dvc.yaml lists each
@@ -48,6 +48,7 @@ from peft import AutoPeft{auto.removeprefix("Auto")}
 model = AutoPeft{auto.removeprefix("Auto")}.from_pretrained("{export_dir}/{adapter.ADAPTER_DIR}")
 ```
 """
+    section += _gguf_section(ctx, export_dir)
     return f"""---
 library_name: transformers
 base_model: {cfg.model.name_or_path}
@@ -80,9 +81,44 @@ tokenizer = AutoTokenizer.from_pretrained("{export_dir}")
 """
 
 
+def _gguf_section(ctx: ExportContext, export_dir: Path) -> str:
+    """The GGUF files (tasks/exporters/gguf) with their sha256, and how to run them; '' when
+    none were written."""
+    written = gguf.entries(ctx.staging)
+    if not written:
+        return ""
+    folder = f"{export_dir.as_posix()}/{gguf.GGUF_DIR}"
+    rows = "\n".join(f"| `{e['file']}` | {'LoRA adapter, ' if e['kind'] == 'lora' else ''}"
+                     f"{e['type']} | {e['size']} | `{e['sha256']}` |" for e in written)
+    model = next(e["file"] for e in written if e["kind"] == "model")
+    lora = next((e["file"] for e in written if e["kind"] == "lora"), None)
+    name = gguf.model_name(ctx.config)
+    with_lora = "" if lora is None else f"""
+The adapter alone applies to a GGUF of the base model (`BASE.gguf`, yours):
+```bash
+llama-cli -m BASE.gguf --lora {folder}/{lora} -p "..." -n 32
+```
+"""
+    return f"""
+## GGUF (llama.cpp, Ollama)
+The merged model for llama.cpp in `{gguf.GGUF_DIR}/` (list in `{gguf.MANIFEST}`):
+
+| file | type | bytes | sha256 |
+|---|---|---|---|
+{rows}
+
+```bash
+llama-cli -m {folder}/{model} -p "..." -n 32
+ollama create {name} -f {folder}/{gguf.MODELFILE} && ollama run {name}
+```
+{with_lora}"""
+
+
 def _card_params(cfg: FinetuneConfig) -> dict:
     """CARD_SECTIONS as set; export.formats only when it is not the default (every format,
-    each when it applies), so a default export's card is what it was before the key existed."""
-    default = list(EXPORT_FORMATS) == cfg.export.formats
+    each when it applies) and export.gguf only when it lists types, so a default export's card
+    is what it was before these keys existed."""
+    unset = ({"formats"} if list(EXPORT_FORMATS) == cfg.export.formats else set()) | (
+        set() if cfg.export.gguf else {"gguf"})
     return cfg.model_dump(mode="json", include=set(CARD_SECTIONS),
-                          exclude={"export": {"formats"}} if default else None)
+                          exclude={"export": unset} if unset else None)

@@ -2,7 +2,8 @@
 
 It loads with `from_pretrained` and nothing else: safetensors weights (the adapter merged when
 peft.use_peft and export.merge_adapter; unmerged, the adapter as trained), the tokenizer,
-labels.json (classification), the generation config and the model card (README.md). The other
+labels.json (classification), the generation config and the model card (README.md, which the
+export stage writes once every format is written: it lists what they wrote). The other
 formats' folders sit inside it, and the registry logs its model and card, so it is always
 written (export.formats must list it).
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.modeling.labels import read_labels, write_labels
-from tasks.exporters.card import model_card
 from tasks.exporters.context import ExportContext
 
 
@@ -26,5 +26,4 @@ def write(ctx: ExportContext) -> Path:
         write_labels(staging, labels)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(staging)
-    (staging / "README.md").write_text(model_card(ctx))
     return staging

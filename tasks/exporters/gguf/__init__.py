@@ -1,2 +1,155 @@
-"""GGUF, llama.cpp's file format: the merged model in the types export.gguf lists, the adapter
-alone as a LoRA-GGUF, and an Ollama Modelfile beside them."""
+"""`gguf`: llama.cpp's files in `<export>/gguf` (docs/gguf.md), written when export.gguf lists
+types:
+
+- `<name>-<type>.gguf`, the merged model (`ctx.servable`) in each listed type (model_file.py);
+- `<name>-lora-<f16|f32>.gguf`, the adapter alone, for LoRA runs with export.save_adapter
+  (lora.py), which llama.cpp applies to a GGUF of the base model with `--lora`;
+- `Modelfile`, for `ollama create` (modelfile.py), built from the first listed type: list the
+  one to serve first;
+- `manifest.json`: each file's type, size and sha256, which the model card, the training's
+  MLflow run and the registered version show (`entries`, `tags`).
+
+`<name>` is the registered model's name (registry.registered_model_name, else
+logging.experiment_name). Everything that can be refused (a type name, the architecture, a
+type's block size against each tensor, an adapter llama.cpp cannot apply) is checked by `check`
+before any format writes a file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from finetune.config import FinetuneConfig
+from finetune.config.section import did_you_mean
+from finetune.errors import PipelineError
+from finetune.files import file_sha256, write_json_atomic
+from tasks.exporters.context import ExportContext
+from tasks.exporters.gguf import quants
+
+GGUF_DIR = "gguf"
+MANIFEST = "manifest.json"
+MODELFILE = "Modelfile"
+
+
+def check_types(types) -> None:
+    """One line for a name quants.FILE_TYPES does not have (`finetune validate` asks too)."""
+    for name in types:
+        if name not in quants.FILE_TYPES:
+            raise PipelineError(f"export.gguf: unknown type '{name}'"
+                                f"{did_you_mean(name, quants.FILE_TYPES)}: one of "
+                                f"{', '.join(quants.FILE_TYPES)}")
+
+
+def model_name(cfg: FinetuneConfig) -> str:
+    """The files' stem: the registered model's name, as a file name."""
+    name = cfg.registry.registered_model_name or cfg.logging.experiment_name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+def writes_lora(cfg: FinetuneConfig) -> bool:
+    """The adapter alone is written as a LoRA-GGUF: a LoRA run that keeps its adapter."""
+    return cfg.peft.use_peft and cfg.peft.peft_type == "LORA" and cfg.export.save_adapter
+
+
+def check(ctx: ExportContext):
+    """Everything `write` would refuse, before anything is written; returns the family and the
+    LoRA plan (None without one) `write` uses."""
+    from tasks.exporters.gguf.families import family_for
+    from tasks.exporters.gguf.lora import plan
+
+    cfg = ctx.config
+    check_types(cfg.export.gguf)
+    config = ctx.model.config
+    family = family_for(config)
+    for hf_name, shape in _plain_shapes(ctx).items():
+        gguf_name = family.gguf_name(hf_name)
+        if gguf_name is None:
+            raise PipelineError(
+                f"export.gguf: the model's tensor {hf_name} has no place in a {family.arch} "
+                "GGUF; only a plain (merged) model of a supported architecture can be written")
+        for file_type in cfg.export.gguf:
+            qtype = quants.tensor_type(file_type, gguf_name, shape, config.num_hidden_layers)
+            quants.check_block(gguf_name, shape, qtype, file_type)
+    lora = plan(ctx.ws.layout.trained, family) if writes_lora(cfg) else None
+    return family, lora
+
+
+def preflight(ctx: ExportContext) -> None:
+    """`check`, when export.gguf lists types: the export stage asks before any format
+    writes."""
+    if ctx.config.export.gguf:
+        check(ctx)
+
+
+def _plain_shapes(ctx: ExportContext) -> dict[str, tuple[int, ...]]:
+    """The merged model's tensor shapes without merging an unmerged run's adapter (that
+    would unload it from the model the HF folder saves): its architecture on the meta device."""
+    if ctx.merged or not ctx.config.peft.use_peft:
+        model = ctx.servable  # the HF folder's model: merging it now changes nothing
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(ctx.model.config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def write(ctx: ExportContext) -> Path | None:
+    from tasks.exporters.gguf.lora import lora_type, write_lora
+    from tasks.exporters.gguf.model_file import write_model
+    from tasks.exporters.gguf.modelfile import Sampling, modelfile
+
+    cfg = ctx.config
+    if not cfg.export.gguf:
+        return None
+    family, lora = check(ctx)
+    folder = ctx.staging / GGUF_DIR
+    folder.mkdir()
+    name, model, tok = model_name(cfg), ctx.servable, ctx.tokenizer
+    chat_template = getattr(tok, "chat_template", None)
+    generation_config = getattr(model, "generation_config", None)
+    written = []
+    for file_type in cfg.export.gguf:
+        path = folder / f"{name}-{file_type}.gguf"
+        write_model(model, tok, path, file_type, chat_template=chat_template,
+                    generation_config=generation_config, name=name)
+        written.append(("model", file_type, path))
+    if lora is not None:
+        tensor_type = lora_type(cfg.export.gguf)
+        path = folder / f"{name}-lora-{tensor_type}.gguf"
+        write_lora(lora, family, model.config, path, tensor_type, name=f"{name}-lora")
+        written.append(("lora", tensor_type, path))
+    trained_chat = cfg.data.dataset_type == "chat" or bool(cfg.data.chat_template)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    sampling = Sampling.of(generation_config, cfg.eval.generation_max_new_tokens,
+                           min(cfg.data.max_seq_length, positions or cfg.data.max_seq_length))
+    (folder / MODELFILE).write_text(modelfile(
+        written[0][2].name, tokenizer=tok, chat_template=chat_template if trained_chat else None,
+        prompt_template=cfg.data.prompt_template, sampling=sampling))
+    write_json_atomic(folder / MANIFEST, [
+        {"file": path.name, "kind": kind, "type": file_type, "size": path.stat().st_size,
+         "sha256": file_sha256(path)} for kind, file_type, path in written])
+    return folder
+
+
+def entries(export_dir: Path) -> list[dict]:
+    """The manifest of the GGUF files under `export_dir` (the export folder, or the one being
+    built); [] when none were written."""
+    import json
+
+    manifest = export_dir / GGUF_DIR / MANIFEST
+    return json.loads(manifest.read_text()) if manifest.exists() else []
+
+
+def tags(written: list[dict]) -> dict[str, str]:
+    """The manifest as MLflow tags: `gguf.<type>.sha256` per merged file,
+    `gguf.lora.<type>.sha256` for the adapter, and the types written (`gguf.types`)."""
+    if not written:
+        return {}
+    out = {"gguf.types": ",".join(e["type"] for e in written if e["kind"] == "model")}
+    for e in written:
+        prefix = "gguf." if e["kind"] == "model" else "gguf.lora."
+        out[f"{prefix}{e['type']}.sha256"] = e["sha256"]
+    return out

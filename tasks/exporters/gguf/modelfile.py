@@ -86,16 +86,21 @@ def chat_layout(tokenizer, template: str) -> ChatLayout | None:
     """The layout `template` (Jinja) renders the sample conversation as, None when none does
     (the tokenizer's BOS, which llama.cpp adds itself, is not compared)."""
     bos = getattr(tokenizer, "bos_token", None) or ""
-    for layout in CHAT_LAYOUTS:
-        messages = ([_SYSTEM] if layout.system else []) + _TURNS
+
+    def renders_as(layout: ChatLayout, messages: list[dict]) -> bool:
         try:
             rendered = tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False, add_generation_prompt=True)
         except Exception:  # a template that refuses the sample (Gemma's, a system turn)
-            continue
+            return False
         if bos and rendered.startswith(bos):
             rendered = rendered[len(bos):]
-        if rendered == layout.render(messages):
+        return rendered == layout.render(messages)
+
+    for layout in CHAT_LAYOUTS:
+        # with and without a system turn: a default system prompt would show in the second
+        samples = [[_SYSTEM, *_TURNS], _TURNS] if layout.system else [_TURNS]
+        if all(renders_as(layout, messages) for messages in samples):
             return layout
     return None
 
