@@ -62,7 +62,7 @@ def test_an_unknown_format_is_one_line_before_any_work(trained, tmp_path):
     with pytest.raises(PipelineError) as exc:
         stages_here(project, "export")
     assert str(exc.value) == ("export.formats: unknown format 'adaptor' (did you mean "
-                              "'adapter'?): one of hf, adapter, quantized")
+                              "'adapter'?): one of hf, adapter, quantized, gguf")
     assert not (project / "data/export").exists()
 
 

@@ -56,7 +56,10 @@ BAD = [
     ("distributed.strategy=dpp", "(did you mean 'ddp'?)"),
     # a name no exporter has (tasks/exporters), which the export stage would refuse
     ("+export.formats=[hf, adaptor]", "export.formats: unknown format 'adaptor' (did you mean "
-     "'adapter'?): one of hf, adapter, quantized"),
+     "'adapter'?): one of hf, adapter, quantized, gguf"),
+    # a GGUF type no encoder has (tasks/exporters/gguf/quants.py)
+    ("+export.gguf=[f16, q8]", "export.gguf: unknown type 'q8' (did you mean 'q8_0'?): one "
+     "of f32, f16, bf16, q8_0"),
 ]
 
 
