@@ -226,3 +226,96 @@ def test_a_sampling_generation_config_sets_the_parameters(tok):
     text = _modelfile(tok, sampling=Sampling.of(config, 64, 512))
     assert text.endswith("PARAMETER temperature 0.7\nPARAMETER top_p 0.9\nPARAMETER top_k 40\n"
                          "PARAMETER num_predict 64\nPARAMETER num_ctx 512\n")
+
+
+# -- the export stage -----------------------------------------------------------------------
+
+from test_exporters import trained  # noqa: E402,F401  (the shared trained run)
+
+
+def _with_mlflow_run(project: Path) -> str:
+    """The MLflow run the train stage would have opened (train_here runs without one), on the
+    project's own SQLite store: the export logs into it and registers from it."""
+    from finetune.files import write_json_atomic
+    from finetune.workspace import Workspace
+    from tasks import tracking
+
+    ws = Workspace.load(project / "params/default.yaml")
+    run_id = tracking.start_run(ws)
+    write_json_atomic(ws.layout.train_run, {"mlflow_run_id": run_id})
+    return run_id
+
+
+@pytest.fixture(scope="module")
+def gguf_export(trained, tmp_path_factory):
+    """export.gguf [f16] on the shared LoRA run, with an MLflow run to tag and register."""
+    from helpers import stages_here, write_params
+
+    project = tmp_path_factory.mktemp("gguf") / "p"
+    shutil.copytree(trained, project, symlinks=True)
+    write_params(project, {"export.gguf": ["f16"]})
+    run_id = _with_mlflow_run(project)
+    stages_here(project, "export")
+    return project, run_id
+
+
+def test_export_writes_the_gguf_files_a_manifest_and_a_modelfile(gguf_export):
+    from finetune.files import file_sha256
+
+    project, _ = gguf_export
+    folder = project / "data/export/gguf"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "Modelfile", "finetune-default-f16.gguf", "finetune-default-lora-f16.gguf",
+        "manifest.json"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [(e["file"], e["kind"], e["type"]) for e in manifest] == [
+        ("finetune-default-f16.gguf", "model", "f16"),
+        ("finetune-default-lora-f16.gguf", "lora", "f16")]
+    for e in manifest:
+        assert e["sha256"] == file_sha256(folder / e["file"])
+        assert e["size"] == (folder / e["file"]).stat().st_size
+    fields, tensors = _read(folder / "finetune-default-lora-f16.gguf")
+    assert fields["adapter.lora.alpha"] == pytest.approx(32.0)  # params/default.yaml's
+    assert len(tensors) == 5 * 7 * 2  # all-linear: 7 modules a layer, A and B each
+    modelfile = (folder / "Modelfile").read_text()
+    assert "FROM ./finetune-default-f16.gguf\n" in modelfile
+    assert 'TEMPLATE """Question: {{ .Prompt }}\nAnswer:"""' in modelfile
+    assert 'PARAMETER stop "</s>"' in modelfile and "PARAMETER num_predict 32\n" in modelfile
+    card = (project / "data/export/README.md").read_text()
+    for e in manifest:
+        assert f"| `{e['file']}` |" in card and e["sha256"] in card
+    assert "llama-cli -m data/export/gguf/finetune-default-f16.gguf" in card
+    assert "ollama create finetune-default -f data/export/gguf/Modelfile" in card
+    assert "  gguf:\n  - f16\n" in card  # the params it was written with
+
+
+def test_the_run_and_the_registered_version_carry_the_gguf_sha256(gguf_export):
+    from mlflow.tracking import MlflowClient
+
+    project, run_id = gguf_export
+    manifest = json.loads((project / "data/export/gguf/manifest.json").read_text())
+    expected = {"gguf.types": "f16", "gguf.f16.sha256": manifest[0]["sha256"],
+                "gguf.lora.f16.sha256": manifest[1]["sha256"]}
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    run_tags = client.get_run(run_id).data.tags
+    assert {k: run_tags.get(k) for k in expected} == expected
+    record = json.loads((project / "data/lineage/model_version.json").read_text())
+    version = client.get_model_version_by_alias(record["name"], "candidate")
+    assert {k: version.tags.get(k) for k in expected} == expected
+
+
+def test_a_type_the_model_cannot_encode_is_one_line_and_keeps_the_export(gguf_export,
+                                                                         tmp_path):
+    """q8_0 on stories260K: its MLP is 172 wide, not a multiple of q8_0's block of 32. The CLI
+    (exit 2, one line) and the previous data/export as it was."""
+    from helpers import error_line, run_cli, write_params
+
+    project = Path(shutil.copytree(gguf_export[0], tmp_path / "p", symlinks=True))
+    before = {p: p.read_bytes() for p in (project / "data/export").rglob("*") if p.is_file()}
+    write_params(project, {"export.gguf": ["f16", "q8_0"]})
+    line = error_line(run_cli(project, "stage", "export"))
+    assert line == ("error: export.gguf: q8_0 cannot encode blk.0.ffn_down.weight: its rows of "
+                    "172 are not a multiple of Q8_0's block of 32; list f32, f16 or bf16 for "
+                    "this model"), line
+    after = {p: p.read_bytes() for p in (project / "data/export").rglob("*") if p.is_file()}
+    assert after == before
