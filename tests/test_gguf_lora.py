@@ -205,6 +205,21 @@ def test_the_modelfile_of_a_chatml_run(tok):
     assert 'TEMPLATE """{{ .Prompt }}"""' in other and "none of the layouts" in other
 
 
+LLAMA3 = ("{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>"
+          "\n\n' + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def test_the_modelfile_of_a_llama3_run(tok):
+    text = _modelfile(tok, chat_template=LLAMA3)
+    assert "# the run's chat template, in Llama 3's layout" in text
+    assert ('{{ else if eq .Role "user" }}<|start_header_id|>user<|end_header_id|>\n\n'
+            "{{ .Content }}<|eot_id|>") in text
+    assert [ln for ln in text.splitlines() if ln.startswith("PARAMETER stop")] == [
+        'PARAMETER stop "</s>"', 'PARAMETER stop "<|eot_id|>"',
+        'PARAMETER stop "<|start_header_id|>"']
+
+
 def test_the_modelfile_of_the_default_run_uses_its_prompt_template(tok):
     """The default params: a completion dataset, `Question: {question}\\nAnswer:`."""
     text = _modelfile(tok, prompt_template="Question: {question}\nAnswer:")
@@ -319,3 +334,24 @@ def test_a_type_the_model_cannot_encode_is_one_line_and_keeps_the_export(gguf_ex
                     "this model"), line
     after = {p: p.read_bytes() for p in (project / "data/export").rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_an_unmerged_run_keeps_its_adapter_folder_and_gets_the_gguf_files(trained, tmp_path):
+    """export.merge_adapter false: the HF folder is the adapter as trained, and the GGUF files
+    are of the model merged afterwards (the checks before any write must not merge it, which
+    would unload the adapter the HF folder saves)."""
+    from safetensors.torch import load_file
+
+    from helpers import stages_here, write_params
+
+    project = Path(shutil.copytree(trained, tmp_path / "p", symlinks=True))
+    write_params(project, {"export.gguf": ["f16"], "export.merge_adapter": False})
+    stages_here(project, "export")
+    export = project / "data/export"
+    saved = load_file(export / "adapter_model.safetensors")
+    trained_adapter = load_file(project / "data/trained/adapter_model.safetensors")
+    assert saved.keys() == trained_adapter.keys() and all(
+        torch.equal(saved[k], trained_adapter[k]) for k in saved)
+    assert sorted(p.name for p in (export / "gguf").iterdir()) == [
+        "Modelfile", "finetune-default-f16.gguf", "finetune-default-lora-f16.gguf",
+        "manifest.json"]
