@@ -101,7 +101,8 @@ llama-cli -m BASE.gguf --lora {folder}/{lora} -p "..." -n 32
 """
     return f"""
 ## GGUF (llama.cpp, Ollama)
-The merged model for llama.cpp in `{gguf.GGUF_DIR}/` (list in `{gguf.MANIFEST}`):
+Files for llama.cpp and Ollama in `{gguf.GGUF_DIR}/` (the merged model in each type, listed in
+`{gguf.GGUF_DIR}/{gguf.MANIFEST}`; docs/gguf.md of the project that wrote them):
 
 | file | type | bytes | sha256 |
 |---|---|---|---|
