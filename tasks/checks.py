@@ -29,11 +29,12 @@ def check_without_data(ws: Workspace) -> None:
 
 def check_export_formats(ws: Workspace) -> None:
     """export.formats: every name is an exporter's (tasks.exporters, which the export stage
-    runs); export.gguf: every type is one the GGUF exporter encodes."""
+    runs); export.gguf: every type is one the GGUF exporter encodes, in which the model's
+    architecture and tensors can be written."""
     from tasks.exporters import gguf, resolve
 
     resolve(ws.config.export.formats)
-    gguf.check_types(ws.config.export.gguf)
+    gguf.check_before_training(ws)
 
 
 def check_harness(ws: Workspace) -> None:

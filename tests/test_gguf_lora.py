@@ -132,7 +132,6 @@ def test_rslora_is_written_as_the_alpha_llama_cpp_divides_by_the_rank(tmp_path):
      "full"),
     ({"target_modules": ["q_proj", "lm_head"]}, "adapts lm_head, which a LoRA-GGUF of llama "
      "cannot hold (its output.weight tensor)"),
-    ({"bias": "lora_only"}, "trained biases (peft.bias lora_only)"),
     ({"rank_pattern": {"q_proj": 2}, "use_rslora": True}, "is rsLoRA with ranks [2, 4]"),
 ])
 def test_what_llama_cpp_cannot_apply_is_one_line(tmp_path, config, says):

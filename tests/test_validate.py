@@ -60,6 +60,9 @@ BAD = [
     # a GGUF type no encoder has (tasks/exporters/gguf/quants.py)
     ("+export.gguf=[f16, q8]", "export.gguf: unknown type 'q8' (did you mean 'q8_0'?): one "
      "of f32, f16, bf16, q8_0"),
+    # a type the model's tensors are no whole number of blocks of: known before training
+    ("+export.gguf=[f16, q8_0]", "export.gguf: q8_0 cannot encode blk.0.ffn_down.weight: its "
+     "rows of 172 are not a multiple of Q8_0's block of 32"),
 ]
 
 

@@ -55,24 +55,56 @@ def writes_lora(cfg: FinetuneConfig) -> bool:
 def check(ctx: ExportContext):
     """Everything `write` would refuse, before anything is written; returns the family and the
     LoRA plan (None without one) `write` uses."""
-    from tasks.exporters.gguf.families import family_for
     from tasks.exporters.gguf.lora import plan
 
     cfg = ctx.config
     check_types(cfg.export.gguf)
-    config = ctx.model.config
+    family = check_shapes(ctx.model.config, _plain_shapes(ctx), cfg.export.gguf)
+    lora = plan(ctx.ws.layout.trained, family) if writes_lora(cfg) else None
+    return family, lora
+
+
+def check_shapes(config, shapes: dict[str, tuple[int, ...]], types):
+    """The model's architecture (its Family, returned) and every tensor's row against each
+    type's block size; one line for the first that does not fit."""
+    from tasks.exporters.gguf.families import family_for
+
     family = family_for(config)
-    for hf_name, shape in _plain_shapes(ctx).items():
+    for hf_name, shape in shapes.items():
         gguf_name = family.gguf_name(hf_name)
         if gguf_name is None:
             raise PipelineError(
                 f"export.gguf: the model's tensor {hf_name} has no place in a {family.arch} "
                 "GGUF; only a plain (merged) model of a supported architecture can be written")
-        for file_type in cfg.export.gguf:
+        for file_type in types:
             qtype = quants.tensor_type(file_type, gguf_name, shape, config.num_hidden_layers)
             quants.check_block(gguf_name, shape, qtype, file_type)
-    lora = plan(ctx.ws.layout.trained, family) if writes_lora(cfg) else None
-    return family, lora
+    return family
+
+
+def check_before_training(ws) -> None:
+    """What `finetune validate` can tell from the params and the base model's config alone:
+    the type names, and the architecture and block sizes on a weightless skeleton (meta
+    device), so a type the model cannot be encoded in is refused before a run trains, not
+    after. The adapter is the export stage's to check (it exists only after training)."""
+    cfg = ws.config
+    check_types(cfg.export.gguf)
+    if not cfg.export.gguf or cfg.model.model_init:  # a factory's model: known when built
+        return
+    auto = cfg.model_task.auto_class
+    if auto != "AutoModelForCausalLM":
+        raise PipelineError(f"export.gguf: the model is an {auto} ({cfg.data.dataset_type} "
+                            "data); llama.cpp runs causal language models only")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.modeling.model import load_model_config
+
+    config = load_model_config(cfg.model, ws.root)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    check_shapes(config, {n: tuple(t.shape) for n, t in skeleton.state_dict().items()},
+                 cfg.export.gguf)
 
 
 def preflight(ctx: ExportContext) -> None:

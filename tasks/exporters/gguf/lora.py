@@ -134,10 +134,6 @@ def _refuse_config(cfg: dict, where: str) -> None:
             raise PipelineError(f"export.gguf: {where} has {key} {json.dumps(value)}: "
                                 f"{why.format(value=value)}; set export.save_adapter false "
                                 "to write the merged GGUF alone")
-    if cfg.get("bias", "none") != "none":
-        raise PipelineError(f"export.gguf: {where} trained biases (peft.bias "
-                            f"{cfg['bias']}), which a LoRA-GGUF cannot hold; set "
-                            "export.save_adapter false to write the merged GGUF alone")
 
 
 def _alpha(cfg: dict, ranks: set[int], where: str) -> float:
