@@ -354,3 +354,15 @@ def test_an_unmerged_run_keeps_its_adapter_folder_and_gets_the_gguf_files(traine
     assert sorted(p.name for p in (export / "gguf").iterdir()) == [
         "Modelfile", "finetune-default-f16.gguf", "finetune-default-lora-f16.gguf",
         "manifest.json"]
+
+
+def test_export_gguf_is_listed_once_and_only_with_the_gguf_format():
+    """Twice is the field's own rule; without the gguf format, a row of the compat table
+    (tests/test_compat.py runs its example)."""
+    from pydantic import ValidationError
+
+    from finetune.config.outputs import ExportConfig
+
+    assert ExportConfig().gguf == [] and "gguf" in ExportConfig().formats
+    with pytest.raises(ValidationError, match="'f16' is listed twice"):
+        ExportConfig(gguf=["f16", "q8_0", "f16"])

@@ -197,13 +197,6 @@ class ExportConfig(Section):
             raise ValueError(f"'{twice[0]}' is listed twice")
         return types
 
-    @model_validator(mode="after")
-    def _gguf_is_a_format(self) -> "ExportConfig":
-        if self.gguf and "gguf" not in self.formats:
-            raise ValueError(f"gguf lists {', '.join(self.gguf)} but formats does not list "
-                             "gguf: add it to export.formats or empty export.gguf")
-        return self
-
 
 class RegistryConfig(Section):
     """MLflow Model Registry: every export is a version; aliases say which one serves.
