@@ -5,10 +5,12 @@ into one staging folder that replaces `data/export` only when all are written. B
 `data/export` loads with `AutoModelForCausalLM.from_pretrained` and nothing else (safetensors
 weights, adapter merged; tokenizer, generation config and a README, the model card recording
 base model, data hash, params, metrics and commit); `data/export/adapter` is the PEFT adapter
-alone, for users who keep the base model; `data/export/quantized` the QAT model converted. The
-merged model is then logged to the training's MLflow run (transformers flavour), registered,
-tagged with a lineage summary (the whole lineage is the run's `lineage.json`) and gated (see
-tasks.registry).
+alone, for users who keep the base model; `data/export/quantized` the QAT model converted;
+`data/export/gguf` llama.cpp's files when export.gguf lists types (tasks/exporters/gguf, whose
+checks run before any format writes). The model card is written last: it lists what the
+formats wrote. The merged model is then logged to the training's MLflow run (transformers
+flavour), registered, tagged with a lineage summary (the whole lineage is the run's
+`lineage.json`) and the GGUF files' sha256, and gated (see tasks.registry).
 """
 
 from __future__ import annotations
