@@ -270,10 +270,12 @@ def byte_level_bpe(pre: str):
     backend = Tokenizer(models.BPE())
     if pre == "gpt-2":
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:  # Llama 3's split rule
-        from tasks.exporters.gguf.vocab import _LLAMA3_SPLIT
+    else:  # Llama 3's split rule, as transformers' GGUF loader spells it
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import \
+            GGUF_PRE_TOKENIZER_SPLITS
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]),
+                                 behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
