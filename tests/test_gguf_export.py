@@ -14,8 +14,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, TokenType
 from gguf import quants as gguf_quants
 from helpers import ROOT
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,
-                          LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GPT2Config,
+                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
 
 from finetune.errors import PipelineError
 from tasks.exporters.gguf import model_file, quants
@@ -127,6 +128,7 @@ def test_stories_tokenizer_round_trips_through_the_gguf(stories, written):
         assert back.decode(back.encode(text, add_special_tokens=False)) == \
             tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
     assert tokenizer.encode("☃", add_special_tokens=False)[-3:] == [229, 155, 134]  # bytes
+    assert back.chat_template == TEMPLATE
 
 
 def fields(path) -> dict:
@@ -268,10 +270,12 @@ def byte_level_bpe(pre: str):
     backend = Tokenizer(models.BPE())
     if pre == "gpt-2":
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:  # Llama 3's split rule
-        from tasks.exporters.gguf.vocab import _LLAMA3_SPLIT
+    else:  # Llama 3's split rule, as transformers' GGUF loader spells it
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import \
+            GGUF_PRE_TOKENIZER_SPLITS
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS["llama-bpe"]),
+                                 behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
@@ -311,4 +315,31 @@ def test_other_tokenizers_are_refused_in_one_line(tiny_llama, tmp_path):
     with pytest.raises(PipelineError, match=r"^export.gguf: the tokenizer \(WordPiece model, "
                                             r"pre-tokenizer Whitespace\) cannot be written"):
         write_model(tiny_llama, wordpiece, tmp_path / "wp.gguf", "f32")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sampling_defaults_are_written_when_the_run_samples(tiny_llama, stories, tmp_path):
+    _, tokenizer = stories
+    sampled = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=40)
+    write_model(tiny_llama, tokenizer, tmp_path / "sampled.gguf", "f32",
+                generation_config=sampled, name="tiny")
+    meta, _ = fields(tmp_path / "sampled.gguf")
+    assert meta["general.name"] == "tiny"
+    assert meta["general.sampling.temp"] == pytest.approx(0.7)
+    assert meta["general.sampling.top_p"] == pytest.approx(0.9)
+    assert meta["general.sampling.top_k"] == 40
+    assert "tokenizer.chat_template" not in meta
+    write_model(tiny_llama, tokenizer, tmp_path / "greedy.gguf", "f32",
+                generation_config=GenerationConfig(do_sample=False))
+    meta, _ = fields(tmp_path / "greedy.gguf")
+    assert not [k for k in meta if k.startswith("general.sampling.")]
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(stories, tmp_path):
+    _, tokenizer = stories
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=300))
+    with pytest.raises(PipelineError, match=r"^export.gguf: the tokenizer has 512 tokens but "
+                                            r"the model's embedding only 300 rows"):
+        write_model(small, tokenizer, tmp_path / "small.gguf", "f32")
     assert list(tmp_path.iterdir()) == []

@@ -76,7 +76,6 @@ def write_model(model, tokenizer, path: Path, file_type: str, *, chat_template: 
         tmp.unlink(missing_ok=True)
 
 
-
 def _plan(family: Family, state: dict, file_type: str, n_layers: int) -> list[_Planned]:
     """Each tensor's GGUF name and type, checked before anything is written. The output head is
     left out when it is the embedding (tied): llama.cpp then reuses token_embd."""

@@ -79,8 +79,9 @@ def _kind(spec: dict) -> str:
     model = spec["model"]
     if model.get("type") == "BPE" and model.get("byte_fallback") and _uses_metaspace(spec):
         return "llama"
-    if model.get("type") == "BPE" and not model.get("byte_fallback") and _steps(
-            spec.get("pre_tokenizer")) and _steps(spec["pre_tokenizer"])[-1]["type"] == "ByteLevel":
+    pre_steps = _steps(spec.get("pre_tokenizer"))
+    if (model.get("type") == "BPE" and not model.get("byte_fallback") and pre_steps
+            and pre_steps[-1]["type"] == "ByteLevel"):
         _pre(spec)  # refuse an unknown split rule now
         return "gpt2"
     pre = (spec.get("pre_tokenizer") or {}).get("type")
