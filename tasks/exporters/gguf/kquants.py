@@ -49,30 +49,32 @@ def _fit_scale_min(xt: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep:
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Each group (column of `xt`) as scale*q - min with q in 0..nmax (ggml's
     make_qkx2_quants): start from the range (min(x, 0) .. max(x)) split in nmax steps, then try
-    the grids of nmax + rmin + k*rdelta steps (k = 0..nstep), fit scale and min to each grid's q
-    by weighted least squares, and keep whichever gives the smallest weighted squared error.
-    Weights favour large values: sqrt(mean(x^2)) + |x|. Returns (scale, min), min >= 0."""
+    the grids of nmax + rmin + k*rdelta steps (k = 0..nstep) from the best min so far up to
+    max(x), fit scale and min to each grid's q by weighted least squares, and keep whichever
+    gives the smallest weighted squared error. Weights favour large values:
+    sqrt(mean(x^2)) + |x|. Returns (scale, min), min >= 0."""
     n = xt.shape[0]
     w = np.sqrt(_dot(xt, xt) / n) + np.abs(xt)
     wx = w * xt
     # the per-group statistics are small: the fit and its error run in float64
     s_w, s_x, s_x2 = (a.astype(np.float64) for a in (w.sum(axis=0), wx.sum(axis=0), _dot(wx, xt)))
+    top = xt.max(axis=0)
     lo = np.minimum(xt.min(axis=0), 0)
-    span = xt.max(axis=0) - lo
-    flat = span <= 0
-    span = np.where(flat, np.float32(1), span)
-    shifted = xt - lo
+    flat = top <= lo
+    top = np.where(flat, lo + 1, top)
     q, wq = np.empty_like(xt), np.empty_like(xt)
 
-    def grid(steps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        _nearest(np.multiply(shifted, np.float32(steps) / span, out=q), 0, nmax)
+    def grid(steps: float, low: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # q = nearest((x - low) * steps / (max - low)), low the best min so far (as ggml does)
+        np.subtract(xt, low, out=q)
+        _nearest(np.multiply(q, np.float32(steps) / (top - low), out=q), 0, nmax)
         np.multiply(w, q, out=wq)
         return (wq.sum(axis=0).astype(np.float64), _dot(wq, q).astype(np.float64),
                 _dot(wq, xt).astype(np.float64))
 
     # the start: the plain range split in nmax steps, its weighted squared error in full
-    s_l, s_l2, s_xl = grid(nmax)
-    best_scale = span.astype(np.float64) / nmax
+    s_l, s_l2, s_xl = grid(nmax, lo)
+    best_scale = (np.float32(1) / (np.float32(nmax) / (top - lo))).astype(np.float64)
     best_min = lo.astype(np.float64)
     best_err = (best_scale * (best_scale * s_l2 + 2 * (best_min * s_l - s_xl))
                 + best_min * (best_min * s_w - 2 * s_x) + s_x2)
@@ -80,7 +82,8 @@ def _fit_scale_min(xt: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep:
     best_gain = s_x2 - best_err
     with np.errstate(divide="ignore", invalid="ignore"):
         for k in range(nstep + 1):
-            s_l, s_l2, s_xl = grid(np.float32(rmin) + np.float32(rdelta) * k + nmax)
+            s_l, s_l2, s_xl = grid(np.float32(rmin) + np.float32(rdelta) * k + nmax,
+                                   best_min.astype(np.float32))
             det = s_w * s_l2 - s_l * s_l
             scale = (s_w * s_xl - s_x * s_l) / det
             mn = (s_l2 * s_x - s_l * s_xl) / det
