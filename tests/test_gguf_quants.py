@@ -178,3 +178,5 @@ def test_check_block_refuses_rows_that_are_not_whole_super_blocks():
     assert "\n" not in message
     assert all(part in message for part in ("q4_k_m", name, "172", "Q4_K", "256")), message
     check_block(name, (688, 512), qtype, "q4_k_m")  # whole super-blocks pass
+    with pytest.raises(ValueError, match="Q4_K needs rows of whole 256-value super-blocks"):
+        encode(np.zeros(shape, np.float32), qtype)  # a writer that skipped the check

@@ -111,21 +111,23 @@ def _fit_symmetric(xt: np.ndarray, nmax: int) -> np.ndarray:
     w = xt * xt
     wx = w * xt
     q, wq = np.empty_like(xt), np.empty_like(xt)
-    best_scale = best = None
-    for k in [0, *range(-9, 0), *range(1, 10)]:
+
+    def grid(k: int) -> tuple[np.ndarray, np.ndarray]:
         iscale = -(np.float32(nmax) + np.float32(0.1) * np.float32(k)) / peak
         _nearest(np.multiply(xt, iscale, out=q), -nmax, nmax - 1)
-        s_lx = _dot(wx, q).astype(np.float64)
-        s_l2 = _dot(np.multiply(w, q, out=wq), q).astype(np.float64)
-        has = s_l2 > 0
-        scale = s_lx / np.where(has, s_l2, 1)
-        if best is None:
-            best_scale = np.where(has, scale, 0)
-            best = best_scale * s_lx
-            continue
-        better = has & (s_lx * s_lx > best * s_l2)
-        best_scale[better] = scale[better]
-        best[better] = (scale * s_lx)[better]
+        return (_dot(wx, q).astype(np.float64),
+                _dot(np.multiply(w, q, out=wq), q).astype(np.float64))
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s_lx, s_l2 = grid(0)
+        best_scale = np.where(s_l2 > 0, s_lx / s_l2, 0)
+        best = best_scale * s_lx  # the weighted energy the fit explains, sum_lx^2 / sum_l2
+        for k in (*range(-9, 0), *range(1, 10)):
+            s_lx, s_l2 = grid(k)
+            better = (s_l2 > 0) & (s_lx * s_lx > best * s_l2)
+            scale = s_lx / s_l2
+            np.copyto(best_scale, scale, where=better)
+            np.copyto(best, scale * s_lx, where=better)
     return np.where(zero, 0, best_scale).astype(np.float32)
 
 
@@ -218,8 +220,10 @@ ENCODERS = {GGMLQuantizationType.Q4_K: _q4_k, GGMLQuantizationType.Q5_K: _q5_k,
 def encode_k(array: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """`array` (float32, last dimension a multiple of 256) as `qtype`'s bytes, shaped (..., rows'
     bytes) as gguf's own encoders return them."""
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    assert block == QK_K and array.shape[-1] % QK_K == 0, (qtype.name, array.shape)
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    if qtype not in ENCODERS or array.shape[-1] % QK_K:
+        raise ValueError(f"{qtype.name} needs rows of whole {QK_K}-value super-blocks, not "
+                         f"shape {array.shape} (quants.check_block says so in one line)")
     blocks = np.ascontiguousarray(array, dtype=np.float32).reshape(-1, QK_K)
     out = np.empty((blocks.shape[0], type_size), dtype=np.uint8)
     for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
