@@ -6,9 +6,11 @@ C we don't ship. These encoders follow ggml's reference quantizers (`quantize_ro
 matrix): the same super-block of 256 values, the same byte layout, and the same search for each
 sub-block's scale (and min) over a fixed set of candidate scales. Here each candidate is one
 array operation over every sub-block of a chunk of rows instead of a C loop per block. Sums run
-in a different order than C's, so a rare sub-block may settle on a neighbouring candidate: the
-bytes are not guaranteed identical to llama-quantize's, the error is the same kind and size
-(tests/test_gguf_quants.py decodes with `gguf.quants.dequantize` and bounds it).
+in a different order than C's (and than C built with FMA), so a rare sub-block settles on a
+neighbouring candidate: checked once against ggml's reference functions compiled from source,
+98-99 % of super-blocks of Gaussian and heavy-tailed tensors came out byte-identical and the
+error agreed to four digits. tests/test_gguf_quants.py decodes with `gguf.quants.dequantize`
+and bounds the error.
 
 Layout (little-endian, per super-block of 256 values):
 - Q4_K (144 bytes): d, dmin (f16); 12 bytes of eight 6-bit scales and mins; 128 bytes of 4-bit q.
