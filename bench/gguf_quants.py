@@ -9,7 +9,7 @@ Seeded Gaussian weights (std 0.02, the usual init scale), float32 in; MB/s count
 bytes. Each type's time is the best of --repeats. --quick: one repeat over half a layer, well
 under a minute. The whole-model estimate sums, over every 2-D tensor of the 24-layer model, its
 size over the measured speed of the type the file type's mix gives it (1-D norms are copied,
-not counted). Writes bench/results/gguf-quants-cpu.json.
+not counted). Writes bench/results/gguf-quants-cpu.json (--quick: gguf-quants-quick-cpu.json).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
     print(f"\nWhole model ({LAYERS} layers, {n_params / 1e6:.0f}M parameters in 2-D tensors), "
           "estimated from the speeds above:\n")
     print(markdown_table(estimates, list(estimates[0])))
-    out = ROOT / "bench/results/gguf-quants-cpu.json"
+    out = ROOT / "bench/results" / f"gguf-quants{'-quick' if args.quick else ''}-cpu.json"
     out.write_text(json.dumps({"machine": where, "args": vars(args), "rows": rows,
                                "whole_model": estimates}, indent=2))
 
