@@ -63,6 +63,8 @@ BAD = [
     # a type the model's tensors are no whole number of blocks of: known before training
     ("+export.gguf=[f16, q8_0]", "export.gguf: q8_0 cannot encode blk.0.ffn_down.weight: its "
      "rows of 172 are not a multiple of Q8_0's block of 32"),
+    ("+export.gguf=[q4_k_m]", "export.gguf: q4_k_m cannot encode blk.0.attn_q.weight: its "
+     "rows of 64 are not a multiple of Q4_K's block of 256"),
 ]
 
 

@@ -172,7 +172,8 @@ class ExportConfig(Section):
     gguf: list[str] = Field(
         default_factory=list,
         description="GGUF file types the export stage writes to <export>/gguf (f32, f16, "
-        "bf16, q8_0: tasks/exporters/gguf/quants.py), the adapter merged, one file each, "
+        "bf16, q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q4_k_s: tasks/exporters/gguf/quants.py), "
+        "the adapter merged, one file each, "
         "with an Ollama Modelfile and, for LoRA runs with save_adapter, the adapter alone as "
         "a LoRA-GGUF (docs/gguf.md). Empty: none.")
 

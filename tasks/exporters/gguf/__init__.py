@@ -59,25 +59,29 @@ def check(ctx: ExportContext):
 
     cfg = ctx.config
     check_types(cfg.export.gguf)
-    family = check_shapes(ctx.model.config, _plain_shapes(ctx), cfg.export.gguf)
+    family = check_shapes(ctx.model.config, *_plain_shapes(ctx), cfg.export.gguf)
     lora = plan(ctx.ws.layout.trained, family) if writes_lora(cfg) else None
     return family, lora
 
 
-def check_shapes(config, shapes: dict[str, tuple[int, ...]], types):
-    """The model's architecture (its Family, returned) and every tensor's row against each
-    type's block size; one line for the first that does not fit."""
+def check_shapes(config, shapes: dict[str, tuple[int, ...]], tied: bool, types):
+    """The model's architecture (its Family, returned) and every tensor's row against the
+    block size of the type each listed file type gives it (as model_file plans it: a tied
+    output head is token_embd's); one line for the first that does not fit."""
     from tasks.exporters.gguf.families import family_for
 
     family = family_for(config)
     for hf_name, shape in shapes.items():
+        if hf_name == "lm_head.weight" and tied:
+            continue
         gguf_name = family.gguf_name(hf_name)
         if gguf_name is None:
             raise PipelineError(
                 f"export.gguf: the model's tensor {hf_name} has no place in a {family.arch} "
                 "GGUF; only a plain (merged) model of a supported architecture can be written")
         for file_type in types:
-            qtype = quants.tensor_type(file_type, gguf_name, shape, config.num_hidden_layers)
+            qtype = quants.tensor_type(file_type, gguf_name, shape, config.num_hidden_layers,
+                                       tied_embeddings=tied)
             quants.check_block(gguf_name, shape, qtype, file_type)
     return family
 
@@ -104,7 +108,7 @@ def check_before_training(ws) -> None:
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     check_shapes(config, {n: tuple(t.shape) for n, t in skeleton.state_dict().items()},
-                 cfg.export.gguf)
+                 _tied(config), cfg.export.gguf)
 
 
 def preflight(ctx: ExportContext) -> None:
@@ -114,18 +118,30 @@ def preflight(ctx: ExportContext) -> None:
         check(ctx)
 
 
-def _plain_shapes(ctx: ExportContext) -> dict[str, tuple[int, ...]]:
-    """The merged model's tensor shapes without merging an unmerged run's adapter (that
-    would unload it from the model the HF folder saves): its architecture on the meta device."""
+def _plain_shapes(ctx: ExportContext) -> tuple[dict[str, tuple[int, ...]], bool]:
+    """The merged model's tensor shapes and whether its output head is its embedding, without
+    merging an unmerged run's adapter (that would unload it from the model the HF folder
+    saves): then its architecture on the meta device, tied as its config says."""
+    import torch
+
     if ctx.merged or not ctx.config.peft.use_peft:
-        model = ctx.servable  # the HF folder's model: merging it now changes nothing
+        # the HF folder's model: merging it now changes nothing
+        state = ctx.servable.state_dict()
+        head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+        # tied as model_file finds it: one tensor, or equal values
+        tied = head is not None and embed is not None and (
+            head.data_ptr() == embed.data_ptr() or torch.equal(head, embed))
     else:
-        import torch
         from transformers import AutoModelForCausalLM
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(ctx.model.config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+            state = AutoModelForCausalLM.from_config(ctx.model.config).state_dict()
+        tied = _tied(ctx.model.config)
+    return {name: tuple(t.shape) for name, t in state.items()}, tied
+
+
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def write(ctx: ExportContext) -> Path | None:
