@@ -298,7 +298,8 @@ def test_export_writes_the_gguf_files_a_manifest_and_a_modelfile(gguf_export):
     card = (project / "data/export/README.md").read_text()
     for e in manifest:
         assert f"| `{e['file']}` |" in card and e["sha256"] in card
-    assert "llama-cli -m data/export/gguf/finetune-default-f16.gguf" in card
+    # a completion run: llama.cpp's raw-prompt command, not llama-cli's chat
+    assert "llama-completion -m data/export/gguf/finetune-default-f16.gguf" in card
     assert "ollama create finetune-default -f data/export/gguf/Modelfile" in card
     assert "  gguf:\n  - f16\n" in card  # the params it was written with
 

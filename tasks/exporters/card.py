@@ -92,11 +92,11 @@ def _gguf_section(ctx: ExportContext, export_dir: Path) -> str:
                      f"{e['type']} | {e['size']} | `{e['sha256']}` |" for e in written)
     model = next(e["file"] for e in written if e["kind"] == "model")
     lora = next((e["file"] for e in written if e["kind"] == "lora"), None)
-    name = gguf.model_name(ctx.config)
+    name, run = gguf.model_name(ctx.config), gguf.runner(ctx.config)
     with_lora = "" if lora is None else f"""
 The adapter alone applies to a GGUF of the base model (`BASE.gguf`, yours):
 ```bash
-llama-cli -m BASE.gguf --lora {folder}/{lora} -p "..." -n 32
+{run} -m BASE.gguf --lora {folder}/{lora} -p "..." -n 32
 ```
 """
     return f"""
@@ -109,7 +109,7 @@ Files for llama.cpp and Ollama in `{gguf.GGUF_DIR}/` (the merged model in each t
 {rows}
 
 ```bash
-llama-cli -m {folder}/{model} -p "..." -n 32
+{run} -m {folder}/{model} -p "..." -n 32
 ollama create {name} -f {folder}/{gguf.MODELFILE} && ollama run {name}
 ```
 {with_lora}"""

@@ -47,6 +47,17 @@ def model_name(cfg: FinetuneConfig) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
 
 
+def trained_chat(cfg: FinetuneConfig) -> bool:
+    """The run trained on conversations rendered by a chat template (its prompts are chats)."""
+    return cfg.data.dataset_type == "chat" or bool(cfg.data.chat_template)
+
+
+def runner(cfg: FinetuneConfig) -> str:
+    """llama.cpp's command for the run's prompts: llama-cli holds a chat (the chat template
+    applied), llama-completion continues a raw prompt (a completion run's layout)."""
+    return "llama-cli" if trained_chat(cfg) else "llama-completion"
+
+
 def writes_lora(cfg: FinetuneConfig) -> bool:
     """The adapter alone is written as a LoRA-GGUF: a LoRA run that keeps its adapter."""
     return cfg.peft.use_peft and cfg.peft.peft_type == "LORA" and cfg.export.save_adapter
@@ -169,12 +180,12 @@ def write(ctx: ExportContext) -> Path | None:
         path = folder / f"{name}-lora-{tensor_type}.gguf"
         write_lora(lora, family, model.config, path, tensor_type, name=f"{name}-lora")
         written.append(("lora", tensor_type, path))
-    trained_chat = cfg.data.dataset_type == "chat" or bool(cfg.data.chat_template)
     positions = getattr(model.config, "max_position_embeddings", None)
     sampling = Sampling.of(generation_config, cfg.eval.generation_max_new_tokens,
                            min(cfg.data.max_seq_length, positions or cfg.data.max_seq_length))
     (folder / MODELFILE).write_text(modelfile(
-        written[0][2].name, tokenizer=tok, chat_template=chat_template if trained_chat else None,
+        written[0][2].name, tokenizer=tok,
+        chat_template=chat_template if trained_chat(cfg) else None,
         prompt_template=cfg.data.prompt_template, sampling=sampling))
     write_json_atomic(folder / MANIFEST, [
         {"file": path.name, "kind": kind, "type": file_type, "size": path.stat().st_size,
