@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,8 +158,8 @@ def write_lora(lora: LoraPlan, family: Family, hf_config, path: Path, tensor_typ
     qtype = {"f16": gguf.GGMLQuantizationType.F16,
              "f32": gguf.GGMLQuantizationType.F32}[tensor_type]
     dtype = np.float16 if tensor_type == "f16" else np.float32
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+    # beside `path` (same filesystem: the rename is atomic), with the umask's permissions
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         writer = gguf.GGUFWriter(tmp, family.arch)
         writer.add_type(gguf.GGUFType.ADAPTER)
