@@ -91,6 +91,10 @@ def test_every_adapted_weight_is_written_in_llamas_shapes_with_alpha(adapter, tm
             expected[f"blk.{layer}.{t}.weight.lora_b"] = (out[t], 4)
     assert {n: a.shape for n, a in tensors.items()} == expected
     assert {a.dtype for a in tensors.values()} == {np.dtype(np.float16)}
+    # the export is a DVC out: the same adapter, the same bytes; nothing left beside it
+    again = _write(folder, tmp_path / "b.gguf", "f16")
+    assert again.read_bytes() == (tmp_path / "a.gguf").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf"]
 
 
 def test_q_and_k_rows_of_lora_b_are_permuted_as_the_base_weights(adapter, tmp_path):
