@@ -145,7 +145,8 @@ def test_what_llama_cpp_cannot_apply_is_one_line(tmp_path, config, says):
     with pytest.raises(PipelineError) as exc:
         plan(folder, _family()[0])
     line = str(exc.value)
-    assert "\n" not in line and line.startswith("export.gguf: the adapter in ") and says in line, line
+    assert "\n" not in line and line.startswith("export.gguf: the adapter in "), line
+    assert says in line, line
 
 
 def test_a_key_that_is_no_lora_matrix_is_refused(adapter, tmp_path):
