@@ -41,8 +41,8 @@ def write_gguf(model_dir: Path, path: Path, file_type: str) -> Path:
 @pytest.fixture(scope="module")
 def two_bases(tokenized, tmp_path_factory):
     """The same 2-step run, from stories260K's safetensors and from its f32 GGUF (data stages
-    run again with the GGUF's tokenizer), each then evaluated: (safetensors, gguf, gguf's
-    train log)."""
+    run again with the GGUF's tokenizer), each then evaluated and exported: (safetensors,
+    gguf, gguf's train log)."""
     top = tmp_path_factory.mktemp("gguf-base")
     plain, from_gguf = top / "safetensors", top / "gguf"
     for project in (plain, from_gguf):
@@ -53,8 +53,8 @@ def two_bases(tokenized, tmp_path_factory):
     stages_here(from_gguf, "format", "tokenize")
     train_in_place(plain)
     log = train_in_place(from_gguf).stdout
-    stages_here(plain, "evaluate")
-    stages_here(from_gguf, "evaluate")
+    stages_here(plain, "evaluate", "export")
+    stages_here(from_gguf, "evaluate", "export")
     return plain, from_gguf, log
 
 
@@ -83,6 +83,18 @@ def test_f32_gguf_base_trains_and_evaluates_as_the_safetensors_base(two_bases):
     a, b = adapter(plain), adapter(from_gguf)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "[model]" not in log  # plain floats: nothing dequantized, nothing said
+
+
+def test_export_merges_the_adapter_into_the_gguf_base(two_bases):
+    """The export stage loads the base again (from the GGUF file) and merges the adapter: the
+    merged model is the safetensors run's, and its card names the file."""
+    from safetensors.torch import load_file
+
+    plain, from_gguf, _ = two_bases
+    a, b = (load_file(str(p / "data/export/model.safetensors")) for p in (plain, from_gguf))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    card = (from_gguf / "data/export/README.md").read_text()
+    assert f"- Base model: `{GGUF_DIR}` (`{GGUF_DIR}, GGUF file {GGUF_NAME}`)" in card
 
 
 @pytest.fixture(scope="module")
