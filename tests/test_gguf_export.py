@@ -218,6 +218,50 @@ def test_q8_0_logits_of_a_model_it_fits(tiny_llama, stories, batch, tmp_path):
     assert table["blk.1.ffn_norm.weight"] == Q.F32
 
 
+@pytest.mark.parametrize("file_type", ["q4_k_m", "q6_k"])
+def test_k_quant_logits_are_the_mixed_rounded_models(tiny_llama, stories, batch, tmp_path,
+                                                       file_type):
+    """A k-quant file reads back into exactly the logits of the model whose every tensor went
+    through the type llama.cpp's mix gives it (q4_k_m: Q4_K, Q6_K for output and the
+    more-bits layers' attn_v/ffn_down); the distance to float32 is printed."""
+    _, tokenizer = stories
+    write_model(tiny_llama, tokenizer, tmp_path / "tiny.gguf", file_type)
+    got = logits(read_back(tmp_path, "tiny.gguf"), batch)
+    family, n_layers = family_for(tiny_llama.config), tiny_llama.config.num_hidden_layers
+    copy = type(tiny_llama)(tiny_llama.config).eval()
+    state = {}
+    for name, t in tiny_llama.state_dict().items():
+        qtype = quants.tensor_type(file_type, family.gguf_name(name), tuple(t.shape), n_layers)
+        w = t.numpy()
+        state[name] = torch.from_numpy(
+            gguf_quants.dequantize(quants.encode(w, qtype), qtype).reshape(w.shape)
+            if t.dim() == 2 else w)
+    copy.load_state_dict(state)
+    assert torch.equal(got, logits(copy, batch))
+    want = logits(tiny_llama, batch)
+    diff = (got - want).abs().max().item()
+    print(f"{file_type}: max |logit diff| vs float32 = {diff:.3g} (max |logit| "
+          f"{want.abs().max().item():.3g})")
+    # measured 0.261 (q4_k_m) and 0.0674 (q6_k) of 1.42: bounds ~1.4x that, as fractions
+    assert 0 < diff < {"q4_k_m": 0.25, "q6_k": 0.07}[file_type] * want.abs().max().item()
+    table = {t.name: t.tensor_type for t in fields(tmp_path / "tiny.gguf")[1].tensors}
+    assert table["output.weight"] == Q.Q6_K
+    if file_type == "q4_k_m":
+        assert table["blk.0.attn_q.weight"] == Q.Q4_K
+
+
+def test_non_finite_weights_are_refused_in_one_line(tiny_llama, stories, tmp_path):
+    _, tokenizer = stories
+    broken = type(tiny_llama)(tiny_llama.config).eval()
+    broken.load_state_dict(tiny_llama.state_dict())
+    with torch.no_grad():
+        broken.model.layers[1].mlp.up_proj.weight[3, 7] = float("nan")
+    with pytest.raises(PipelineError, match=r"^export.gguf: model.layers.1.mlp.up_proj.weight "
+                                            r"holds NaN or inf values"):
+        write_model(broken, tokenizer, tmp_path / "broken.gguf", "f16")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_another_architecture_is_refused_in_one_line(stories, tmp_path):
     _, tokenizer = stories
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=512,

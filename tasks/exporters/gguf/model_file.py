@@ -93,7 +93,8 @@ def _plan(family: Family, state: dict, file_type: str, n_layers: int) -> list[_P
                 f"export.gguf: the model's tensor {hf_name} has no place in a {family.arch} "
                 f"GGUF; only a plain (merged) model of a supported architecture can be written")
         shape = tuple(tensor.shape)
-        qtype = quants.tensor_type(file_type, gguf_name, shape, n_layers)
+        qtype = quants.tensor_type(file_type, gguf_name, shape, n_layers,
+                                   tied_embeddings=tied)
         quants.check_block(gguf_name, shape, qtype, file_type)
         plan.append(_Planned(gguf_name, hf_name, shape, qtype))
     return plan
@@ -101,6 +102,9 @@ def _plan(family: Family, state: dict, file_type: str, n_layers: int) -> list[_P
 
 def _encoded(family: Family, config, p: _Planned, tensor: torch.Tensor):
     rows = tensor.detach().to("cpu", torch.float32).numpy()
+    if not np.isfinite(rows).all():  # a block scale of inf/NaN would poison the whole block
+        raise PipelineError(f"export.gguf: {p.hf_name} holds NaN or inf values; the trained "
+                            f"model is broken: look at the train stage's loss curve")
     return quants.encode(family.permute_rows(p.gguf_name, rows, config), p.qtype)
 
 
