@@ -67,8 +67,10 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
             out[role] = ws.layout.tokenized / role
         if ctx.labels is not None:
             write_labels(staging, ctx.labels)
+        gguf = ws.config.model.gguf_file  # the tokenizer's file, named only when set
         carry_manifest(ws.layout.formatted, staging, max_seq_length=data.max_seq_length,
-                       model=ws.config.model.name_or_path, revision=ws.config.model.revision)
+                       model=ws.config.model.name_or_path, revision=ws.config.model.revision,
+                       **({"gguf_file": gguf} if gguf else {}))
     if not out and not data.streaming:  # streaming without a test split: nothing to tokenize
         raise PipelineError(f"{ws.layout.formatted}: no formatted splits; run format first")
     write_json_atomic(ws.layout.metrics / "tokenize.json", stats)
@@ -84,8 +86,10 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
     fn, kwargs = datatype.encoder(ctx)
     tok = ctx.tokenizer
     ds = datasets.Dataset.from_pandas(pd.read_parquet(file), preserve_index=False)
-    fingerprint = _fingerprint(file, tok, ctx.bos, data.max_seq_length,
-                               ws.config.model.name_or_path, kwargs, datatype)
+    model = ws.config.model  # a GGUF base's tokenizer is its file's
+    model_ref = "/".join(filter(None, (model.name_or_path, model.gguf_file)))
+    fingerprint = _fingerprint(file, tok, ctx.bos, data.max_seq_length, model_ref, kwargs,
+                               datatype)
     ds = ds.map(
         fn,
         batched=True,

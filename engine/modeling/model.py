@@ -1,5 +1,6 @@
 """Model and tokenizer loading: the only place `from_pretrained` is called (the adapter is
-engine/modeling/adapter.py, a classifier's labels engine/modeling/labels.py, new tokens engine/modeling/vocabulary.py).
+engine/modeling/adapter.py, a classifier's labels engine/modeling/labels.py, new tokens engine/modeling/vocabulary.py,
+a GGUF base's arguments and clean-up engine/modeling/gguf_base.py).
 
 A model reference is a local folder when it exists under the project root (or is written as a
 path), otherwise a hub id. Hub failures are turned into one line that explains HF_HUB_OFFLINE
@@ -12,10 +13,11 @@ import contextlib
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from engine.modeling.gguf_base import as_dense_model, dense_load_kwargs, gguf_argument
 from engine.modeling.labels import classifier_kwargs, read_labels
 from engine.modeling.vocabulary import grow_vocabulary
 from finetune.config.model import ModelConfig, PeftSection
@@ -50,6 +52,9 @@ def _hub_error(ref: str, exc: Exception) -> PipelineError:
 
 
 def _from_pretrained(factory: Any, ref: str, cfg: ModelConfig, **kwargs: Any) -> Any:
+    # a load from a GGUF file names that file when it fails
+    key, what = (("model.gguf_file", kwargs["gguf_file"]) if kwargs.get("gguf_file")
+                 else ("model.name_or_path", ref))
     try:
         return factory.from_pretrained(
             ref, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, **kwargs
@@ -57,9 +62,9 @@ def _from_pretrained(factory: Any, ref: str, cfg: ModelConfig, **kwargs: Any) ->
     except (OSError, ValueError) as exc:
         if Path(ref).exists():
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise PipelineError(f"model.name_or_path {ref}: cannot load ({first})") from None
+            raise PipelineError(f"{key} {what}: cannot load ({first})") from None
         if isinstance(exc, ValueError):
-            raise PipelineError(f"model.name_or_path {ref}: {str(exc).splitlines()[0]}") from None
+            raise PipelineError(f"{key} {what}: {str(exc).splitlines()[0]}") from None
         raise _hub_error(ref, exc) from exc
 
 
@@ -68,8 +73,12 @@ def load_tokenizer(cfg: ModelConfig, root: Path):
     special tokens, and a pad token: see `choose_pad_token`."""
     from transformers import AutoTokenizer
 
-    ref = resolve_model_ref(cfg.tokenizer_name_or_path or cfg.name_or_path, root)
-    tok = _from_pretrained(AutoTokenizer, ref, cfg)
+    if cfg.tokenizer_name_or_path:
+        tok = _from_pretrained(AutoTokenizer, resolve_model_ref(cfg.tokenizer_name_or_path, root),
+                               cfg)
+    else:  # the model's: from its GGUF file when it has one
+        ref = resolve_model_ref(cfg.name_or_path, root)
+        tok = _from_pretrained(AutoTokenizer, ref, cfg, **_gguf(cfg, ref))
     if cfg.special_tokens:
         tok.add_special_tokens(dict(cfg.special_tokens))
     if cfg.added_tokens:
@@ -91,10 +100,17 @@ def choose_pad_token(tok) -> str:
     return tok.eos_token
 
 
+def _gguf(cfg: ModelConfig, ref: str) -> dict[str, Any]:
+    """`gguf_file` for a load of the base (model.gguf_file), else nothing."""
+    argument = gguf_argument(cfg, ref)
+    return {"gguf_file": argument} if argument else {}
+
+
 def load_model_config(cfg: ModelConfig, root: Path):
     from transformers import AutoConfig
 
-    return _from_pretrained(AutoConfig, resolve_model_ref(cfg.name_or_path, root), cfg)
+    ref = resolve_model_ref(cfg.name_or_path, root)
+    return _from_pretrained(AutoConfig, ref, cfg, **_gguf(cfg, ref))
 
 
 def max_positions(cfg: ModelConfig, root: Path) -> int | None:
@@ -182,12 +198,15 @@ def refuse_encoder_decoder(model_config, source: str) -> None:
 
 def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
                     labels: list[str] | None = None, construct: str = "default",
-                    device: torch.device | None = None):
-    """The base model as configured (class, dtype, attention kernel, quantisation); `labels`:
+                    device: torch.device | None = None,
+                    log: Callable[[str], None] | None = None):
+    """The base model as configured (class, dtype, attention kernel, quantisation, GGUF
+    file); `ref`: a trained full model's folder to load instead of the base. `labels`:
     a classifier's class names (the head gets one output per class). `construct`
     (training.construct_model_on): default loads on the CPU; device loads straight onto
     `device`; meta builds a skeleton whose weights `engine.modeling.construction.materialise` reads
-    later, once the strategy has kept this rank's part."""
+    later, once the strategy has kept this rank's part. `log`: where a GGUF base's
+    dequantization line goes (default: stdout)."""
     factory = model_class(cfg.auto_class_name)
     grows = bool(cfg.added_tokens or cfg.special_tokens)
     # the tokenizer, only when the model depends on it: loaded once for both uses
@@ -210,6 +229,13 @@ def load_base_model(cfg: ModelConfig, root: Path, ref: str | None = None,
         model = skeleton(factory, config, **kwargs)
     elif cfg.model_init and ref is None:
         model = _from_model_init(cfg, kwargs, device if construct == "device" else None)
+    elif ref is None and cfg.gguf_file:
+        base = resolve_model_ref(cfg.name_or_path, root)
+        gguf = _gguf(cfg, base)
+        model = _from_pretrained(factory, base, cfg,
+                                 **{**kwargs, **gguf, **dense_load_kwargs()})
+        model = as_dense_model(model, cfg, base, gguf["gguf_file"],
+                               log or (lambda line: print(line, flush=True)))
     else:
         model = _from_pretrained(factory, ref or resolve_model_ref(cfg.name_or_path, root), cfg,
                                  **kwargs)

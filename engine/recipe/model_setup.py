@@ -59,7 +59,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
                 pad_id: int, amp: torch.dtype | None, log: Callable[[str], None]) -> BuiltModel:
     t = cfg.training
     base = load_base_model(cfg.model, root, labels=labels, construct=t.construct_model_on,
-                           device=d.device)
+                           device=d.device, log=log)
     enable_gradient_checkpointing(base, t, log)
     model = apply_peft(base, cfg.peft)
     if t.qat_recipe:  # around the frozen layers, inside the adapters

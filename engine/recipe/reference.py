@@ -64,7 +64,7 @@ class Reference:
         module = run.strategy.module
         if has_adapter(module):
             return cls(module)
-        frozen = load_base_model(run.cfg.model, run.paths.project_root)
+        frozen = load_base_model(run.cfg.model, run.paths.project_root, log=run.log)
         return cls(module, frozen.to(run.dist.device).eval().requires_grad_(False))
 
     @contextlib.contextmanager

@@ -517,6 +517,17 @@ RULES: list[Rule] = [
     Refuse("model", "load_in_8bit", _in("load_in_4bit", lambda m: m.load_in_4bit),
            "one quantisation; set one of them to false",
            example={"model.load_in_4bit": True, "model.load_in_8bit": True}),
+    Refuse("model", "gguf_file", _in("load_in_4bit or load_in_8bit",
+                                     lambda m: m.load_in_4bit or m.load_in_8bit),
+           "transformers loads a GGUF file through its own GGUF quantizer and refuses a "
+           "bitsandbytes quantization on the same load; set them false to train the "
+           "dequantized weights in model.dtype, or point name_or_path at a safetensors copy of "
+           "the model to load it in 4 or 8 bits",
+           example={"model.gguf_file": "base.gguf", "model.load_in_4bit": True}),
+    Refuse("model", "gguf_file", _in("model_init", lambda m: bool(m.model_init)),
+           "model_init builds the model itself, so the GGUF file would give only the "
+           "tokenizer; name the tokenizer in tokenizer_name_or_path, or remove model_init",
+           example={"model.gguf_file": "base.gguf", "model.model_init": "m:f"}),
     # scheduler
     Refuse("scheduler", "warmup_ratio", _in("warmup_steps", lambda s: s.warmup_steps > 0),
            "exclusive: set one of them to 0", example={"scheduler.warmup_ratio": 0.1}),
@@ -800,6 +811,9 @@ RULES: list[Rule] = [
       for key, used, why, extra in (
         ("model.model_init", None, "the factory builds the model itself",
          {"model.model_init": "m:f"}),
+        ("model.gguf_file", None, "the skeleton's weights are read from safetensors shards; "
+         "transformers reads a GGUF file whole, through its own loader",
+         {"model.gguf_file": "base.gguf"}),
         ("model.load_in_4bit", None, "quantised loading is from_pretrained's",
          {"model.load_in_4bit": True}),
         ("model.load_in_8bit", None, "quantised loading is from_pretrained's",

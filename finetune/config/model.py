@@ -30,6 +30,15 @@ class ModelConfig(Section):
     )
     revision: str | None = Field(
         None, fingerprint=False, description="Hub revision (branch, tag or commit) to pin.")
+    # fingerprinted: the base-model hash covers every weights file in the folder, so only
+    # this key tells which of them (a .gguf or the safetensors beside it) the run trained from
+    gguf_file: str | None = Field(
+        None, fingerprint=True,
+        description="A GGUF file in name_or_path (a local folder or hub repo) to load as the "
+        "base model, for any training type (transformers' gguf_file). The tokenizer comes from "
+        "the same file unless tokenizer_name_or_path is set; quantized GGUF types (Q8_0, "
+        "Q4_K, ...) are dequantized to model.dtype on load, so training sees a dense model.",
+    )
     model_init: str | None = Field(
         None, fingerprint=True, code_ref=True,
         description="'module:function' with no arguments returning the base model (a "

@@ -36,6 +36,8 @@ def model_card(ctx: ExportContext) -> str:
     base = resolve_model_ref(cfg.model.name_or_path, ws.root)
     if Path(base).is_relative_to(ws.root):  # a folder of the project: no clone's own path
         base = Path(base).relative_to(ws.root).as_posix()
+    if cfg.model.gguf_file:  # the base weights came from that file
+        base = f"{base}, GGUF file {cfg.model.gguf_file}"
     source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
     export_dir = ws.layout.export.relative_to(ws.root)
     auto, tag = cfg.model_task.auto_class, cfg.model_task.pipeline_tag
