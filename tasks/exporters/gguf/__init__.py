@@ -80,20 +80,11 @@ def check_shapes(config, shapes: dict[str, tuple[int, ...]], tied: bool, types):
     block size of the type each listed file type gives it (as model_file plans it: a tied
     output head is token_embd's); one line for the first that does not fit."""
     from tasks.exporters.gguf.families import family_for
+    from tasks.exporters.gguf.model_file import plan_tensors
 
     family = family_for(config)
-    for hf_name, shape in shapes.items():
-        if hf_name == "lm_head.weight" and tied:
-            continue
-        gguf_name = family.gguf_name(hf_name)
-        if gguf_name is None:
-            raise PipelineError(
-                f"export.gguf: the model's tensor {hf_name} has no place in a {family.arch} "
-                "GGUF; only a plain (merged) model of a supported architecture can be written")
-        for file_type in types:
-            qtype = quants.tensor_type(file_type, gguf_name, shape, config.num_hidden_layers,
-                                       tied_embeddings=tied)
-            quants.check_block(gguf_name, shape, qtype, file_type)
+    for file_type in types:
+        plan_tensors(family, shapes, tied, file_type, config.num_hidden_layers)
     return family
 
 

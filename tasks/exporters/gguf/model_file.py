@@ -83,8 +83,17 @@ def _plan(family: Family, state: dict, file_type: str, n_layers: int) -> list[_P
     head = state.get("lm_head.weight")
     tied = head is not None and embed is not None and (
         head.data_ptr() == embed.data_ptr() or torch.equal(head, embed))
+    return plan_tensors(family, {n: tuple(t.shape) for n, t in state.items()}, tied,
+                        file_type, n_layers)
+
+
+def plan_tensors(family: Family, shapes: dict[str, tuple[int, ...]], tied: bool,
+                 file_type: str, n_layers: int) -> list[_Planned]:
+    """The plan from the tensors' shapes alone (the export stage's checks run it on a
+    weightless model, before anything is written): one line for the first tensor with no
+    GGUF name or whose rows are not whole blocks of the type `file_type` gives it."""
     plan = []
-    for hf_name, tensor in state.items():
+    for hf_name, shape in shapes.items():
         if hf_name == "lm_head.weight" and tied:
             continue
         gguf_name = family.gguf_name(hf_name)
@@ -92,7 +101,6 @@ def _plan(family: Family, state: dict, file_type: str, n_layers: int) -> list[_P
             raise PipelineError(
                 f"export.gguf: the model's tensor {hf_name} has no place in a {family.arch} "
                 f"GGUF; only a plain (merged) model of a supported architecture can be written")
-        shape = tuple(tensor.shape)
         qtype = quants.tensor_type(file_type, gguf_name, shape, n_layers,
                                    tied_embeddings=tied)
         quants.check_block(gguf_name, shape, qtype, file_type)
