@@ -56,10 +56,10 @@ def measure(label: str, model, tokenizer, types: list[str], folder: Path) -> lis
         size = path.stat().st_size
         f32_size = f32_size or (size if file_type == "f32" else None)
         rows.append({"model": label, "params_M": round(n_params / 1e6, 1), "type": file_type,
-                     "seconds": round(seconds, 2), "MB": round(size / 1e6, 2),
+                     "seconds": round(seconds, 4), "MB": round(size / 1e6, 2),
                      "vs_safetensors": round(seconds / baseline, 2),
                      "size_vs_f32": round(size / f32_size, 3) if f32_size else None,
-                     "safetensors_seconds": round(baseline, 2)})
+                     "safetensors_seconds": round(baseline, 4)})
         print(f"{label} {file_type}: {seconds:.2f} s, {size / 1e6:.2f} MB", flush=True)
         path.unlink()
     return rows
