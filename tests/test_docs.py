@@ -314,7 +314,7 @@ NOT_RUN = {
     "make test": "the first step of .ci/run; this test is its second",
     "make setup && .venv/bin/python bench/suite.py":
         "the whole benchmark suite: ~35 min on 2 cores, and its Alpaca data and GPT-2 "
-        "tokenizer are not shipped (the --quick line after it runs)",
+        "tokenizer are not shipped (the --quick line after it runs where they are)",
     "export PREFECT_API_URL=https://prefect.example.com/api":
         "a team's own Prefect server: needs the network and an account",
     "prefect work-pool create finetune-pool --type process": "on the team's server (above)",
@@ -322,6 +322,11 @@ NOT_RUN = {
     "prefect worker start --pool finetune-pool":
         "a worker that runs until stopped, on the team's server (above)",
 }
+#: shown commands that need the benchmarks' inputs, which the project does not ship (Alpaca's
+#: licence): run where FINETUNE_BENCH_DATA (default: a `shared` folder beside the checkout)
+#: holds them, else reported as not run, with why
+NEEDS_BENCH_DATA = {".venv/bin/python bench/suite.py --quick": "data/alpaca_2k.json"}
+BENCH_DATA = Path(os.environ.get("FINETUNE_BENCH_DATA", ROOT.parent / "shared"))
 #: long-running servers: started in the background (their own process group), ready once the
 #: URL answers with the text, stopped after their block with SIGINT (what Ctrl-C sends), and
 #: every process of theirs must be gone then
@@ -391,6 +396,10 @@ def _script(page: str, first: int, lines: list[str]) -> tuple[str, list[str]]:
             out.append(line)
         elif command in NOT_RUN:
             out.append(f"echo {shlex.quote(f'docs-test: {where}: not run: {NOT_RUN[command]}')}")
+        elif command in NEEDS_BENCH_DATA and not (BENCH_DATA / NEEDS_BENCH_DATA[command]).exists():
+            why = (f"needs {BENCH_DATA / NEEDS_BENCH_DATA[command]} (not shipped; set "
+                   "FINETUNE_BENCH_DATA to the folder of the benchmarks' inputs)")
+            out.append(f"echo {shlex.quote(f'docs-test: {where}: not run: {why}')}")
         elif command in BACKGROUND:
             url, text = BACKGROUND[command]
             log = f'"$DOCS_LOGS/{first + k}.log"'
@@ -459,8 +468,8 @@ def test_the_shown_commands_run_on_a_fresh_clone(page, blocks, tmp_path):
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
                                   if p and Path(p).resolve() != BIN.resolve())
     env.update(DOCS_LOGS=str(logs), DOCS_PYTHON=sys.executable)
-    if (ROOT.parent / "shared").is_dir():  # the benchmarks' inputs, beside this checkout
-        env.setdefault("FINETUNE_BENCH_DATA", str(ROOT.parent / "shared"))
+    if BENCH_DATA.is_dir():  # the benchmarks' inputs (the clone's own default would miss them)
+        env["FINETUNE_BENCH_DATA"] = str(BENCH_DATA)
     timings = []
     for first, lines in blocks:
         script, background = _script(page, first, lines)
@@ -505,7 +514,8 @@ def test_the_docs_commands_runner_finds_and_handles_every_command():
     assert len(pages["README.md"]) >= 4
     shown = {_command(ln) for blocks in pages.values() for _, lines in blocks for ln in lines}
     assert "prefect deployment run finetune/default --watch" in shown
-    assert set(NOT_RUN) | set(BACKGROUND) <= shown, (set(NOT_RUN) | set(BACKGROUND)) - shown
+    listed = set(NOT_RUN) | set(BACKGROUND) | set(NEEDS_BENCH_DATA)
+    assert listed <= shown, listed - shown
     script, background = _script("P.md", 10, ["true  # fine", "false && true", "echo no"])
     assert background == []
     with tempfile.TemporaryDirectory() as logs:
