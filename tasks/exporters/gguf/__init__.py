@@ -128,11 +128,10 @@ def _plain_shapes(ctx: ExportContext) -> tuple[dict[str, tuple[int, ...]], bool]
 
     if ctx.merged or not ctx.config.peft.use_peft:
         # the HF folder's model: merging it now changes nothing
+        from tasks.exporters.gguf.model_file import tied_head
+
         state = ctx.servable.state_dict()
-        head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
-        # tied as model_file finds it: one tensor, or equal values
-        tied = head is not None and embed is not None and (
-            head.data_ptr() == embed.data_ptr() or torch.equal(head, embed))
+        tied = tied_head(state)  # as the writer finds it
     else:
         from transformers import AutoModelForCausalLM
 

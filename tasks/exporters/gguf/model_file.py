@@ -79,12 +79,17 @@ def write_model(model, tokenizer, path: Path, file_type: str, *, chat_template: 
 def _plan(family: Family, state: dict, file_type: str, n_layers: int) -> list[_Planned]:
     """Each tensor's GGUF name and type, checked before anything is written. The output head is
     left out when it is the embedding (tied): llama.cpp then reuses token_embd."""
+    return plan_tensors(family, {n: tuple(t.shape) for n, t in state.items()}, tied_head(state),
+                        file_type, n_layers)
+
+
+def tied_head(state: dict) -> bool:
+    """The output head is the embedding: one tensor, or equal values (then no output.weight
+    is written and llama.cpp reuses token_embd)."""
     embed = state.get("model.embed_tokens.weight")
     head = state.get("lm_head.weight")
-    tied = head is not None and embed is not None and (
+    return head is not None and embed is not None and (
         head.data_ptr() == embed.data_ptr() or torch.equal(head, embed))
-    return plan_tensors(family, {n: tuple(t.shape) for n, t in state.items()}, tied,
-                        file_type, n_layers)
 
 
 def plan_tensors(family: Family, shapes: dict[str, tuple[int, ...]], tied: bool,
