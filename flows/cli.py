@@ -5,6 +5,7 @@
     finetune validate -p params/x.yaml
     finetune config -s optimizer.learning_rate=3e-4
     finetune summary
+    finetune show-rows --rows 2 --format html   # tokenized rows, trained tokens marked
 
 Errors print as one line (`error: ...`) with exit code 2; `--debug` shows the traceback.
 """
@@ -53,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
                      "stage depends on it, so `dvc repro` checks the whole file first)")
     _common(sub.add_parser("config", help="print the resolved config"))
     _common(sub.add_parser("summary", help="print the last run's results"))
+    rows = sub.add_parser("show-rows", help="print the first tokenized rows decoded, the "
+                          "trained tokens marked (after the tokenize stage)")
+    _common(rows)
+    rows.add_argument("--rows", type=int, default=2, help="how many rows (default 2)")
+    rows.add_argument("--split", choices=("train", "test"), default="train")
+    rows.add_argument("--format", dest="fmt", choices=("text", "html"), default="text",
+                      help="text: trained text between ⟦ and ⟧; html: in <mark> inside a <pre>")
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
     ref.add_argument("--write", action="store_true",
                      help="update the docs site's reference page (docs/reference.md) in place")
@@ -230,6 +238,14 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_show_rows(args) -> int:
+    from tasks.show_rows import show_rows
+
+    ws = Workspace.load(args.params, args.overrides)
+    print(show_rows(ws, args.split, args.rows, args.fmt))
+    return 0
+
+
 def cmd_reference(args) -> int:
     from finetune.config.reference import embed, render
 
@@ -250,7 +266,8 @@ def _rel(path, root: Path) -> str:
 
 
 COMMANDS = {"stage": cmd_stage, "run": cmd_run, "validate": cmd_validate, "config": cmd_config,
-            "summary": cmd_summary, "reference": cmd_reference}
+            "summary": cmd_summary, "reference": cmd_reference,
+            "show-rows": cmd_show_rows}
 
 if __name__ == "__main__":
     sys.exit(main())
