@@ -32,6 +32,9 @@ def show_rows(ws: Workspace, split: str = "train", rows: int = 2, fmt: str = "te
     if rows < 1:
         raise PipelineError(f"--rows {rows}: expected at least 1")
     path = ws.layout.tokenized / split
+    if not path.exists() and split == "train" and ws.config.data.streaming:
+        raise PipelineError(f"{path} missing: data.streaming tokenizes the train split on the "
+                            "fly, nothing is stored; show the test split (--split test)")
     if not path.exists():
         raise PipelineError(f"{path} missing: run the tokenize stage first "
                             f"(finetune stage tokenize -p {ws.params_path})")

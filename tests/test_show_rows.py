@@ -61,6 +61,13 @@ def test_a_missing_split_is_one_line_naming_it(ws):
         show_rows(ws, split="test")
 
 
+def test_a_streamed_train_split_is_refused_with_why(tmp_path):
+    streamed = dataclasses.replace(
+        Workspace.load(ROOT / "params/default.yaml", ["data.streaming=true"]), root=tmp_path)
+    with pytest.raises(PipelineError, match="tokenizes the train split on the fly.*--split test"):
+        show_rows(streamed)
+
+
 def test_the_cli_prints_rows_and_refuses_a_missing_split_with_exit_2(ws):
     proc = run_cli(ws.root, "show-rows", "--rows", "1", "--format", "html", check=True)
     assert proc.stdout.startswith("<pre>--- train row 0 ---\n") and "<mark> 8." not in proc.stdout
