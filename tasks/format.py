@@ -69,14 +69,13 @@ def format_split(data: DataConfig, frame: pd.DataFrame, split: str, ctx: DataCon
     datatype = data.datatype
     formatted = datatype.format(frame, split, ctx)
     check_dropped(len(formatted.dropped), len(frame), max_fraction,
-                  f"format split '{split}'", formatted.reason,
-                  formatted.dropped[0] if formatted.dropped else None)
+                  f"format split '{split}'", formatted.reason, formatted.first)
     check_frame(datatype.formatted_schema(), formatted.rows, f"format split '{split}'")
     return formatted.rows, {"rows": len(formatted.rows), "dropped_rows": len(formatted.dropped)}
 
 
 def check_dropped(dropped: int, total: int, max_fraction: float, where: str, reason: str,
-                  first: int | None, fix: str = "clean the data or raise "
+                  first: int | str | None, fix: str = "clean the data or raise "
                   "data.max_dropped_fraction") -> None:
     """The rule format and tokenize share: rows with nothing to learn are dropped, unless a
     larger fraction than `data.max_dropped_fraction` of the split is (then the data or the

@@ -37,7 +37,7 @@ def tok():
 
 def _trained_text(tok, template, last_only=False, assistant_only=True):
     enc = encode_chat_batch({"messages": [json.dumps(CONVERSATION)]}, tok, template, None,
-                            4096, assistant_only, last_only)
+                            4096, ["assistant"] if assistant_only else None, last_only)
     full, _ = assistant_spans(tok, template, CONVERSATION, "row 0")
     offsets = tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     runs, current = [], None
@@ -70,7 +70,7 @@ def test_a_template_that_rewrites_earlier_turns_cannot_mark_them(tok):
     # renders only the last user message: earlier turns differ between prefix and whole
     odd = ("{% for m in messages %}{% if loop.last or m['role'] != 'user' %}{{ m['content'] }}"
            "{% endif %}{% endfor %}")
-    with pytest.raises(PipelineError, match=r"data.chat_template cannot mark assistant turns "
+    with pytest.raises(PipelineError, match=r"data.chat_template cannot mark turns "
                        r"in row 3 \(turn 2\)"):
         assistant_spans(tok, odd, CONVERSATION, "row 3")
 
@@ -116,12 +116,13 @@ S = {"role": "system", "content": "s"}
     ([U, "hi"], " message 1: not a mapping"),
     ([{"text": "hi"}], " message 0: has neither role/content nor from/value"),
     ([{"from": "robot", "value": "x"}], " message 0: unknown role 'robot' (system, user, "
-     "assistant; ShareGPT: system, human, gpt)"),
+     "assistant, tool; ShareGPT: system, human, gpt, function_call, observation)"),
     ([U, {"role": "assistant", "content": None}], " message 1: content is not a string"),
     ([S, A], ": message 1 is assistant, expected user (user and assistant alternate from a "
-     "user turn; a system message only first)"),
-    ([U, A, S, A], ": message 2 is system, expected user (user and assistant alternate from a "
-     "user turn; a system message only first)"),
+     "user turn, tool results follow an assistant turn; a system message only first)"),
+    ([U, A, S, A], ": message 2 is system, expected user or tool (user and assistant "
+     "alternate from a user turn, tool results follow an assistant turn; a system message "
+     "only first)"),
     ([S], ": the conversation does not end on an assistant turn"),
     # refused, not dropped: order is checked before the empty assistant turn
     ([U, {"role": "assistant", "content": ""}, U], ": the conversation does not end on an "

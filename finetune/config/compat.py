@@ -397,13 +397,14 @@ def _gate_reported(c) -> str | None:
 
 
 def _gate_computed(c) -> str | None:
-    from finetune.datatypes.metrics import GENERATION_METRICS, ROUGE_KEYS
+    from finetune.datatypes.metrics import GENERATION_METRICS, ROUGE_KEYS, TOOL_CALL_KEYS
 
     r = c.registry
     if not r.register_model:
         return None
     name = r.gate_metric.removeprefix("eval.")
-    needed = "rouge" if name in ROUGE_KEYS else name
+    needed = ("rouge" if name in ROUGE_KEYS else "tool_calls" if name in TOOL_CALL_KEYS
+              else name)
     if needed in GENERATION_METRICS and needed not in c.eval.generation_metrics:
         return (f"registry.gate_metric {r.gate_metric} needs '{needed}' in "
                 f"eval.generation_metrics (now {c.eval.generation_metrics})")

@@ -107,6 +107,25 @@ class DataConfig(Section):
     last_turn_only: bool = Field(
         False, description="chat: train only the last assistant turn of each conversation."
     )
+    roles_to_train: list[Literal["system", "user", "assistant"]] = Field(
+        ["assistant"], min_length=1,
+        description="chat: the roles whose turns are trained (Axolotl's name); tool results "
+        "never are (they are what a tool returned, not what the model should say).")
+    train_on_eos: bool = Field(
+        True, description="chat: train each trained turn's end-of-turn marker (the template's "
+        "<|im_end|>, <|eot_id|>, </s>): the model learns to stop. false: the marker is left out.")
+    train_on_reasoning: bool = Field(
+        True, description="chat: train an assistant turn's reasoning (reasoning_content, or a "
+        "<think>...</think> block leading its content) as the template renders it. false: the "
+        "reasoning is context only.")
+    tools: list[dict[str, Any]] | str | None = Field(
+        None, description="chat, preference, prompt: the tools (JSON schemas, OpenAI form "
+        "{type: function, function: {name, description, parameters}} or bare {name, ...}) of "
+        "every row, or a .json file holding the list (relative to the project); passed to the "
+        "chat template as `tools`. A row's own tools column wins where it is not null.")
+    tools_field: str | None = Field(
+        None, description="chat, preference, prompt: the column holding each row's tools "
+        "(auto: 'tools' when the split has one).")
     max_seq_length: int = Field(
         512, fingerprint=True, gt=0, description="Tokens per example after truncation.")
     max_train_samples: int | None = Field(None, gt=0, description="Keep the first N train rows.")
@@ -280,7 +299,8 @@ PER_SOURCE = ("dataset_name", "subset", "json_file_path", "data_files", "train_s
               "test_split", "split_ratio", "prompt_template", "prompt_func",
               "completion_template", "completion_func", "input_columns", "text_field",
               "dataset_type", "messages_field", "chat_template", "system_prompt",
-              "assistant_only_loss", "last_turn_only", "label_column", "max_train_samples",
+              "assistant_only_loss", "last_turn_only", "roles_to_train", "train_on_eos",
+              "train_on_reasoning", "tools", "tools_field", "label_column", "max_train_samples",
               "max_eval_samples")
 #: the keys that say where a source's rows come from (never at the top level with sources)
 SOURCE_LOCATION = ("dataset_name", "json_file_path", "data_files")

@@ -89,7 +89,9 @@ class EvalConfig(Section):
     generation_metrics: list[Literal[GENERATION_METRICS]] = Field(
         default_factory=list,
         description="Metrics on greedy generations in the evaluate stage: exact_match (final "
-        "answer, GSM8K-style) and/or rouge (ROUGE-1/2/L F1, rouge-score package).",
+        "answer, GSM8K-style), rouge (ROUGE-1/2/L F1, rouge-score package), tool_calls (chat "
+        "rows: tool_name_match and tool_arguments_match on each held-out turn that calls "
+        "tools).",
     )
     max_generation_samples: int | None = Field(
         100, gt=0, description="Test rows generated for the metrics (None: the whole split)."

@@ -99,6 +99,29 @@ class Formatted:
     dropped: list[int]
     #: why the dropped rows have nothing to learn, for the count's message
     reason: str = "nothing to train on"
+    #: row number -> why that row was dropped, where rows are dropped for several reasons
+    #: (a row contract's rule with its detail, or nothing to learn)
+    reasons: dict[int, str] | None = None
+
+    @classmethod
+    def with_reasons(cls, rows, reasons: dict[int, str]) -> "Formatted":
+        """Rows kept, and the rows dropped with why each was: the count's message gives the
+        reasons with their counts, and `first` names the first row and its reason."""
+        from collections import Counter
+
+        kinds = Counter(r.split(" (")[0] for r in reasons.values())
+        summary = "; ".join(f"{kind} ({n})" if len(kinds) > 1 else kind
+                            for kind, n in kinds.most_common())
+        return cls(rows, sorted(reasons), summary or "nothing to train on", dict(reasons))
+
+    @property
+    def first(self) -> str | None:
+        """The first dropped row, as the count's message names it (with its reason where
+        rows are dropped for several)."""
+        if not self.dropped:
+            return None
+        row = self.dropped[0]
+        return f"{row}, {self.reasons[row]}" if self.reasons else str(row)
 
     @classmethod
     def without_empty(cls, rows, first_row: int, reason: str) -> "Formatted":
@@ -209,7 +232,7 @@ class DatasetType(ABC):
         names one of them)."""
         from finetune.datatypes.metrics import GENERATION_METRICS, ROUGE_KEYS
 
-        named = tuple(m for m in GENERATION_METRICS if m != "rouge")
+        named = tuple(m for m in GENERATION_METRICS if m not in ("rouge", "tool_calls"))
         return ("loss", "perplexity", *named, *ROUGE_KEYS)
 
     def score(self, predictions: list, references: list, ev, ctx: DataContext

@@ -13,8 +13,11 @@ import re
 from decimal import Decimal, InvalidOperation
 
 #: eval.generation_metrics choices; rouge reports the three ROUGE_KEYS
-GENERATION_METRICS = ("exact_match", "rouge")
+GENERATION_METRICS = ("exact_match", "rouge", "tool_calls")
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeL")
+#: what the tool_calls generation metric reports (finetune.datatypes.tool_calls), on the
+#: held-out turns that call tools (the chat type)
+TOOL_CALL_KEYS = ("tool_name_match", "tool_arguments_match")
 CLASSIFICATION_METRICS = ("accuracy", "macro_f1")
 #: preference pairs (finetune.datatypes.preference): how a model ranks chosen over rejected
 PREFERENCE_METRICS = ("preference_accuracy", "reward_margin", "likelihood_accuracy",

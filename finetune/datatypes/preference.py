@@ -21,10 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 from finetune.datatypes.base import DataContext, DatasetType, Formatted
-from finetune.datatypes.chat import chat_template, normalise, render
+from finetune.datatypes.chat import chat_template, normalise, render, row_tools
+from finetune.datatypes.conversation import dataset_tools, tool_fault
 from finetune.datatypes.encoding import IGNORE_INDEX, empty_encoding, token_ids
 from finetune.datatypes.rows import builder, placeholders
 from finetune.errors import PipelineError
+
+#: why a pair has nothing to learn (dropped and counted)
+EMPTY = "an empty side, or chosen equal to rejected"
 
 #: the tokenized columns of the rejected side, next to input_ids/labels (the chosen side)
 REJECTED_COLUMNS = ("rejected_input_ids", "rejected_labels")
@@ -33,7 +37,7 @@ REJECTED_COLUMNS = ("rejected_input_ids", "rejected_labels")
 class PreferenceType(DatasetType):
     name = "preference"
     aliases = ("dpo", "pairwise")
-    keys = ("prompt_template", "chat_template", "system_prompt")
+    keys = ("prompt_template", "chat_template", "system_prompt", "tools", "tools_field")
     targets = "pairs"
     trainer_hint = ("pairs train with training.type: dpo (sft would learn only the chosen "
                     "side); set training.type: dpo")
@@ -43,6 +47,7 @@ class PreferenceType(DatasetType):
     def prepare(self, ctx: DataContext) -> None:
         if self.data.chat_template:
             chat_template(self.data, ctx.tokenizer, ctx.root)  # a template file: read here
+        dataset_tools(self.data, ctx.root)
 
     def required_columns(self) -> list[str]:
         d = self.data
@@ -60,13 +65,14 @@ class PreferenceType(DatasetType):
         has_prompt = "prompt" in frame.columns or self.data.prompt_template
         prompt_of = builder(self.data, "prompt") if self.data.prompt_template else None
         out: dict[str, list] = {"prompt": [], "completion": [], "rejected": [], "eos": []}
-        dropped = []
+        reasons: dict[int, str] = {}
         records = frame.to_dict("records")
+        tools = None
         for i, row in enumerate(records, start=first_row):
             where = f"split '{split}' row {i}"
             chosen, rejected = row.get("chosen"), row.get("rejected")
             if _missing(chosen) or _missing(rejected):
-                dropped.append(i)
+                reasons[i] = EMPTY
                 continue
             if isinstance(chosen, str) != isinstance(rejected, str):
                 raise PipelineError(f"{where}: chosen and rejected must both be strings or both "
@@ -79,20 +85,26 @@ class PreferenceType(DatasetType):
                                         f"prompt, got {type(prompt).__name__}")
                 pair, eos = (prompt, chosen, rejected), True
             else:
-                pair, eos = self._render(row, where, ctx), False
+                if tools is None:  # each row's tools: read once, for conversational pairs
+                    tools = row_tools(frame, self.data, split, ctx.root)
+                pair, eos = self._render(row, where, ctx, tools[i - first_row]), False
+            if isinstance(pair, str):  # a side's tool use breaks a row contract
+                reasons[i] = pair
+                continue
             if pair is None or not pair[1].strip() or not pair[2].strip() or pair[1] == pair[2]:
-                dropped.append(i)
+                reasons[i] = EMPTY
                 continue
             for key, value in zip(("prompt", "completion", "rejected"), pair):
                 out[key].append(value)
             out["eos"].append(eos)
-        return Formatted(pd.DataFrame(out), dropped,
-                         "an empty side, or chosen equal to rejected")
+        return Formatted.with_reasons(pd.DataFrame(out), reasons)
 
-    def _render(self, row: dict, where: str, ctx: DataContext) -> tuple[str, str, str] | None:
+    def _render(self, row: dict, where: str, ctx: DataContext, tools: list[dict]
+                ) -> tuple[str, str, str] | str | None:
         """A conversational pair as (prompt text, chosen text, rejected text): the chat
-        template's rendering of the prompt turns with the generation prompt, and what each
-        full conversation adds after it."""
+        template's rendering of the prompt turns with the generation prompt (and the row's
+        tools), and what each full conversation adds after it. None: a side has nothing to
+        learn; a string: a side breaks a tool-use row contract (why)."""
         tok = ctx.tokenizer
         template = chat_template(self.data, tok, ctx.root)
         chosen = _messages(row["chosen"], f"{where} column 'chosen'")
@@ -110,12 +122,15 @@ class PreferenceType(DatasetType):
             conv = normalise(prompt + side, self.data.system_prompt, f"{where} ({name})")
             if conv is None:
                 return None
+            fault = tool_fault(conv, tools)
+            if fault is not None:
+                return f"{fault} in {name}"
             sides.append(conv)
         head = render(tok, template, sides[0][:len(sides[0]) - len(chosen)],
-                      generation_prompt=True)
+                      generation_prompt=True, tools=tools)
         texts = []
         for conv, name in zip(sides, ("chosen", "rejected")):
-            full = render(tok, template, conv)
+            full = render(tok, template, conv, tools=tools)
             if not full.startswith(head):
                 raise PipelineError(
                     f"data.chat_template cannot split {where} ({name}): the rendering of the "

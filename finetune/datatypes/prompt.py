@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from finetune.datatypes.base import DataContext, DatasetType, Formatted
-from finetune.datatypes.chat import chat_template, check_order, parse, render
+from finetune.datatypes.chat import chat_template, check_order, parse, render, row_tools
+from finetune.datatypes.conversation import dataset_tools, tool_fault
 from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding, token_ids
 from finetune.datatypes.rows import (TEMPLATE_KEYS, builder, check_exclusive_templates,
                                      template_columns)
@@ -42,7 +44,8 @@ REWARD_INPUTS = "reward_inputs"
 
 class PromptType(DatasetType):
     name = "prompt"
-    keys = TEMPLATE_KEYS + ("input_columns", "chat_template", "system_prompt")
+    keys = TEMPLATE_KEYS + ("input_columns", "chat_template", "system_prompt", "tools",
+                            "tools_field")
     targets = "none"
     trainer_hint = ("holds prompts only (the method generates the completions and reward "
                     "functions score them; sft has no completion to train on); set "
@@ -59,7 +62,7 @@ class PromptType(DatasetType):
         if self.templated:
             # these render a conversation; a templated prompt is a string, so they would be unused
             key = "prompt_template" if d.prompt_template is not None else "prompt_func"
-            for chat_key in ("chat_template", "system_prompt"):
+            for chat_key in ("chat_template", "system_prompt", "tools", "tools_field"):
                 if getattr(d, chat_key) is not None:
                     raise ValueError(
                         f"{chat_key} renders a conversation in the 'prompt' column; {key} "
@@ -70,6 +73,7 @@ class PromptType(DatasetType):
             builder(self.data, part)  # a function by reference: imported and checked here
         if self.data.chat_template:
             chat_template(self.data, ctx.tokenizer, ctx.root)  # a template file: read here
+        dataset_tools(self.data, ctx.root)
 
     def required_columns(self) -> list[str]:
         d = self.data
@@ -92,22 +96,27 @@ class PromptType(DatasetType):
             fns["prompt"] = builder(self.data, "prompt")
         texts = render_rows(frame, fns, split, first_row)
         chat = _Conversations(self.data, ctx)
+        tools = None if self.templated else row_tools(frame, self.data, split, ctx.root)
         out: dict[str, list] = {"prompt": [], "completion": [], REWARD_INPUTS: []}
-        dropped = []
+        reasons: dict[int, str] = {}
         for offset, row in enumerate(frame.to_dict("records")):
             i = first_row + offset
             if self.templated:
                 text = seen = texts["prompt"][offset]
             else:
-                text, seen = chat.prompt(row[PROMPT], f"split '{split}' row {i} column 'prompt'")
+                text, seen = chat.prompt(row[PROMPT], f"split '{split}' row {i} column 'prompt'",
+                                         tools[offset])
+            if isinstance(text, Fault):
+                reasons[i] = text.why
+                continue
             if text is None or not text.strip():
-                dropped.append(i)
+                reasons[i] = "an empty prompt"
                 continue
             others = {str(c): v for c, v in row.items() if c != PROMPT}
             out["prompt"].append(text)
             out["completion"].append(texts["completion"][offset])
             out[REWARD_INPUTS].append(reward_json({**others, PROMPT: seen}, split, i))
-        return Formatted(pd.DataFrame(out), dropped, "an empty prompt")
+        return Formatted.with_reasons(pd.DataFrame(out), reasons)
 
     def formatted_schema(self):
         """prompt non-empty, completion any string (a reference only), reward_inputs JSON."""
@@ -137,6 +146,13 @@ class PromptType(DatasetType):
         return chat_template(self.data, tok, root) if self.data.chat_template else None
 
 
+@dataclass(frozen=True)
+class Fault:
+    """Why a conversational prompt is dropped: its tool use breaks a row contract."""
+
+    why: str
+
+
 class _Conversations:
     """TRL-layout prompts of one format call: the template and the tokenizer loaded on the
     first conversation (a string prompt needs neither)."""
@@ -144,9 +160,11 @@ class _Conversations:
     def __init__(self, data, ctx: DataContext):
         self.data, self.ctx, self.template = data, ctx, None
 
-    def prompt(self, value: Any, where: str) -> tuple[str | None, Any]:
+    def prompt(self, value: Any, where: str, tools: list[dict] | None = None
+               ) -> tuple[str | Fault | None, Any]:
         """(the text the model is prompted with, the prompt a reward function sees); (None,
-        None) for a row with no prompt (dropped and counted)."""
+        None) for a row with no prompt, (Fault, None) for one whose tool use breaks a row
+        contract (both dropped and counted)."""
         if isinstance(value, str):
             return value, value
         if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -160,10 +178,13 @@ class _Conversations:
         if self.data.system_prompt is not None and conv[0]["role"] != "system":
             conv.insert(0, {"role": "system", "content": self.data.system_prompt})
         check_prompt_order(conv, where)
+        fault = tool_fault(conv, tools or [])
+        if fault is not None:
+            return Fault(fault), None
         tok = self.ctx.tokenizer
         if self.template is None:
             self.template = chat_template(self.data, tok, self.ctx.root)
-        text = render(tok, self.template, conv, generation_prompt=True)
+        text = render(tok, self.template, conv, generation_prompt=True, tools=tools)
         # the encoder adds BOS as a token where the tokenizer adds one
         if self.ctx.bos is not None and tok.bos_token and text.startswith(tok.bos_token):
             text = text[len(tok.bos_token):]
