@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.datatypes.chat import encode_chat_batch
+from finetune.datatypes.chat import encode_chat_batch, normalise
 from finetune.errors import PipelineError
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -78,6 +78,28 @@ PLAIN = [
 ]
 TOOL_RESULTS = (PARIS, TOKYO, SUM)
 
+#: Two user turns; the first answer has reasoning that Qwen3 drops once a later user turn
+#: follows, so that answer, with its reasoning, is trained in a sequence of its own.
+THINKING = [
+    {"role": "user", "content": "What is 17 + 25?"},
+    {"role": "assistant", "content": "17 + 25 is 42.",
+     "reasoning_content": "First add the numbers: 17 plus 25 makes 42."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "The capital of France is Paris.",
+     "reasoning_content": "Let me think step by step: the capital is Paris."},
+]
+#: After the last user turn: a call with reasoning, its result, an answer with reasoning.
+THINKING_TOOLS = [
+    {"role": "user", "content": "How warm is Paris?"},
+    {"role": "assistant", "content": "", "reasoning_content": "I should check the weather.",
+     "tool_calls": [call("get_weather", "c0", city="Paris")]},
+    {"role": "tool", "content": PARIS, "tool_call_id": "c0"},
+    {"role": "assistant", "content": "Paris is sunny at 21 degrees.",
+     "reasoning_content": "The tool says 21 and sunny."},
+]
+REASONINGS = [m["reasoning_content"] for c in (THINKING, THINKING_TOOLS) for m in c
+              if "reasoning_content" in m]
+
 
 def render(tok, name: str, conv: list[dict], tools, generation_prompt: bool = False) -> str:
     return tok.apply_chat_template(conv, tools=tools or None, chat_template=template(name),
@@ -127,8 +149,9 @@ def trained_runs(row_ids: list[int], labels: list[int]) -> list[list[int]]:
     return runs + ([current] if current else [])
 
 
-AGENT_CASES = [("qwen2.5-tools", PARALLEL), ("qwen2.5-tools", SEQUENTIAL),
-               ("llama3.1-tools", SEQUENTIAL)]
+AGENT_CASES = [pytest.param("qwen2.5-tools", PARALLEL, id="qwen2.5-parallel"),
+               pytest.param("qwen2.5-tools", SEQUENTIAL, id="qwen2.5-sequential"),
+               pytest.param("llama3.1-tools", SEQUENTIAL, id="llama3.1-sequential")]
 
 
 @pytest.mark.parametrize("name,conv", AGENT_CASES)
@@ -164,7 +187,8 @@ def test_assistant_turns_train_exactly_the_oracle_tokens(bpe_tok, name, conv):
     assert text.count(END_OF_TURN[name]) == sum(m["role"] == "assistant" for m in conv)
 
 
-@pytest.mark.parametrize("name,conv", AGENT_CASES)
+@pytest.mark.parametrize("name,conv", AGENT_CASES + [
+    pytest.param("qwen3-reasoning", THINKING_TOOLS, id="qwen3-thinking-tools")])
 def test_train_on_eos_off_leaves_the_end_of_turn_marker_untrained(bpe_tok, name, conv):
     out = encode(bpe_tok, name, [conv], TOOLS, eos=False)
     marker = END_OF_TURN[name]
@@ -175,6 +199,67 @@ def test_train_on_eos_off_leaves_the_end_of_turn_marker_untrained(bpe_tok, name,
     runs = [bpe_tok.decode(run) for run in trained_runs(row_ids, labels)]
     assert runs == [p[:-len(marker)] for p in pieces]
     assert marker.strip() not in bpe_tok.decode(trained(labels))
+
+
+@pytest.mark.parametrize("name,conv", AGENT_CASES)
+def test_last_turn_only_trains_the_final_answer_alone(bpe_tok, name, conv):
+    batch = {"messages": [json.dumps(conv)], "tools": [json.dumps(TOOLS)]}
+    out = encode_chat_batch(batch, bpe_tok, template(name), bos=None, max_len=MAX_LEN,
+                            roles=["assistant"], last_only=True, eos=True, reasoning=True)
+    last = oracle_pieces(bpe_tok, name, conv, TOOLS, ["assistant"])[-1]
+    assert trained(out["labels"][0]) == ids(bpe_tok, last)
+    assert last.startswith(conv[-1]["content"])
+
+
+@pytest.mark.parametrize("name,conv", AGENT_CASES)
+def test_every_token_but_tool_results_trains_without_roles(bpe_tok, name, conv):
+    """roles None (assistant_only_loss: false): the whole rendering is trained except each
+    block of tool results (the text a run of tool turns adds to the rendering)."""
+    batch = {"messages": [json.dumps(conv)], "tools": [json.dumps(TOOLS)]}
+    out = encode_chat_batch(batch, bpe_tok, template(name), bos=None, max_len=MAX_LEN,
+                            roles=None, last_only=False, eos=True, reasoning=True)
+    full = render(bpe_tok, name, conv, TOOLS)
+    expected, t = full, 0
+    while t < len(conv):
+        end = t
+        while end < len(conv) and conv[end]["role"] == "tool":
+            end += 1
+        if end > t:
+            block = render(bpe_tok, name, conv[:end], TOOLS)[
+                len(render(bpe_tok, name, conv[:t], TOOLS)):]
+            assert block in expected and any(r in block for r in TOOL_RESULTS)
+            expected = expected.replace(block, "", 1)
+        t = end + 1
+    assert out["input_ids"][0] == ids(bpe_tok, full)
+    assert bpe_tok.decode(trained(out["labels"][0])) == expected
+
+
+#: SEQUENTIAL as a dataset may write it: arguments as a JSON string, a bare call, a tool result
+#: as a mapping, no call ids.
+RAW_SEQUENTIAL = [
+    SEQUENTIAL[0], SEQUENTIAL[1],
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "content": json.loads(PARIS)},
+    {"role": "assistant", "content": "", "tool_calls": [{"name": "add",
+                                                         "arguments": {"a": 17, "b": 25}}]},
+    {"role": "tool", "content": SUM},
+    SEQUENTIAL[-1],
+]
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-tools", "llama3.1-tools"])
+def test_raw_rows_normalise_to_what_the_templates_render(bpe_tok, name):
+    conv = normalise(json.dumps(RAW_SEQUENTIAL), None, "row 0")
+    assert [c.get("function") for m in conv for c in m.get("tool_calls", [])] == [
+        c["function"] for m in SEQUENTIAL for c in m.get("tool_calls", [])]
+    assert render(bpe_tok, name, conv, TOOLS) == render(bpe_tok, name, SEQUENTIAL, TOOLS)
+    assert encode(bpe_tok, name, [conv], TOOLS) == encode(bpe_tok, name, [SEQUENTIAL], TOOLS)
+    thought = normalise([{"role": "user", "content": "What is 17 + 25?"},
+                         {"role": "assistant", "content": "<think>\nFirst add the numbers: 17 "
+                          "plus 25 makes 42.\n</think>\n\n17 + 25 is 42."}], None, "row 1")
+    assert thought == THINKING[:2]
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-tools", "llama3.1-tools"])
@@ -192,29 +277,6 @@ def test_user_turns_are_trained_when_roles_name_them(bpe_tok, name, conv, tools)
             assert m["content"] in text
     assert not any(result in text for result in TOOL_RESULTS)
     assert "You are a helpful assistant." not in text
-
-
-#: Two user turns; the first answer has reasoning that Qwen3 drops once a later user turn
-#: follows, so that answer, with its reasoning, is trained in a sequence of its own.
-THINKING = [
-    {"role": "user", "content": "What is 17 + 25?"},
-    {"role": "assistant", "content": "17 + 25 is 42.",
-     "reasoning_content": "First add the numbers: 17 plus 25 makes 42."},
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "The capital of France is Paris.",
-     "reasoning_content": "Let me think step by step: the capital is Paris."},
-]
-#: After the last user turn: a call with reasoning, its result, an answer with reasoning.
-THINKING_TOOLS = [
-    {"role": "user", "content": "How warm is Paris?"},
-    {"role": "assistant", "content": "", "reasoning_content": "I should check the weather.",
-     "tool_calls": [call("get_weather", "c0", city="Paris")]},
-    {"role": "tool", "content": PARIS, "tool_call_id": "c0"},
-    {"role": "assistant", "content": "Paris is sunny at 21 degrees.",
-     "reasoning_content": "The tool says 21 and sunny."},
-]
-REASONINGS = [m["reasoning_content"] for c in (THINKING, THINKING_TOOLS) for m in c
-              if "reasoning_content" in m]
 
 
 def rows_of(out) -> list[tuple[list[int], list[int]]]:
@@ -253,6 +315,10 @@ def test_reasoning_off_trains_the_answers_without_the_reasoning(bpe_tok):
     assert texts and all(texts)
     for reasoning in REASONINGS:
         assert not any(reasoning in text for text in texts), reasoning
+    # exactly: each turn's oracle text with its reasoning cut out (the think markers stay)
+    pieces = oracle_pieces(bpe_tok, "qwen3-reasoning", THINKING_TOOLS, TOOLS, ["assistant"])
+    assert texts[-1] == "".join(p.replace(m["reasoning_content"], "") for p, m in zip(
+        pieces, [m for m in THINKING_TOOLS if m["role"] == "assistant"]))
     for m in THINKING + THINKING_TOOLS:
         if m["role"] == "assistant" and m["content"]:
             assert any(m["content"] in text for text in texts), m["content"]
@@ -267,3 +333,18 @@ def test_template_that_drops_reasoning_is_refused_naming_the_row(bpe_tok):
     message = str(err.value)
     assert "does not render reasoning_content" in message
     assert "row 1" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("name,conv", AGENT_CASES)
+def test_bos_is_added_once_and_never_trained(bpe_tok, name, conv):
+    """Llama's template writes bos_token itself: the encoder must not add a second one;
+    ChatML writes none: the encoder's BOS leads the row, untrained."""
+    bos = bpe_tok.bos_token_id
+    batch = {"messages": [json.dumps(conv)], "tools": [json.dumps(TOOLS)]}
+    out = encode_chat_batch(batch, bpe_tok, template(name), bos=bos, max_len=MAX_LEN,
+                            roles=["assistant"], last_only=False, eos=True, reasoning=True)
+    full = ids(bpe_tok, render(bpe_tok, name, conv, TOOLS))
+    assert out["input_ids"][0] == (full if full[0] == bos else [bos] + full)
+    assert out["input_ids"][0].count(bos) == 1 and out["labels"][0][0] == IGNORE
+    pieces = oracle_pieces(bpe_tok, name, conv, TOOLS, ["assistant"])
+    assert trained(out["labels"][0]) == [i for p in pieces for i in ids(bpe_tok, p)]
