@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jinja2
 import pytest
 
 from finetune.datatypes.chat import encode_chat_batch, normalise
@@ -348,3 +349,29 @@ def test_bos_is_added_once_and_never_trained(bpe_tok, name, conv):
     assert out["input_ids"][0].count(bos) == 1 and out["labels"][0][0] == IGNORE
     pieces = oracle_pieces(bpe_tok, name, conv, TOOLS, ["assistant"])
     assert trained(out["labels"][0]) == [i for p in pieces for i in ids(bpe_tok, p)]
+
+
+#: Llama 3.1's own template raises when tools are given and no user message is there yet to
+#: put them in: rendering a conversation up to its first user turn fails.
+RAISES_WITHOUT_USER = template("llama3.1-tools").replace(
+    "{%- if with_tools and rest | length > 0 -%}",
+    "{%- if with_tools and rest | length == 0 %}{{ raise_exception('Cannot put tools in the "
+    "first user message when there is no first user message!') }}{% endif -%}\n"
+    "{%- if with_tools and rest | length > 0 -%}")
+
+
+@pytest.mark.xfail(strict=True, raises=jinja2.TemplateError,
+                   reason="the template's own exception (jinja2 TemplateError) escapes "
+                          "encode_chat_batch for a user turn's prefix; reported to the lead")
+def test_template_that_cannot_render_a_prefix_is_one_line_naming_the_row(bpe_tok):
+    """Training user turns with tools renders the conversation up to the first user turn,
+    which Llama 3.1's template refuses: the run must stop on one line naming the row, not on
+    the template's traceback."""
+    assert RAISES_WITHOUT_USER != template("llama3.1-tools")
+    batch = {"messages": [json.dumps(PLAIN), json.dumps(SEQUENTIAL)],
+             "tools": ["[]", json.dumps(TOOLS)]}
+    with pytest.raises(PipelineError) as err:
+        encode_chat_batch(batch, bpe_tok, RAISES_WITHOUT_USER, bos=None, max_len=MAX_LEN,
+                          roles=["user", "assistant"], last_only=False, eos=True,
+                          reasoning=True)
+    assert "row 1" in str(err.value) and "\n" not in str(err.value)
