@@ -260,3 +260,31 @@ def test_arguments_compare_as_parsed_json():
 def test_the_knobs_refuse_what_cannot_hold(tmp_path, keys, message):
     with pytest.raises(ValueError, match=message):
         _data(tmp_path, **keys)
+
+
+def test_preference_and_prompt_conversations_carry_tools_and_their_contracts(tmp_path):
+    """The conversational forms of the preference and prompt types render with the row's
+    tools, and a side or prompt whose tool use is unsound is dropped and counted."""
+    ctx = _ctx(tmp_path)
+    prompt = _row()[:3]  # the question, the call, its result: the model answers next
+    good = [{"role": "assistant", "content": "It is 24."}]
+    bad = [{"role": "assistant", "content": "", "tool_calls": [_call(name="search")]}]
+    pairs = pd.DataFrame({"prompt": [prompt, prompt], "chosen": [good, good],
+                          "rejected": [[{"role": "assistant", "content": "It is 2."}], bad]})
+    data = DataConfig(json_file_path="x.jsonl", dataset_type="preference",
+                      chat_template=TEMPLATE, tools=[CALC])
+    formatted = data.datatype.format(pairs, "train", ctx)
+    assert formatted.rows["prompt"][0].startswith("Tools: calculator \nUser: What is 48/2?")
+    assert formatted.rows["prompt"][0].endswith("Result: 24\nAssistant: ")
+    assert formatted.rows["completion"][0] == "It is 24.</s>\n"
+    assert formatted.dropped == [1]
+    assert formatted.reasons[1].startswith("a call to a tool missing from tools (message 3 "
+                                           "calls 'search'; tools: calculator) in rejected")
+    prompts = pd.DataFrame({"prompt": [prompt, [prompt[0], {"role": "tool", "content": "1"}]]})
+    data = DataConfig(json_file_path="x.jsonl", dataset_type="prompt", chat_template=TEMPLATE,
+                      tools=[CALC])
+    formatted = data.datatype.format(prompts, "train", ctx)
+    assert formatted.rows["prompt"][0].endswith("Result: 24\nAssistant: ")
+    assert formatted.dropped == [1]
+    assert formatted.reasons[1] == ("a tool result without a preceding call (message 1 "
+                                    "answers no call)")
