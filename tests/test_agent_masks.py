@@ -360,9 +360,6 @@ RAISES_WITHOUT_USER = template("llama3.1-tools").replace(
     "{%- if with_tools and rest | length > 0 -%}")
 
 
-@pytest.mark.xfail(strict=True, raises=jinja2.TemplateError,
-                   reason="the template's own exception (jinja2 TemplateError) escapes "
-                          "encode_chat_batch for a user turn's prefix; reported to the lead")
 def test_template_that_cannot_render_a_prefix_is_one_line_naming_the_row(bpe_tok):
     """Training user turns with tools renders the conversation up to the first user turn,
     which Llama 3.1's template refuses: the run must stop on one line naming the row, not on
@@ -375,3 +372,5 @@ def test_template_that_cannot_render_a_prefix_is_one_line_naming_the_row(bpe_tok
                           roles=["user", "assistant"], last_only=False, eos=True,
                           reasoning=True)
     assert "row 1" in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith("data.chat_template cannot render row 1 through turn 0 "
+                                     "(TemplateError: ")
