@@ -71,7 +71,13 @@ def format_split(data: DataConfig, frame: pd.DataFrame, split: str, ctx: DataCon
     check_dropped(len(formatted.dropped), len(frame), max_fraction,
                   f"format split '{split}'", formatted.reason, formatted.first)
     check_frame(datatype.formatted_schema(), formatted.rows, f"format split '{split}'")
-    return formatted.rows, {"rows": len(formatted.rows), "dropped_rows": len(formatted.dropped)}
+    stats = {"rows": len(formatted.rows), "dropped_rows": len(formatted.dropped)}
+    if formatted.reasons:  # dropped for several reasons (a row contract's rule among them)
+        from collections import Counter
+
+        stats["dropped_by_reason"] = dict(Counter(
+            r.split(" (")[0] for r in formatted.reasons.values()).most_common())
+    return formatted.rows, stats
 
 
 def check_dropped(dropped: int, total: int, max_fraction: float, where: str, reason: str,

@@ -69,3 +69,60 @@ def tokenized(tmp_path_factory) -> Path:
     for name in ("download", "format", "tokenize"):
         run_cli(project, "stage", name, check=True)
     return project
+
+
+#: Chat-template markers: the special ones never split and are dropped by skip_special_tokens;
+#: the added ones never split either but decode as text, as in Qwen's and Llama's tokenizers.
+CHAT_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>",
+                "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+CHAT_ADDED = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+              "</think>")
+
+
+@pytest.fixture(scope="session")
+def bpe_tok():
+    return chat_bpe_tokenizer()
+
+
+def chat_bpe_tokenizer():
+    """A byte-level BPE tokenizer trained here in well under a second on a little English,
+    JSON and digits (about 700 tokens: the corpus runs out of merges before the 1000 asked
+    for), wrapped as a fast transformers tokenizer with the chat markers of ChatML and Llama 3
+    as atomic tokens: the chat-template tests need real multi-byte merges and offsets without
+    a download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        "The weather in Paris is sunny and the temperature is 21 degrees today.",
+        "You are a helpful assistant. Answer the question, then stop.",
+        "What is the capital of France? The capital of France is Paris.",
+        "Please look up the order number and tell me when it will arrive.",
+        '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+        '{"type": "function", "function": {"name": "add", "description": "Add two numbers", '
+        '"parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}',
+        "0123456789 12 345 6789 3.14 2024 100 42 7 1e3 -5",
+        "Let me think step by step: first add the numbers, then check the result.",
+        "Cutting Knowledge Date: December 2023 Today Date: 26 Jul 2024 Environment: ipython",
+        "system user assistant tool ipython function arguments parameters properties required",
+        "Given the following functions, please respond with a JSON for a function call.",
+        "You may call one or more functions to assist with the user query.",
+        "For each function call, return a json object with function name and arguments.",
+        "She said that they would meet at the station before noon, and nobody was late.",
+        "A small model learns quickly when the data is clean and the steps are short.",
+        "How many people live in Tokyo? About 14 million people live in the city of Tokyo.",
+        '[{"id": 1, "ok": true, "items": [3, 5, 8], "price": 9.99, "note": null}]',
+        "The result of 17 + 25 is 42, and 6 * 7 is also 42; 100 - 58 = 42.",
+    ] * 4
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=list(CHAT_SPECIAL),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|begin_of_text|>",
+                                  eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL)})
+    tok.add_tokens(list(CHAT_ADDED))
+    return tok

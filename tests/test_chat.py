@@ -119,10 +119,11 @@ S = {"role": "system", "content": "s"}
      "assistant, tool; ShareGPT: system, human, gpt, function_call, observation)"),
     ([U, {"role": "assistant", "content": None}], " message 1: content is not a string"),
     ([S, A], ": message 1 is assistant, expected user (user and assistant alternate from a "
-     "user turn, tool results follow an assistant turn; a system message only first)"),
+     "user turn, tool results follow the assistant turn that called the tools; a system "
+     "message only first)"),
     ([U, A, S, A], ": message 2 is system, expected user or tool (user and assistant "
-     "alternate from a user turn, tool results follow an assistant turn; a system message "
-     "only first)"),
+     "alternate from a user turn, tool results follow the assistant turn that called the "
+     "tools; a system message only first)"),
     ([S], ": the conversation does not end on an assistant turn"),
     # refused, not dropped: order is checked before the empty assistant turn
     ([U, {"role": "assistant", "content": ""}, U], ": the conversation does not end on an "

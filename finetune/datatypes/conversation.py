@@ -165,14 +165,14 @@ def _json_or_value(value: Any, error: str | None) -> Any:
 
 # -- order and content -----------------------------------------------------------------------
 #: which role may follow which (a conversation starts at "start", after an optional system)
-FOLLOWS = {"start": ("user",), "user": ("assistant",), "assistant": ("user", "tool"),
+FOLLOWS = {"start": ("user",), "user": ("assistant", "tool"), "assistant": ("user", "tool"),
            "tool": ("tool", "assistant")}
 
 
 def check_order(conv: list[dict], where: str, ends_on: str = "assistant") -> None:
     """Refuse a conversation whose roles are out of order: a system message only first, then
-    a user turn; an assistant turn answers a user turn or a tool result; tool results follow
-    an assistant turn (whether it called tools is a row contract, not an order); it ends on
+    a user turn; an assistant turn answers a user turn or a tool result; a tool result
+    follows a turn (whether a call asked for it is a row contract, not an order); it ends on
     an assistant turn (`ends_on` "user": a prompt, ending on the turn the model answers: a
     user turn or a tool result).
 
@@ -187,8 +187,8 @@ def check_order(conv: list[dict], where: str, ends_on: str = "assistant") -> Non
         if m["role"] not in allowed:
             raise PipelineError(
                 f"{where}: message {turn} is {m['role']}, expected {' or '.join(allowed)} "
-                "(user and assistant alternate from a user turn, tool results follow an "
-                "assistant turn; a system message only first)")
+                "(user and assistant alternate from a user turn, tool results follow the "
+                "assistant turn that called the tools; a system message only first)")
         previous = m["role"]
     last = conv[-1]["role"] if len(conv) > head else None
     if ends_on == "user":

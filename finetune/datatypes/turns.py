@@ -78,7 +78,15 @@ class Renderer:
                 return render(self.tok, self.template, [], generation_prompt, self.tools)
             except Exception:
                 return ""
-        return render(self.tok, self.template, messages, generation_prompt, self.tools)
+        try:
+            return render(self.tok, self.template, messages, generation_prompt, self.tools)
+        except Exception as exc:  # the template's own refusal (raise_exception), as one line
+            message = " ".join(str(exc).split())
+            raise PipelineError(
+                f"data.chat_template cannot render {self.where} through turn "
+                f"{len(messages) - 1} ({type(exc).__name__}: {message}); the mask renders the "
+                "conversation up to each trained turn: train fewer roles (roles_to_train) or "
+                "use a template that renders such a prefix") from None
 
     def turn(self, conv: list[dict], t: int) -> tuple[str, int]:
         """The rendering through turn t and where turn t's text starts in it."""
