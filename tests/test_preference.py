@@ -349,17 +349,44 @@ def test_full_fine_tuning_takes_a_frozen_copy_as_its_reference(pairs, tmp_path):
     assert abs(first - math.log(2)) < 1e-6 and second != first
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_equal_one(pairs, dpo_run, tmp_path, strategy):
+@pytest.fixture(scope="module")
+def orpo_run(pairs, tmp_path_factory) -> Path:
+    """The shrunk example trained by the train stage with dpo.loss_type orpo."""
+    from helpers import train_copy
+
+    return train_copy(pairs, tmp_path_factory.mktemp("orpo-run") / "p",
+                      {"dpo.loss_type": "orpo"})[0]
+
+
+def test_an_orpo_run_logs_trls_statistics_and_learns(orpo_run):
+    """Every logged loss is the NLL minus beta x the mean log sigmoid of the log odds ratio
+    (TRL's names), and the held-out pairs' orpo loss falls."""
+    rows = _rows(orpo_run)
+    assert len(rows) == 4
+    for row in rows:
+        assert float(row["loss"]) == pytest.approx(
+            float(row["nll_loss"]) - 0.1 * float(row["log_odds_ratio"]), abs=1e-5)
+        assert float(row["log_odds_ratio"]) < 0 and float(row["logps/chosen"]) < 0
+        assert float(row["rewards/chosen"]) == pytest.approx(0.1 * float(row["logps/chosen"]))
+    evals = _rows(orpo_run, "eval.csv")
+    assert [r["step"] for r in evals] == ["2", "4"]
+    assert float(evals[1]["eval_loss"]) < float(evals[0]["eval_loss"])
+
+
+@pytest.mark.parametrize("strategy, loss_type", [("ddp", "sigmoid"), ("fsdp2", "sigmoid"),
+                                                 ("ddp", "orpo")])
+def test_two_processes_equal_one(pairs, request, tmp_path, strategy, loss_type):
     """DDP, and FSDP2 with the reference forward through the sharded model (the adapter
-    disabled), on 2 torchrun processes x 2 pairs equal one process x 4 pairs."""
+    disabled), on 2 torchrun processes x 2 pairs equal one process x 4 pairs; orpo (each
+    pair's own NLL, no reference) too."""
     from helpers import adapter, assert_weights_close, losses, train_copy
 
+    one = request.getfixturevalue("orpo_run" if loss_type == "orpo" else "dpo_run")
     run, _ = train_copy(pairs, tmp_path / strategy, {
         "distributed.strategy": strategy, "distributed.nproc_per_node": 2,
-        "training.per_device_train_batch_size": 2})
-    assert_weights_close(adapter(run), adapter(dpo_run))
-    assert losses(run) == pytest.approx(losses(dpo_run), abs=1e-5)
+        "training.per_device_train_batch_size": 2, "dpo.loss_type": loss_type})
+    assert_weights_close(adapter(run), adapter(one))
+    assert losses(run) == pytest.approx(losses(one), abs=1e-5)
 
 
 def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(dpo_run, tmp_path):

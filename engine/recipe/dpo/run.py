@@ -46,8 +46,8 @@ class DPORun(TrainingRun):
         super().prepare_model()
         self.collate_fn = functools.partial(collate_pairs, collate_fn=self.collate_fn)
         self.reference = Reference.of(self) if self.cfg.dpo.uses_reference else None
-        self.logged = logged(self.cfg.dpo)
-        self.pair_sums = torch.zeros(len(self.logged), dtype=torch.float64,
+        self.pair_stats = logged(self.cfg.dpo)
+        self.pair_sums = torch.zeros(len(self.pair_stats), dtype=torch.float64,
                                      device=self.dist.device)
         self.ref_table: ReferenceTable | None = None
 
@@ -66,7 +66,7 @@ class DPORun(TrainingRun):
 
     def window_metrics(self) -> dict[str, torch.Tensor]:
         sums, self.pair_sums = self.pair_sums, torch.zeros_like(self.pair_sums)
-        return dict(zip(self.logged, sums))
+        return dict(zip(self.pair_stats, sums))
 
     def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor) -> torch.Tensor:
         """Forward both sides of the micro-batch's pairs, backward the summed pair losses over
@@ -122,7 +122,7 @@ class DPORun(TrainingRun):
             sums = self._score_pairs(self.eval_data)
         n = max(float(sums[1]), 1.0)
         evaluated = {"eval_loss": float(sums[0]) / n,
-                     **{f"eval_{name}": float(v) / n for name, v in zip(self.logged, sums[2:])}}
+                     **{f"eval_{name}": float(v) / n for name, v in zip(self.pair_stats, sums[2:])}}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:
             self.reporters.on_log(self.state, {"eval_loss": evaluated["eval_loss"]})
@@ -143,7 +143,7 @@ class DPORun(TrainingRun):
         eval.eval_batches batches per rank when set), summed over ranks."""
         size = self.cfg.training.per_device_eval_batch_size
         limit = self.cfg.eval.eval_batches
-        sums = torch.zeros(2 + len(self.logged), dtype=torch.float64, device=self.dist.device)
+        sums = torch.zeros(2 + len(self.pair_stats), dtype=torch.float64, device=self.dist.device)
         batches = lockstep_batches(len(dataset), size, self.dist.rank, self.dist.world_size)
         for k, (indices, real) in enumerate(batches):
             if limit is not None and k >= limit:
