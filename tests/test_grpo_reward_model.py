@@ -1,0 +1,133 @@
+"""A trained reward model as one of GRPO's reward functions (`grpo.reward_funcs`: a directory,
+or a registered `models:/name@alias`): its scores against TRL's GRPOTrainer scoring the same
+model and rows, what is not a reward model refused in one line, a registered model resolved
+to its files, and a GRPO run whose only reward is a reward model raising it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import ROOT
+
+MODEL = ROOT / "data/models/stories260K"
+#: renders BOS itself, as many chat templates do (a template that does not is given one as
+#: a token, as the preference type encodes the reward model's training pairs)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                 "User: {{ m['content'] }}\n{% else %}Assistant: {{ m['content'] }}{{ eos_token }}"
+                 "\n{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+PROMPTS = ["Question: Tom has 3 apples and buys 4 more. How many?\nAnswer:",
+           "Question: A box holds 12 eggs. Half break. How many are left?\nAnswer:",
+           "Question: Sam reads 5 pages a day for 4 days. Pages?\nAnswer:"]
+COMPLETIONS = [" 3 + 4 = 7\n#### 7", " 12 / 2 = 6 eggs are left\n#### 6", " 5 x 4 = 24\n#### 24"]
+
+
+def _reward_model(path: Path, seed: int = 0) -> Path:
+    """A one-output sequence classifier of stories260K's shape, randomly initialised (seeded),
+    saved with its tokenizer (and a chat template): what a reward run exports."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(MODEL, num_labels=1)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    model.save_pretrained(path)
+    # the tokenizer's files as shipped (a transformers save round trip changes its Metaspace
+    # pre-tokenizer's prepend_scheme), and the chat template beside them
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy2(MODEL / name, path / name)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tmp_path_factory) -> Path:
+    return _reward_model(tmp_path_factory.mktemp("rm") / "rm")
+
+
+def _ours(directory: Path, prompts, completions, batch_size=2) -> list[float]:
+    from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions, score
+
+    funcs = load_reward_functions([str(directory)], RewardOptions(batch_size=batch_size))
+    assert [f.name for f in funcs] == [directory.name]
+    ids = [[0]] * len(completions)
+    return score(funcs, prompts, completions, ids, {})[:, 0].tolist()
+
+
+def _trls(directory: Path, prompts, completions) -> list[float]:
+    """TRL's GRPOTrainer._calculate_rewards with the model as its reward function and the
+    tokenizer as its reward processing class (as GRPOTrainer's __init__ prepares them)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(directory)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    model.config.pad_token_id = tok.pad_token_id
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.__dict__.update(
+        accelerator=SimpleNamespace(device=torch.device("cpu"), is_main_process=True),
+        args=SimpleNamespace(report_to=[], device=torch.device("cpu"), past_index=-1),
+        state=SimpleNamespace(global_step=0), reward_funcs=[model],
+        reward_processing_classes=[tok], reward_func_names=["rm"], environments=None,
+        chat_template_kwargs={}, is_deepspeed_enabled=False, _log_completion_extra=None,
+        _log_metric=None)
+    inputs = [{"prompt": p} for p in prompts]
+    return GRPOTrainer._calculate_rewards(trainer, inputs, prompts, completions,
+                                          [[0]] * len(prompts))[:, 0].tolist()
+
+
+def test_string_rows_score_as_trls_on_the_text_the_reward_model_was_trained_on(reward_dir):
+    """Strings: BOS, the prompt, the completion, EOS (the preference type's pair rows). TRL
+    scores the text it is handed (prompt + completion, no special tokens added), so it is
+    handed that text; the scores agree, in chunks of 2 with padding in the last."""
+    from transformers import AutoTokenizer
+
+    from engine.recipe.grpo.reward_model import RewardModel
+
+    tok = AutoTokenizer.from_pretrained(reward_dir)
+    rm = RewardModel(reward_dir, "rm", torch.device("cpu"), 2)
+    for p, c in zip(PROMPTS, COMPLETIONS):  # the same text: prompt and completion tokenized
+        # apart (as the pairs are) give the ids of the whole (this tokenizer merges across
+        # words, so not for every text)
+        assert rm.token_ids(p, c) == tok(tok.bos_token + p + c + tok.eos_token,
+                                         add_special_tokens=False)["input_ids"]
+    ours = _ours(reward_dir, PROMPTS, COMPLETIONS)
+    theirs = _trls(reward_dir, [tok.bos_token + p for p in PROMPTS],
+                   [c + tok.eos_token for c in COMPLETIONS])
+    assert ours == pytest.approx(theirs, abs=1e-5)
+    assert len(set(ours)) == 3  # the rows are told apart
+
+
+def test_conversational_rows_score_as_trls(reward_dir):
+    """Conversations: the reward model's tokenizer's chat template over the prompt turns and
+    the assistant completion, exactly what TRL's GRPOTrainer scores."""
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    completions = [[{"role": "assistant", "content": c.strip()}] for c in COMPLETIONS]
+    ours = _ours(reward_dir, prompts, completions, batch_size=8)
+    assert ours == pytest.approx(_trls(reward_dir, prompts, completions), abs=1e-5)
+    assert ours != pytest.approx(_ours(reward_dir, PROMPTS, COMPLETIONS), abs=1e-3)
+
+
+def test_what_is_not_a_reward_model_is_one_line_naming_the_entry(reward_dir, tmp_path):
+    from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions
+    from finetune.errors import PipelineError
+
+    def refused(entry: str) -> str:
+        with pytest.raises(PipelineError) as exc:
+            load_reward_functions(["format", entry], RewardOptions())
+        assert "\n" not in str(exc.value)
+        return str(exc.value)
+
+    assert refused(str(MODEL)).startswith(
+        f"grpo.reward_funcs[1]: {MODEL} is not a reward model (a sequence classifier with one "
+        "output: its config has architectures ['LlamaForCausalLM']")
+    assert refused(str(tmp_path / "nothing")).startswith(
+        f"grpo.reward_funcs[1]: reward model directory {tmp_path / 'nothing'} not found")
+    no_tokenizer = tmp_path / "bare"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((reward_dir / "config.json").read_text())
+    assert refused(str(no_tokenizer)) == (f"grpo.reward_funcs[1]: {no_tokenizer} has no "
+                                          "tokenizer (save it next to the model)")
