@@ -4,7 +4,7 @@ ones (`models:/name@alias`, `models:/name/version`) resolved to their files.
 The engine scores with a reward model directory (engine.recipe.grpo.reward_model); a
 registered model is this pipeline's MLflow registry's, so the stages that score (train,
 evaluate) resolve it here first: the alias to its version, the version's files downloaded once
-to `data/reward_models/<name>/<version>` (a version's files never change), and the entry
+to `data/reward_models/v<version>/<name>` (a version's files never change), and the entry
 replaced by that path in the config the stage runs with. The resolved path is what the
 checkpoint fingerprint sees: a resume after the alias moved to another version is another
 run's checkpoint, not this one's.
@@ -56,7 +56,7 @@ def check(ws: Workspace) -> None:
 
     for key, ref in _entries(ws):
         if reward_kind(ref) == "directory":
-            check_reward_model(ws.root / ref, key)
+            check_reward_model(ws.root, ref, key)
         else:
             _version(ws, key, ref)
 
@@ -73,13 +73,13 @@ def resolved(ws: Workspace) -> Workspace:
     for key, ref in entries:
         if reward_kind(ref) == "registered":
             name, version = _version(ws, key, ref)
-            local = DOWNLOADS / name / version
+            local = DOWNLOADS / f"v{version}" / name  # its name: the metrics'
             if not (ws.root / local).is_dir():
                 _download(ws, f"models:/{name}/{version}", ws.root / local)
             print(f"[reward] {key} '{ref}': version {version}, files in {local}", flush=True)
             refs[int(key.split("[")[1].rstrip("]"))] = local.as_posix()
             ref = local.as_posix()
-        check_reward_model(ws.root / ref, key)
+        check_reward_model(ws.root, ref, key)
     cfg = ws.config.model_copy(deep=True)
     cfg.grpo.reward_funcs = refs
     return Workspace(config=cfg, root=ws.root, params_path=ws.params_path)

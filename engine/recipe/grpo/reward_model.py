@@ -37,25 +37,31 @@ def model_files(directory: Path) -> tuple[Path, Path]:
     return directory, directory
 
 
-def check_reward_model(directory: Path, key: str) -> None:
-    """One line naming `key` unless `directory` holds a one-output sequence classifier and its
-    tokenizer (read from config.json and the file names: no weights are loaded)."""
+def check_reward_model(root: Path, ref: str, key: str) -> Path:
+    """The reward model directory `ref` (relative to `root`); one line naming `key` and `ref`
+    unless it holds a one-output sequence classifier and its tokenizer (read from config.json
+    and the file names: no weights are loaded)."""
+    directory = Path(root) / ref
     if not directory.is_dir():
-        raise PipelineError(f"{key}: reward model directory {directory} not found (a folder "
+        raise PipelineError(f"{key}: reward model directory {ref} not found (a folder "
                             "AutoModelForSequenceClassification loads, with its tokenizer)")
     model_dir, tokenizer_dir = model_files(directory)
     config_file = model_dir / "config.json"
     if not config_file.exists():
-        raise PipelineError(f"{key}: {directory} has no config.json: not a model directory")
+        raise PipelineError(f"{key}: {ref} has no config.json: not a model directory")
     config = json.loads(config_file.read_text())
     architectures = config.get("architectures") or []
-    labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
-    if not any(a.endswith("ForSequenceClassification") for a in architectures) or labels != 1:
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise PipelineError(
-            f"{key}: {directory} is not a reward model (a sequence classifier with one output: "
-            f"its config has architectures {architectures or 'none'} and {labels} labels)")
+            f"{key}: {ref} is not a reward model (a sequence classifier with one output); its "
+            f"config's architectures: {architectures or 'none'}")
+    labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)  # HF: 2
+    if labels != 1:
+        raise PipelineError(f"{key}: {ref} is a sequence classifier with {labels} outputs; a "
+                            "reward model has one (num_labels 1)")
     if not any((tokenizer_dir / f).exists() for f in TOKENIZER_FILES):
-        raise PipelineError(f"{key}: {directory} has no tokenizer (save it next to the model)")
+        raise PipelineError(f"{key}: {ref} has no tokenizer (save it next to the model)")
+    return directory
 
 
 class RewardModel:

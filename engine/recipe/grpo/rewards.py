@@ -225,8 +225,7 @@ def load_reward_functions(refs: list[str], options: RewardOptions) -> list[Rewar
         if kind == "directory":
             from engine.recipe.grpo.reward_model import RewardModel, check_reward_model
 
-            directory = options.root / ref
-            check_reward_model(directory, key)
+            directory = check_reward_model(options.root, ref, key)
             fn = RewardModel(directory, reward_name(ref), options.device, options.batch_size)
             name = fn.__name__
         elif ":" in ref:
