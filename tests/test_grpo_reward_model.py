@@ -5,6 +5,7 @@ to its files, and a GRPO run whose only reward is a reward model raising it."""
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import ROOT
+from test_grpo import prompts  # noqa: F401 (a fixture: the shrunk GRPO example, prepared)
 
 MODEL = ROOT / "data/models/stories260K"
 #: renders BOS itself, as many chat templates do (a template that does not is given one as
@@ -140,8 +142,6 @@ def test_what_is_not_a_reward_model_is_one_line_naming_the_entry(reward_dir, tmp
 
 # -- a reward model as the run's only reward, registered in the project's MLflow registry ----
 
-from test_grpo import TINY_GRPO, prompts  # noqa: E402,F401 (the shrunk GRPO example)
-
 EXCLAMATION = 443  # stories260K's "!"
 
 
@@ -201,8 +201,6 @@ def test_grpo_with_a_registered_reward_model_as_its_only_reward_raises_it(prompt
     stages_here(project, "train")
     assert (project / "data/reward_models/v1/exclaims/config.json").exists()
     with open(project / "data/plots/train.csv") as fh:
-        import csv
-
         rows = list(csv.DictReader(fh))
     reward = [float(r["reward"]) for r in rows]
     assert [float(r["rewards/exclaims/mean"]) for r in rows] == pytest.approx(reward, abs=1e-5)

@@ -53,7 +53,7 @@ def reward_kind(ref: str) -> Literal["built_in", "registered", "directory", "cod
         return "registered"
     if ":" in ref:
         return "code"
-    return "built_in" if ref in BUILT_IN_REWARDS else "directory"
+    return "directory" if "/" in ref else "built_in"
 
 
 def reward_name(ref: str) -> str:
@@ -160,7 +160,7 @@ class GRPOConfig(Section):
     def _named(cls, refs: list[str]) -> list[str]:
         for i, ref in enumerate(refs):
             kind = reward_kind(ref)
-            if kind == "directory" and "/" not in ref:
+            if kind == "built_in" and ref not in BUILT_IN_REWARDS:
                 raise ValueError(f"reward_funcs[{i}] '{ref}' is neither a built-in ("
                                  f"{', '.join(BUILT_IN_REWARDS)}), 'module:function' nor a "
                                  "reward model directory (a path with a '/', e.g. ./rm)")

@@ -88,8 +88,8 @@ class RewardModel:
         from finetune.datatypes.encoding import token_ids
 
         if isinstance(prompt, str):
-            text = completion if isinstance(completion, str) else _content(completion)
-            head, body = token_ids(self.tok, [prompt, text])
+            head, body = token_ids(self.tok, [prompt, str(completion)])  # a string prompt's
+            # completion is a string (engine.recipe.grpo.heldout.score_completions)
             tail = [self.tok.eos_token_id]
         else:
             if self.tok.chat_template is None:
@@ -127,8 +127,3 @@ class RewardModel:
             scores.append(logits[:, 0].float())
         return torch.cat(scores).tolist() if scores else []  # one host sync per batch
 
-
-def _content(completion: Any) -> str:
-    from engine.recipe.grpo.rewards import completion_text
-
-    return completion_text(completion)

@@ -232,7 +232,8 @@ def load_reward_functions(refs: list[str], options: RewardOptions) -> list[Rewar
             fn = load_object(ref, key)
             if isinstance(fn, torch.nn.Module):
                 raise PipelineError(f"{key} '{ref}': a model as a reward function is not "
-                                    "supported; name a function that returns the rewards")
+                                    "supported as an object; name its saved directory (a "
+                                    "path with a '/'), or a function that returns rewards")
             if not callable(fn):
                 raise PipelineError(f"{key} '{ref}': {type(fn).__name__} object is not "
                                     "callable; name a reward function")
@@ -249,7 +250,8 @@ def load_reward_functions(refs: list[str], options: RewardOptions) -> list[Rewar
             raise PipelineError(
                 f"{key} '{ref}': no such built-in reward function{hint} (built-ins: "
                 f"{', '.join(sorted(BUILT_INS))}; or name your own as 'package.module:function' "
-                "or 'path/to/file.py:function')")
+                "or 'path/to/file.py:function', or a reward model's directory as a path with a "
+                "'/')")
         unique, n = name, 1
         while unique in taken:
             n += 1
