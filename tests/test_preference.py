@@ -351,10 +351,11 @@ def test_full_fine_tuning_takes_a_frozen_copy_as_its_reference(pairs, tmp_path):
 
 @pytest.fixture(scope="module")
 def orpo_run(pairs, tmp_path_factory) -> Path:
-    """The shrunk example trained by the train stage with dpo.loss_type orpo."""
-    from helpers import train_copy
+    """The shrunk example trained with dpo.loss_type orpo, in this process (the train stage's
+    job; the stage itself, under torchrun, is the DDP test's)."""
+    from helpers import train_here
 
-    return train_copy(pairs, tmp_path_factory.mktemp("orpo-run") / "p",
+    return train_here(pairs, tmp_path_factory.mktemp("orpo-run") / "p",
                       {"dpo.loss_type": "orpo"})[0]
 
 
