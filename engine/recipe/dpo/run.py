@@ -26,9 +26,9 @@ import functools
 
 import torch
 
-from engine.datapath.data import load_tokenized, model_inputs, take_rows, to_device
+from engine.datapath.data import (IGNORE_INDEX, load_tokenized, model_inputs, take_rows,
+                                  to_device)
 from engine.modeling.runtime import activation_offloading
-from engine.datapath.data import IGNORE_INDEX
 from engine.objective.logprobs import next_token_logps, sequence_logps
 from engine.recipe.dpo.batches import PAIR_COLUMNS, collate_pairs
 from engine.recipe.dpo.heldout import rank_pairs
@@ -122,7 +122,8 @@ class DPORun(TrainingRun):
             sums = self._score_pairs(self.eval_data)
         n = max(float(sums[1]), 1.0)
         evaluated = {"eval_loss": float(sums[0]) / n,
-                     **{f"eval_{name}": float(v) / n for name, v in zip(self.pair_stats, sums[2:])}}
+                     **{f"eval_{name}": float(v) / n
+                        for name, v in zip(self.pair_stats, sums[2:])}}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:
             self.reporters.on_log(self.state, {"eval_loss": evaluated["eval_loss"]})
@@ -143,7 +144,8 @@ class DPORun(TrainingRun):
         eval.eval_batches batches per rank when set), summed over ranks."""
         size = self.cfg.training.per_device_eval_batch_size
         limit = self.cfg.eval.eval_batches
-        sums = torch.zeros(2 + len(self.pair_stats), dtype=torch.float64, device=self.dist.device)
+        sums = torch.zeros(2 + len(self.pair_stats), dtype=torch.float64,
+                           device=self.dist.device)
         batches = lockstep_batches(len(dataset), size, self.dist.rank, self.dist.world_size)
         for k, (indices, real) in enumerate(batches):
             if limit is not None and k >= limit:
