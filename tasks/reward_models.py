@@ -38,6 +38,11 @@ def _version(ws: Workspace, key: str, ref: str) -> tuple[str, str]:
 
     match = REGISTERED_MODEL.fullmatch(ref)
     name = match["name"]
+    uri = ws.mlflow_uri()
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():
+        # no store yet: nothing is registered (and asking would create the database)
+        raise PipelineError(f"{key} '{ref}': not in the model registry at {uri} (there is "
+                            "no MLflow database yet: register the reward model first)")
     try:
         client = tracking.client(ws)
         if match["alias"]:
@@ -45,7 +50,7 @@ def _version(ws: Workspace, key: str, ref: str) -> tuple[str, str]:
         return name, str(client.get_model_version(name, match["version"]).version)
     except MlflowException as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PipelineError(f"{key} '{ref}': not in the model registry at {ws.mlflow_uri()} "
+        raise PipelineError(f"{key} '{ref}': not in the model registry at {uri} "
                             f"({first})") from None
 
 

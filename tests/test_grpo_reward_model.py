@@ -235,3 +235,19 @@ def test_validate_refuses_a_directory_that_is_not_a_reward_model(prompts, tmp_pa
         "error: grpo.reward_funcs[1]: data/models/stories260K is not a reward model (a "
         "sequence classifier with one output); its config's architectures: "
         "['LlamaForCausalLM']"), proc.stderr
+
+    # a registered model where no registry is yet: one line, and no database made by asking
+    from finetune.errors import PipelineError
+    from finetune.workspace import Workspace
+    from tasks.checks import check_reward_models
+
+    assert not (project / "mlflow.db").exists()
+    write_params(project, {"grpo.reward_funcs": ["models:/rm/3"],
+                           "registry.gate_metric": "eval.reward_rm"})
+    with pytest.raises(PipelineError) as missing:
+        check_reward_models(Workspace.load(project / "params/default.yaml"))
+    assert str(missing.value) == (
+        f"grpo.reward_funcs[0] 'models:/rm/3': not in the model registry at "
+        f"sqlite:///{project / 'mlflow.db'} (there is no MLflow database yet: register the "
+        "reward model first)")
+    assert not (project / "mlflow.db").exists()
