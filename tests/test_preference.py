@@ -390,7 +390,8 @@ def test_two_processes_equal_one(pairs, request, tmp_path, strategy, loss_type):
     assert losses(run) == pytest.approx(losses(one), abs=1e-5)
 
 
-def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(dpo_run, tmp_path):
+@pytest.mark.parametrize("run", ["dpo_run", "orpo_run"])
+def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(request, tmp_path, run):
     """The run cut back to what a SIGKILL right after its step-2 checkpoint leaves (the later
     checkpoint, the trained model and the curves gone), resumed: it ends bitwise as the
     uninterrupted run. (The SIGKILL itself and the stage's resume are the SFT run's,
@@ -398,7 +399,7 @@ def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(dpo_run, tmp_path):
     statistics, the order of the pairs.)"""
     from helpers import resume_cut_back, train_in_place
 
-    resume_cut_back(dpo_run, tmp_path, 2, train_in_place)
+    resume_cut_back(request.getfixturevalue(run), tmp_path, 2, train_in_place)
 
 
 def test_the_example_runs_through_evaluate_and_export_and_ranks_pairs_better(dpo_run, tmp_path):
