@@ -25,6 +25,15 @@ def check_without_data(ws: Workspace) -> None:
     check_sources(ws)
     check_harness(ws)
     check_export_formats(ws)
+    check_reward_models(ws)
+
+
+def check_reward_models(ws: Workspace) -> None:
+    """grpo.reward_funcs: each reward model directory a one-output sequence classifier with its
+    tokenizer, each registered model in the registry (tasks.reward_models)."""
+    from tasks import reward_models
+
+    reward_models.check(ws)
 
 
 def check_export_formats(ws: Workspace) -> None:

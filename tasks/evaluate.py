@@ -30,7 +30,7 @@ from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
-from tasks import tracking
+from tasks import reward_models, tracking
 from tasks.harness import chat_tokenizer, check_gate, resolve_tasks
 from tasks.harness import run as run_harness
 
@@ -48,6 +48,7 @@ def _training_seed(ws: Workspace) -> int:
 
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
+    ws = reward_models.resolved(ws)  # models:/ reward models -> their downloaded files
     cfg = ws.config
     check_evaluation_machine(cfg)
     test_dir = ws.layout.tokenized / "test"

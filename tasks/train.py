@@ -18,7 +18,7 @@ from pathlib import Path
 from engine import preflight as preflight_engine
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
-from tasks import tracking
+from tasks import reward_models, tracking
 from tasks.launch import TorchrunJob, run_paths, train_metrics
 from tasks.wandb_tracking import WandbRun, wandb_module
 
@@ -73,6 +73,7 @@ def train(ws: Workspace) -> dict[str, Path]:
         ws = Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
         print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint of this run, "
               "if there is one", flush=True)
+    ws = reward_models.resolved(ws)  # models:/ reward models -> their downloaded files
     if ws.config.checkpoint.resume_from_checkpoint is True:
         preflight_engine.check_world_size(ws.config, ws.layout.checkpoints)
     if ws.config.distributed.node_rank > 0:  # its workers take node 0's seed (engine.recipe.run)

@@ -75,18 +75,24 @@ def _models():
 
 def _ours(policy, ref, pairs: list[dict], dpo) -> tuple[torch.Tensor, dict]:
     from engine.datapath.data import collate
-    from engine.objective.logprobs import sequence_logps
+    from engine.objective.logprobs import next_token_logps, sequence_logps
     from engine.recipe.dpo.batches import collate_pairs
-    from engine.recipe.dpo.loss import LOGGED, preference_loss
+    from engine.recipe.dpo.loss import chosen_nll, logged, preference_loss
 
     tok = _tokenizer()
     batch = collate_pairs(pairs, lambda sides: collate(sides, tok.pad_token_id))
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    logps, counts = sequence_logps(policy(**inputs).logits, batch["labels"])
-    with torch.no_grad():
-        ref_logps = sequence_logps(ref(**inputs).logits, batch["labels"])[0]
-    out = preference_loss(dpo, logps, counts, ref_logps if dpo.uses_reference else None)
-    stats = {name: float(v) / len(pairs) for name, v in zip(LOGGED, out.sums())}
+    logits = policy(**inputs).logits
+    logps, counts = sequence_logps(logits, batch["labels"])
+    ref_logps = nll = None
+    if dpo.uses_reference:
+        with torch.no_grad():
+            ref_logps = sequence_logps(ref(**inputs).logits, batch["labels"])[0]
+    if dpo.loss_type == "orpo":
+        nll = chosen_nll(next_token_logps(logits, batch["input_ids"]),
+                         batch["attention_mask"])
+    out = preference_loss(dpo, logps, counts, ref_logps, nll)
+    stats = {name: float(v) / len(pairs) for name, v in zip(logged(dpo), out.sums())}
     return out.losses.mean(), stats
 
 
@@ -168,6 +174,50 @@ def test_losses_and_reward_metrics_equal_trls(tmp_path, chat, loss_type, smoothi
     else:
         theirs, trl_stats = _trl_dpo(tmp_path, policy, ref, pairs, beta=0.3,
                                      loss_type=[loss_type], label_smoothing=smoothing)
+    assert abs(float(ours) - theirs) < 1e-5, (float(ours), theirs)
+    for name, value in stats.items():
+        assert abs(value - trl_stats[name]) < 1e-5 * max(1.0, abs(value)), name
+
+
+def _trl_orpo(tmp_path, policy, pairs: list[dict], beta: float) -> tuple[float, dict]:
+    """TRL's ORPOTrainer on each pair alone (its NLL is a token mean over the whole batch;
+    ours is each pair's own, so a step's loss is a mean over pairs), averaged over the pairs:
+    the loss and every statistic TRL logs under the names ours uses."""
+    from datasets import Dataset
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    args = ORPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False,
+                      beta=beta, per_device_train_batch_size=1)
+    trainer = ORPOTrainer(model=policy, args=args, processing_class=_tokenizer(),
+                          train_dataset=Dataset.from_list(STRING_ROWS))
+    losses, stats = [], []
+    for p in pairs:
+        sides = {f"{side}_{key}": value for side, ids, labels in (
+            ("chosen", p["input_ids"], p["labels"]),
+            ("rejected", p["rejected_input_ids"], p["rejected_labels"]))
+            for key, value in (("input_ids", ids), ("attention_mask", [1] * len(ids)),
+                               ("labels", labels))}
+        loss, metrics = trainer.get_batch_loss_metrics(policy, trainer.data_collator([sides]))
+        losses.append(float(loss))
+        stats.append(metrics)
+    return sum(losses) / len(pairs), {k: sum(m[k] for m in stats) / len(pairs)
+                                      for k in stats[0]}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["strings", "conversational"])
+def test_orpo_loss_and_statistics_equal_trls(tmp_path, chat):
+    """orpo: the chosen side's NLL (prompt included, as TRL trains it) minus beta x log
+    sigmoid of the log odds ratio; the logged statistics are TRL's, nll_loss and the odds
+    ratio's included; no reference is used (the reference model is never called)."""
+    from finetune.config.preference import DPOConfig
+
+    pairs, _ = _encode(CHAT_ROWS if chat else STRING_ROWS, chat)
+    policy, _ = _models()
+    dpo = DPOConfig(beta=0.3, loss_type="orpo")
+    assert not dpo.uses_reference
+    ours, stats = _ours(policy, None, pairs, dpo)
+    assert set(stats) >= {"nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/margins"}
+    theirs, trl_stats = _trl_orpo(tmp_path, policy, pairs, 0.3)
     assert abs(float(ours) - theirs) < 1e-5, (float(ours), theirs)
     for name, value in stats.items():
         assert abs(value - trl_stats[name]) < 1e-5 * max(1.0, abs(value)), name
@@ -299,20 +349,49 @@ def test_full_fine_tuning_takes_a_frozen_copy_as_its_reference(pairs, tmp_path):
     assert abs(first - math.log(2)) < 1e-6 and second != first
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_processes_equal_one(pairs, dpo_run, tmp_path, strategy):
+@pytest.fixture(scope="module")
+def orpo_run(pairs, tmp_path_factory) -> Path:
+    """The shrunk example trained with dpo.loss_type orpo, in this process (the train stage's
+    job; the stage itself, under torchrun, is the DDP test's)."""
+    from helpers import train_here
+
+    return train_here(pairs, tmp_path_factory.mktemp("orpo-run") / "p",
+                      {"dpo.loss_type": "orpo"})[0]
+
+
+def test_an_orpo_run_logs_trls_statistics_and_learns(orpo_run):
+    """Every logged loss is the NLL minus beta x the mean log sigmoid of the log odds ratio
+    (TRL's names), and the held-out pairs' orpo loss falls."""
+    rows = _rows(orpo_run)
+    assert len(rows) == 4
+    for row in rows:
+        assert float(row["loss"]) == pytest.approx(
+            float(row["nll_loss"]) - 0.1 * float(row["log_odds_ratio"]), abs=1e-5)
+        assert float(row["log_odds_ratio"]) < 0 and float(row["logps/chosen"]) < 0
+        assert float(row["rewards/chosen"]) == pytest.approx(0.1 * float(row["logps/chosen"]))
+    evals = _rows(orpo_run, "eval.csv")
+    assert [r["step"] for r in evals] == ["2", "4"]
+    assert float(evals[1]["eval_loss"]) < float(evals[0]["eval_loss"])
+
+
+@pytest.mark.parametrize("strategy, loss_type", [("ddp", "sigmoid"), ("fsdp2", "sigmoid"),
+                                                 ("ddp", "orpo")])
+def test_two_processes_equal_one(pairs, request, tmp_path, strategy, loss_type):
     """DDP, and FSDP2 with the reference forward through the sharded model (the adapter
-    disabled), on 2 torchrun processes x 2 pairs equal one process x 4 pairs."""
+    disabled), on 2 torchrun processes x 2 pairs equal one process x 4 pairs; orpo (each
+    pair's own NLL, no reference) too."""
     from helpers import adapter, assert_weights_close, losses, train_copy
 
+    one = request.getfixturevalue("orpo_run" if loss_type == "orpo" else "dpo_run")
     run, _ = train_copy(pairs, tmp_path / strategy, {
         "distributed.strategy": strategy, "distributed.nproc_per_node": 2,
-        "training.per_device_train_batch_size": 2})
-    assert_weights_close(adapter(run), adapter(dpo_run))
-    assert losses(run) == pytest.approx(losses(dpo_run), abs=1e-5)
+        "training.per_device_train_batch_size": 2, "dpo.loss_type": loss_type})
+    assert_weights_close(adapter(run), adapter(one))
+    assert losses(run) == pytest.approx(losses(one), abs=1e-5)
 
 
-def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(dpo_run, tmp_path):
+@pytest.mark.parametrize("run", ["dpo_run", "orpo_run"])
+def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(request, tmp_path, run):
     """The run cut back to what a SIGKILL right after its step-2 checkpoint leaves (the later
     checkpoint, the trained model and the curves gone), resumed: it ends bitwise as the
     uninterrupted run. (The SIGKILL itself and the stage's resume are the SFT run's,
@@ -320,7 +399,7 @@ def test_a_dpo_run_resumes_bitwise_from_what_a_crash_leaves(dpo_run, tmp_path):
     statistics, the order of the pairs.)"""
     from helpers import resume_cut_back, train_in_place
 
-    resume_cut_back(dpo_run, tmp_path, 2, train_in_place)
+    resume_cut_back(request.getfixturevalue(run), tmp_path, 2, train_in_place)
 
 
 def test_the_example_runs_through_evaluate_and_export_and_ranks_pairs_better(dpo_run, tmp_path):

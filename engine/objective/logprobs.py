@@ -11,12 +11,18 @@ import torch
 from engine.datapath.data import IGNORE_INDEX
 
 
+def next_token_logps(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[n, T-1], fp32: the log-probability of each row's next token `ids[:, 1:]` (an
+    IGNORE_INDEX position reads token 0: mask it)."""
+    ids = ids[:, 1:]
+    logits = logits[:, :-1].float()
+    picked = logits.gather(-1, ids.masked_fill(ids == IGNORE_INDEX, 0).unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each row's trained next tokens, their count), in fp32."""
-    labels = labels[:, 1:]
-    logits = logits[:, :-1].float()
-    trained = labels != IGNORE_INDEX
-    picked = logits.gather(-1, labels.masked_fill(~trained, 0).unsqueeze(-1)).squeeze(-1)
-    per_token = (picked - torch.logsumexp(logits, dim=-1)) * trained
+    trained = labels[:, 1:] != IGNORE_INDEX
+    per_token = next_token_logps(logits, labels) * trained
     return per_token.sum(-1), trained.sum(-1)

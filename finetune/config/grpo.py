@@ -12,6 +12,7 @@ and its rows of the compatibility table.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import field_validator, model_validator
@@ -27,7 +28,7 @@ def reported_metrics(cfg) -> tuple[str, ...]:
     one per function (named as the metrics are: a built-in's name, a function's own), and
     with the correctness reward its pass rates."""
     g = cfg.grpo
-    names = [ref.rsplit(":", 1)[-1] for ref in g.reward_funcs]
+    names = [reward_name(ref) for ref in g.reward_funcs]
     passes = ("pass_at_1", f"pass_at_{g.num_generations_eval}") if "correctness" in names else ()
     rewards = ("reward", *(f"reward_{n}" for n in names))
     return (*rewards, *(f"sampled_{r}" for r in rewards), *passes)
@@ -40,6 +41,33 @@ register_method(Method("grpo", accepts=("none",), data_hint=(
 
 #: reward functions shipped with the engine, named by string (engine.recipe.grpo.rewards)
 BUILT_IN_REWARDS = ("correctness", "format", "length")
+#: a registered model: `models:/name@alias` or `models:/name/version` (MLflow's URIs)
+REGISTERED_MODEL = re.compile(r"models:/(?P<name>[^/@]+)(@(?P<alias>[^/@]+)|/(?P<version>\d+))")
+
+
+def reward_kind(ref: str) -> Literal["built_in", "registered", "directory", "code"]:
+    """What a `reward_funcs` entry names: a built-in, a registered reward model
+    (`models:/...`), a reward model directory (a path: it has a '/'), or a function
+    ('module:function', 'path/to/file.py:function')."""
+    if ref.startswith("models:/"):
+        return "registered"
+    if ":" in ref:
+        return "code"
+    return "directory" if "/" in ref else "built_in"
+
+
+def reward_name(ref: str) -> str:
+    """An entry's name in the metrics (rewards/<name>/mean, reward_<name>): a built-in's, a
+    function's, a registered model's, a directory's last part (word characters only)."""
+    kind = reward_kind(ref)
+    if kind == "registered":
+        match = REGISTERED_MODEL.fullmatch(ref)
+        name = match["name"] if match else ref
+    elif kind == "directory":
+        name = ref.rstrip("/").rsplit("/", 1)[-1]
+    else:
+        name = ref.rsplit(":", 1)[-1]
+    return re.sub(r"\W", "_", name) or "reward_model"
 
 
 class GRPOConfig(Section):
@@ -71,9 +99,12 @@ class GRPOConfig(Section):
         ["correctness"], min_length=1, fingerprint=True,
         description="Reward functions: built-ins by name (correctness: the final answer "
         "equals the reference column's, as the evaluate stage checks it; format: the "
-        "completion matches format_regex; length: a soft penalty for long completions), or "
+        "completion matches format_regex; length: a soft penalty for long completions), "
         "'module:function' / 'path/to/file.py:function' called as TRL calls one: "
-        "f(prompts, completions, **columns) -> list of float or None.")
+        "f(prompts, completions, **columns) -> list of float or None, or a trained reward "
+        "model (a one-output sequence classifier with its tokenizer): a directory path with "
+        "a '/' (./rm, data/export) or a registered model, models:/name@alias or "
+        "models:/name/version.")
     reward_weights: list[float] | None = Field(
         None, fingerprint=True,
         description="One weight per reward function (null: all 1); the reward is the "
@@ -128,10 +159,21 @@ class GRPOConfig(Section):
     @classmethod
     def _named(cls, refs: list[str]) -> list[str]:
         for i, ref in enumerate(refs):
-            if ref not in BUILT_IN_REWARDS and ":" not in ref:
+            kind = reward_kind(ref)
+            if kind == "built_in" and ref not in BUILT_IN_REWARDS:
                 raise ValueError(f"reward_funcs[{i}] '{ref}' is neither a built-in ("
-                                 f"{', '.join(BUILT_IN_REWARDS)}) nor 'module:function'")
+                                 f"{', '.join(BUILT_IN_REWARDS)}), 'module:function' nor a "
+                                 "reward model directory (a path with a '/', e.g. ./rm)")
+            if kind == "registered" and not REGISTERED_MODEL.fullmatch(ref):
+                raise ValueError(f"reward_funcs[{i}] '{ref}' is not a registered model's URI: "
+                                 "models:/name@alias or models:/name/version")
         return refs
+
+    @property
+    def reward_models(self) -> list[tuple[int, str]]:
+        """(index, entry) of the entries that are reward models (a directory or models:/)."""
+        return [(i, ref) for i, ref in enumerate(self.reward_funcs)
+                if reward_kind(ref) in ("directory", "registered")]
 
     @model_validator(mode="after")
     def _compat(self) -> "GRPOConfig":

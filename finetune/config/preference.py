@@ -35,13 +35,16 @@ class DPOConfig(Section):
         0.1, fingerprint=True, gt=0,
         description="How far the policy may move from the reference: the implicit reward is "
         "beta x (log pi - log pi_ref). For ipo the regularisation tau; for simpo the reward "
-        "scale of the length-averaged log-probabilities.")
-    loss_type: Literal["sigmoid", "ipo", "robust", "simpo"] = Field(
+        "scale of the length-averaged log-probabilities; for orpo the weight of the "
+        "odds-ratio term (TRL's lambda).")
+    loss_type: Literal["sigmoid", "ipo", "robust", "simpo", "orpo"] = Field(
         "sigmoid", fingerprint=True,
         description="sigmoid (DPO), ipo (squared loss on the length-averaged log-ratio "
         "margin), robust (DPO robust to flipped labels, label_smoothing = the flip rate), "
         "simpo (reference-free: length-averaged log-probabilities with a target margin "
-        "simpo_gamma; no reference forward at all).")
+        "simpo_gamma; no reference forward at all), orpo (reference-free: the chosen side's "
+        "NLL, prompt included as TRL's ORPO trains it, plus beta x the log odds ratio of the "
+        "length-averaged log-probabilities).")
     label_smoothing: float = Field(
         0.0, fingerprint=True, ge=0, lt=0.5,
         description="sigmoid and simpo: conservative DPO, the probability a pair's label is "
@@ -71,11 +74,16 @@ DPO = compat.When("training.type dpo", lambda c: c.training.type == "dpo")
 #: dpo's rows of the compatibility table (finetune/config/compat.py), joined once this module
 #: is imported: the rules among the dpo keys, and what a dpo run cannot be combined with
 ROWS: list[compat.Rule] = [
-    compat.Refuse(
+    *(compat.Refuse(
         "dpo", "precompute_ref_log_probs",
-        compat.When("loss_type simpo", lambda d: d.loss_type == "simpo"),
-        "simpo is reference-free: there are no reference log-probabilities to precompute",
-        example={"dpo.loss_type": "simpo", "dpo.precompute_ref_log_probs": True}),
+        compat.When(f"loss_type {loss}", lambda d, loss=loss: d.loss_type == loss),
+        f"{loss} is reference-free: there are no reference log-probabilities to precompute",
+        example={"dpo.loss_type": loss, "dpo.precompute_ref_log_probs": True})
+      for loss in ("simpo", "orpo")),
+    compat.Refuse(
+        "dpo", "label_smoothing", compat.When("loss_type orpo", lambda d: d.loss_type == "orpo"),
+        "orpo's odds-ratio term has no label smoothing",
+        example={"dpo.loss_type": "orpo", "dpo.label_smoothing": 0.1}),
     *(compat.Refuse("config", key, DPO, why, used=used, example={
         "training.type": "dpo", "data.dataset_type": "preference", **extra})
       for key, used, why, extra in (

@@ -35,8 +35,8 @@ def ranking_scores(scored: torch.Tensor, reference: torch.Tensor, dpo) -> dict[s
     token counts) of the model and of the `reference` (the base model; for the base itself,
     the same rows). Ties count half.
     - preference_accuracy: the share of pairs whose chosen side gets the higher implicit
-      reward, the one `dpo.loss_type` trains: beta x (log pi - log pi_ref), or for simpo beta x
-      the length-averaged log pi. The base is its own reference: every pair ties, 0.5.
+      reward, the one `dpo.loss_type` trains: beta x (log pi - log pi_ref), or for simpo and orpo
+      beta x the length-averaged log pi. The base is its own reference: every pair ties, 0.5.
     - reward_margin: the mean implicit reward margin (chosen - rejected).
     - likelihood_accuracy, logp_margin: the same from the model's own summed log-probabilities,
       no reference (how likely it finds each side)."""
@@ -44,7 +44,7 @@ def ranking_scores(scored: torch.Tensor, reference: torch.Tensor, dpo) -> dict[s
         return {}
     chosen, rejected, n_chosen, n_rejected = scored.unbind(1)
     own = chosen - rejected
-    if dpo.loss_type == "simpo":
+    if not dpo.uses_reference:  # simpo, orpo
         reward = dpo.beta * (chosen / n_chosen.clamp_min(1) - rejected / n_rejected.clamp_min(1))
     else:
         reward = dpo.beta * (own - (reference[:, 0] - reference[:, 1]))

@@ -15,7 +15,8 @@ and resume are the SFT run's):
 
 The reference is engine.recipe.reference's (the base: the adapter disabled under PEFT, a frozen
 copy for full fine-tuning). With `dpo.precompute_ref_log_probs` it scores every training pair
-once before the first step. A reference-free loss (simpo) loads no reference at all.
+once before the first step. A reference-free loss (simpo, orpo) loads no reference at all;
+orpo's chosen-side NLL comes from the policy's same forward (`_policy_logps`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import functools
 
 import torch
 
-from engine.datapath.data import load_tokenized, model_inputs, take_rows, to_device
+from engine.datapath.data import (IGNORE_INDEX, load_tokenized, model_inputs, take_rows,
+                                  to_device)
 from engine.modeling.runtime import activation_offloading
-from engine.objective.logprobs import sequence_logps
+from engine.objective.logprobs import next_token_logps, sequence_logps
 from engine.recipe.dpo.batches import PAIR_COLUMNS, collate_pairs
 from engine.recipe.dpo.heldout import rank_pairs
-from engine.recipe.dpo.loss import LOGGED, preference_loss
+from engine.recipe.dpo.loss import chosen_nll, logged, preference_loss
 from engine.recipe.reference import Reference, ReferenceTable, lockstep_batches
 from engine.recipe.run import TrainingRun
 
@@ -44,7 +46,9 @@ class DPORun(TrainingRun):
         super().prepare_model()
         self.collate_fn = functools.partial(collate_pairs, collate_fn=self.collate_fn)
         self.reference = Reference.of(self) if self.cfg.dpo.uses_reference else None
-        self.pair_sums = torch.zeros(len(LOGGED), dtype=torch.float64, device=self.dist.device)
+        self.pair_stats = logged(self.cfg.dpo)
+        self.pair_sums = torch.zeros(len(self.pair_stats), dtype=torch.float64,
+                                     device=self.dist.device)
         self.ref_table: ReferenceTable | None = None
 
     def setup(self) -> None:
@@ -62,7 +66,7 @@ class DPORun(TrainingRun):
 
     def window_metrics(self) -> dict[str, torch.Tensor]:
         sums, self.pair_sums = self.pair_sums, torch.zeros_like(self.pair_sums)
-        return dict(zip(LOGGED, sums))
+        return dict(zip(self.pair_stats, sums))
 
     def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor) -> torch.Tensor:
         """Forward both sides of the micro-batch's pairs, backward the summed pair losses over
@@ -70,19 +74,33 @@ class DPORun(TrainingRun):
         t, device = self.cfg.training, self.dist.device
         ref = self._reference_logps(batch)
         with activation_offloading(t, device):
-            logps, counts = self._logps(self.model, batch)
-            pairs = preference_loss(self.cfg.dpo, logps, counts, ref)
+            logps, counts, nll = self._policy_logps(batch)
+            pairs = preference_loss(self.cfg.dpo, logps, counts, ref, nll)
             loss_sum = pairs.losses.sum()
             loss = loss_sum / divisor
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         self.pair_sums += pairs.sums()
         return loss_sum
 
-    def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(self, model, batch: dict) -> torch.Tensor:
         device = self.dist.device
         with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-            logits = model(**model_inputs(batch), use_cache=False).logits
-        return sequence_logps(logits, batch["labels"])
+            return model(**model_inputs(batch), use_cache=False).logits
+
+    def _logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return sequence_logps(self._logits(model, batch), batch["labels"])
+
+    def _policy_logps(self, batch: dict
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The policy's (logps, counts) of the 2b rows, and for orpo each chosen side's NLL
+        (prompt included) from the same log-softmax: every next token's log-probability once,
+        the trained ones (labels, which are the input ids where trained) summed apart."""
+        if self.cfg.dpo.loss_type != "orpo":
+            return *self._logps(self.model, batch), None
+        per_token = next_token_logps(self._logits(self.model, batch), batch["input_ids"])
+        trained = batch["labels"][:, 1:] != IGNORE_INDEX
+        return ((per_token * trained).sum(-1), trained.sum(-1),
+                chosen_nll(per_token, batch["attention_mask"]))
 
     # -- the reference ---------------------------------------------------------------------
     def _pair_scores(self, model, batch: dict) -> torch.Tensor:
@@ -104,7 +122,8 @@ class DPORun(TrainingRun):
             sums = self._score_pairs(self.eval_data)
         n = max(float(sums[1]), 1.0)
         evaluated = {"eval_loss": float(sums[0]) / n,
-                     **{f"eval_{name}": float(v) / n for name, v in zip(LOGGED, sums[2:])}}
+                     **{f"eval_{name}": float(v) / n
+                        for name, v in zip(self.pair_stats, sums[2:])}}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:
             self.reporters.on_log(self.state, {"eval_loss": evaluated["eval_loss"]})
@@ -121,21 +140,22 @@ class DPORun(TrainingRun):
 
     @torch.no_grad()
     def _score_pairs(self, dataset) -> torch.Tensor:
-        """[loss sum, pairs, *LOGGED sums] over this split's pairs (the first
+        """[loss sum, pairs, *logged sums] over this split's pairs (the first
         eval.eval_batches batches per rank when set), summed over ranks."""
         size = self.cfg.training.per_device_eval_batch_size
         limit = self.cfg.eval.eval_batches
-        sums = torch.zeros(2 + len(LOGGED), dtype=torch.float64, device=self.dist.device)
+        sums = torch.zeros(2 + len(self.pair_stats), dtype=torch.float64,
+                           device=self.dist.device)
         batches = lockstep_batches(len(dataset), size, self.dist.rank, self.dist.world_size)
         for k, (indices, real) in enumerate(batches):
             if limit is not None and k >= limit:
                 break
             batch = self._pair_batch(dataset, indices)
             ref = self._reference_logps_fresh(batch)
-            logps, counts = self._logps(self.model, batch)
-            pairs = preference_loss(self.cfg.dpo, logps, counts, ref)
+            logps, counts, nll = self._policy_logps(batch)
+            pairs = preference_loss(self.cfg.dpo, logps, counts, ref, nll)
             if real < len(indices):  # padding pairs (an uneven last share): not counted
-                pairs = type(pairs)(*(x[:real] for x in vars(pairs).values()))
+                pairs = pairs.first(real)
             sums += torch.cat([torch.stack([pairs.losses.sum().double(),
                                             torch.tensor(float(real), dtype=torch.float64,
                                                          device=sums.device)]),

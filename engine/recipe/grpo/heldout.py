@@ -13,6 +13,7 @@ in training, in evaluation and in the registry gate.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,12 +25,16 @@ from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions, sco
 from engine.recipe.reference import lockstep_batches
 
 
-def reward_options(cfg) -> RewardOptions:
-    """What the built-in rewards read from the config."""
+def reward_options(cfg, root: Path = Path("."), device: torch.device | None = None
+                   ) -> RewardOptions:
+    """What the built-in rewards read from the config; a reward model's directory resolves
+    against `root` and loads on `device` (CPU when None)."""
     g = cfg.grpo
     return RewardOptions(answer_regex=cfg.eval.answer_regex,
                          reference_column=g.reference_column, format_regex=g.format_regex,
-                         max_completion_length=g.max_completion_length)
+                         max_completion_length=g.max_completion_length, root=Path(root),
+                         device=device or torch.device("cpu"),
+                         batch_size=cfg.training.per_device_eval_batch_size)
 
 
 def sampling_params(g, greedy: bool = False) -> SamplingParams:
@@ -74,10 +79,10 @@ def _weighted(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 class _Measure:
     """Greedy and sampled completions of held-out prompts, scored."""
 
-    def __init__(self, cfg, tokenizer, model, seed: int, all_finished=None):
+    def __init__(self, cfg, tokenizer, model, seed: int, funcs, all_finished=None):
         g = cfg.grpo
         self.cfg, self.tok, self.model, self.seed = cfg, tokenizer, model, seed
-        self.funcs = load_reward_functions(g.reward_funcs, reward_options(cfg))
+        self.funcs = funcs  # loaded once per run or stage (a reward model is a model)
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.funcs))
         self.names = [f.name for f in self.funcs]
         eos, pad = eos_ids(tokenizer, model), tokenizer.pad_token_id
@@ -131,9 +136,11 @@ def reward_metrics(held, after_loss=None) -> Evaluated:
     k = g.num_generations_eval
     seed = cfg.training.seed or 0
     results, texts = {}, {}
+    funcs = load_reward_functions(g.reward_funcs, reward_options(
+        cfg, held.root, next(held.base.parameters()).device))
     for name, model in (("base", held.base), ("finetuned", None)):
         model = model if model is not None else held.tuned()
-        measure = _Measure(cfg, held.tokenizer, model, seed)
+        measure = _Measure(cfg, held.tokenizer, model, seed, funcs)
         greedy, sampled, generated = [], [], []
         with torch.no_grad():
             for start in range(0, n, size):
@@ -165,7 +172,7 @@ def greedy_rewards(run, dataset) -> dict[str, float]:
     the held-out prompts (every rank its share, summed over ranks)."""
     cfg, d = run.cfg, run.dist
     module = run.strategy.module
-    measure = _Measure(cfg, run.tokenizer, module, cfg.training.seed or 0,
+    measure = _Measure(cfg, run.tokenizer, module, cfg.training.seed or 0, run.rewards,
                        all_finished=run.strategy.generation_done)
     size, limit = cfg.training.per_device_eval_batch_size, cfg.eval.eval_batches
     funcs = len(measure.funcs)

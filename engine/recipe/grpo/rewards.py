@@ -24,6 +24,10 @@ The built-ins (options in `RewardOptions`, which the run fills from the config):
   then linearly down to -1.0 at `max_completion_length`, -1.0 beyond.
 
 Built-ins read the text of a conversational completion's last assistant message.
+
+An entry may also be a trained reward model (engine.recipe.grpo.reward_model): a directory
+path, loaded once on `RewardOptions.device`; a registered model (`models:/...`) reaches the
+engine already resolved to its downloaded directory (tasks.reward_models).
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ import numbers
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from finetune.config.grpo import reward_kind, reward_name
 from finetune.datatypes.metrics import extract_answer, is_exact_match
 from finetune.errors import PipelineError, warn
 from finetune.imports import load_object
@@ -70,6 +76,11 @@ class RewardOptions:
     #: proportions, a soft band of the last fifth (4096 of 20480 tokens in the paper), i.e.
     #: max_completion_length - max_completion_length // 5
     soft_length: int | None = None
+    #: reward models: what a relative directory resolves against, the device they are
+    #: loaded on, and how many completions one forward scores
+    root: Path = Path(".")
+    device: torch.device = torch.device("cpu")
+    batch_size: int = 8
 
 
 @dataclass(frozen=True)
@@ -206,11 +217,23 @@ def load_reward_functions(refs: list[str], options: RewardOptions) -> list[Rewar
             raise PipelineError(f"{key}: {ref!r} is not a reward function name or a "
                                 "'package.module:function' reference")
         ref = ref.strip()
-        if ":" in ref:
+        kind = reward_kind(ref)
+        if kind == "registered":
+            raise PipelineError(f"{key} '{ref}': a registered model is resolved to its files by "
+                                "the train and evaluate stages (tasks.reward_models); in your "
+                                "own script pass the model's directory")
+        if kind == "directory":
+            from engine.recipe.grpo.reward_model import RewardModel, check_reward_model
+
+            directory = check_reward_model(options.root, ref, key)
+            fn = RewardModel(directory, reward_name(ref), options.device, options.batch_size)
+            name = fn.__name__
+        elif ":" in ref:
             fn = load_object(ref, key)
             if isinstance(fn, torch.nn.Module):
                 raise PipelineError(f"{key} '{ref}': a model as a reward function is not "
-                                    "supported; name a function that returns the rewards")
+                                    "supported as an object; name its saved directory (a "
+                                    "path with a '/'), or a function that returns rewards")
             if not callable(fn):
                 raise PipelineError(f"{key} '{ref}': {type(fn).__name__} object is not "
                                     "callable; name a reward function")
@@ -227,7 +250,8 @@ def load_reward_functions(refs: list[str], options: RewardOptions) -> list[Rewar
             raise PipelineError(
                 f"{key} '{ref}': no such built-in reward function{hint} (built-ins: "
                 f"{', '.join(sorted(BUILT_INS))}; or name your own as 'package.module:function' "
-                "or 'path/to/file.py:function')")
+                "or 'path/to/file.py:function', or a reward model's directory as a path with a "
+                "'/')")
         unique, n = name, 1
         while unique in taken:
             n += 1

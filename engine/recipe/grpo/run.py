@@ -78,7 +78,8 @@ class GRPORun(TrainingRun):
             self.strategy.module, sampling_params(g),
             eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
             all_finished=self.strategy.generation_done)
-        self.rewards = load_reward_functions(g.reward_funcs, reward_options(self.cfg))
+        self.rewards = load_reward_functions(g.reward_funcs, reward_options(
+            self.cfg, self.paths.project_root, self.dist.device))
         t = self.cfg.training
         #: a prompt's completions share its forward (loss.completion_logps `group`): on one
         #: process holding the whole model, without activation checkpointing or compile
