@@ -17,11 +17,13 @@ from finetune.datatypes.metrics import (
     GENERATION_METRICS,
     PREFERENCE_METRICS,
     ROUGE_KEYS,
+    UNPAIRED_METRICS,
 )
 
 GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
                 *(f"eval.{k}" for k in ROUGE_KEYS), *(f"eval.{k}" for k in CLASSIFICATION_METRICS),
-                *(f"eval.{k}" for k in PREFERENCE_METRICS))
+                *(f"eval.{k}" for k in PREFERENCE_METRICS),
+                *(f"eval.{k}" for k in UNPAIRED_METRICS if k not in PREFERENCE_METRICS))
 
 
 #: a harness metric the gate can name: eval.harness.<task>.<metric>.<filter>
