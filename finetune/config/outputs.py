@@ -218,7 +218,8 @@ class RegistryConfig(Section):
         "eval.loss", description="Metric of the fine-tuned model that decides promotion: "
         f"{', '.join(GATE_METRICS)} (eval.accuracy / eval.macro_f1: classification datasets; "
         "eval.preference_accuracy, reward_margin, likelihood_accuracy, logp_margin: preference "
-        "pairs), or a harness metric eval.harness.TASK.METRIC.FILTER (e.g. eval.harness."
+        "pairs; eval.kto_accuracy, desirable_accuracy, undesirable_accuracy, reward_margin: "
+        "unpaired preferences), or a harness metric eval.harness.TASK.METRIC.FILTER (e.g. eval.harness."
         "gsm8k_local.exact_match.strict-match; set greater_is_better for one where lower wins)."
     )
     greater_is_better: bool | None = Field(
