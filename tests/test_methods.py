@@ -176,9 +176,9 @@ def test_prompt_only_rows_keep_no_trained_token_through_the_row_contract():
 
     counts = pd.DataFrame({"n_tokens": [5, 3], "n_labels": [5, 3], "n_trainable": [0, 0]})
     validate_tokenized(counts, 16, "tokenize split 'train'", trainable=requires_trainable("none"))
-    for targets in ("tokens", "pairs", "labels"):
+    for targets in ("tokens", "pairs", "unpaired", "labels"):
         with pytest.raises(PipelineError, match="column 'n_trainable' row 0 fails"):
             validate_tokenized(counts, 16, "tokenize split 'train'",
                                trainable=requires_trainable(targets))
-    with pytest.raises(ValueError, match="not one of tokens, pairs, labels, none"):
+    with pytest.raises(ValueError, match="not one of tokens, pairs, unpaired, labels, none"):
         requires_trainable("prompts")

@@ -355,6 +355,12 @@ class TrainingRun:
         so they are means. SFT logs none."""
         return {}
 
+    def window_means(self, sums: dict[str, float], targets: float) -> dict[str, float]:
+        """The logged values of `window_metrics`' sums (the window's, all ranks): their means
+        over the window's targets. A method whose statistics have other denominators (KTO's
+        means per label) overrides it."""
+        return {name: value / max(targets, 1) for name, value in sums.items()}
+
     def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor) -> torch.Tensor:
         """Forward and backward of one micro-batch on the device; returns its summed loss
         (the objective before dividing by `divisor`, the step's target count). `host_labels`:
@@ -469,8 +475,8 @@ class TrainingRun:
             "comm_bytes_per_step": logged.comm / max(logged.steps, 1),
             "epoch": logged.epoch,
             "memory_rss_mb": peak_rss_mb(),
-            **{name: value / replicas / max(targets, 1)
-               for name, value in zip(logged.extra, extra)},
+            **self.window_means({name: value / replicas
+                                 for name, value in zip(logged.extra, extra)}, targets),
         }
         if log_cfg.include_num_input_tokens_seen:
             logs["num_input_tokens_seen"] = self.progress.tokens_seen

@@ -8,7 +8,8 @@ overrides the run's documented hooks (`columns`: the split columns it reads;
 `open_train_data`: the micro-batches, which it may wrap (revisit a step's); `prepare_step`:
 the step's batches before their targets are counted; `micro_step`: one micro-batch's forward
 and backward; `count_targets`: what a step's loss is averaged over; `window_metrics`: its own
-logged statistics; `evaluate`; `metrics`; `heldout_metrics` for the evaluate stage), so
+logged statistics, and `window_means` how they are averaged; `evaluate`; `metrics`;
+`heldout_metrics` for the evaluate stage), so
 checkpoints, resume, the strategies and the reporters work for it unchanged (engine.recipe.dpo
 is one). Callbacks see less: `state` (engine.reporting.progress's view and the control object).
 """

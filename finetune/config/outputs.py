@@ -17,11 +17,13 @@ from finetune.datatypes.metrics import (
     GENERATION_METRICS,
     PREFERENCE_METRICS,
     ROUGE_KEYS,
+    UNPAIRED_METRICS,
 )
 
 GATE_METRICS = ("eval.loss", "eval.perplexity", "eval.exact_match",
                 *(f"eval.{k}" for k in ROUGE_KEYS), *(f"eval.{k}" for k in CLASSIFICATION_METRICS),
-                *(f"eval.{k}" for k in PREFERENCE_METRICS))
+                *(f"eval.{k}" for k in PREFERENCE_METRICS),
+                *(f"eval.{k}" for k in UNPAIRED_METRICS if k not in PREFERENCE_METRICS))
 
 
 #: a harness metric the gate can name: eval.harness.<task>.<metric>.<filter>
@@ -216,7 +218,8 @@ class RegistryConfig(Section):
         "eval.loss", description="Metric of the fine-tuned model that decides promotion: "
         f"{', '.join(GATE_METRICS)} (eval.accuracy / eval.macro_f1: classification datasets; "
         "eval.preference_accuracy, reward_margin, likelihood_accuracy, logp_margin: preference "
-        "pairs), or a harness metric eval.harness.TASK.METRIC.FILTER (e.g. eval.harness."
+        "pairs; eval.kto_accuracy, desirable_accuracy, undesirable_accuracy, reward_margin: "
+        "unpaired preferences), or a harness metric eval.harness.TASK.METRIC.FILTER (e.g. eval.harness."
         "gsm8k_local.exact_match.strict-match; set greater_is_better for one where lower wins)."
     )
     greater_is_better: bool | None = Field(

@@ -20,6 +20,7 @@ from finetune.config.model import ModelConfig, PeftSection
 from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
 from finetune.config.grpo import GRPOConfig
+from finetune.config.kto import KTOConfig
 from finetune.config.preference import DPOConfig
 from finetune.config.reporting import LoggingConfig
 from finetune.config.section import Field, Section
@@ -47,6 +48,7 @@ class FinetuneConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, fingerprint=False)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    kto: KTOConfig = Field(default_factory=KTOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig, fingerprint=False)
     logging: LoggingConfig = Field(default_factory=LoggingConfig, fingerprint=False)
     export: ExportConfig = Field(default_factory=ExportConfig, fingerprint=False)

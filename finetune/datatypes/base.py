@@ -53,7 +53,7 @@ SEQ_2_SEQ_LM = ModelTask("AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", "text2text-gen
 
 
 #: what a dataset type's rows can give a method to train on (DatasetType.targets)
-TARGETS = ("tokens", "pairs", "labels", "none")
+TARGETS = ("tokens", "pairs", "unpaired", "labels", "none")
 
 
 def requires_trainable(targets: str) -> bool:
@@ -146,7 +146,7 @@ class DatasetType(ABC):
     keys: ClassVar[tuple[str, ...]] = ()
     task: ClassVar[ModelTask] = CAUSAL_LM
     #: what a tokenized row gives a method to train on (TARGETS): trained tokens, a
-    #: chosen/rejected pair, a class label, or nothing (a prompt a method completes itself).
+    #: chosen/rejected pair, a completion labelled desirable or not, a class label, or nothing (a prompt a method completes itself).
     #: A trainer type declares which it accepts (finetune.config.methods); the tokenize stage and the
     #: row contract ask `requires_trainable` instead of assuming a trained token in every row.
     targets: ClassVar[str] = "tokens"

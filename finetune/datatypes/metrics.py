@@ -22,6 +22,10 @@ CLASSIFICATION_METRICS = ("accuracy", "macro_f1")
 #: preference pairs (finetune.datatypes.preference): how a model ranks chosen over rejected
 PREFERENCE_METRICS = ("preference_accuracy", "reward_margin", "likelihood_accuracy",
                       "logp_margin")
+#: unpaired preferences (finetune.datatypes.unpaired_preference): whether a model's implicit
+#: reward puts each held-out completion on its label's side of 0
+UNPAIRED_METRICS = ("kto_accuracy", "desirable_accuracy", "undesirable_accuracy",
+                    "reward_margin")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 

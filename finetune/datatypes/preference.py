@@ -105,8 +105,6 @@ class PreferenceType(DatasetType):
         template's rendering of the prompt turns with the generation prompt (and the row's
         tools), and what each full conversation adds after it. None: a side has nothing to
         learn; a string: a side breaks a tool-use row contract (why)."""
-        tok = ctx.tokenizer
-        template = chat_template(self.data, tok, ctx.root)
         chosen = _messages(row["chosen"], f"{where} column 'chosen'")
         rejected = _messages(row["rejected"], f"{where} column 'rejected'")
         if row.get("prompt") is not None and not isinstance(row.get("prompt"), str):
@@ -117,29 +115,12 @@ class PreferenceType(DatasetType):
                    and chosen[shared] == rejected[shared]):
                 shared += 1
             prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
-        sides = []
-        for side, name in ((chosen, "chosen"), (rejected, "rejected")):
-            conv = normalise(prompt + side, self.data.system_prompt, f"{where} ({name})")
-            if conv is None:
-                return None
-            fault = tool_fault(conv, tools)
-            if fault is not None:
-                return f"{fault} in {name}"
-            sides.append(conv)
-        head = render(tok, template, sides[0][:len(sides[0]) - len(chosen)],
-                      generation_prompt=True, tools=tools)
-        texts = []
-        for conv, name in zip(sides, ("chosen", "rejected")):
-            full = render(tok, template, conv, tools=tools)
-            if not full.startswith(head):
-                raise PipelineError(
-                    f"data.chat_template cannot split {where} ({name}): the rendering of the "
-                    "conversation does not start with the rendering of its prompt turns")
-            texts.append(full[len(head):])
-        strip_bos = tok.bos_token if ctx.bos is not None else None
-        if strip_bos and head.startswith(strip_bos):  # the encoder adds BOS as a token
-            head = head[len(strip_bos):]
-        return head, texts[0], texts[1]
+        rendered = render_sides(self.data, ctx, prompt,
+                                (("chosen", chosen), ("rejected", rejected)), where, tools)
+        if rendered is None or isinstance(rendered, str):
+            return rendered
+        head, (chosen_text, rejected_text) = rendered
+        return head, chosen_text, rejected_text
 
     def serving_chat_template(self, tok, root) -> str | None:
         return chat_template(self.data, tok, root) if self.data.chat_template else None
@@ -181,6 +162,42 @@ def _messages(value: Any, where: str) -> list[dict]:
     if not isinstance(value, list) or not all(hasattr(m, "keys") for m in value):
         raise PipelineError(f"{where}: not a list of messages")
     return [dict(m) for m in value]
+
+
+def render_sides(data, ctx: DataContext, prompt: list[dict],
+                 sides: tuple[tuple[str, list[dict]], ...], where: str, tools: list[dict]
+                 ) -> tuple[str, list[str]] | str | None:
+    """(prompt text, [each side's text]) of conversational completions `sides` ((column name,
+    messages) each) after the `prompt` turns: the chat template's rendering of the prompt with
+    the generation prompt (and the row's tools), and what each full conversation adds after
+    it (TRL's split; the unpaired type's single completion uses it too). None: a side has
+    nothing to learn; a string: a side breaks a tool-use row contract (why)."""
+    tok = ctx.tokenizer
+    template = chat_template(data, tok, ctx.root)
+    convs = []
+    for name, side in sides:
+        conv = normalise(prompt + side, data.system_prompt, f"{where} ({name})")
+        if conv is None:
+            return None
+        fault = tool_fault(conv, tools)
+        if fault is not None:
+            return f"{fault} in {name}"
+        convs.append(conv)
+    first = convs[0]
+    head = render(tok, template, first[:len(first) - len(sides[0][1])], generation_prompt=True,
+                  tools=tools)
+    texts = []
+    for conv, (name, _) in zip(convs, sides):
+        full = render(tok, template, conv, tools=tools)
+        if not full.startswith(head):
+            raise PipelineError(
+                f"data.chat_template cannot split {where} ({name}): the rendering of the "
+                "conversation does not start with the rendering of its prompt turns")
+        texts.append(full[len(head):])
+    strip_bos = tok.bos_token if ctx.bos is not None else None
+    if strip_bos and head.startswith(strip_bos):  # the encoder adds BOS as a token
+        head = head[len(strip_bos):]
+    return head, texts
 
 
 def encode_preference(batch: dict[str, list], tok, bos: int | None, max_len: int

@@ -1,4 +1,4 @@
-"""Dataset type names -> types: the built-in seven, their aliases, a project's own.
+"""Dataset type names -> types: the built-in eight, their aliases, a project's own.
 
 The only place that knows which types exist. `data.dataset_type` names one of them, an alias
 (QEfficient's `seq_completion`), a type registered by the project with `register_dataset_type`,
@@ -17,6 +17,7 @@ from finetune.datatypes.preference import PreferenceType
 from finetune.datatypes.prompt import PromptType
 from finetune.datatypes.seq2seq import Seq2SeqType
 from finetune.datatypes.text import TextType
+from finetune.datatypes.unpaired_preference import UnpairedPreferenceType
 from finetune.errors import PipelineError
 from finetune.registry import Registry
 
@@ -36,7 +37,7 @@ def register_dataset_type(cls: type[DatasetType]) -> type[DatasetType]:
 
 
 for _builtin in (CompletionType, TextType, ChatType, ClassificationType, PreferenceType,
-                 PromptType, Seq2SeqType):
+                 PromptType, Seq2SeqType, UnpairedPreferenceType):
     register_dataset_type(_builtin)
 
 
