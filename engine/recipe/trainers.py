@@ -23,7 +23,8 @@ TRAINERS = Registry("trainer", "training.type", hint="",
                     not_a_subclass="{key} '{name}': {obj!r} is not a subclass of "
                                    "engine.recipe.run.TrainingRun",
                     built_ins={"dpo": "engine.recipe.dpo.run:DPORun",
-                               "grpo": "engine.recipe.grpo.run:GRPORun"})
+                               "grpo": "engine.recipe.grpo.run:GRPORun",
+                               "reward": "engine.recipe.reward.run:RewardRun"})
 #: a method whose room differs by the model it trains: (training.type, the model task's
 #: pipeline tag) -> its run class (SFT of a sequence classifier measures classes, not text)
 BY_TASK = {("sft", "text-classification"): "engine.recipe.classifier.run:ClassifierRun"}
