@@ -68,7 +68,8 @@ class RewardRun(TrainingRun):
 
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """The held-out pairs' mean loss and TRL's statistics (`eval_` + name)."""
+        """The held-out pairs' mean loss and TRL's statistics (`eval_` + name), all of them in
+        the logged row (console, MLflow; eval.csv keeps eval_loss), as TRL logs them."""
         with self.meter.pause(), self._eval_mode():
             sums = self._score_pairs(self.eval_data)
         n = max(float(sums[1]), 1.0)
@@ -76,7 +77,7 @@ class RewardRun(TrainingRun):
                      **{f"eval_{name}": float(v) / n for name, v in zip(LOGGED, sums[2:])}}
         self.monitor.update(evaluated, self.progress.step)
         if self.reporters:
-            self.reporters.on_log(self.state, {"eval_loss": evaluated["eval_loss"]})
+            self.reporters.on_log(self.state, evaluated)
             self.reporters.on_evaluate(self.state, evaluated)
         return evaluated
 
