@@ -185,8 +185,9 @@ def test_empty_assistant_turns_and_unlabeled_rows_are_dropped_and_counted(tmp_pa
                                                "test": _jsonl(project, "ct.jsonl", chat[:3])}})
     stages_here(project, "download", "format")
     counts = json.loads((project / "data/metrics/format.json").read_text())
-    assert counts["train"] == {"rows": 9, "dropped_rows": 2}
-    assert counts["test"] == {"rows": 2, "dropped_rows": 1}
+    empty = "no messages or an empty assistant turn"  # the chat type counts by reason
+    assert counts["train"] == {"rows": 9, "dropped_rows": 2, "dropped_by_reason": {empty: 2}}
+    assert counts["test"] == {"rows": 2, "dropped_rows": 1, "dropped_by_reason": {empty: 1}}
 
     rows = [{"question": f"q{i}", "steps": None if i == 4 else ("short", "long")[i % 2]}
             for i in range(12)]

@@ -24,7 +24,8 @@ TRAINERS = Registry("trainer", "training.type", hint="",
                                    "engine.recipe.run.TrainingRun",
                     built_ins={"dpo": "engine.recipe.dpo.run:DPORun",
                                "grpo": "engine.recipe.grpo.run:GRPORun",
-                               "kto": "engine.recipe.kto.run:KTORun"})
+                               "kto": "engine.recipe.kto.run:KTORun",
+                               "reward": "engine.recipe.reward.run:RewardRun"})
 #: a method whose room differs by the model it trains: (training.type, the model task's
 #: pipeline tag) -> its run class (SFT of a sequence classifier measures classes, not text)
 BY_TASK = {("sft", "text-classification"): "engine.recipe.classifier.run:ClassifierRun"}

@@ -23,6 +23,7 @@ from finetune.config.grpo import GRPOConfig
 from finetune.config.kto import KTOConfig
 from finetune.config.preference import DPOConfig
 from finetune.config.reporting import LoggingConfig
+from finetune.config.reward import RewardConfig
 from finetune.config.section import Field, Section
 from finetune.config.training import TrainingConfig
 
@@ -30,7 +31,7 @@ from finetune.config.training import TrainingConfig
 __all__ = ["FinetuneConfig", "ModelConfig", "PeftSection", "DataConfig", "TrainingConfig",
            "OptimizerConfig", "SchedulerConfig", "DistributedConfig", "CheckpointConfig",
            "EvalConfig", "LoggingConfig", "ExportConfig", "RegistryConfig", "DPOConfig",
-           "GRPOConfig"]
+           "GRPOConfig", "RewardConfig"]
 
 
 class FinetuneConfig(Section):
@@ -49,6 +50,7 @@ class FinetuneConfig(Section):
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     kto: KTOConfig = Field(default_factory=KTOConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig, fingerprint=False)
     logging: LoggingConfig = Field(default_factory=LoggingConfig, fingerprint=False)
     export: ExportConfig = Field(default_factory=ExportConfig, fingerprint=False)

@@ -13,11 +13,14 @@ Each side is tokenized like a completion row (prompt and completion apart, so th
 is exact; loss on the completion only). A pair whose sides are equal, or whose side is empty,
 has nothing to prefer: it is dropped and counted. The tokenized split holds the chosen side as
 `input_ids`/`labels` (so loss, perplexity and generation read it as the reference answer) and
-the rejected side as `rejected_input_ids`/`rejected_labels`.
+the rejected side as `rejected_input_ids`/`rejected_labels`. TRL's optional `margin` column
+(a number per pair: how much better chosen is, for `training.type: reward`) is carried through
+as `margin` when the rows have one (a missing value is 0).
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from finetune.datatypes.base import DataContext, DatasetType, Formatted
@@ -65,6 +68,8 @@ class PreferenceType(DatasetType):
         has_prompt = "prompt" in frame.columns or self.data.prompt_template
         prompt_of = builder(self.data, "prompt") if self.data.prompt_template else None
         out: dict[str, list] = {"prompt": [], "completion": [], "rejected": [], "eos": []}
+        if "margin" in frame.columns:
+            out["margin"] = []
         reasons: dict[int, str] = {}
         records = frame.to_dict("records")
         tools = None
@@ -97,6 +102,8 @@ class PreferenceType(DatasetType):
             for key, value in zip(("prompt", "completion", "rejected"), pair):
                 out[key].append(value)
             out["eos"].append(eos)
+            if "margin" in out:
+                out["margin"].append(_margin(row.get("margin"), where))
         return Formatted.with_reasons(pd.DataFrame(out), reasons)
 
     def _render(self, row: dict, where: str, ctx: DataContext, tools: list[dict]
@@ -155,6 +162,15 @@ def _missing(value: Any) -> bool:
     return False
 
 
+def _margin(value: Any, where: str) -> float:
+    """A pair's `margin` as a float (missing: 0); anything else is one line naming the row."""
+    if _missing(value):
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PipelineError(f"{where} column 'margin': a number, got {value!r}")
+    return float(value)
+
+
 def _messages(value: Any, where: str) -> list[dict]:
     """A message list as plain dicts (parquet hands numpy arrays of mappings)."""
     if hasattr(value, "tolist"):
@@ -209,6 +225,8 @@ def encode_preference(batch: dict[str, list], tok, bos: int | None, max_len: int
     n = len(batch["prompt"])
     ids = token_ids(tok, [*batch["prompt"], *batch["completion"], *batch["rejected"]])
     out = {**empty_encoding(), **{c: [] for c in REJECTED_COLUMNS}}
+    if "margin" in batch:  # TRL's optional per-pair margin (a reward model's loss reads it)
+        out["margin"] = [float(m) for m in batch["margin"]]
     eos = tok.eos_token_id
     for i in range(n):
         head = ([bos] if bos is not None else []) + ids[i]

@@ -1,0 +1,67 @@
+"""A reward model's held-out numbers for the evaluate stage: how often the base (its head
+untrained: chance) and the trained reward model score each held-out pair's chosen side above
+its rejected one, the mean reward margin, and the Bradley-Terry loss; the samples table shows
+a few pairs with both models' rewards."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.datapath.data import collate, take_rows
+from engine.evaluation.heldout import Evaluated
+from engine.recipe.reward.batches import collate_rewarded
+from engine.recipe.reward.loss import bradley_terry
+
+
+@torch.no_grad()
+def pair_rewards(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
+    """[pairs, 3]: each held-out pair's reward of its chosen and its rejected side, and its
+    margin (0 without a margin column), both sides of a batch in one forward (on the CPU)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(dataset), batch_size):
+        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
+        batch = collate_rewarded(rows, lambda sides: collate(sides, pad_id))
+        rewards = model(input_ids=batch["input_ids"].to(device),
+                        attention_mask=batch["attention_mask"].to(device)).logits
+        chosen, rejected = rewards.reshape(-1).float().cpu().chunk(2)
+        margin = batch.get("margin", torch.zeros(len(rows)))
+        out.append(torch.stack([chosen, rejected, margin.float()], dim=1))
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, 3)
+
+
+def ranking(scored: torch.Tensor, center_coefficient: float | None) -> dict[str, float]:
+    """From `pair_rewards` rows: preference_accuracy (the share of pairs with r_chosen >
+    r_rejected, TRL's accuracy), reward_margin (the mean r_chosen - r_rejected) and the mean
+    Bradley-Terry loss."""
+    if len(scored) == 0:
+        return {}
+    chosen, rejected, margin = scored.unbind(1)
+    pairs = bradley_terry(torch.cat([chosen, rejected]), margin, center_coefficient)
+    return {"loss": float(pairs.losses.mean()),
+            "preference_accuracy": float((chosen > rejected).float().mean()),
+            "reward_margin": float((chosen - rejected).mean())}
+
+
+def reward_metrics(held) -> Evaluated:
+    cfg, tok = held.cfg, held.tokenizer
+    args = (held.test, cfg.training.per_device_eval_batch_size, tok.pad_token_id)
+    base = pair_rewards(held.base, *args)
+    tuned = pair_rewards(held.tuned(), *args)
+    coefficient = cfg.reward.center_rewards_coefficient
+    results = {name: {k: round(v, 6) for k, v in ranking(scored, coefficient).items()}
+               for name, scored in (("base", base), ("finetuned", tuned))}
+    samples = []
+    for i in range(min(cfg.eval.num_logged_samples, len(held.test))):
+        row = held.test[i]
+        samples.append({
+            "chosen": tok.decode(row["input_ids"], skip_special_tokens=True),
+            "rejected": tok.decode(row["rejected_input_ids"], skip_special_tokens=True),
+            "reward_chosen": round(float(tuned[i, 0]), 6),
+            "reward_rejected": round(float(tuned[i, 1]), 6),
+            "base_reward_chosen": round(float(base[i, 0]), 6),
+            "base_reward_rejected": round(float(base[i, 1]), 6)})
+    return Evaluated(results, {"eval_rows": len(held.test)}, samples)

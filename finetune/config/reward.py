@@ -1,0 +1,68 @@
+"""The `reward` section: a reward model's objective for a `training.type: reward` run (TRL's
+RewardTrainer: the Bradley-Terry loss on chosen/rejected pairs, with the pairs' optional
+`margin` column and TRL's `center_rewards_coefficient`). engine/recipe/reward/ is its room.
+
+As for dpo (finetune/config/preference.py), the section brings its own facts: the keys'
+fingerprint flags, `ROWS` (what a reward run cannot be combined with) and the method's facts:
+it trains on pairs, and the model it trains is a sequence classifier with one output (the
+reward), whatever the dataset type's own model is.
+"""
+
+from __future__ import annotations
+
+from finetune.config import compat
+from finetune.config.methods import Method, register_method
+from finetune.config.section import Field, Section
+from finetune.datatypes.base import SEQUENCE_CLASSIFICATION
+
+#: the head's one output, as a classifier's label map names it (labels.json, id2label)
+REWARD_LABEL = "reward"
+
+#: the evaluate stage's numbers for each model (engine.recipe.reward.heldout)
+HELDOUT_METRICS = ("loss", "preference_accuracy", "reward_margin")
+
+#: reward's facts for the config and the stages (its run class: engine.recipe.reward)
+register_method(Method(
+    "reward", accepts=("pairs",), task=SEQUENCE_CLASSIFICATION,
+    data_hint=("trains on chosen/rejected pairs; set data.dataset_type: preference (every "
+               "source, in a mixture)"),
+    metrics=lambda cfg: HELDOUT_METRICS, metric_pattern=r"preference_accuracy|reward_margin"))
+
+
+class RewardConfig(Section):
+    """A reward model on pairs of a `preference` dataset: a one-output sequence classification
+    head trained so that the chosen side scores above the rejected one."""
+
+    center_rewards_coefficient: float | None = Field(
+        None, ge=0, fingerprint=True,
+        description="Adds this times the mean of (r_chosen + r_rejected)^2 to the loss, so the "
+        "rewards stay centred on 0 (TRL's name; null: off). A pair's `margin` column, when the "
+        "rows have one, is subtracted from r_chosen - r_rejected inside the loss.")
+
+
+REWARD = compat.When("training.type reward", lambda c: c.training.type == "reward")
+
+#: what a reward run cannot be combined with (rows across sections, as dpo's)
+ROWS: list[compat.Rule] = [
+    compat.Refuse("config", key, REWARD, why, used=used, example={
+        "training.type": "reward", "data.dataset_type": "preference", **extra})
+    for key, used, why, extra in (
+        ("training.packing", None, "each side of a pair is scored as one padded row",
+         {"training.packing": True}),
+        ("training.padding_free", None, "each side of a pair is scored as one padded row",
+         {"training.padding_free": True}),
+        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
+         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
+        ("data.streaming", None, "pairs are read from the tokenized split",
+         {"data.streaming": True}),
+        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
+         "the trainer batches each pair's two sides itself", {"data.collate_fn": "m:f"}),
+        ("training.compute_loss_func", None, "the loss is the Bradley-Terry loss",
+         {"training.compute_loss_func": "m:f"}),
+        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
+         {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None, "a fused loss is the SFT cross entropy",
+         {"training.fused_loss_factory": "m:f"}))
+]
+compat.add_rows("reward", ROWS)
