@@ -142,6 +142,33 @@ def add_rows(scope: str, rows: list[Rule]) -> None:
     RULES.extend(rows)
 
 
+def offline_method_refusals(when: When, example: dict, scored: str, rows: str,
+                            batches: str, loss: str) -> list[Rule]:
+    """The rows every offline preference method (dpo, reward, kto) shares: what its loop
+    cannot be combined with, in one line each. `scored`: how a row is scored ("each side of
+    a pair"); `rows`: what the tokenized split holds ("pairs"); `batches`: what the trainer
+    batches itself; `loss`: whose the loss is. One builder, so a new method refuses the same
+    things with the same words, and a new refusal reaches every method."""
+    padded = f"{scored} is scored as one padded row"
+    return [Refuse("config", key, when, why, used=used, example={**example, **extra})
+            for key, used, why, extra in (
+        ("training.packing", None, padded, {"training.packing": True}),
+        ("training.padding_free", None, padded, {"training.padding_free": True}),
+        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
+         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
+        ("data.streaming", None, f"{rows} are read from the tokenized split",
+         {"data.streaming": True}),
+        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,  # dynamic_padding
+         f"the trainer batches {batches} itself", {"data.collate_fn": "m:f"}),
+        ("training.compute_loss_func", None, f"the loss is {loss}",
+         {"training.compute_loss_func": "m:f"}),
+        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
+         {"training.use_liger_kernel": True}),
+        ("training.fused_loss_factory", None, "a fused loss is the SFT cross entropy",
+         {"training.fused_loss_factory": "m:f"}))]
+
+
 def check(obj, scope: str) -> None:
     """Run the rows of `scope` on `obj` (the section, or the config); the first broken one is
     a ValueError with its one line."""

@@ -48,25 +48,8 @@ ROWS: list[compat.Rule] = [
         "the KL estimate pairs each prompt with another row's completion of the micro-batch: "
         "set 2 or more", used=lambda c: c.training.per_device_train_batch_size < 2,
         example={**_EXAMPLE, "training.per_device_train_batch_size": 1}),
-    *(compat.Refuse("config", key, KTO, why, used=used, example={**_EXAMPLE, **extra})
-      for key, used, why, extra in (
-        ("training.packing", None, "each completion is scored as one padded row",
-         {"training.packing": True}),
-        ("training.padding_free", None, "each completion is scored as one padded row",
-         {"training.padding_free": True}),
-        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
-         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
-         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
-        ("data.streaming", None, "labelled rows are read from the tokenized split",
-         {"data.streaming": True}),
-        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
-         "the trainer batches each row with its mismatched KL row itself",
-         {"data.collate_fn": "m:f"}),
-        ("training.compute_loss_func", None, "the loss is KTO's",
-         {"training.compute_loss_func": "m:f"}),
-        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
-         {"training.use_liger_kernel": True}),
-        ("training.fused_loss_factory", None, "a fused loss is the SFT cross entropy",
-         {"training.fused_loss_factory": "m:f"}))),
+    *compat.offline_method_refusals(
+        KTO, _EXAMPLE, scored="each completion", rows="labelled rows",
+        batches="each row with its mismatched KL row", loss="KTO's"),
 ]
 compat.add_rows("kto", ROWS)

@@ -84,26 +84,9 @@ ROWS: list[compat.Rule] = [
         "dpo", "label_smoothing", compat.When("loss_type orpo", lambda d: d.loss_type == "orpo"),
         "orpo's odds-ratio term has no label smoothing",
         example={"dpo.loss_type": "orpo", "dpo.label_smoothing": 0.1}),
-    *(compat.Refuse("config", key, DPO, why, used=used, example={
-        "training.type": "dpo", "data.dataset_type": "preference", **extra})
-      for key, used, why, extra in (
-        ("training.packing", None, "each side of a pair is scored as one padded row",
-         {"training.packing": True}),
-        ("training.padding_free", None, "each side of a pair is scored as one padded row",
-         {"training.padding_free": True}),
-        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
-         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
-         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
-        ("data.streaming", None, "pairs are read from the tokenized split",
-         {"data.streaming": True}),
-        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,  # dynamic_padding is
-         "the trainer batches each pair's two sides itself",  # what it does
-         {"data.collate_fn": "m:f"}),
-        ("training.compute_loss_func", None, "the loss is dpo.loss_type's",
-         {"training.compute_loss_func": "m:f"}),
-        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
-         {"training.use_liger_kernel": True}),
-        ("training.fused_loss_factory", None, "a fused loss is the SFT cross entropy",
-         {"training.fused_loss_factory": "m:f"}))),
+    *compat.offline_method_refusals(
+        DPO, {"training.type": "dpo", "data.dataset_type": "preference"},
+        scored="each side of a pair", rows="pairs", batches="each pair's two sides",
+        loss="dpo.loss_type's"),
 ]
 compat.add_rows("dpo", ROWS)

@@ -43,26 +43,8 @@ class RewardConfig(Section):
 REWARD = compat.When("training.type reward", lambda c: c.training.type == "reward")
 
 #: what a reward run cannot be combined with (rows across sections, as dpo's)
-ROWS: list[compat.Rule] = [
-    compat.Refuse("config", key, REWARD, why, used=used, example={
-        "training.type": "reward", "data.dataset_type": "preference", **extra})
-    for key, used, why, extra in (
-        ("training.packing", None, "each side of a pair is scored as one padded row",
-         {"training.packing": True}),
-        ("training.padding_free", None, "each side of a pair is scored as one padded row",
-         {"training.padding_free": True}),
-        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
-         "the pipeline's last stage computes the SFT loss; use single, ddp or fsdp2",
-         {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
-        ("data.streaming", None, "pairs are read from the tokenized split",
-         {"data.streaming": True}),
-        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
-         "the trainer batches each pair's two sides itself", {"data.collate_fn": "m:f"}),
-        ("training.compute_loss_func", None, "the loss is the Bradley-Terry loss",
-         {"training.compute_loss_func": "m:f"}),
-        ("training.use_liger_kernel", None, "its fused loss is the SFT cross entropy",
-         {"training.use_liger_kernel": True}),
-        ("training.fused_loss_factory", None, "a fused loss is the SFT cross entropy",
-         {"training.fused_loss_factory": "m:f"}))
-]
+ROWS: list[compat.Rule] = compat.offline_method_refusals(
+    REWARD, {"training.type": "reward", "data.dataset_type": "preference"},
+    scored="each side of a pair", rows="pairs", batches="each pair's two sides",
+    loss="the Bradley-Terry loss")
 compat.add_rows("reward", ROWS)

@@ -21,7 +21,6 @@ orpo's chosen-side NLL comes from the policy's same forward (`_policy_logps`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -33,11 +32,12 @@ from engine.objective.logprobs import next_token_logps, sequence_logps
 from engine.recipe.dpo.batches import PAIR_COLUMNS, collate_pairs
 from engine.recipe.dpo.heldout import rank_pairs
 from engine.recipe.dpo.loss import chosen_nll, logged, preference_loss
-from engine.recipe.reference import Reference, ReferenceTable, lockstep_batches
+from engine.recipe.heldout_sums import HeldOutSums, counted
+from engine.recipe.reference import Reference, ReferenceTable
 from engine.recipe.run import TrainingRun
 
 
-class DPORun(TrainingRun):
+class DPORun(HeldOutSums, TrainingRun):
     """A preference run: see the module docstring."""
 
     columns = PAIR_COLUMNS
@@ -118,51 +118,21 @@ class DPORun(TrainingRun):
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """The held-out pairs' mean loss and TRL's reward statistics (`eval_` + name)."""
-        with self.meter.pause(), self._eval_mode():
-            sums = self._score_pairs(self.eval_data)
-        n = max(float(sums[1]), 1.0)
-        evaluated = {"eval_loss": float(sums[0]) / n,
-                     **{f"eval_{name}": float(v) / n
-                        for name, v in zip(self.pair_stats, sums[2:])}}
-        self.monitor.update(evaluated, self.progress.step)
-        if self.reporters:
-            self.reporters.on_log(self.state, {"eval_loss": evaluated["eval_loss"]})
-            self.reporters.on_evaluate(self.state, evaluated)
-        return evaluated
+        def means(sums: torch.Tensor) -> dict[str, float]:
+            n = max(float(sums[1]), 1.0)
+            return {"eval_loss": float(sums[0]) / n,
+                    **{f"eval_{name}": float(v) / n for name, v in zip(self.pair_stats, sums[2:])}}
 
-    @contextlib.contextmanager
-    def _eval_mode(self):
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train()
+        return self.held_out_evaluation(2 + len(self.pair_stats), means)
 
-    @torch.no_grad()
-    def _score_pairs(self, dataset) -> torch.Tensor:
-        """[loss sum, pairs, *logged sums] over this split's pairs (the first
-        eval.eval_batches batches per rank when set), summed over ranks."""
-        size = self.cfg.training.per_device_eval_batch_size
-        limit = self.cfg.eval.eval_batches
-        sums = torch.zeros(2 + len(self.pair_stats), dtype=torch.float64,
-                           device=self.dist.device)
-        batches = lockstep_batches(len(dataset), size, self.dist.rank, self.dist.world_size)
-        for k, (indices, real) in enumerate(batches):
-            if limit is not None and k >= limit:
-                break
-            batch = self._pair_batch(dataset, indices)
-            ref = self._reference_logps_fresh(batch)
-            logps, counts, nll = self._policy_logps(batch)
-            pairs = preference_loss(self.cfg.dpo, logps, counts, ref, nll)
-            if real < len(indices):  # padding pairs (an uneven last share): not counted
-                pairs = pairs.first(real)
-            sums += torch.cat([torch.stack([pairs.losses.sum().double(),
-                                            torch.tensor(float(real), dtype=torch.float64,
-                                                         device=sums.device)]),
-                               pairs.sums()])
-        if self.dist.world_size > 1:
-            torch.distributed.all_reduce(sums)
-        return sums
+    def eval_batch_sums(self, batch: dict, real: int) -> torch.Tensor:
+        """[loss sum, pairs, *logged sums] of a held-out batch's first `real` pairs."""
+        ref = self._reference_logps_fresh(batch)
+        logps, counts, nll = self._policy_logps(batch)
+        pairs = preference_loss(self.cfg.dpo, logps, counts, ref, nll)
+        if real < len(pairs.losses):  # padding pairs (an uneven last share): not counted
+            pairs = pairs.first(real)
+        return counted(pairs.losses.sum(), real, pairs.sums())
 
     def _reference_logps_fresh(self, batch: dict) -> torch.Tensor | None:
         """A held-out batch's reference log-probabilities (never from the training table)."""

@@ -26,12 +26,11 @@ copy for full fine-tuning).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
-from engine.datapath.data import model_inputs, take_rows, to_device
+from engine.datapath.data import model_inputs, to_device
 from engine.modeling.runtime import activation_offloading
 from engine.objective.logprobs import sequence_logps
 from engine.recipe.kto.batches import KTO_COLUMNS, collate_unpaired, mismatched
@@ -44,11 +43,12 @@ from engine.recipe.kto.loss import (
     kto_loss,
     window_means,
 )
-from engine.recipe.reference import Reference, lockstep_batches
+from engine.recipe.heldout_sums import HeldOutSums, counted
+from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
 
 
-class KTORun(TrainingRun):
+class KTORun(HeldOutSums, TrainingRun):
     """A KTO run: see the module docstring."""
 
     columns = KTO_COLUMNS
@@ -111,50 +111,23 @@ class KTORun(TrainingRun):
     # -- evaluation ------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """The held-out rows' mean loss and TRL's statistics (`eval_` + name)."""
-        with self.meter.pause(), self._eval_mode():
-            sums = self._score_rows(self.eval_data)
-        evaluated = {"eval_loss": float(sums[0]) / max(float(sums[1]), 1.0),
-                     **{f"eval_{k}": v for k, v in window_means(
-                         dict(zip(SUMS, sums[2:].tolist()))).items()}}
-        self.monitor.update(evaluated, self.progress.step)
-        if self.reporters:
-            self.reporters.on_log(self.state, {"eval_loss": evaluated["eval_loss"]})
-            self.reporters.on_evaluate(self.state, evaluated)
-        return evaluated
+        def means(sums: torch.Tensor) -> dict[str, float]:
+            return {"eval_loss": float(sums[0]) / max(float(sums[1]), 1.0),
+                    **{f"eval_{k}": v for k, v in window_means(
+                        dict(zip(SUMS, sums[2:].tolist()))).items()}}
 
-    @contextlib.contextmanager
-    def _eval_mode(self):
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train()
+        return self.held_out_evaluation(2 + len(SUMS), means)
 
-    @torch.no_grad()
-    def _score_rows(self, dataset) -> torch.Tensor:
-        """[loss sum, rows, *SUMS] over this split's rows (the first eval.eval_batches
-        batches per rank when set), summed over ranks; each batch's KL estimate is its own
-        (all ranks' rows of that batch)."""
-        size = self.cfg.training.per_device_eval_batch_size
-        limit = self.cfg.eval.eval_batches
-        sums = torch.zeros(2 + len(SUMS), dtype=torch.float64, device=self.dist.device)
-        batches = lockstep_batches(len(dataset), size, self.dist.rank, self.dist.world_size)
-        for k, (indices, real) in enumerate(batches):
-            if limit is not None and k >= limit:
-                break
-            batch = to_device(self.collate_fn(take_rows(dataset, indices)), self.dist.device)
-            kl = self._kl_sums(batch, real)
-            if self.dist.world_size > 1:
-                torch.distributed.all_reduce(kl)
-            out = kto_loss(self.cfg.kto, self._row_logps(self.model, batch)[:real],
-                           self.reference.score(self._row_logps, batch)[:real],
-                           batch["desirable"][:real], clamped_mean(kl))
-            sums[0] += out.losses.sum().double()
-            sums[1] += real
-            sums[2:] += out.sums()
+    def eval_batch_sums(self, batch: dict, real: int) -> torch.Tensor:
+        """[loss sum, rows, *SUMS] of a held-out batch's first `real` rows; the batch's KL
+        estimate is its own (all ranks' rows of that batch)."""
+        kl = self._kl_sums(batch, real)
         if self.dist.world_size > 1:
-            torch.distributed.all_reduce(sums)
-        return sums
+            torch.distributed.all_reduce(kl)
+        out = kto_loss(self.cfg.kto, self._row_logps(self.model, batch)[:real],
+                       self.reference.score(self._row_logps, batch)[:real],
+                       batch["desirable"][:real], clamped_mean(kl))
+        return counted(out.losses.sum(), real, out.sums())
 
     # -- the evaluate stage ----------------------------------------------------------------
     @classmethod

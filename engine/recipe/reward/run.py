@@ -15,14 +15,13 @@ adapter. What changes from `TrainingRun`, through its hooks only:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
-from engine.datapath.data import model_inputs, take_rows, to_device
+from engine.datapath.data import model_inputs
 from engine.modeling.runtime import activation_offloading
-from engine.recipe.reference import lockstep_batches
+from engine.recipe.heldout_sums import HeldOutSums, counted
 from engine.recipe.reward.batches import REWARD_COLUMNS, collate_rewarded
 from engine.recipe.reward.heldout import reward_metrics
 from engine.recipe.reward.loss import LOGGED, bradley_terry
@@ -30,7 +29,7 @@ from engine.recipe.run import TrainingRun
 from finetune.config.reward import REWARD_LABEL
 
 
-class RewardRun(TrainingRun):
+class RewardRun(HeldOutSums, TrainingRun):
     """A reward model's run: see the module docstring."""
 
     columns = REWARD_COLUMNS
@@ -70,47 +69,19 @@ class RewardRun(TrainingRun):
     def evaluate(self) -> dict[str, float]:
         """The held-out pairs' mean loss and TRL's statistics (`eval_` + name), all of them in
         the logged row (console, MLflow; eval.csv keeps eval_loss), as TRL logs them."""
-        with self.meter.pause(), self._eval_mode():
-            sums = self._score_pairs(self.eval_data)
-        n = max(float(sums[1]), 1.0)
-        evaluated = {"eval_loss": float(sums[0]) / n,
-                     **{f"eval_{name}": float(v) / n for name, v in zip(LOGGED, sums[2:])}}
-        self.monitor.update(evaluated, self.progress.step)
-        if self.reporters:
-            self.reporters.on_log(self.state, evaluated)
-            self.reporters.on_evaluate(self.state, evaluated)
-        return evaluated
+        def means(sums: torch.Tensor) -> dict[str, float]:
+            n = max(float(sums[1]), 1.0)
+            return {"eval_loss": float(sums[0]) / n,
+                    **{f"eval_{name}": float(v) / n for name, v in zip(LOGGED, sums[2:])}}
 
-    @contextlib.contextmanager
-    def _eval_mode(self):
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train()
+        return self.held_out_evaluation(2 + len(LOGGED), means, log_all=True)
 
-    @torch.no_grad()
-    def _score_pairs(self, dataset) -> torch.Tensor:
-        """[loss sum, pairs, *LOGGED sums] over this split's pairs (the first
-        eval.eval_batches batches per rank when set), summed over ranks."""
-        size = self.cfg.training.per_device_eval_batch_size
-        limit = self.cfg.eval.eval_batches
-        sums = torch.zeros(2 + len(LOGGED), dtype=torch.float64, device=self.dist.device)
-        batches = lockstep_batches(len(dataset), size, self.dist.rank, self.dist.world_size)
-        for k, (indices, real) in enumerate(batches):
-            if limit is not None and k >= limit:
-                break
-            batch = to_device(self.collate_fn(take_rows(dataset, indices)), self.dist.device)
-            pairs = self._pairs(batch)
-            if real < len(indices):  # padding pairs (an uneven last share): not counted
-                pairs = type(pairs)(*(x[:real] for x in vars(pairs).values()))
-            sums += torch.cat([torch.stack([pairs.losses.sum().double(),
-                                            torch.tensor(float(real), dtype=torch.float64,
-                                                         device=sums.device)]),
-                               pairs.sums()])
-        if self.dist.world_size > 1:
-            torch.distributed.all_reduce(sums)
-        return sums
+    def eval_batch_sums(self, batch: dict, real: int) -> torch.Tensor:
+        """[loss sum, pairs, *LOGGED sums] of a held-out batch's first `real` pairs."""
+        pairs = self._pairs(batch)
+        if real < len(pairs.losses):  # padding pairs (an uneven last share): not counted
+            pairs = type(pairs)(*(x[:real] for x in vars(pairs).values()))
+        return counted(pairs.losses.sum(), real, pairs.sums())
 
     # -- the evaluate stage ----------------------------------------------------------------
     @classmethod
