@@ -204,12 +204,14 @@ def test_the_run_logs_trls_statistics_and_trains_the_head(reward_run):
     assert heads and json.loads((trained / "labels.json").read_text()) == ["reward"]
 
 
-def test_two_processes_equal_one(reward_pairs, equality_run, tmp_path):
-    """DDP: 2 torchrun processes x 2 pairs equal one process x 4 pairs (the head too)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes_equal_one(reward_pairs, equality_run, tmp_path, strategy):
+    """DDP, and FSDP2 with the head sharded as the adapter is: 2 torchrun processes x 2 pairs
+    equal one process x 4 pairs (the head too)."""
     from helpers import adapter, assert_weights_close, losses, train_copy
 
-    run, _ = train_copy(reward_pairs, tmp_path / "ddp", {
-        **EQUALITY, "distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
+    run, _ = train_copy(reward_pairs, tmp_path / strategy, {
+        **EQUALITY, "distributed.strategy": strategy, "distributed.nproc_per_node": 2,
         "training.per_device_train_batch_size": 2})
     assert_weights_close(adapter(run), adapter(equality_run))
     assert losses(run) == pytest.approx(losses(equality_run), abs=1e-5)
