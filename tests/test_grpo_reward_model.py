@@ -1,11 +1,11 @@
 """A trained reward model as one of GRPO's reward functions (`grpo.reward_funcs`: a directory,
 or a registered `models:/name@alias`): its scores against TRL's GRPOTrainer scoring the same
 model and rows, what is not a reward model refused in one line, a registered model resolved
-to its files, and a GRPO run whose only reward is a reward model raising it."""
+to its files (a GRPO run whose only reward is a reward model trained here: the RLHF chain in
+tests/test_reward.py)."""
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 from pathlib import Path
@@ -140,84 +140,42 @@ def test_what_is_not_a_reward_model_is_one_line_naming_the_entry(reward_dir, tmp
                                           "tokenizer (save it next to the model)")
 
 
-# -- a reward model as the run's only reward, registered in the project's MLflow registry ----
-
-EXCLAMATION = 443  # stories260K's "!"
-
-
-def _prefers_exclamations(path: Path) -> Path:
-    """A reward model made by hand to score a text ~0.9 when it has a "!", 0 when it has none:
-    what TINY_GRPO's format reward asks for, which the example learns in a few steps. All
-    weights 0 but: the embedding puts 1 in dimension 1 of every token and in dimension 0 of
-    "!"; layer 0's attention is uniform (q, k = 0) and carries dimension 0 into dimension 2,
-    x100, so the last token holds the share of "!" in the text; the head reads dimension 2
-    after the final RMSNorm. Saved with stories260K's tokenizer."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(MODEL, num_labels=1)
-    model = AutoModelForSequenceClassification.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0 if "norm" in name else 0.0)
-        model.model.embed_tokens.weight[:, 1] = 1.0
-        model.model.embed_tokens.weight[EXCLAMATION, 0] = 1.0
-        attention = model.model.layers[0].self_attn
-        attention.v_proj.weight[0, 0] = 1.0
-        attention.o_proj.weight[2, 0] = 100.0
-        model.score.weight[0, 2] = config.hidden_size ** -0.5
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
-        shutil.copy2(MODEL / name, path / name)
-    return path
+# -- a reward model registered in the project's MLflow registry ------------------------------
+# (a GRPO run whose only reward is a reward model the reward example trained and registered:
+# tests/test_reward.py, the RLHF chain)
 
 
-def test_the_hand_made_reward_model_scores_the_exclamation(tmp_path):
-    rm = _prefers_exclamations(tmp_path / "rm")
-    scores = _ours(rm, ["Once", "Once", "Once"], [" upon a time!", " upon a time.", "! Bye"])
-    assert scores[0] > 0.8 and scores[2] > 0.8 and abs(scores[1]) < 1e-6, scores
-
-
-def test_grpo_with_a_registered_reward_model_as_its_only_reward_raises_it(prompts, tmp_path):
-    """The reward model registered in the project's MLflow registry (as the export stage
-    registers a model) and named `models:/exclaims@champion`: the train stage resolves it to
-    its files, the run loads it and scores every completion with it, and the mean reward of
-    the last two steps is well above the first two's. Measured: 0.09 and 0.30 over the first
-    two steps, 0.95 at step 5 (0.99 to 1.0 from step 6 on in a 10-step run)."""
+def test_a_registered_reward_model_resolves_to_its_files(prompts, reward_dir, tmp_path):
+    """A reward model registered (as any model version: a plain directory) and named
+    `models:/scorer@champion`: the train stage's resolution downloads its files once into
+    data/reward_models/v<version>/<name> and hands the run that directory; a registered model
+    that is not there is one line naming the entry."""
     from mlflow.tracking import MlflowClient
 
-    from helpers import stages_here, write_params
+    from finetune.errors import PipelineError
+    from finetune.workspace import Workspace
+    from helpers import write_params
+    from tasks import reward_models
 
     project = tmp_path / "p"
     shutil.copytree(prompts, project, symlinks=True)
-    source = _prefers_exclamations(tmp_path / "exclaims")
     client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
-    client.create_registered_model("exclaims")
-    version = client.create_model_version("exclaims", str(source)).version
-    client.set_registered_model_alias("exclaims", "champion", version)
-    write_params(project, {"grpo.reward_funcs": ["models:/exclaims@champion"],
-                           "grpo.reward_weights": None, "registry.gate_metric": "eval.reward",
-                           "training.max_steps": 5, "eval.eval_strategy": "no",
-                           "checkpoint.save_steps": 5})
-    stages_here(project, "train")
-    assert (project / "data/reward_models/v1/exclaims/config.json").exists()
-    with open(project / "data/plots/train.csv") as fh:
-        rows = list(csv.DictReader(fh))
-    reward = [float(r["reward"]) for r in rows]
-    assert [float(r["rewards/exclaims/mean"]) for r in rows] == pytest.approx(reward, abs=1e-5)
-    first, last = sum(reward[:2]) / 2, sum(reward[-2:]) / 2
-    assert last > first + 0.3, reward
+    client.create_registered_model("scorer")
+    version = client.create_model_version("scorer", str(reward_dir)).version
+    client.set_registered_model_alias("scorer", "champion", version)
+    write_params(project, {"grpo.reward_funcs": ["format", "models:/scorer@champion"]})
+    ws = reward_models.resolved(Workspace.load(project / "params/default.yaml"))
+    assert ws.config.grpo.reward_funcs == ["format", "data/reward_models/v1/scorer"]
+    assert (project / "data/reward_models/v1/scorer/config.json").exists()
+    assert _ours(project / ws.config.grpo.reward_funcs[1], PROMPTS, COMPLETIONS) == \
+        pytest.approx(_ours(reward_dir, PROMPTS, COMPLETIONS), abs=1e-6)
 
-    # a registered model that is not there: one line naming the entry (validate, train)
-    from finetune.errors import PipelineError
-    from finetune.workspace import Workspace
-    from tasks import reward_models
-
-    write_params(project, {"grpo.reward_funcs": ["format", "models:/exclaims@nobody"]})
+    write_params(project, {"grpo.reward_funcs": ["format", "models:/scorer@nobody"]})
     ws = Workspace.load(project / "params/default.yaml")
     with pytest.raises(PipelineError) as missing:
         reward_models.check(ws)
     assert str(missing.value).startswith(
-        "grpo.reward_funcs[1] 'models:/exclaims@nobody': not in the model registry at sqlite:")
+        "grpo.reward_funcs[1] 'models:/scorer@nobody': not in the model registry at sqlite:")
     assert "\n" not in str(missing.value)
 
 
