@@ -101,6 +101,29 @@ def stages_here(project: Path, *names: str, params: str = "params/default.yaml")
         os.chdir(here)
 
 
+#: the shipped examples on the shipped stories260K instead of the default run's export
+ON_STORIES = ("model.name_or_path=data/models/stories260K",)
+
+
+def resolve_example(project: Path, example: str, overrides: dict, *settings: str,
+                    name: str = "params/default.yaml") -> None:
+    """The shipped params file `example` in its resolved form (`finetune config -p example -s
+    setting...`, as a user makes it their own) written to `name`, with `overrides` set."""
+    args = [a for setting in settings for a in ("-s", setting)]
+    resolved = run_cli(project, "config", "-p", example, *args, check=True).stdout
+    (project / name).write_text(resolved)
+    write_params(project, overrides, name)
+
+
+def prepared_example(dest: Path, example: str, overrides: dict, *settings: str) -> Path:
+    """A project whose params are the shipped `example` resolved (`resolve_example`), shrunk
+    by TINY and `overrides`, with download, format and tokenize done."""
+    project = copy_project(dest)
+    resolve_example(project, example, {**TINY, **overrides}, *settings)
+    stages_here(project, "download", "format", "tokenize")
+    return project
+
+
 def error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
     """The CLI's contract for bad input: exit 2 (`code`: other failures) and exactly one
     `error:` line, no traceback."""

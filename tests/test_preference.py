@@ -272,15 +272,10 @@ def pairs(tmp_path_factory) -> Path:
     """A project whose params are the shipped params/dpo-gsm8k.yaml in its resolved form (on
     the shipped stories260K instead of the default run's export), shrunk, with download,
     format and tokenize done."""
-    from helpers import TINY, copy_project, run_cli, stages_here, write_params
+    from helpers import ON_STORIES, prepared_example
 
-    project = copy_project(tmp_path_factory.mktemp("dpo") / "p")
-    resolved = run_cli(project, "config", "-p", "params/dpo-gsm8k.yaml", "-s",
-                       "model.name_or_path=data/models/stories260K", check=True).stdout
-    (project / "params/default.yaml").write_text(resolved)
-    write_params(project, {**TINY, **TINY_DPO})
-    stages_here(project, "download", "format", "tokenize")
-    return project
+    return prepared_example(tmp_path_factory.mktemp("dpo") / "p", "params/dpo-gsm8k.yaml",
+                            TINY_DPO, *ON_STORIES)
 
 
 @pytest.fixture(scope="module")

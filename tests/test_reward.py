@@ -142,14 +142,10 @@ EQUALITY = {"training.max_steps": 4, "training.per_device_train_batch_size": 4,
 def reward_pairs(tmp_path_factory) -> Path:
     """A project whose params are the shipped params/reward-gsm8k.yaml in its resolved form,
     shortened, with download, format and tokenize done."""
-    from helpers import TINY, copy_project, run_cli, stages_here, write_params
+    from helpers import prepared_example
 
-    project = copy_project(tmp_path_factory.mktemp("reward") / "p")
-    resolved = run_cli(project, "config", "-p", "params/reward-gsm8k.yaml", check=True).stdout
-    (project / "params/default.yaml").write_text(resolved)
-    write_params(project, {**TINY, **SHORT_EXAMPLE})
-    stages_here(project, "download", "format", "tokenize")
-    return project
+    return prepared_example(tmp_path_factory.mktemp("reward") / "p", "params/reward-gsm8k.yaml",
+                            SHORT_EXAMPLE)
 
 
 @pytest.fixture(scope="module")
@@ -287,19 +283,17 @@ def test_grpo_with_the_trained_reward_model_as_its_only_reward_raises_it(reward_
     import csv
     import shutil
 
-    from helpers import TINY, run_cli, stages_here, write_params
+    from helpers import ON_STORIES, TINY, resolve_example, stages_here
     from test_grpo import TINY_GRPO
 
     project = reward_exported.parent / "chain"
     shutil.copytree(reward_exported, project, symlinks=True)
-    resolved = run_cli(project, "config", "-p", "params/grpo-gsm8k.yaml", "-s",
-                       "model.name_or_path=data/models/stories260K", check=True).stdout
-    (project / "params/rlhf.yaml").write_text(resolved)
-    write_params(project, {**TINY, **TINY_GRPO, "grpo.reward_weights": None,
-                           "grpo.reward_funcs": ["models:/finetune-reward@champion"],
-                           "registry.gate_metric": "eval.reward", "training.max_steps": 10,
-                           "optimizer.learning_rate": 0.02, "eval.eval_strategy": "no",
-                           "checkpoint.save_steps": 10}, name="params/rlhf.yaml")
+    resolve_example(project, "params/grpo-gsm8k.yaml", {
+        **TINY, **TINY_GRPO, "grpo.reward_weights": None,
+        "grpo.reward_funcs": ["models:/finetune-reward@champion"],
+        "registry.gate_metric": "eval.reward", "training.max_steps": 10,
+        "optimizer.learning_rate": 0.02, "eval.eval_strategy": "no",
+        "checkpoint.save_steps": 10}, *ON_STORIES, name="params/rlhf.yaml")
     stages_here(project, "download", "format", "tokenize", "train", "evaluate",
                 params="params/rlhf.yaml")
     fetched = project / "data/reward_models/v1/finetune-reward"  # the registry's layout

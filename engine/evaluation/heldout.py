@@ -70,21 +70,34 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
 
 
 @torch.no_grad()
-def predict_classes(model, dataset, batch_size: int, pad_id: int) -> tuple[list[int], list[int]]:
-    """A sequence classifier's (predicted, true) class ids over a tokenized split."""
+def scored_batches(model, dataset, batch_size: int, collate_rows: Callable[[list[dict]], dict],
+                   score: Callable[[torch.Tensor, dict, list[dict]], Any]) -> list:
+    """`score(logits, batch, rows)` for each batch of `dataset` in order, the model in eval
+    mode on its own device (its mode restored after): the loop every method's held-out numbers
+    share (a classifier's classes, preference pairs, labelled completions, reward pairs)."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    predicted, true = [], []
-    for start in range(0, len(dataset), batch_size):
-        batch = collate(take_rows(dataset, range(start, min(start + batch_size, len(dataset)))),
-                        pad_id)
-        logits = model(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits
-        predicted += logits.argmax(dim=-1).tolist()
-        true += batch["labels"].max(dim=1).values.tolist()
-    model.train(was_training)
-    return predicted, true
+    out = []
+    try:
+        for start in range(0, len(dataset), batch_size):
+            rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
+            batch = collate_rows(rows)
+            logits = model(input_ids=batch["input_ids"].to(device),
+                           attention_mask=batch["attention_mask"].to(device)).logits
+            out.append(score(logits, batch, rows))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def predict_classes(model, dataset, batch_size: int, pad_id: int) -> tuple[list[int], list[int]]:
+    """A sequence classifier's (predicted, true) class ids over a tokenized split."""
+    batches = scored_batches(
+        model, dataset, batch_size, lambda rows: collate(rows, pad_id),
+        lambda logits, batch, _: (logits.argmax(dim=-1).tolist(),
+                                  batch["labels"].max(dim=1).values.tolist()))
+    return ([c for p, _ in batches for c in p], [c for _, t in batches for c in t])
 
 
 @dataclass

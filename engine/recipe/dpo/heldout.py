@@ -5,28 +5,23 @@ from __future__ import annotations
 
 import torch
 
-from engine.datapath.data import collate, take_rows
+from engine.datapath.data import collate
+from engine.evaluation.heldout import scored_batches
 from engine.objective.logprobs import sequence_logps
 from engine.recipe.dpo.batches import collate_pairs
 
 
-@torch.no_grad()
 def pair_log_probs(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
     """[pairs, 4]: each held-out pair's summed log-probability of its chosen and rejected
     completion and their trained-token counts (chosen, rejected, n chosen, n rejected), the two
     sides of a batch scored in one forward as the DPO run does (on the CPU, float64)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(dataset), batch_size):
-        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
-        batch = collate_pairs(rows, lambda sides: collate(sides, pad_id))
-        logits = model(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits
-        logps, counts = sequence_logps(logits, batch["labels"].to(device))
-        out.append(torch.stack([*logps.chunk(2), *counts.chunk(2)], dim=1).double().cpu())
-    model.train(was_training)
+    def score(logits, batch, _rows):
+        logps, counts = sequence_logps(logits, batch["labels"].to(logits.device))
+        return torch.stack([*logps.chunk(2), *counts.chunk(2)], dim=1).double().cpu()
+
+    out = scored_batches(model, dataset, batch_size,
+                         lambda rows: collate_pairs(rows, lambda sides: collate(sides, pad_id)),
+                         score)
     return torch.cat(out) if out else torch.zeros(0, 4, dtype=torch.float64)
 
 

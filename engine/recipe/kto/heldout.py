@@ -5,28 +5,21 @@ from __future__ import annotations
 
 import torch
 
-from engine.datapath.data import collate, take_rows
+from engine.datapath.data import collate
+from engine.evaluation.heldout import scored_batches
 from engine.objective.logprobs import sequence_logps
 from finetune.datatypes.unpaired_preference import LABEL_COLUMN
 
 
-@torch.no_grad()
 def row_log_probs(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
     """[rows, 2]: each held-out row's summed log-probability of its completion and its label
     (1 desirable, 0 not), on the CPU in float64."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(dataset), batch_size):
-        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
-        batch = collate(rows, pad_id)
-        logits = model(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits
-        logps = sequence_logps(logits, batch["labels"].to(device))[0].double().cpu()
+    def score(logits, batch, rows):
+        logps = sequence_logps(logits, batch["labels"].to(logits.device))[0].double().cpu()
         labels = torch.tensor([float(r[LABEL_COLUMN]) for r in rows], dtype=torch.float64)
-        out.append(torch.stack([logps, labels], dim=1))
-    model.train(was_training)
+        return torch.stack([logps, labels], dim=1)
+
+    out = scored_batches(model, dataset, batch_size, lambda rows: collate(rows, pad_id), score)
     return torch.cat(out) if out else torch.zeros(0, 2, dtype=torch.float64)
 
 

@@ -7,29 +7,23 @@ from __future__ import annotations
 
 import torch
 
-from engine.datapath.data import collate, take_rows
-from engine.evaluation.heldout import Evaluated
+from engine.datapath.data import collate
+from engine.evaluation.heldout import Evaluated, scored_batches
 from engine.recipe.reward.batches import collate_rewarded
 from engine.recipe.reward.loss import bradley_terry
 
 
-@torch.no_grad()
 def pair_rewards(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
     """[pairs, 3]: each held-out pair's reward of its chosen and its rejected side, and its
     margin (0 without a margin column), both sides of a batch in one forward (on the CPU)."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(dataset), batch_size):
-        rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
-        batch = collate_rewarded(rows, lambda sides: collate(sides, pad_id))
-        rewards = model(input_ids=batch["input_ids"].to(device),
-                        attention_mask=batch["attention_mask"].to(device)).logits
+    def score(rewards, batch, rows):
         chosen, rejected = rewards.reshape(-1).float().cpu().chunk(2)
         margin = batch.get("margin", torch.zeros(len(rows)))
-        out.append(torch.stack([chosen, rejected, margin.float()], dim=1))
-    model.train(was_training)
+        return torch.stack([chosen, rejected, margin.float()], dim=1)
+
+    out = scored_batches(
+        model, dataset, batch_size,
+        lambda rows: collate_rewarded(rows, lambda sides: collate(sides, pad_id)), score)
     return torch.cat(out) if out else torch.zeros(0, 3)
 
 
