@@ -30,7 +30,7 @@ from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
-from tasks import reward_models, tracking
+from tasks import contamination, reward_models, tracking
 from tasks.harness import chat_tokenizer, check_gate, resolve_tasks
 from tasks.harness import run as run_harness
 
@@ -61,9 +61,15 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
         cfg, ws.root, ws.layout.trained, test_dir,
         rows=lambda: _generation_rows(ws) if cfg.eval.wants_generation else None,
         make_scorer=lambda tok, labels: _Scorer(ws, tok, labels))
-    harness_results = _harness(ws, evaluated.results, held)
-    return _write(ws, {**evaluated.results, **evaluated.counts}, evaluated.samples,
-                  harness_results)
+    tasks = (resolve_tasks(cfg.eval.harness.tasks, ws.root) if cfg.eval.harness.tasks
+             else None)
+    harness_results = _harness(ws, evaluated.results, held, tasks)
+    metrics = {**evaluated.results, **evaluated.counts}
+    report = None
+    if cfg.eval.contamination_ngram:
+        report = contamination.measure(ws, tasks)
+        metrics["contamination"] = contamination.metrics(report)
+    return _write(ws, metrics, evaluated.samples, harness_results, report)
 
 
 class _Scorer:
@@ -82,13 +88,14 @@ class _Scorer:
         return datatype.score(predicted, true, self.ws.config.eval, self.ctx)
 
 
-def _harness(ws: Workspace, results: dict, held) -> dict | None:
-    """eval.harness's lm-eval tasks on the base and the fine-tuned model (tasks.harness):
-    their metrics into each model's results; lm-eval's full results, by model, returned."""
+def _harness(ws: Workspace, results: dict, held, tasks) -> dict | None:
+    """eval.harness's lm-eval tasks (`tasks`: their names and lm-eval's TaskManager, as
+    tasks.harness resolves them) on the base and the fine-tuned model: their metrics into
+    each model's results; lm-eval's full results, by model, returned."""
     harness = ws.config.eval.harness
-    if not harness.tasks:
+    if not tasks:
         return None
-    names, manager = resolve_tasks(harness.tasks, ws.root)
+    names, manager = tasks
     tok = chat_tokenizer(ws.layout.trained) if harness.apply_chat_template else held.tokenizer
     full = {}
     for name in harness.models:
@@ -103,24 +110,31 @@ def _harness(ws: Workspace, results: dict, held) -> dict | None:
     return full
 
 
-def _write(ws: Workspace, metrics: dict, samples: list[dict],
-           harness: dict | None = None) -> dict[str, Path]:
-    """The metrics file, the samples table, and both into the training's MLflow run (with
-    lm-eval's full results of `harness`, by model)."""
+def _write(ws: Workspace, metrics: dict, samples: list[dict], harness: dict | None = None,
+           contaminated: dict | None = None) -> dict[str, Path]:
+    """The metrics file, the samples table, the contamination check's rows, and all of them
+    into the training's MLflow run (with lm-eval's full results of `harness`, by model)."""
     results = {k: v for k, v in metrics.items() if k in ("base", "finetuned", "quantized")}
     samples_path = write_json_atomic(ws.layout.eval_samples, samples)
+    # a DVC output either way: with the check off, an empty report (no old rows left behind)
+    write_json_atomic(ws.layout.eval_samples.parent / "contamination.json",
+                      contaminated or {"ngram": None, "sets": {}})
     path = write_json_atomic(ws.layout.metrics / "eval.json", metrics)
     run_id = tracking.run_id_of(ws)
     if run_id:
         flat = {f"eval.{k}": v for k, v in results["finetuned"].items()}
         flat.update({f"eval.base_{k}": v for k, v in results["base"].items()})
         flat.update({f"eval.quantized_{k}": v for k, v in results.get("quantized", {}).items()})
+        flat.update({f"contamination.{name}.overlap_fraction": s["overlap_fraction"]
+                     for name, s in metrics.get("contamination", {}).items()})
         # one value each, at step 0: MLflow draws such a metric as a bar labelled with it
         tracking.log_metrics(ws, run_id, flat, step=0)
         if samples:
             tracking.client(ws).log_table(run_id, pd.DataFrame(samples), "eval/samples.json")
         if harness:
             tracking.client(ws).log_dict(run_id, harness, "eval/harness.json")
+        if contaminated is not None:
+            tracking.client(ws).log_dict(run_id, contaminated, "eval/contamination.json")
     return {"metrics": path, "samples": samples_path}
 
 

@@ -121,6 +121,45 @@ def test_the_gate_promotes_or_holds_on_a_harness_metric(evaluated, tmp_path):
     assert str(client.get_model_version_by_alias("m", "champion").version) == "1"
 
 
+def test_the_stage_checks_every_eval_set_for_contamination(evaluated, tmp_path):
+    """The evaluate stage's contamination check covers the held-out split and each harness
+    task's documents (the 20 it evaluates): clean here, recorded in eval.json and the rows
+    file (and the MLflow run: tests/test_reward.py). With 5 held-out rows planted in the formatted training rows, the check
+    reports exactly those rows in the held-out split and the same questions among the GSM8K
+    task's documents."""
+    import shutil
+
+    import pandas as pd
+
+    from finetune.workspace import Workspace
+    from tasks import contamination
+    from tasks.harness import resolve_tasks
+
+    sets = {"heldout", "harness.gsm8k_local", "harness.gsm8k_answers_ppl"}
+    recorded = json.loads((evaluated / "data/metrics/eval.json").read_text())["contamination"]
+    assert set(recorded) == sets
+    assert all(m == {"overlap_fraction": 0.0, "overlapping_rows": 0} for m in recorded.values())
+    rows = json.loads((evaluated / "data/eval/contamination.json").read_text())
+    assert rows["ngram"] == 13 and set(rows["sets"]) == sets
+
+    project = tmp_path / "p"
+    shutil.copytree(evaluated, project, symlinks=True)
+    train = pd.read_parquet(project / "data/formatted/train.parquet")
+    test = pd.read_parquet(project / "data/formatted/test.parquet")
+    planted = [1, 4, 9, 12, 15]  # of the 16 held-out rows
+    dirty = pd.concat([train.iloc[:10], test.iloc[planted], train.iloc[10:]], ignore_index=True)
+    dirty.to_parquet(project / "data/formatted/train.parquet", index=False)
+    ws = Workspace.load(project / "params/default.yaml")
+    report = contamination.measure(ws, resolve_tasks(ws.config.eval.harness.tasks, project))
+    assert report["sets"]["heldout"]["rows"] == planted
+    assert report["sets"]["heldout"]["train_rows"] == [10, 11, 12, 13, 14]
+    questions = [json.loads(line)["question"] for line in
+                 (project / "data/source/gsm8k/test.jsonl").read_text().splitlines()[:20]]
+    asked = [q for q in questions if any(q in p for p in test.iloc[planted]["prompt"])]
+    assert len(asked) == 5
+    assert report["sets"]["harness.gsm8k_local"]["rows"] == [questions.index(q) for q in asked]
+
+
 @pytest.mark.parametrize("tasks, expected", [
     (["no_such_task_anywhere"], "eval.harness.tasks: unknown task 'no_such_task_anywhere'"),
     (["data/harness/missing.yaml"], "eval.harness.tasks: task file data/harness/missing.yaml "

@@ -257,6 +257,15 @@ def test_the_example_ranks_held_out_pairs_better_and_exports_a_reward_model(rewa
     assert tuned["reward_margin"] > base["reward_margin"] and tuned["loss"] < base["loss"]
     version = json.loads((project / "data/lineage/model_version.json").read_text())
     assert version["gate_metric"] == "eval.preference_accuracy" and version["promoted"]
+    # the contamination check: the GSM8K pairs' train and test questions share no 13-gram
+    assert metrics["contamination"] == {"heldout": {"overlap_fraction": 0.0,
+                                                    "overlapping_rows": 0}}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    run_id = client.get_model_version(version["name"], version["version"]).run_id
+    logged = client.get_run(run_id).data.metrics
+    assert logged["contamination.heldout.overlap_fraction"] == 0.0
 
     export = project / "data/export"
     model = AutoModelForSequenceClassification.from_pretrained(export).eval()

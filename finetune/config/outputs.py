@@ -110,6 +110,12 @@ class EvalConfig(Section):
         "a match, the last number in the text.",
     )
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
+    contamination_ngram: int | None = Field(
+        13, ge=1, description="The evaluate stage's contamination check: the word n-gram "
+        "length (lm-eval's decontamination convention: 13) whose overlap between the training "
+        "rows and each evaluation set (the held-out split, every harness task) marks an "
+        "evaluation row as contaminated; None: no check.",
+    )
 
     @field_validator("eval_batches", mode="before")
     @classmethod
