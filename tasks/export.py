@@ -96,6 +96,8 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
                                                  if decision.promoted else [])
     print(f"[export] registered {name} v{version} as {' + '.join(aliases)}: {decision.reason}",
           flush=True)
+    if cfg.registry.guard_metrics or cfg.registry.min_improvement_stderr:
+        print(decision.markdown(), flush=True)  # the table (always in model_version.json)
     tracking.set_tags(ws, run_id, {"registered_model": f"{name}/{version}",
                                    "promoted": str(decision.promoted).lower()})
     return {**decision.as_dict(), "aliases": aliases,
