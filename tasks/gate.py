@@ -47,7 +47,7 @@ def _noise(metric: str, champion: dict, candidate: dict) -> float | None:
 def _bound(higher: bool, limit: float, strict: bool = False) -> str:
     """The bound on candidate - champion as text: improvements are signed by direction."""
     op = (">" if strict else ">=") if higher else ("<" if strict else "<=")
-    return f"{op} {limit if higher else -limit:+.6g}"
+    return f"{op} 0" if limit == 0 else f"{op} {limit if higher else -limit:+.6g}"
 
 
 def target_row(cfg: RegistryConfig, champion: dict, candidate: dict) -> Row:

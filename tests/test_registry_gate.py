@@ -92,7 +92,7 @@ def test_a_guard_dropped_beyond_its_allowance_blocks_promotion_and_says_why(mode
     assert tags[f"gate.guard.{PAIRS}"] == "fail"
     assert tags[f"gate.{PAIRS}"] == "0.35"
     rows = {row["metric"]: row for row in recorded["table"]}
-    assert rows["eval.loss"]["verdict"] == "pass"
+    assert rows["eval.loss"]["verdict"] == "pass" and rows["eval.loss"]["allowed"] == "< 0"
     guard = rows[PAIRS]
     assert (guard["champion"], guard["candidate"], guard["verdict"]) == (0.6, 0.35, "fail")
     assert guard["difference"] == pytest.approx(-0.25) and guard["allowed"] == ">= -0.1"
