@@ -210,3 +210,13 @@ def test_the_shipped_guarded_example_is_valid():
     assert (guard.metric, guard.max_drop_stderr) == (PAIRS, 2.0)
     assert cfg.eval.harness.tasks == ["data/harness/gsm8k_pairs_local.yaml"]
     assert json.loads(json.dumps(cfg.model_dump(mode="json")))["registry"]["guard_metrics"]
+
+
+def test_a_guard_on_a_lower_is_better_harness_metric_fails_when_it_rises():
+    from tasks.gate import judge
+
+    bpb = "eval.harness.gsm8k_answers_ppl.bits_per_byte.none"
+    cfg = RegistryConfig(gate_metric="eval.loss", guard_metrics=[{"metric": bpb, "max_drop": 0.1}])
+    rise = judge(cfg, {"eval.loss": 2.0, bpb: 1.0}, {"eval.loss": 1.0, bpb: 1.2})[1]
+    fall = judge(cfg, {"eval.loss": 2.0, bpb: 1.0}, {"eval.loss": 1.0, bpb: 0.5})[1]
+    assert (rise.verdict, rise.allowed, fall.verdict) == ("fail", "<= +0.1", "pass")

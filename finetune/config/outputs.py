@@ -230,9 +230,15 @@ def _check_metric(name: str) -> str:
                      "eval.harness.TASK.METRIC.FILTER")
 
 
+#: metric names that are better lower (lm-eval's perplexity tasks report the last two)
+LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte")
+
+
 def higher_wins(metric: str) -> bool:
-    """A metric's inferred direction: loss and perplexity are better lower, the rest higher."""
-    return not metric.endswith(("loss", "perplexity"))
+    """A metric's inferred direction: loss, perplexity and bits per byte are better lower, the
+    rest higher. A harness metric's name is its METRIC part (eval.harness.TASK.METRIC.FILTER)."""
+    name = metric.split(".")[3] if HARNESS_GATE.fullmatch(metric) else metric
+    return not name.endswith(LOWER_IS_BETTER)
 
 
 class GuardMetric(Section):
