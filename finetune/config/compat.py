@@ -428,11 +428,15 @@ def _reported(c, metric: str, key: str) -> str | None:
             f"{', '.join('eval.' + m for m in sorted(reported))})")
 
 
+def has_stderr(metric: str) -> bool:
+    """Whether the evaluate stage reports a standard error for `metric` (a validated metric
+    name): lm-eval does for its tasks' metrics; our own held-out metrics report none."""
+    return metric.startswith("eval.harness.")
+
+
 def _guards(c) -> str | None:
     """Each registry.guard_metrics entry: one allowance, a stderr for stderr units, and a
     harness metric only with harness tasks; min_improvement_stderr needs a stderr too."""
-    from finetune.config.outputs import has_stderr
-
     r = c.registry
     if r.min_improvement_stderr and not has_stderr(r.gate_metric):
         return (f"registry.min_improvement_stderr: {r.gate_metric} reports no standard error "

@@ -212,12 +212,6 @@ def stderr_key(metric: str) -> str:
     return f"{metric}_stderr"
 
 
-def has_stderr(metric: str) -> bool:
-    """Whether the evaluate stage reports a standard error for `metric`: lm-eval does for its
-    tasks' metrics; our own held-out metrics do not (yet) report one."""
-    return bool(HARNESS_GATE.fullmatch(metric))
-
-
 def _check_metric(name: str) -> str:
     from finetune.config.methods import is_method_metric
 
