@@ -6,6 +6,7 @@
     finetune config -s optimizer.learning_rate=3e-4
     finetune summary
     finetune show-rows --rows 2 --format html   # tokenized rows, trained tokens marked
+    finetune registry rollback finetune-default --reason "worse in production"
 
 Errors print as one line (`error: ...`) with exit code 2; `--debug` shows the traceback.
 """
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     rows.add_argument("--split", choices=("train", "test"), default="train")
     rows.add_argument("--format", dest="fmt", choices=("text", "html"), default="text",
                       help="text: trained text between ⟦ and ⟧; html: in <mark> inside a <pre>")
+    reg = sub.add_parser("registry", help="manage the MLflow Model Registry's champion")
+    reg_sub = reg.add_subparsers(dest="action", required=True)
+    back = reg_sub.add_parser("rollback", help="move the champion alias back to the previous "
+                              "champion (registry.champion_alias; the tracking URI of -p)")
+    back.add_argument("name", help="registered model name")
+    back.add_argument("--reason", default="rolled back by hand",
+                      help="why, recorded as the version's rollback.reason tag")
+    _common(back)
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
     ref.add_argument("--write", action="store_true",
                      help="update the docs site's reference page (docs/reference.md) in place")
@@ -246,6 +255,14 @@ def cmd_show_rows(args) -> int:
     return 0
 
 
+def cmd_registry(args) -> int:
+    from tasks import registry, tracking
+
+    ws = Workspace.load(args.params, args.overrides)
+    print(registry.rollback(tracking.client(ws), args.name, ws.config.registry, args.reason))
+    return 0
+
+
 def cmd_reference(args) -> int:
     from finetune.config.reference import embed, render
 
@@ -267,7 +284,7 @@ def _rel(path, root: Path) -> str:
 
 COMMANDS = {"stage": cmd_stage, "run": cmd_run, "validate": cmd_validate, "config": cmd_config,
             "summary": cmd_summary, "reference": cmd_reference,
-            "show-rows": cmd_show_rows}
+            "show-rows": cmd_show_rows, "registry": cmd_registry}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -51,6 +51,11 @@ def markdown(info: dict, ran: list[str] | None = None, cached: list[str] | None 
     if reg and reg.get("registered"):
         lines.append(f"registered model: {reg['name']} v{reg['version']} "
                      f"({' + '.join(reg['aliases'])}): {reg['reason']}")
+        if reg.get("table"):
+            from tasks.gate import Row
+            from tasks.gate import markdown as gate_table
+
+            lines.append(gate_table([Row(**row) for row in reg["table"]], "\ngate decision:"))
     elif reg:
         lines.append(f"registered model: none ({reg.get('reason')})")
     if ran is not None:

@@ -59,7 +59,8 @@ def export(ws: Workspace) -> dict[str, Path]:
         tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), **gguf_tags})
         tracking.client(ws).log_artifact(run_id, str(ws.layout.export / "README.md"), "export")
         if cfg.registry.register_model:
-            record = _register(ws, run_id, ctx.servable, tok, gate_value, lineage, gguf_tags)
+            record = _register(ws, run_id, ctx.servable, tok, gate_value, metrics,
+                               lineage, gguf_tags)
         tracking.finish_run(ws, run_id)
     elif cfg.registry.register_model:
         record = {"registered": False, "reason": f"no MLflow run in {ws.layout.train_run}"}
@@ -76,7 +77,7 @@ def _gate_value(ws: Workspace, metrics: dict) -> float | None:
 
 
 def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
-              lineage: dict[str, str], gguf_tags: dict[str, str]) -> dict:
+              metrics: dict, lineage: dict[str, str], gguf_tags: dict[str, str]) -> dict:
     cfg = ws.config
     fallback = cfg.logging.experiment_name  # read either way: dvc.yaml must list it
     name = cfg.registry.registered_model_name or fallback
@@ -88,11 +89,15 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
     # the version's lineage is its run's lineage.json; its page shows the summary
     registry.tag_version(client, name, version,
                          {**tracking.lineage_summary(lineage), **gguf_tags})
-    decision = registry.promote(client, name, version, gate_value, cfg.registry)
+    # the guards' metrics and the standard errors, keyed as the training's MLflow run has them
+    finetuned = {f"eval.{k}": v for k, v in (metrics.get("finetuned") or {}).items()}
+    decision = registry.promote(client, name, version, gate_value, cfg.registry, finetuned)
     aliases = [cfg.registry.candidate_alias] + ([cfg.registry.champion_alias]
                                                  if decision.promoted else [])
     print(f"[export] registered {name} v{version} as {' + '.join(aliases)}: {decision.reason}",
           flush=True)
+    if cfg.registry.guard_metrics or cfg.registry.min_improvement_stderr:
+        print(decision.markdown(), flush=True)  # the table (always in model_version.json)
     tracking.set_tags(ws, run_id, {"registered_model": f"{name}/{version}",
                                    "promoted": str(decision.promoted).lower()})
     return {**decision.as_dict(), "aliases": aliases,

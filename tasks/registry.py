@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib.metadata import version as installed_version
 from typing import Any
 
-from finetune.config.outputs import RegistryConfig
+from finetune.config.outputs import RegistryConfig, stderr_key
 from finetune.errors import PipelineError
+from tasks import gate
 
 # What the pyfunc needs to load and run a merged causal LM; pinned to what trained it.
 # Explicit on purpose: MLflow's inference of requirements imports torchvision and fails.
@@ -30,9 +31,14 @@ def gate_tag(metric: str) -> str:
     return f"gate.{metric}"
 
 
+#: registered-model tag: the versions that were champion, oldest first (rollback's "previous")
+HISTORY_TAG = "champion_history"
+
+
 @dataclass
 class Decision:
-    """What the gate did, recorded in data/lineage/model_version.json and the flow summary."""
+    """What the gate did, recorded in data/lineage/model_version.json, the flow summary, the
+    version's tags (gate.decision, gate.guard.METRIC) and its run's gate/decision.json."""
 
     name: str
     version: str
@@ -42,9 +48,16 @@ class Decision:
     value: float | None
     champion_version: str | None = None
     champion_value: float | None = None
+    table: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"registered": True, **asdict(self)}
+
+    def markdown(self) -> str:
+        """The decision table (tasks.gate.markdown) under a line with the decision."""
+        rows = [gate.Row(**row) for row in self.table]
+        verdict = "promoted" if self.promoted else "not promoted"
+        return gate.markdown(rows, f"{self.name} v{self.version}: {verdict} ({self.reason})")
 
 
 def _by_alias(client, name: str, alias: str):
@@ -57,7 +70,7 @@ def _by_alias(client, name: str, alias: str):
 
 
 def _metric_of(client, mv, metric: str) -> float | None:
-    """The champion's gate value: its version tag, else its run's metric (older versions)."""
+    """A version's value of `metric`: its version tag, else its run's metric (older versions)."""
     tagged = mv.tags.get(gate_tag(metric))
     if tagged is not None:
         return float(tagged)
@@ -66,10 +79,20 @@ def _metric_of(client, mv, metric: str) -> float | None:
     return None
 
 
+def _gated_metrics(cfg: RegistryConfig) -> list[str]:
+    """The metrics the gate reads, with their standard errors' keys."""
+    names = [cfg.gate_metric, *(g.metric for g in cfg.guard_metrics)]
+    return [key for name in names for key in (name, stderr_key(name))]
+
+
 def promote(client, name: str, version: str, value: float | None,
-            cfg: RegistryConfig) -> Decision:
+            cfg: RegistryConfig, metrics: dict[str, float] | None = None) -> Decision:
     """Alias the new version as candidate; make it champion if it wins the gate. Without a
-    value (no evaluation ran) it stays a candidate: nothing unmeasured goes into service."""
+    value (no evaluation ran) it stays a candidate: nothing unmeasured goes into service.
+
+    `metrics`: the candidate's other metrics (eval.* keys as MLflow has them), for the guards
+    and the standard errors; each one the gate reads is tagged gate.<key> on the version, so a
+    later candidate compares against exactly these numbers."""
     metric = cfg.gate_metric
     client.set_registered_model_alias(name, cfg.candidate_alias, version)
     decision = Decision(name, str(version), False, "", metric, value)
@@ -79,27 +102,106 @@ def promote(client, name: str, version: str, value: float | None,
                            "kept as candidate")
         decision.champion_version = str(champion.version) if champion else None
         return decision
-    client.set_model_version_tag(name, version, gate_tag(metric), repr(float(value)))
+    candidate = {k: float(v) for k, v in (metrics or {}).items() if k in _gated_metrics(cfg)}
+    candidate[metric] = float(value)
+    for key, number in candidate.items():
+        client.set_model_version_tag(name, version, gate_tag(key), repr(number))
     if champion is None:
         decision.promoted, decision.reason = True, "first model: no champion yet"
+        decision.table = [r.as_dict() for r in gate.judge(cfg, {}, candidate)]
+        for row in decision.table:
+            row["verdict"], row["why"] = "first model", ""
     else:
         decision.champion_version = str(champion.version)
-        champ = _metric_of(client, champion, metric)
+        champ_values = {key: v for key in _gated_metrics(cfg)
+                        if (v := _metric_of(client, champion, key)) is not None}
+        champ = champ_values.get(metric)
         decision.champion_value = champ
+        rows = gate.judge(cfg, champ_values, candidate)
+        decision.table = [r.as_dict() for r in rows]
         if champ is None:
             decision.reason = (f"champion v{champion.version} has no {metric}; kept it (move the "
                                f"'{cfg.champion_alias}' alias by hand to override)")
         else:
             gain = value - champ if cfg.higher_wins else champ - value
             direction = "higher" if cfg.higher_wins else "lower"
-            decision.promoted = gain > 0 and gain >= cfg.min_improvement
-            verdict = "beats" if decision.promoted else "does not beat"
+            beats = rows[0].verdict == gate.PASS
+            failed = [r for r in rows[1:] if r.verdict != gate.PASS]
+            decision.promoted = beats and not failed
+            verdict = "beats" if beats else "does not beat"
+            minimum = (f"{cfg.min_improvement:g}" if not cfg.min_improvement_stderr
+                       else f"{rows[0].allowed}{'; ' + rows[0].why if rows[0].why else ''}")
             decision.reason = (f"{metric} {value:.6g} {verdict} champion v{champion.version}'s "
                                f"{champ:.6g} ({direction} is better, improvement {gain:+.6g}, "
-                               f"minimum {cfg.min_improvement:g})")
+                               f"minimum {minimum})")
+            if failed:
+                decision.reason += "; guard failed: " + ", ".join(
+                    f"{r.metric} ({r.why})" for r in failed)
     if decision.promoted:
-        client.set_registered_model_alias(name, cfg.champion_alias, version)
+        _crown(client, name, version, cfg, champion)
+    _record(client, name, version, decision, cfg)
     return decision
+
+
+def _crown(client, name: str, version: str, cfg: RegistryConfig, champion) -> None:
+    """Move the champion alias to `version` and append it to the champion history (the
+    registered model's tag; a model that had a champion before the history existed starts
+    it with that champion)."""
+    history = champion_history(client, name)
+    if champion is not None and (not history or history[-1] != str(champion.version)):
+        history.append(str(champion.version))
+    history.append(str(version))
+    client.set_registered_model_alias(name, cfg.champion_alias, version)
+    client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history))
+
+
+def champion_history(client, name: str) -> list[str]:
+    tag = client.get_registered_model(name).tags.get(HISTORY_TAG, "")
+    return [v for v in tag.split(",") if v]
+
+
+def _record(client, name: str, version: str, decision: Decision, cfg: RegistryConfig) -> None:
+    """The decision as version tags and, on the version's run, gate/decision.json and
+    gate/decision.md (the table)."""
+    word = "promoted" if decision.promoted else "not promoted"
+    client.set_model_version_tag(name, version, "gate.decision", word)
+    for row in decision.table:
+        if row["role"] == "guard":
+            client.set_model_version_tag(name, version, f"gate.guard.{row['metric']}",
+                                         row["verdict"])
+    run_id = client.get_model_version(name, version).run_id
+    if run_id:
+        client.log_dict(run_id, decision.as_dict(), "gate/decision.json")
+        client.log_text(run_id, decision.markdown(), "gate/decision.md")
+
+
+def rollback(client, name: str, cfg: RegistryConfig, reason: str) -> str:
+    """Move the champion alias back to the previous champion (the champion history's entry
+    before the current champion), tag both versions with why, and say what moved."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        raise PipelineError(f"no registered model '{name}' in {client.tracking_uri}") from None
+    champion = _by_alias(client, name, cfg.champion_alias)
+    if champion is None:
+        raise PipelineError(f"'{name}' has no '{cfg.champion_alias}' alias: nothing to roll back")
+    history = champion_history(client, name)
+    current = str(champion.version)
+    while history and history[-1] != current:  # moved by hand since: that one is current
+        history.pop()
+    if len(history) < 2:
+        raise PipelineError(f"'{name}' has no previous champion before v{current} "
+                            f"(champion history: {','.join(history) or 'none'})")
+    history.pop()
+    previous = history[-1]
+    client.set_registered_model_alias(name, cfg.champion_alias, previous)
+    client.set_registered_model_tag(name, HISTORY_TAG, ",".join(history))
+    client.set_model_version_tag(name, current, "rollback.reason", reason)
+    client.set_model_version_tag(name, previous, "rollback.restored_from", current)
+    client.set_registered_model_tag(name, "last_rollback", f"v{current} -> v{previous}: {reason}")
+    return f"{name}: '{cfg.champion_alias}' moved from v{current} back to v{previous} ({reason})"
 
 
 @contextlib.contextmanager

@@ -404,10 +404,15 @@ def _model_task(c) -> str | None:
 
 
 def _gate_reported(c) -> str | None:
-    gate = c.registry.gate_metric.removeprefix("eval.")
+    return _reported(c, c.registry.gate_metric, "registry.gate_metric")
+
+
+def _reported(c, metric: str, key: str) -> str | None:
+    """Whether the evaluate stage reports `metric` (named by `key`) for this run."""
+    gate = metric.removeprefix("eval.")
     if gate.startswith("harness."):  # which metrics a task reports: the evaluate stage checks
         return None if c.eval.harness.tasks else (
-            f"registry.gate_metric {c.registry.gate_metric} names a harness metric, and "
+            f"{key} {metric} names a harness metric, and "
             "eval.harness.tasks is empty; name the task there")
     from finetune.config.methods import method_of
 
@@ -419,8 +424,37 @@ def _gate_reported(c) -> str | None:
         by = f"data.dataset_type {c.data.dataset_type}"
     if gate in reported:
         return None
-    return (f"registry.gate_metric eval.{gate} is not reported for {by} (it reports "
+    return (f"{key} eval.{gate} is not reported for {by} (it reports "
             f"{', '.join('eval.' + m for m in sorted(reported))})")
+
+
+def has_stderr(metric: str) -> bool:
+    """Whether the evaluate stage reports a standard error for `metric` (a validated metric
+    name): lm-eval does for its tasks' metrics; our own held-out metrics report none."""
+    return metric.startswith("eval.harness.")
+
+
+def _guards(c) -> str | None:
+    """Each registry.guard_metrics entry: one allowance, a stderr for stderr units, and a
+    harness metric only with harness tasks; min_improvement_stderr needs a stderr too."""
+    r = c.registry
+    if r.min_improvement_stderr and not has_stderr(r.gate_metric):
+        return (f"registry.min_improvement_stderr: {r.gate_metric} reports no standard error "
+                "(harness metrics do); use registry.min_improvement")
+    for i, guard in enumerate(r.guard_metrics):
+        at = f"registry.guard_metrics[{i}]"
+        if (guard.max_drop is None) == (guard.max_drop_stderr is None):
+            return (f"{at}.max_drop: set exactly one of max_drop and max_drop_stderr for "
+                    f"{guard.metric}")
+        if guard.max_drop_stderr is not None and not has_stderr(guard.metric):
+            return (f"{at}.max_drop_stderr: {guard.metric} reports no standard error (harness "
+                    "metrics do); use max_drop")
+        unreported = _reported(c, guard.metric, f"{at}.metric")
+        if unreported:
+            return unreported
+        if guard.metric == r.gate_metric:
+            return f"{at}.metric: {guard.metric} is registry.gate_metric already"
+    return None
 
 
 def _gate_computed(c) -> str | None:
@@ -898,6 +932,9 @@ RULES: list[Rule] = [
                                 "model.auto_class_name": "AutoModelForCausalLM"}),
     Agree("config", ("registry.gate_metric", "data.dataset_type"), _gate_reported,
           example={"registry.gate_metric": "eval.accuracy"}),
+    Agree("config", ("registry.guard_metrics", "registry.min_improvement_stderr",
+                     "eval.harness.tasks"), _guards,
+          example={"registry.guard_metrics": [{"metric": "eval.perplexity"}]}),
     Agree("config", ("registry.gate_metric", "eval.generation_metrics"), _gate_computed,
           example={"registry.gate_metric": "eval.exact_match", "eval.generation_metrics": []}),
     *(Refuse("config", key, CLASSIFIER, why, used=used, example={

@@ -110,7 +110,8 @@ def validate_raw(raw: dict[str, Any], source: str = "<params>") -> FinetuneConfi
 def explain(error: dict[str, Any]) -> str:
     """One pydantic error -> 'key: what is wrong (hint)'."""
     loc = [str(p) for p in error["loc"] if not str(p).startswith(("function-after", "literal"))]
-    key = ".".join(loc) or "(top level)"
+    # list items as the docs write them: registry.guard_metrics[0].max_drop
+    key = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", ".".join(loc)) or "(top level)"
     kind = error["type"]
     if kind == "extra_forbidden":
         parent, name = loc[:-1], loc[-1]

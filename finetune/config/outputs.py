@@ -209,6 +209,60 @@ class ExportConfig(Section):
         return types
 
 
+def stderr_key(metric: str) -> str:
+    """Where a metric's standard error is: lm-eval's `<metric>_stderr,<filter>` for a harness
+    metric (eval.harness.TASK.METRIC_stderr.FILTER), else `<metric>_stderr`."""
+    if HARNESS_GATE.fullmatch(metric):
+        head, filt = metric.rsplit(".", 1)
+        return f"{head}_stderr.{filt}"
+    return f"{metric}_stderr"
+
+
+def _check_metric(name: str) -> str:
+    from finetune.config.methods import is_method_metric
+
+    if name in GATE_METRICS or HARNESS_GATE.fullmatch(name) or is_method_metric(
+            name.removeprefix("eval.")):
+        return name
+    raise ValueError(f"unknown metric '{name}'{did_you_mean(name, GATE_METRICS)}: one of "
+                     f"{', '.join(GATE_METRICS)}, a training method's own (grpo: "
+                     "eval.reward, eval.reward_NAME, eval.sampled_reward_NAME, eval.pass_at_K), or "
+                     "eval.harness.TASK.METRIC.FILTER")
+
+
+#: metric names that are better lower (lm-eval's perplexity tasks report the last two)
+LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte")
+
+
+def higher_wins(metric: str) -> bool:
+    """A metric's inferred direction: loss, perplexity and bits per byte are better lower, the
+    rest higher. A harness metric's name is its METRIC part (eval.harness.TASK.METRIC.FILTER)."""
+    name = metric.split(".")[3] if HARNESS_GATE.fullmatch(metric) else metric
+    return not name.endswith(LOWER_IS_BETTER)
+
+
+class GuardMetric(Section):
+    """A metric the new model must not get worse at, by more than an allowance, to replace the
+    champion (a no-regression guard). Its direction is inferred as gate_metric's is."""
+
+    metric: str = Field(..., description="Metric to guard (the names gate_metric takes).")
+    max_drop: float | None = Field(
+        None, ge=0, description="Allowed drop from the champion, in the metric's units.")
+    max_drop_stderr: float | None = Field(
+        None, ge=0, description="Allowed drop in standard errors of the difference "
+        "(sqrt(se_champion^2 + se_candidate^2)); the metric must report a stderr (harness "
+        "metrics do).")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, name: str) -> str:
+        return _check_metric(name)
+
+    @property
+    def higher_wins(self) -> bool:
+        return higher_wins(self.metric)
+
+
 class RegistryConfig(Section):
     """MLflow Model Registry: every export is a version; aliases say which one serves.
 
@@ -234,27 +288,28 @@ class RegistryConfig(Section):
     min_improvement: float = Field(
         0.0, ge=0, description="Absolute improvement over the champion needed to promote."
     )
+    min_improvement_stderr: float = Field(
+        0.0, ge=0, description="Improvement over the champion needed to promote, in standard "
+        "errors of the difference (0: none; gate_metric must report a stderr: harness metrics "
+        "do). Both this and min_improvement must be met.")
+    guard_metrics: list[GuardMetric] = Field(
+        default_factory=list, description="No-regression guards: promotion also needs every "
+        "one to hold, i.e. the new model is not worse than the champion at `metric` by more "
+        "than `max_drop` (absolute) or `max_drop_stderr` (standard errors); set exactly one. "
+        "Each verdict is recorded (model-version tags gate.*, artifact gate/decision.json).")
     candidate_alias: str = Field("candidate", description="Alias every new version gets.")
     champion_alias: str = Field("champion", description="Alias of the version in service.")
 
     @field_validator("gate_metric")
     @classmethod
     def _known_metric(cls, name: str) -> str:
-        from finetune.config.methods import is_method_metric
-
-        if name in GATE_METRICS or HARNESS_GATE.fullmatch(name) or is_method_metric(
-                name.removeprefix("eval.")):
-            return name
-        raise ValueError(f"unknown metric '{name}'{did_you_mean(name, GATE_METRICS)}: one of "
-                         f"{', '.join(GATE_METRICS)}, a training method's own (grpo: "
-                         "eval.reward, eval.reward_NAME, eval.sampled_reward_NAME, eval.pass_at_K), or "
-                         "eval.harness.TASK.METRIC.FILTER")
+        return _check_metric(name)
 
     @property
     def higher_wins(self) -> bool:
         if self.greater_is_better is not None:
             return self.greater_is_better
-        return not self.gate_metric.endswith(("loss", "perplexity"))
+        return higher_wins(self.gate_metric)
 
     @model_validator(mode="after")
     def _compat(self) -> "RegistryConfig":
