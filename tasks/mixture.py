@@ -37,8 +37,10 @@ def mix(parts: list[tuple[str, Any]], data: DataConfig, role: str,
             stopping_strategy=data.stopping_strategy)
     else:
         mixed = datasets.concatenate_datasets(named)
-    counts = mixed.with_format("arrow")[:][SOURCE_COLUMN].value_counts().to_pylist()
-    taken = {c["values"]: c["counts"] for c in counts}
+    taken: dict[str, int] = {}  # batch by batch: taking the mixed rows whole copies them
+    for batch in mixed.select_columns([SOURCE_COLUMN]).with_format("arrow").iter(10_000):
+        for c in batch[SOURCE_COLUMN].value_counts().to_pylist():
+            taken[c["values"]] = taken.get(c["values"], 0) + c["counts"]
     for name, _ in parts:
         source_stats[name][role]["rows_in_mixture"] = int(taken.get(name, 0))
     return mixed
