@@ -9,7 +9,7 @@ smaller than one row group is one group written from one frame, the bytes pandas
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import pandas as pd
 
@@ -86,3 +86,55 @@ class RowGroupWriter:
                                          preserve_index=False)
         self._writer.write_table(table, row_group_size=self.group_rows)
         self.rows += len(frame)
+
+
+class Rows:
+    """A split's rows without holding them: how many, and a way to read them again as frames
+    (each indexed from 0, in order). Slicing, heads, masks and chains read only what they
+    keep."""
+
+    def __init__(self, count: int, read: Callable[[], Iterable[pd.DataFrame]]):
+        self.count, self._read = count, read
+
+    def frames(self) -> Iterator[pd.DataFrame]:
+        return iter(self._read())
+
+    def slice(self, start: int, stop: int) -> "Rows":
+        """Rows [start, stop)."""
+        start, stop = max(0, start), min(self.count, stop)
+
+        def read():
+            at = 0
+            for frame in self.frames():
+                lo, hi = max(start - at, 0), min(stop - at, len(frame))
+                if lo < hi:
+                    yield frame.iloc[lo:hi].reset_index(drop=True)
+                at += len(frame)
+                if at >= stop:
+                    return
+
+        return Rows(max(0, stop - start), read)
+
+    def head(self, n: int) -> "Rows":
+        return self.slice(0, n)
+
+    def where(self, mask) -> "Rows":
+        """The rows whose entry in the boolean array `mask` (one per row) is true."""
+        def read():
+            at = 0
+            for frame in self.frames():
+                part = mask[at:at + len(frame)]
+                at += len(frame)
+                if part.any():
+                    yield frame[part].reset_index(drop=True)
+
+        return Rows(int(mask.sum()), read)
+
+    @staticmethod
+    def chain(parts: list["Rows"]) -> "Rows":
+        """Several splits' rows one after the other (`train[:50%]+test[:10]`)."""
+        def read():
+            for part in parts:
+                yield from part.frames()
+
+        return Rows(sum(p.count for p in parts), read)
