@@ -16,7 +16,7 @@ import pandas as pd
 #: raw rows read and formatted at a time
 BATCH_ROWS = 10_000
 #: rows of one written row group: fixed, so the bytes never depend on how rows were batched
-ROW_GROUP_ROWS = 100_000
+ROW_GROUP_ROWS = 10_000
 
 
 def frames(path: Path, batch_rows: int = BATCH_ROWS) -> Iterator[pd.DataFrame]:

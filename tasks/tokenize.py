@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -67,7 +68,7 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
         for role, parts in splits.items():
             if data.sources:
                 ds = mix(parts, data, role, stats["sources"])
-                stats[role] = _stats(_counts(ds), sum(
+                stats[role] = _totals(ds).stats(sum(
                     stats["sources"][n][role]["dropped_rows"] for n, _ in parts))
             else:
                 ds = parts[0][1]
@@ -91,7 +92,7 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
     """One formatted split -> (tokenized split, its stats), rows without a trainable token
     dropped (up to data.max_dropped_fraction) and the result checked. The split is encoded
     batch by batch into an Arrow file under `scratch` and read back memory-mapped, so memory
-    holds a few batches and the per-row counts (25 bytes a row), whatever the row count."""
+    holds a few batches and running totals, whatever the row count."""
     import datasets
 
     data = ws.config.data
@@ -102,21 +103,31 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
     fingerprint = _fingerprint(file, tok, ctx.bos, data.max_seq_length, model_ref, kwargs,
                                datatype)
     trainable = requires_trainable(datatype.targets)  # a prompt-only row trains no token
+    where = f"tokenize split '{role}'"
+
+    def check(counts: pd.DataFrame) -> None:  # one batch's kept rows, indexed as in the split
+        validate_tokenized(counts, data.max_seq_length, where, trainable,
+                           aligned=not datatype.task.encoder_decoder)
+
     arrow = scratch / f"{role.replace('/', '--')}.arrow"
-    counts, first_dropped = _encode_file(file, arrow, fn, {"tok": tok, **kwargs},
-                                         data.num_proc, trainable)
-    dropped = int(len(counts) - counts["n_trainable"].gt(0).sum()) if trainable else 0
+    totals, seen, first_dropped = _encode_file(file, arrow, fn, {"tok": tok, **kwargs},
+                                               workers(data.num_proc), trainable, check)
+    dropped = seen - totals.rows
     if trainable:
-        check_dropped(dropped, len(counts), data.max_dropped_fraction,
-                      f"tokenize split '{role}'", f"no trainable token ({datatype.untrainable})",
-                      first_dropped, "raise data.max_seq_length or shorten the prompts")
-        counts = counts[counts["n_trainable"] > 0].reset_index(drop=True)
-    validate_tokenized(counts, data.max_seq_length, f"tokenize split '{role}'", trainable,
-                       aligned=not datatype.task.encoder_decoder)
+        check_dropped(dropped, seen, data.max_dropped_fraction, where,
+                      f"no trainable token ({datatype.untrainable})", first_dropped,
+                      "raise data.max_seq_length or shorten the prompts")
     # the fingerprint the map -> select -> add_column("length") chain gave it before
     ds = datasets.Dataset.from_file(str(arrow))
     ds._fingerprint = f"{fingerprint}-length"
-    return ds, _stats(counts, dropped)
+    return ds, totals.stats(dropped)
+
+
+def workers(num_proc: int | None) -> int:
+    """data.num_proc, or the cores this process may run on when it is null."""
+    import os
+
+    return num_proc or len(os.sched_getaffinity(0))
 
 
 #: rows a tokenize batch holds (datasets.map's default batch size)
@@ -124,38 +135,40 @@ BATCH_ROWS = 1000
 
 
 def _encode_file(file: Path, arrow: Path, fn, fn_kwargs: dict, num_proc: int,
-                 trainable: bool) -> tuple[pd.DataFrame, int | None]:
+                 trainable: bool, check: Callable[[pd.DataFrame], None]
+                 ) -> tuple["Totals", int, int | None]:
     """Encode the parquet file's record batches (in `num_proc` worker processes, in order:
     the bytes are the same for any num_proc) into the Arrow file `arrow`, rows without a
     trainable token left out when `trainable`, each row's `length` (for group_by_length)
-    added. Returns every row's counts, dropped ones included, and the first dropped row."""
+    added, each batch's kept rows' counts handed to `check`. Returns the kept rows' totals,
+    the rows read and the first dropped row."""
     import pyarrow.parquet as pq
     from datasets.arrow_writer import ArrowWriter
 
-    batches = pq.ParquetFile(file).iter_batches(batch_size=BATCH_ROWS)
-    counts: list[pd.DataFrame] = []
-    first_dropped = None
+    parquet = pq.ParquetFile(file)
+    batches = parquet.iter_batches(batch_size=BATCH_ROWS)
+    num_proc = min(num_proc, -(-parquet.metadata.num_rows // BATCH_ROWS))  # no idle workers
+    totals, seen, first_dropped = Totals(), 0, None
     with _encoded_batches(batches, fn, fn_kwargs, num_proc) as encoded, \
             ArrowWriter(path=str(arrow)) as writer:
-        offset = 0
         for table in encoded:
-            part = _counts_of(table)
-            counts.append(part)
+            counts = _counts_of(table)
             if trainable:
-                keep = part["n_trainable"].to_numpy() > 0
+                keep = counts["n_trainable"].to_numpy() > 0
                 if not keep.all():
                     if first_dropped is None:
-                        first_dropped = offset + int(np.argmin(keep))
-                    table = table.filter(pa.array(keep))
-            table = table.append_column("length", pa.array(
-                pc.list_value_length(table["input_ids"]).to_numpy().astype("int64")))
-            if table.num_rows:
-                writer.write_table(table)
-            offset += len(part)
-        if offset == 0:
+                        first_dropped = seen + int(np.argmin(keep))
+                    table, counts = table.filter(pa.array(keep)), counts[keep]
+            seen += len(keep) if trainable else len(counts)
+            counts.index = pd.RangeIndex(totals.rows, totals.rows + len(counts))
+            check(counts)
+            totals.add(counts)
+            writer.write_table(table.append_column("length", pa.array(
+                counts["n_tokens"].to_numpy())))  # an empty batch too: the schema
+        if seen == 0:
             raise PipelineError(f"{file}: no rows; run the format stage again")
         writer.finalize()
-    return pd.concat(counts, ignore_index=True), first_dropped
+    return totals, seen, first_dropped
 
 
 @contextmanager
@@ -213,12 +226,45 @@ def _counts_of(table) -> pd.DataFrame:
     })
 
 
-def _counts(ds) -> pd.DataFrame:
-    """A tokenized dataset's per-row counts, read batch by batch (a mixture's rows are
-    indices into its sources: taking them whole would copy every token)."""
+def _totals(ds) -> "Totals":
+    """A tokenized dataset's totals, read batch by batch (a mixture's rows are indices into
+    its sources: taking them whole would copy every token)."""
+    totals = Totals()
     columns = ds.select_columns(["input_ids", "labels", "n_trainable", "truncated"])
-    return pd.concat([_counts_of(t) for t in columns.with_format("arrow").iter(10_000)],
-                     ignore_index=True)
+    for table in columns.with_format("arrow").iter(10_000):
+        totals.add(_counts_of(table))
+    return totals
+
+
+@dataclass
+class Totals:
+    """A split's token statistics, added up batch by batch: nothing kept per row."""
+
+    rows: int = 0
+    tokens: int = 0
+    trainable_tokens: int = 0
+    truncated_rows: int = 0
+    max_tokens: int = 0
+
+    def add(self, counts: pd.DataFrame) -> None:
+        if not len(counts):
+            return
+        self.rows += len(counts)
+        self.tokens += int(counts["n_tokens"].sum())
+        self.trainable_tokens += int(counts["n_trainable"].sum())
+        self.truncated_rows += int(counts["truncated"].sum())
+        self.max_tokens = max(self.max_tokens, int(counts["n_tokens"].max()))
+
+    def stats(self, dropped: int) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "dropped_rows": dropped,
+            "tokens": self.tokens,
+            "trainable_tokens": self.trainable_tokens,
+            "truncated_rows": self.truncated_rows,
+            "max_tokens": self.max_tokens,
+            "mean_tokens": round(self.tokens / self.rows, 2) if self.rows else 0.0,
+        }
 
 
 def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
@@ -240,15 +286,3 @@ def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
     for source in (Path(encoding.__file__), *datatype.source_files()):
         h.update(source.read_bytes())
     return h.hexdigest()[:16]
-
-
-def _stats(counts: pd.DataFrame, dropped: int) -> dict[str, Any]:
-    return {
-        "rows": len(counts),
-        "dropped_rows": dropped,
-        "tokens": int(counts["n_tokens"].sum()),
-        "trainable_tokens": int(counts["n_trainable"].sum()),
-        "truncated_rows": int(counts["truncated"].sum()),
-        "max_tokens": int(counts["n_tokens"].max()),
-        "mean_tokens": round(float(counts["n_tokens"].mean()), 2),
-    }
