@@ -3,11 +3,11 @@ on data.num_proc, row numbers that stay the split's own across batches.
 
 A generated parquet file of short completion rows (the shipped stories260K tokenizer) goes
 through download, format and tokenize in a fresh process twice, at N and 4N rows; the peak
-RSS difference over the 3N extra rows is the per-row growth. The stages keep per-row numbers
-only (tokenize's counts, 25 bytes a row; download's split mask, 1 byte), so the bound below
-leaves room for allocator noise and nothing else. What is measured is the peak of anonymous
-memory: the memory-mapped Arrow files' pages are the data's own: a stage holding the split as a pandas
-frame or Python lists (the old tokenize: about 9 KB a row) fails it by far.
+difference over the 3N extra rows is the per-row growth. What is measured is the peak of
+anonymous memory: the pages of the memory-mapped Arrow files are the data's own (file-backed,
+given back under pressure). The stages keep nothing per row but download's split mask (1
+byte, only with split_ratio), so a stage holding the split as a pandas frame or Python lists
+(the old tokenize: about 9 KB a row) fails the bound by far.
 """
 
 from __future__ import annotations
