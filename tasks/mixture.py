@@ -26,7 +26,10 @@ def mix(parts: list[tuple[str, Any]], data: DataConfig, role: str,
     the rows of each source in it (`rows_in_mixture`)."""
     import datasets
 
-    named = [ds.add_column(SOURCE_COLUMN, [name] * len(ds),
+    import pyarrow as pa
+
+    # an Arrow column (the name's bytes and an offset a row), not a Python list of the rows
+    named = [ds.add_column(SOURCE_COLUMN, pa.nulls(len(ds), pa.string()).fill_null(name),
                            new_fingerprint=f"{ds._fingerprint}-{name}")
              for name, ds in parts]
     if role == "train" and data.mixing == "interleave":
