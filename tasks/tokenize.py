@@ -27,6 +27,7 @@ from finetune.datatypes import DataContext
 from finetune.datatypes.base import requires_trainable
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
+from finetune.parquet_batches import open_parquet
 from finetune.workspace import Workspace
 from tasks.contracts import validate_tokenized
 from tasks.format import check_dropped, data_context
@@ -140,15 +141,16 @@ def _encode_file(file: Path, arrow: Path, fn, fn_kwargs: dict, num_proc: int,
     """Encode the parquet file's record batches (in `num_proc` worker processes, in order:
     the bytes are the same for any num_proc) into the Arrow file `arrow`, rows without a
     trainable token left out when `trainable`, each row's `length` (for group_by_length)
-    added, each batch's kept rows' counts handed to `check`. Returns the kept rows' totals,
-    the rows read and the first dropped row."""
-    import pyarrow.parquet as pq
+    added, the kept rows' counts handed to `check` CHECK_ROWS at a time. Returns the kept
+    rows' totals, the rows read and the first dropped row."""
     from datasets.arrow_writer import ArrowWriter
 
-    parquet = pq.ParquetFile(file)
+    parquet = open_parquet(file)
     batches = parquet.iter_batches(batch_size=BATCH_ROWS)
     num_proc = min(num_proc, -(-parquet.metadata.num_rows // BATCH_ROWS))  # no idle workers
     totals, seen, first_dropped = Totals(), 0, None
+    pending: list[pd.DataFrame] = []  # kept rows' counts not yet checked
+    checked = 0
     with _encoded_batches(batches, fn, fn_kwargs, num_proc) as encoded, \
             ArrowWriter(path=str(arrow)) as writer:
         for table in encoded:
@@ -160,15 +162,35 @@ def _encode_file(file: Path, arrow: Path, fn, fn_kwargs: dict, num_proc: int,
                         first_dropped = seen + int(np.argmin(keep))
                     table, counts = table.filter(pa.array(keep)), counts[keep]
             seen += len(keep) if trainable else len(counts)
-            counts.index = pd.RangeIndex(totals.rows, totals.rows + len(counts))
-            check(counts)
             totals.add(counts)
+            pending.append(counts)
+            if sum(map(len, pending)) >= CHECK_ROWS:
+                checked = _check_pending(pending, checked, check)
             writer.write_table(table.append_column("length", pa.array(
                 counts["n_tokens"].to_numpy())))  # an empty batch too: the schema
         if seen == 0:
             raise PipelineError(f"{file}: no rows; run the format stage again")
+        _check_pending(pending, checked, check)
         writer.finalize()
     return totals, seen, first_dropped
+
+
+#: kept rows' counts checked against the contract at a time (25 bytes a row): a pandera
+#: call costs milliseconds whatever its size, too much for every 1000-row batch
+CHECK_ROWS = 100_000
+
+
+def _check_pending(pending: list[pd.DataFrame], checked: int,
+                   check: Callable[[pd.DataFrame], None]) -> int:
+    """Check the pending counts (indexed as the split's kept rows: the contract names the
+    row), empty the list; returns the rows checked so far."""
+    if not pending:
+        return checked
+    counts = pd.concat(pending, ignore_index=True)
+    counts.index = pd.RangeIndex(checked, checked + len(counts))
+    check(counts)
+    pending.clear()
+    return checked + len(counts)
 
 
 @contextmanager
