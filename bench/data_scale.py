@@ -157,18 +157,41 @@ def run(rows: int, num_proc: int, keep: bool) -> dict:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def table(results: dict) -> str:
+    """The docs/benchmarks.md table of the recorded runs."""
+    lines = ["| rows | stage | ours rows/s | ours peak MB (anon / all) | datasets rows/s | "
+             "datasets peak MB (anon / all) |", "|---|---|---|---|---|---|"]
+    for rows, run in sorted(results.get("runs", {}).items(), key=lambda kv: int(kv[0])):
+        for name, m in run["stages"].items():
+            lines.append(f"| {int(rows):,} | {name} | {m['rows_per_s']:,.0f} | "
+                         f"{m['peak_anon_mb']:,.0f} / {m['vmhwm_mb']:,.0f} | | |")
+        if "baseline" in run:
+            b, o = run["baseline"], run["ours"]
+            lines.append(f"| {int(rows):,} | **all three** | **{o['rows_per_s']:,.0f}** | "
+                         f"{o['peak_anon_mb']:,.0f} / {o['peak_vmhwm_mb']:,.0f} | "
+                         f"**{b['rows_per_s']:,.0f}** | "
+                         f"{b['peak_anon_mb']:,.0f} / {b['vmhwm_mb']:,.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000])
     parser.add_argument("--num-proc", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--keep", action="store_true", help="keep the temp projects")
+    parser.add_argument("--table", action="store_true",
+                        help="print the recorded results as a markdown table, run nothing")
     args = parser.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    if args.table:
+        print(table(results))
+        return
     results["machine"] = machine()
     for rows in args.rows:
         results.setdefault("runs", {})[str(rows)] = run(rows, args.num_proc, args.keep)
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
 
 
 if __name__ == "__main__":

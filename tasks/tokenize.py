@@ -27,7 +27,7 @@ from finetune.datatypes import DataContext
 from finetune.datatypes.base import requires_trainable
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
-from finetune.parquet_batches import open_parquet
+from finetune.parquet_batches import record_batches, row_count
 from finetune.workspace import Workspace
 from tasks.contracts import validate_tokenized
 from tasks.format import check_dropped, data_context
@@ -145,9 +145,8 @@ def _encode_file(file: Path, arrow: Path, fn, fn_kwargs: dict, num_proc: int,
     rows' totals, the rows read and the first dropped row."""
     from datasets.arrow_writer import ArrowWriter
 
-    parquet = open_parquet(file)
-    batches = parquet.iter_batches(batch_size=BATCH_ROWS)
-    num_proc = min(num_proc, -(-parquet.metadata.num_rows // BATCH_ROWS))  # no idle workers
+    batches = record_batches(file, BATCH_ROWS)
+    num_proc = min(num_proc, -(-row_count(file) // BATCH_ROWS))  # no idle workers
     totals, seen, first_dropped = Totals(), 0, None
     pending: list[pd.DataFrame] = []  # kept rows' counts not yet checked
     checked = 0
@@ -177,7 +176,7 @@ def _encode_file(file: Path, arrow: Path, fn, fn_kwargs: dict, num_proc: int,
 
 #: kept rows' counts checked against the contract at a time (25 bytes a row): a pandera
 #: call costs milliseconds whatever its size, too much for every 1000-row batch
-CHECK_ROWS = 100_000
+CHECK_ROWS = 10_000
 
 
 def _check_pending(pending: list[pd.DataFrame], checked: int,

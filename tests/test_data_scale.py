@@ -26,9 +26,8 @@ from helpers import ROOT, copy_project, stages_here, write_params
 
 SMALL = 12_000
 LARGE = 4 * SMALL
-#: allowed peak growth per extra row: measured 30-200 (Arrow's and glibc's allocators keep a
-#: few MB more or less from run to run); the old stages grew ~9000 bytes a row
-MAX_BYTES_PER_ROW = 400
+#: allowed peak growth per extra row: measured ~100; the old stages grew ~9000 bytes a row
+MAX_BYTES_PER_ROW = 200
 #: a row with an empty answer: dropped by format, in its second batch
 EMPTY_ROW = 10_000 + 345
 
@@ -78,7 +77,9 @@ def params_for(project: Path, rows: int, num_proc: int) -> None:
 
 
 def peak_rss_kib(project: Path) -> int:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Arrow's default pool (mimalloc) keeps freed memory for a while, more or less of it from
+    # run to run (+-5 MB, 140 bytes a row here); the system allocator measures what is held
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ARROW_DEFAULT_MEMORY_POOL": "system"}
     proc = subprocess.run([sys.executable, "-c", RUN_STAGES], cwd=project, env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
