@@ -83,6 +83,26 @@ class RowGroupWriter:
         elif self._writer is not None:
             self._writer.close()
 
+    def _conformed(self, frame: pd.DataFrame):
+        """A later group as the first group's schema: pandas infers each chunk's dtypes on
+        its own (a column of whole numbers with a gap is float in one chunk, int in another),
+        so the values are cast; a column whose values change kind is one line."""
+        import pyarrow as pa
+
+        from finetune.errors import PipelineError
+
+        schema = self._writer.schema
+        try:
+            return pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError):
+            table = pa.Table.from_pandas(frame, preserve_index=False)
+        try:
+            return table.select(schema.names).cast(schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError, ValueError):
+            raise PipelineError(
+                f"{self.path.name}, rows from {self.rows}: {_first_mismatch(schema, table)}; "
+                "give each column one type in the data file") from None
+
     def _flush(self, frame: pd.DataFrame) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -91,8 +111,7 @@ class RowGroupWriter:
             table = pa.Table.from_pandas(frame, preserve_index=False)
             self._writer = pq.ParquetWriter(self.path, table.schema)
         else:
-            table = pa.Table.from_pandas(frame, schema=self._writer.schema,
-                                         preserve_index=False)
+            table = self._conformed(frame)
         self._writer.write_table(table, row_group_size=self.group_rows)
         self.rows += len(frame)
 
@@ -147,3 +166,11 @@ class Rows:
                 yield from part.frames()
 
         return Rows(sum(p.count for p in parts), read)
+
+
+def _first_mismatch(schema, table) -> str:
+    for field in schema:
+        if field.name in table.schema.names and table.schema.field(field.name).type != field.type:
+            return (f"column '{field.name}' is {field.type} in the first rows but "
+                    f"{table.schema.field(field.name).type} later")
+    return f"columns {', '.join(table.schema.names)} differ from {', '.join(schema.names)}"
