@@ -129,3 +129,46 @@ def test_a_dropped_row_is_named_by_its_row_in_the_split(scaled):
     write_params(project, {"data.max_dropped_fraction": 0.0})
     with pytest.raises(PipelineError, match=f"first: row {EMPTY_ROW}\\)"):
         stages_here(project, "download", "format")
+
+
+def test_split_ratio_keeps_the_rows_pandas_sample_keeps():
+    import numpy as np
+    import pandas as pd
+
+    from tasks.download import kept_rows
+
+    frame = pd.DataFrame({"i": range(1003)})
+    kept = frame.sample(frac=0.9, random_state=7).sort_index().index.to_numpy()
+    assert np.array_equal(np.flatnonzero(kept_rows(1003, 0.9, 7)), kept)
+
+
+def test_rows_slice_and_mask_across_frames():
+    import numpy as np
+    import pandas as pd
+
+    from finetune.parquet_batches import Rows
+
+    rows = Rows(10, lambda: (pd.DataFrame({"i": range(s, min(s + 3, 10))})
+                             for s in range(0, 10, 3)))
+    taken = lambda r: [i for f in r.frames() for i in f["i"]]  # noqa: E731
+    assert taken(rows.slice(2, 7)) == [2, 3, 4, 5, 6] and rows.slice(2, 7).count == 5
+    assert taken(Rows.chain([rows.head(2), rows.slice(8, 20)])) == [0, 1, 8, 9]
+    mask = np.arange(10) % 4 == 1
+    assert taken(rows.where(mask)) == [1, 5, 9] and rows.where(mask).count == 3
+
+
+def test_row_groups_keep_one_type_per_column(tmp_path):
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    from finetune.parquet_batches import RowGroupWriter
+
+    with RowGroupWriter(tmp_path / "a.parquet", group_rows=2) as writer:
+        writer.write(pd.DataFrame({"n": [1, 2]}))
+        writer.write(pd.DataFrame({"n": [None, 4.0]}))  # pandas' float for a gap
+    assert pq.read_table(tmp_path / "a.parquet")["n"].to_pylist() == [1, 2, None, 4]
+    with pytest.raises(PipelineError, match=r"b.parquet, rows from 2: column 'n' is int64 in "
+                       r"the first rows but string later"):
+        with RowGroupWriter(tmp_path / "b.parquet", group_rows=2) as writer:
+            writer.write(pd.DataFrame({"n": [1, 2]}))
+            writer.write(pd.DataFrame({"n": ["x", "y"]}))
