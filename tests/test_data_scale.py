@@ -108,7 +108,8 @@ def scaled(tmp_path_factory):
 def test_peak_memory_does_not_grow_with_rows(scaled):
     small, large, _, project = scaled
     per_row = (large - small) * 1024 / (LARGE - SMALL)
-    print(f"peak anonymous RSS {small} KiB at {SMALL} rows, {large} KiB at {LARGE}: {per_row:.0f} B/row")
+    print(f"peak anonymous RSS {small} KiB at {SMALL} rows, {large} KiB at {LARGE}: "
+          f"{per_row:.0f} B/row")
     assert per_row < MAX_BYTES_PER_ROW, (small, large, per_row)
     stats = json.loads((project / "data/metrics/tokenize.json").read_text())
     assert stats["train"]["rows"] == LARGE - 1  # every row but the empty one, in order
