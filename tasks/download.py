@@ -10,24 +10,25 @@ null, so a bad source fails here, not three stages later.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from functools import partial
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import pandas as pd
 
 from finetune import json_input
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError, TransientError
 from finetune.files import atomic_dir
+from finetune.parquet_batches import BATCH_ROWS, RowGroupWriter, Rows, frames, row_count
 from finetune.workspace import Workspace
 from tasks.contracts import validate_raw_split
 
-READERS = {
-    ".jsonl": json_input.read_frame,
-    ".json": json_input.read_frame,
-    ".csv": pd.read_csv,
-    ".parquet": pd.read_parquet,
-}
+#: local file suffixes the stage reads (a JSON array is read whole: it has no lines to stream)
+SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
 def download(ws: Workspace) -> dict[str, Path]:
@@ -58,13 +59,11 @@ def _download_source(ws: Workspace, data: DataConfig, name: str | None,
         test = test.head(data.max_eval_samples)
     label = f"source '{name}' ({_source_label(data)})" if name else _source_label(data)
     written = {}
-    for role, split, frame in (("train", data.train_split, train),
-                               ("test", data.test_split, test)):
-        if frame is None:
+    for role, split, rows in (("train", data.train_split, train),
+                              ("test", data.test_split, test)):
+        if rows is None:
             continue
-        frame = frame.reset_index(drop=True)
-        _check_raw(frame, data, f"{label} split '{split}'")
-        frame.to_parquet(folder / f"{role}.parquet", index=False)
+        _write_checked(rows, data, f"{label} split '{split}'", folder / f"{role}.parquet")
         written[role] = folder / f"{role}.parquet"
     return written
 
@@ -77,10 +76,23 @@ def _download_eval_only(ws: Workspace, data: DataConfig, name: str,
     test = pick(splits, data.train_split, "data.train_split")
     if data.max_eval_samples:
         test = test.head(data.max_eval_samples)
-    test = test.reset_index(drop=True)
-    _check_raw(test, data, f"source '{name}' ({_source_label(data)}, eval only)")
-    test.to_parquet(folder / "test.parquet", index=False)
+    _write_checked(test, data, f"source '{name}' ({_source_label(data)}, eval only)",
+                   folder / "test.parquet")
     return {"test": folder / "test.parquet"}
+
+
+def _write_checked(rows: Rows, data: DataConfig, where: str, path: Path) -> None:
+    """A split's rows, frame by frame, checked against the raw contract (row numbers the
+    split's own) and written to `path`."""
+    if rows.count == 0:
+        raise PipelineError(f"{where}: no rows")
+    offset = 0
+    with RowGroupWriter(path) as writer:
+        for frame in rows.frames():
+            frame.index = pd.RangeIndex(offset, offset + len(frame))
+            _check_raw(frame, data, where)
+            writer.write(frame.reset_index(drop=True))
+            offset += len(frame)
 
 
 def _check_raw(frame: pd.DataFrame, data: DataConfig, where: str) -> None:
@@ -123,7 +135,7 @@ def _download_streamed(ws: Workspace) -> dict[str, Path]:
     return out
 
 
-def _load_splits(ws: Workspace, data: DataConfig) -> dict[str, pd.DataFrame]:
+def _load_splits(ws: Workspace, data: DataConfig) -> dict[str, Rows]:
     from tasks.stream import local_dataset
 
     local = local_dataset(data, ws.root)
@@ -137,25 +149,51 @@ def _load_splits(ws: Workspace, data: DataConfig) -> dict[str, pd.DataFrame]:
     return {split: _read_local(ws.resolve(path)) for split, path in files.items()}
 
 
-def _read_local(path: Path) -> pd.DataFrame:
+def _read_local(path: Path) -> Rows:
+    """A local file's rows, read a frame at a time (parquet by record batch, JSON lines and
+    CSV by pandas' chunked readers, so dtypes are pandas' own as before); counted here, which
+    also finds a broken line before anything is written."""
     if not path.exists():
         raise PipelineError(f"data file {path} not found; fix data.json_file_path/data_files")
-    reader = READERS.get(path.suffix.lower())
-    if reader is None:
+    suffix = path.suffix.lower()
+    if suffix not in SUFFIXES:
         raise PipelineError(
             f"data file {path}: unsupported extension '{path.suffix}' "
-            f"(use one of {', '.join(sorted(READERS))})"
+            f"(use one of {', '.join(sorted(SUFFIXES))})"
         )
-    try:
-        frame = reader(path)
-    except ValueError as exc:
-        raise PipelineError(f"data file {path}: cannot parse ({str(exc).splitlines()[0]})")
-    if frame.empty:
+    if suffix == ".parquet":
+        rows = Rows(row_count(path), lambda: frames(path))
+    else:
+        read = lambda: _chunks(path)  # noqa: E731
+        rows = Rows(sum(len(f) for f in read()), read)
+    if rows.count == 0:
         raise PipelineError(f"data file {path} has no rows")
-    return frame
+    return rows
 
 
-def _load_hub(name: str, subset: str | None) -> dict[str, pd.DataFrame]:
+def _chunks(path: Path) -> Iterator[pd.DataFrame]:
+    """A JSON or CSV file's frames, each indexed from 0; a parse error is one line naming
+    the file (and, for JSON, the broken line)."""
+    json_file = path.suffix.lower() in json_input.SUFFIXES
+    try:
+        if json_file and json_input.is_array(path):  # one JSON value: parsed whole
+            reader = [json_input.read_frame(path)]
+        elif json_file:
+            reader = pd.read_json(path, lines=True, chunksize=BATCH_ROWS)
+        else:
+            reader = pd.read_csv(path, chunksize=BATCH_ROWS)
+        with contextlib.nullcontext(reader) if isinstance(reader, list) else reader:
+            for frame in reader:
+                yield frame.reset_index(drop=True)
+    except pd.errors.EmptyDataError:
+        return
+    except ValueError as exc:
+        if json_file:
+            raise json_input.parse_error(path, exc) from None
+        raise PipelineError(f"data file {path}: cannot parse ({str(exc).splitlines()[0]})")
+
+
+def _load_hub(name: str, subset: str | None) -> dict[str, Rows]:
     import datasets
 
     try:
@@ -172,11 +210,16 @@ def _load_hub(name: str, subset: str | None) -> dict[str, pd.DataFrame]:
             f"data.dataset_name '{name}': cannot load: {why}; connect to the network and unset "
             "HF_HUB_OFFLINE, or set data.json_file_path to a local file"
         ) from exc
-    return {split: ds.to_pandas() for split, ds in loaded.items()}
+    return {split: Rows(len(ds), partial(_dataset_frames, ds)) for split, ds in loaded.items()}
 
 
-def _train_and_test(splits: dict[str, pd.DataFrame], data: DataConfig
-                    ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+def _dataset_frames(ds) -> Iterator[pd.DataFrame]:
+    """A datasets split's rows (memory-mapped Arrow), a record batch at a time."""
+    for table in ds.with_format("arrow").iter(BATCH_ROWS):
+        yield table.to_pandas()
+
+
+def _train_and_test(splits: dict[str, Rows], data: DataConfig) -> tuple[Rows, Rows | None]:
     """The train and test rows: the named splits (sliced as datasets slices, `train[:1000]`),
     or, when the source has only a train split, a seeded `split_ratio` of it and the rest."""
     check_split_names(data, list(splits))
@@ -185,13 +228,21 @@ def _train_and_test(splits: dict[str, pd.DataFrame], data: DataConfig
         return train, None
     if split_name(data.test_split) in splits:
         return train, pick(splits, data.test_split, "data.test_split")
-    kept = train.sample(frac=data.split_ratio, random_state=data.seed).sort_index()
-    test = train.drop(kept.index)
-    if test.empty or kept.empty:
+    kept = kept_rows(train.count, data.split_ratio, data.seed)
+    if kept.all() or not kept.any():
         raise PipelineError(
-            f"data.split_ratio {data.split_ratio} leaves an empty split for {len(train)} rows"
+            f"data.split_ratio {data.split_ratio} leaves an empty split for {train.count} rows"
         )
-    return kept, test
+    return train.where(kept), train.where(~kept)
+
+
+def kept_rows(count: int, ratio: float, seed: int) -> np.ndarray:
+    """Which of `count` rows a seeded `ratio` keeps: the rows pandas' `sample(frac=ratio,
+    random_state=seed)` draws (the same RandomState call), as a mask (1 byte a row)."""
+    drawn = np.random.RandomState(seed).choice(count, size=round(ratio * count), replace=False)
+    mask = np.zeros(count, dtype=bool)
+    mask[drawn] = True
+    return mask
 
 
 def check_split_names(data: DataConfig, names: list[str], eval_only: bool = False) -> None:
@@ -214,7 +265,7 @@ def split_name(spec: str) -> str:
     return spec.split("[", 1)[0]
 
 
-def pick(splits: dict[str, pd.DataFrame], spec: str, key: str) -> pd.DataFrame:
+def pick(splits: dict[str, Rows], spec: str, key: str) -> Rows:
     """The rows `spec` names: a split, or a slice of it as datasets writes one (`train[:1000]`,
     `train[10%:20%]`, `train[:50%]+test[:10]`), resolved by datasets' own ReadInstruction."""
     if "[" not in spec and "+" not in spec:
@@ -223,11 +274,11 @@ def pick(splits: dict[str, pd.DataFrame], spec: str, key: str) -> pd.DataFrame:
 
     try:
         parts = datasets.ReadInstruction.from_spec(spec).to_absolute(
-            {name: len(frame) for name, frame in splits.items()})
+            {name: rows.count for name, rows in splits.items()})
     except (ValueError, AssertionError) as exc:
         raise PipelineError(f"{key} '{spec}': not a split or slice datasets can read, e.g. "
                             f"train[:1000] or train[10%:] ({exc})") from None
-    return pd.concat([splits[p.splitname].iloc[p.from_:p.to] for p in parts], ignore_index=True)
+    return Rows.chain([splits[p.splitname].slice(p.from_, p.to) for p in parts])
 
 
 def _source_label(data: DataConfig) -> str:

@@ -11,7 +11,9 @@ from every training source, and written next to the splits (`labels.json`).
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+from typing import Callable, Iterable
 
 import pandas as pd
 
@@ -21,6 +23,7 @@ from finetune.datatypes.base import class_names
 from finetune.datatypes.contract import check_frame
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
+from finetune.parquet_batches import RowGroupWriter, frames
 from finetune.workspace import Workspace
 from tasks.stream_manifest import carry_manifest
 
@@ -46,10 +49,9 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
             for raw_file in sorted(raw.glob("*.parquet")):
                 role = raw_file.stem
                 split = f"{name}/{role}" if name else role  # how errors name it
-                frame = pd.read_parquet(raw_file)
-                rows, source_stats[role] = format_split(data, frame, split, ctx,
-                                                        top.max_dropped_fraction)
-                rows.to_parquet(folder / f"{role}.parquet", index=False)
+                with RowGroupWriter(folder / f"{role}.parquet") as writer:
+                    source_stats[role] = format_batches(data, frames(raw_file), split, ctx,
+                                                        top.max_dropped_fraction, writer.write)
                 out[f"{name}/{role}" if name else role] = ws.layout.formatted / (
                     folder / f"{role}.parquet").relative_to(staging)
         if top.sources:  # the mixture's totals per split
@@ -65,19 +67,46 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
 
 def format_split(data: DataConfig, frame: pd.DataFrame, split: str, ctx: DataContext,
                  max_fraction: float) -> tuple[pd.DataFrame, dict]:
-    """One raw split -> its formatted rows (checked against the type's contract) and counts."""
-    datatype = data.datatype
-    formatted = datatype.format(frame, split, ctx)
-    check_dropped(len(formatted.dropped), len(frame), max_fraction,
-                  f"format split '{split}'", formatted.reason, formatted.first)
-    check_frame(datatype.formatted_schema(), formatted.rows, f"format split '{split}'")
-    stats = {"rows": len(formatted.rows), "dropped_rows": len(formatted.dropped)}
-    if formatted.reasons:  # dropped for several reasons (a row contract's rule among them)
-        from collections import Counter
+    """One raw split in one frame -> its formatted rows (checked against the type's contract)
+    and counts."""
+    parts: list[pd.DataFrame] = []
+    stats = format_batches(data, [frame], split, ctx, max_fraction, parts.append)
+    return pd.concat(parts, ignore_index=True), stats
 
-        stats["dropped_by_reason"] = dict(Counter(
-            r.split(" (")[0] for r in formatted.reasons.values()).most_common())
-    return formatted.rows, stats
+
+def format_batches(data: DataConfig, batches: Iterable[pd.DataFrame], split: str,
+                   ctx: DataContext, max_fraction: float,
+                   write: Callable[[pd.DataFrame], None]) -> dict:
+    """One raw split, frame by frame, -> its formatted rows, each frame's checked against the
+    type's contract and handed to `write`; returns the split's counts. Row numbers stay the
+    split's: the type is told each frame's first row, and the contract's row is the kept
+    row's number in the whole formatted split."""
+    datatype = data.datatype
+    schema = datatype.formatted_schema()
+    where = f"format split '{split}'"
+    total = kept = dropped = 0
+    first, reason, kinds = None, "nothing to train on", Counter()
+    for frame in batches:
+        formatted = datatype.format(frame, split, ctx, total)
+        if formatted.dropped and first is None:
+            first, reason = formatted.first, formatted.reason
+        if formatted.reasons:  # dropped for several reasons (a row contract's rule among them)
+            kinds.update(r.split(" (")[0] for r in formatted.reasons.values())
+        dropped += len(formatted.dropped)
+        rows = formatted.rows
+        rows.index = pd.RangeIndex(kept, kept + len(rows))  # the contract names this row
+        check_frame(schema, rows, where)
+        write(rows.reset_index(drop=True))
+        kept += len(rows)
+        total += len(frame)
+    if kinds:  # the reasons with their counts, as Formatted.with_reasons words them
+        reason = "; ".join(f"{kind} ({n})" if len(kinds) > 1 else kind
+                           for kind, n in kinds.most_common())
+    check_dropped(dropped, total, max_fraction, where, reason, first)
+    stats = {"rows": kept, "dropped_rows": dropped}
+    if kinds:
+        stats["dropped_by_reason"] = dict(kinds.most_common())
+    return stats
 
 
 def check_dropped(dropped: int, total: int, max_fraction: float, where: str, reason: str,
@@ -121,7 +150,8 @@ def label_map(ws: Workspace, top: DataConfig) -> list[str] | None:
         train = (ws.layout.raw / name if name else ws.layout.raw) / "train.parquet"
         if not train.exists():
             raise PipelineError(f"{train} missing; run the download stage first")
-        found.update(data.datatype.label_values(pd.read_parquet(train)))
+        for frame in frames(train):
+            found.update(data.datatype.label_values(frame))
     return class_names(found, None)
 
 

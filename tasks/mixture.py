@@ -26,7 +26,10 @@ def mix(parts: list[tuple[str, Any]], data: DataConfig, role: str,
     the rows of each source in it (`rows_in_mixture`)."""
     import datasets
 
-    named = [ds.add_column(SOURCE_COLUMN, [name] * len(ds),
+    import pyarrow as pa
+
+    # an Arrow column (the name's bytes and an offset a row), not a Python list of the rows
+    named = [ds.add_column(SOURCE_COLUMN, pa.nulls(len(ds), pa.string()).fill_null(name),
                            new_fingerprint=f"{ds._fingerprint}-{name}")
              for name, ds in parts]
     if role == "train" and data.mixing == "interleave":
@@ -37,8 +40,10 @@ def mix(parts: list[tuple[str, Any]], data: DataConfig, role: str,
             stopping_strategy=data.stopping_strategy)
     else:
         mixed = datasets.concatenate_datasets(named)
-    counts = mixed.with_format("arrow")[:][SOURCE_COLUMN].value_counts().to_pylist()
-    taken = {c["values"]: c["counts"] for c in counts}
+    taken: dict[str, int] = {}  # batch by batch: taking the mixed rows whole copies them
+    for batch in mixed.select_columns([SOURCE_COLUMN]).with_format("arrow").iter(10_000):
+        for c in batch[SOURCE_COLUMN].value_counts().to_pylist():
+            taken[c["values"]] = taken.get(c["values"], 0) + c["counts"]
     for name, _ in parts:
         source_stats[name][role]["rows_in_mixture"] = int(taken.get(name, 0))
     return mixed

@@ -82,26 +82,27 @@ def micro_batches(loader: DataLoader, epoch: int, start: int) -> Iterator[dict]:
         epoch, start = epoch + 1, 0
 
 
-def example_lengths(train_data, column: str) -> tuple[int, ...]:
+def example_lengths(train_data, column: str):
     """group_by_length's per-example lengths: the tokenized split's `column` (the tokenize
-    stage writes `length`), read as one Arrow column; a split tokenized before that column
-    existed falls back to counting its token lists."""
+    stage writes `length`), read from the memory-mapped split as one int32 numpy array (4
+    bytes a row: no Python int per row); a split tokenized before that column existed falls
+    back to counting its token lists."""
     import datasets
+    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from finetune.errors import PipelineError
 
     ds = datasets.load_from_disk(str(train_data))
-    if column in ds.column_names:
-        values = ds.with_format("arrow")[:][column]
-        if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
-            values = pc.list_value_length(values)  # a token column (QEfficient's input_ids)
-        return tuple(values.to_pylist())
-    if column == "length":
-        return tuple(pc.list_value_length(ds.with_format("arrow")[:]["input_ids"]).to_pylist())
-    raise PipelineError(f"training.length_column_name '{column}' is not a column of the "
-                        f"tokenized train split (columns: {', '.join(ds.column_names)})")
+    if column not in ds.column_names and column != "length":
+        raise PipelineError(f"training.length_column_name '{column}' is not a column of the "
+                            f"tokenized train split (columns: {', '.join(ds.column_names)})")
+    source = column if column in ds.column_names else "input_ids"
+    values = ds.with_format("arrow", columns=[source])[:][source]
+    if pa.types.is_list(values.type) or pa.types.is_large_list(values.type):
+        values = pc.list_value_length(values)  # a token column (QEfficient's input_ids)
+    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int32)
 
 
 def open_train_batches(t, train_data, d, collate_fn: Callable, stream=None,

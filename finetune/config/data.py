@@ -140,7 +140,9 @@ class DataConfig(Section):
         "(the prompt fills max_seq_length). A split where more than this fraction is dropped "
         "fails the stage instead.",
     )
-    num_proc: int = Field(1, gt=0, description="Worker processes for tokenization.")
+    num_proc: int | None = Field(
+        None, gt=0, description="Worker processes for tokenization; null: the usable cores "
+        "(os.sched_getaffinity). The tokenized bytes are the same for any number.")
     seed: int = Field(42, ge=0, le=2**32 - 1,
                       description="Seed for the train/test split and the stream shuffle.")
     collate_fn: str | None = Field(
