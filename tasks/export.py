@@ -91,6 +91,8 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
                          {**tracking.lineage_summary(lineage), **gguf_tags})
     # the guards' metrics and the standard errors, keyed as the training's MLflow run has them
     finetuned = {f"eval.{k}": v for k, v in (metrics.get("finetuned") or {}).items()}
+    finetuned.update({f"contamination.{name}.overlap_fraction": m["overlap_fraction"]
+                      for name, m in (metrics.get("contamination") or {}).items()})
     decision = registry.promote(client, name, version, gate_value, cfg.registry, finetuned)
     aliases = [cfg.registry.candidate_alias] + ([cfg.registry.champion_alias]
                                                  if decision.promoted else [])

@@ -109,9 +109,39 @@ def _with_difference(row: Row) -> Row:
     return row
 
 
+#: the candidate's contamination metrics (the evaluate stage's check), as MLflow has them
+CONTAMINATION = ("contamination.", ".overlap_fraction")
+
+
+def is_contamination(key: str) -> bool:
+    return key.startswith(CONTAMINATION[0]) and key.endswith(CONTAMINATION[1])
+
+
+def contamination_rows(cfg: RegistryConfig, candidate: dict) -> list[Row]:
+    """With registry.max_contamination: each evaluation set's overlap fraction at most that
+    (the candidate's alone: contamination is the training data's, not a comparison)."""
+    limit = cfg.max_contamination
+    if limit is None:
+        return []
+    keys = sorted(k for k in candidate if is_contamination(k))
+    if not keys:
+        return [Row("contamination", "contamination", None, None, None, f"<= {limit:g}", FAIL,
+                    "no contamination check in the evaluation (run the evaluate stage)")]
+    rows = []
+    for key in keys:
+        value = candidate[key]
+        row = Row(key, "contamination", None, value, None, f"<= {limit:g}",
+                  PASS if value <= limit else FAIL)
+        if row.verdict == FAIL:
+            row.why = f"{value:.6g} of its rows overlap the training rows"
+        rows.append(row)
+    return rows
+
+
 def judge(cfg: RegistryConfig, champion: dict, candidate: dict) -> list[Row]:
-    """The target's row, then each guard's."""
-    return [target_row(cfg, champion, candidate), *guard_rows(cfg, champion, candidate)]
+    """The target's row, then each guard's, then each contamination check's."""
+    return [target_row(cfg, champion, candidate), *guard_rows(cfg, champion, candidate),
+            *contamination_rows(cfg, candidate)]
 
 
 def _cell(value: float | None) -> str:

@@ -102,15 +102,21 @@ def promote(client, name: str, version: str, value: float | None,
                            "kept as candidate")
         decision.champion_version = str(champion.version) if champion else None
         return decision
-    candidate = {k: float(v) for k, v in (metrics or {}).items() if k in _gated_metrics(cfg)}
+    candidate = {k: float(v) for k, v in (metrics or {}).items()
+                 if k in _gated_metrics(cfg) or gate.is_contamination(k)}
     candidate[metric] = float(value)
     for key, number in candidate.items():
         client.set_model_version_tag(name, version, gate_tag(key), repr(number))
     if champion is None:
-        decision.promoted, decision.reason = True, "first model: no champion yet"
-        decision.table = [r.as_dict() for r in gate.judge(cfg, {}, candidate)]
+        rows = gate.judge(cfg, {}, candidate)
+        contaminated = [r for r in rows if r.role == "contamination" and r.verdict != gate.PASS]
+        decision.promoted = not contaminated
+        decision.reason = "first model: no champion yet" + "".join(
+            f"; refused: {r.metric} ({r.why})" for r in contaminated)
+        decision.table = [r.as_dict() for r in rows]
         for row in decision.table:
-            row["verdict"], row["why"] = "first model", ""
+            if row["role"] != "contamination":
+                row["verdict"], row["why"] = "first model", ""
     else:
         decision.champion_version = str(champion.version)
         champ_values = {key: v for key in _gated_metrics(cfg)
@@ -134,9 +140,12 @@ def promote(client, name: str, version: str, value: float | None,
             decision.reason = (f"{metric} {value:.6g} {verdict} champion v{champion.version}'s "
                                f"{champ:.6g} ({direction} is better, improvement {gain:+.6g}, "
                                f"minimum {minimum})")
-            if failed:
+            guards = [r for r in failed if r.role == "guard"]
+            if guards:
                 decision.reason += "; guard failed: " + ", ".join(
-                    f"{r.metric} ({r.why})" for r in failed)
+                    f"{r.metric} ({r.why})" for r in guards)
+            decision.reason += "".join(f"; refused: {r.metric} ({r.why})"
+                                       for r in failed if r.role == "contamination")
     if decision.promoted:
         _crown(client, name, version, cfg, champion)
     _record(client, name, version, decision, cfg)

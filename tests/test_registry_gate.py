@@ -101,6 +101,32 @@ def test_a_guard_dropped_beyond_its_allowance_blocks_promotion_and_says_why(mode
     assert table.startswith(f"{name} v{v2}: not promoted")
 
 
+def test_contamination_above_the_threshold_refuses_even_a_first_model(model):
+    """registry.max_contamination: a version whose evaluation found more of an eval set in the
+    training rows than allowed is not promoted (a first model neither), the table says which
+    set; a clean later one is."""
+    client, name, _ = model
+    cfg = RegistryConfig(gate_metric="eval.loss", max_contamination=0.01)
+    dirty = {"eval.loss": 2.0, "contamination.heldout.overlap_fraction": 0.025,
+             "contamination.harness.gsm8k_local.overlap_fraction": 0.0}
+    v1, first = _register(model, cfg, dirty)
+    assert not first.promoted and "champion" not in client.get_registered_model(name).aliases
+    assert first.reason == ("first model: no champion yet; refused: contamination.heldout."
+                            "overlap_fraction (0.025 of its rows overlap the training rows)")
+    _, recorded, table = _recorded(client, name, v1)
+    rows = {row["metric"]: row for row in recorded["table"]}
+    assert rows["contamination.heldout.overlap_fraction"]["verdict"] == "fail"
+    assert rows["contamination.harness.gsm8k_local.overlap_fraction"]["verdict"] == "pass"
+    assert "| contamination.heldout.overlap_fraction (contamination) | - | 0.025 | - | <= 0.01 |" \
+        in table
+    clean = {**dirty, "contamination.heldout.overlap_fraction": 0.0}
+    v2, second = _register(model, cfg, clean)
+    assert second.promoted and _champion(client, name) == v2
+    # a run whose evaluation measured nothing is refused too
+    _, third = _register(model, cfg, {"eval.loss": 1.0})
+    assert not third.promoted and "no contamination check" in third.reason
+
+
 def test_a_drop_within_the_allowance_in_standard_errors_is_promoted(model):
     client, name, _ = model
     cfg = RegistryConfig(gate_metric="eval.loss",

@@ -935,6 +935,11 @@ RULES: list[Rule] = [
     Agree("config", ("registry.guard_metrics", "registry.min_improvement_stderr",
                      "eval.harness.tasks"), _guards,
           example={"registry.guard_metrics": [{"metric": "eval.perplexity"}]}),
+    Refuse("config", "registry.max_contamination",
+           _in("eval.contamination_ngram null", lambda c: c.eval.contamination_ngram is None),
+           "the evaluate stage measures no contamination to gate on; set "
+           "eval.contamination_ngram (13) or registry.max_contamination: null",
+           used=lambda c: c.registry.max_contamination is not None, example={"registry.max_contamination": 0.01, "eval.contamination_ngram": None}),
     Agree("config", ("registry.gate_metric", "eval.generation_metrics"), _gate_computed,
           example={"registry.gate_metric": "eval.exact_match", "eval.generation_metrics": []}),
     *(Refuse("config", key, CLASSIFIER, why, used=used, example={

@@ -297,6 +297,10 @@ class RegistryConfig(Section):
         "one to hold, i.e. the new model is not worse than the champion at `metric` by more "
         "than `max_drop` (absolute) or `max_drop_stderr` (standard errors); set exactly one. "
         "Each verdict is recorded (model-version tags gate.*, artifact gate/decision.json).")
+    max_contamination: float | None = Field(
+        None, ge=0, le=1, description="Refuse promotion when any evaluation set's "
+        "contamination.<set>.overlap_fraction (the evaluate stage's check: the share of its "
+        "rows sharing an n-gram with the training rows) is above this; None: not gated.")
     candidate_alias: str = Field("candidate", description="Alias every new version gets.")
     champion_alias: str = Field("champion", description="Alias of the version in service.")
 
