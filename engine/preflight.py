@@ -106,8 +106,9 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
 
 
 def check_world_size(cfg: FinetuneConfig, checkpoints: Path) -> None:
-    """Before any process starts: a resume of the newest checkpoint written at another world
-    size or strategy is refused from its meta.json alone (no file hashing)."""
+    """Before any process starts: a resume of the newest checkpoint that this strategy and
+    world size cannot continue (DiLoCo or pipeline on another world size, another strategy
+    family) is refused from its meta.json alone (no file hashing)."""
     from engine.state import checkpoint as ckpt
     from engine.state.trainer_state import check_resumable
 
@@ -138,20 +139,19 @@ def newest_checkpoint(checkpoints: Path) -> tuple[Path, dict] | None:
 
 def checkpoint_of_this_run(cfg: FinetuneConfig, paths: RunPaths) -> tuple[Path, dict] | None:
     """The newest checkpoint if `resume_from_checkpoint: true` with these params would
-    continue it (its fingerprint matches, at this world size and strategy), else None: what
+    continue it (its fingerprint matches, under a strategy and world size that can resume
+    it), else None: what
     an interrupted stage points the user to. An earlier run's checkpoint stays in the folder
     until this run saves its first one, so the newest is not always this run's. A null
     training.seed was drawn by the stage, so the seed is not compared."""
     from engine.state import fingerprint
-    from engine.state.trainer_state import belongs_to_run
+    from engine.state.trainer_state import belongs_to_run, resumable_shape
 
     newest = newest_checkpoint(paths.checkpoints)
     if newest is None:
         return None
     path, meta = newest
-    same_shape = (meta.get("world_size") == cfg.distributed.world_size
-                  and meta.get("strategy", cfg.distributed.resolved_strategy)
-                  == cfg.distributed.resolved_strategy)
+    same_shape = resumable_shape(meta, cfg.distributed)
     unseeded = ("training.seed",) if cfg.training.seed is None else ()
     if same_shape and belongs_to_run(meta, lambda: fingerprint.of_run(cfg, paths),
                                      cfg.checkpoint, ignore=unseeded):

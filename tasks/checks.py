@@ -185,8 +185,8 @@ def check_sources(ws: Workspace) -> None:
 
 
 def check_world_size(ws: Workspace) -> None:
-    """Before any process starts: a resume of the newest checkpoint written at another world
-    size or strategy is refused from its meta.json alone (engine.preflight)."""
+    """Before any process starts: a resume of the newest checkpoint that this strategy and
+    world size cannot continue is refused from its meta.json alone (engine.preflight)."""
     from engine.preflight import check_world_size as check
 
     check(ws.config, ws.layout.checkpoints)
