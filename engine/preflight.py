@@ -115,6 +115,22 @@ def check_world_size(cfg: FinetuneConfig, checkpoints: Path) -> None:
     newest = ckpt.newest_meta(checkpoints)
     if newest is not None:
         check_resumable(newest[1], newest[0], cfg.distributed)
+        check_global_batch(cfg, newest[0], newest[1])
+
+
+def check_global_batch(cfg: FinetuneConfig, path: Path, meta: dict) -> None:
+    """From meta.json alone: a resume must keep the checkpoint's examples per optimizer step
+    (on any world size); the same one-line refusal as the worker's full fingerprint check."""
+    from engine.state.fingerprint import global_batch_refusal
+    from finetune.config.fingerprint import GLOBAL_BATCH, batch_split, global_batch
+
+    if GLOBAL_BATCH in cfg.checkpoint.resume_ignore_changes:
+        return
+    line = global_batch_refusal(path, meta.get("fingerprint") or {},
+                                {"config": {GLOBAL_BATCH: global_batch(cfg)},
+                                 "batch": batch_split(cfg)})
+    if line is not None:
+        raise PipelineError(line)
 
 
 def seed_of_resumed_checkpoint(cfg: FinetuneConfig, paths: RunPaths) -> int | None:
