@@ -205,9 +205,10 @@ def test_resume_that_cannot_reshard_is_refused_before_torchrun_starts(tokenized,
         for params, refusal in (
                 (diloco, "world size 1 but this run is diloco with world size 2; diloco resumes "
                          "only with the strategy and world size that wrote it"),
-                ({**DDP2, "distributed.diloco": None}, r"has global batch 4 \(per_device_train_batch_size 4 x "
-                       r"gradient_accumulation_steps 1 x world size 1\); this run's is 8 .*: "
-                       "set training.per_device_train_batch_size 2 to resume$")):
+                ({**DDP2, "distributed.diloco": None},
+                 r"has global batch 4 \(per_device_train_batch_size 4 x "
+                 r"gradient_accumulation_steps 1 x world size 1\); this run's is 8 .*: "
+                 "set training.per_device_train_batch_size 2 to resume$")):
             write_params(project, {**params, "checkpoint.resume_from_checkpoint": True})
             with pytest.raises(PipelineError, match=refusal):
                 train(Workspace.load(project / "params/default.yaml"))

@@ -101,8 +101,9 @@ def export_loads(project) -> None:
 
 def refuses_another_world_size(project, world: int, overrides: dict) -> None:
     """DiLoCo keeps per-worker state that is not resharded: another world size is refused
-    before any training step, with every checkpoint and curve left as it was. In this process, with the job the train stage
-    hands torchrun (the CLI's one-line contract for such refusals: tests/test_reliability.py)."""
+    before any training step, with every checkpoint and curve left as it was. In this
+    process, with the job the train stage hands torchrun (the CLI's one-line contract for
+    such refusals: tests/test_reliability.py)."""
     from finetune.errors import PipelineError
 
     write_params(project, {**overrides, "checkpoint.resume_from_checkpoint": True})
@@ -133,8 +134,9 @@ def test_fsdp2_with_accumulation_matches_ddp_and_resumes_after_sigkill(tokenized
                                                                       single_run, tmp_path):
     """FSDP2, 2 ranks x batch 2 x accumulation 2 (reduce-scatter skipped on the first micro-batch)
     sees the same examples per step as DDP 2 x 4: equal losses in fp32. Killed after its first
-    (sharded) checkpoint, it resumes bitwise; resharded, on one process too. It builds the model on meta: sharded before any
-    weight exists, each rank reads only its shard of every stored tensor."""
+    (sharded) checkpoint, it resumes bitwise; resharded, on one process too. It builds the
+    model on meta: sharded before any weight exists, each rank reads only its shard of every
+    stored tensor."""
     params = {**SGD, **TWO, "distributed.strategy": "fsdp2",
               "distributed.fsdp.reshard_after_forward": True,
               "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2,

@@ -1,9 +1,9 @@
 """Where a training run is: the one record the loop, checkpoints and callbacks read.
 
 The persisted part (step, epoch, micro-batch position, tokens seen; with it the checkpoint
-records the global sample count of the epoch) is what exact resume restores. The rest is this process's running counters: the current logging window (loss kept
-on the device until a logging step, so no host sync per step) and how full the batches were
-(padding, packing).
+records the global sample count of the epoch) is what exact resume restores. The rest is this
+process's running counters: the current logging window (loss kept on the device until a
+logging step, so no host sync per step) and how full the batches were (padding, packing).
 """
 
 from __future__ import annotations
