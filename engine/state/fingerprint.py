@@ -36,6 +36,8 @@ from finetune.config import FinetuneConfig
 from finetune.config.fingerprint import (
     CONTENT_KEYS,
     GLOBAL_BATCH,
+    RESHARDABLE,
+    RESHARDABLE_LABEL,
     SPLIT_KEYS,
     batch_split,
     config_part,
@@ -70,7 +72,7 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, st
     if not old:
         return {"fingerprint": "none recorded (a checkpoint from before fingerprints)"}
     found = {}
-    before, after = old.get("config", {}), new["config"]
+    before, after = _upgraded(old.get("config", {})), new["config"]
     for key in sorted(set(before) | set(after)):
         was, now = before.get(key, "<unset>"), after.get(key, "<unset>")
         if was != now:
@@ -81,10 +83,26 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, st
     return found
 
 
+def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
+    """A fingerprint recorded before the global batch replaced the world size and its split
+    (and before single, ddp and fsdp2 shared one strategy value), in today's terms: such a
+    checkpoint still resumes, and on another world size too."""
+    if GLOBAL_BATCH in config or "distributed.world_size" not in config:
+        return config
+    config = dict(config)
+    split = [config.pop(f"training.{key}", None) for key in SPLIT_KEYS]
+    world = config.pop("distributed.world_size")
+    if None not in split:
+        config[GLOBAL_BATCH] = split[0] * split[1] * world
+    if config.get("distributed.strategy") in RESHARDABLE:
+        config["distributed.strategy"] = RESHARDABLE_LABEL
+    return config
+
+
 def global_batch_refusal(path: Path, old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """One line when the checkpoint's global batch differs from this run's, naming how each
     is split and which key would restore it; None when it is the same."""
-    was, now = old.get("config", {}).get(GLOBAL_BATCH), new["config"][GLOBAL_BATCH]
+    was, now = _upgraded(old.get("config", {})).get(GLOBAL_BATCH), new["config"][GLOBAL_BATCH]
     if was is None or was == now:
         return None
     split = new["batch"]
