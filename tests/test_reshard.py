@@ -72,3 +72,18 @@ def test_a_fingerprint_from_before_the_global_batch_resumes_in_todays_terms():
     assert differences(old, fingerprint(4, 1, 1)) == {"training.global_batch_size": "8 -> 4"}
     assert global_batch_refusal("ckpt", old, fingerprint(4, 1, 1)).startswith(
         "checkpoint ckpt has global batch 8; this run's is 4 (")
+
+
+def test_a_rank_the_checkpoint_has_no_rng_file_for_gets_a_state_of_its_own():
+    """Derived from (seed, rank, step): the same on every resume, different per rank, and
+    deriving it leaves the process's current RNG as it was."""
+    import torch
+
+    from engine.state.checkpoint import derived_rng_state
+
+    before = torch.get_rng_state()
+    one, again = derived_rng_state(42, 1, 3), derived_rng_state(42, 1, 3)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(one["torch"], again["torch"]) and one["python"] == again["python"]
+    others = [derived_rng_state(42, 2, 3), derived_rng_state(42, 1, 4), derived_rng_state(7, 1, 3)]
+    assert all(not torch.equal(one["torch"], other["torch"]) for other in others)
