@@ -156,9 +156,9 @@ def newest_checkpoint(checkpoints: Path) -> tuple[Path, dict] | None:
 def checkpoint_of_this_run(cfg: FinetuneConfig, paths: RunPaths) -> tuple[Path, dict] | None:
     """The newest checkpoint if `resume_from_checkpoint: true` with these params would
     continue it (its fingerprint matches, under a strategy and world size that can resume
-    it), else None: what
-    an interrupted stage points the user to. An earlier run's checkpoint stays in the folder
-    until this run saves its first one, so the newest is not always this run's. A null
+    it), else None: what an interrupted stage points the user to. An earlier run's checkpoint
+    stays in the folder until this run saves its first one, so the newest is not always this
+    run's. A null
     training.seed was drawn by the stage, so the seed is not compared."""
     from engine.state import fingerprint
     from engine.state.trainer_state import belongs_to_run, resumable_shape

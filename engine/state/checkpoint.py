@@ -7,9 +7,8 @@ Layout of `<dir>/step-0000050/`:
   a rank without a file gets a state derived from (seed, rank, step) (`derived_rng_state`);
 - `trainer.pt`: scheduler, GradScaler, strategy extras and the metric history (rank 0);
 - `meta.json`, written last: data position (with the epoch's global sample count), world
-  size, strategy, SHA-256 of every file, and
-  `meta_sha256`, the SHA-256 of the rest of meta.json itself (a flipped step or position is
-  detected like a corrupted shard).
+  size, strategy, SHA-256 of every file, and `meta_sha256`, the SHA-256 of the rest of
+  meta.json itself (a flipped step or position is detected like a corrupted shard).
 
 All ranks write into one hidden staging folder, which rank 0 renames into place once everything
 is on disk, so a crash mid-save leaves the previous checkpoint valid. A half-written or corrupted

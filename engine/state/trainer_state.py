@@ -68,8 +68,8 @@ def check_resumable(meta: dict, path: Path, dist: DistributedConfig) -> None:
     """single, ddp and fsdp2 resume each other's checkpoints on any world size: DCP reshards
     the weights and optimizer state, the data position is a global sample count, and the
     fingerprint checks that the global batch is the same. DiLoCo and pipeline keep per-worker
-    or per-stage state that is not resharded: the same world size and strategy (`resolved_strategy`:
-    ddp with one process is single) only."""
+    or per-stage state that is not resharded: the same world size and strategy only (the
+    strategy that ran, `resolved_strategy`: ddp with one process is single)."""
     world, strategy = dist.world_size, dist.resolved_strategy
     was_world, was = meta.get("world_size"), meta.get("strategy", strategy)
     if was in RESHARDABLE and strategy in RESHARDABLE:
