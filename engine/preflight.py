@@ -106,14 +106,31 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
 
 
 def check_world_size(cfg: FinetuneConfig, checkpoints: Path) -> None:
-    """Before any process starts: a resume of the newest checkpoint written at another world
-    size or strategy is refused from its meta.json alone (no file hashing)."""
+    """Before any process starts: a resume of the newest checkpoint that this strategy and
+    world size cannot continue (DiLoCo or pipeline on another world size, another strategy
+    family) is refused from its meta.json alone (no file hashing)."""
     from engine.state import checkpoint as ckpt
     from engine.state.trainer_state import check_resumable
 
     newest = ckpt.newest_meta(checkpoints)
     if newest is not None:
         check_resumable(newest[1], newest[0], cfg.distributed)
+        check_global_batch(cfg, newest[0], newest[1])
+
+
+def check_global_batch(cfg: FinetuneConfig, path: Path, meta: dict) -> None:
+    """From meta.json alone: a resume must keep the checkpoint's examples per optimizer step
+    (on any world size); the same one-line refusal as the worker's full fingerprint check."""
+    from engine.state.fingerprint import global_batch_refusal
+    from finetune.config.fingerprint import GLOBAL_BATCH, batch_split, global_batch
+
+    if GLOBAL_BATCH in cfg.checkpoint.resume_ignore_changes:
+        return
+    line = global_batch_refusal(path, meta.get("fingerprint") or {},
+                                {"config": {GLOBAL_BATCH: global_batch(cfg)},
+                                 "batch": batch_split(cfg)})
+    if line is not None:
+        raise PipelineError(line)
 
 
 def seed_of_resumed_checkpoint(cfg: FinetuneConfig, paths: RunPaths) -> int | None:
@@ -138,20 +155,19 @@ def newest_checkpoint(checkpoints: Path) -> tuple[Path, dict] | None:
 
 def checkpoint_of_this_run(cfg: FinetuneConfig, paths: RunPaths) -> tuple[Path, dict] | None:
     """The newest checkpoint if `resume_from_checkpoint: true` with these params would
-    continue it (its fingerprint matches, at this world size and strategy), else None: what
-    an interrupted stage points the user to. An earlier run's checkpoint stays in the folder
-    until this run saves its first one, so the newest is not always this run's. A null
+    continue it (its fingerprint matches, under a strategy and world size that can resume
+    it), else None: what an interrupted stage points the user to. An earlier run's checkpoint
+    stays in the folder until this run saves its first one, so the newest is not always this
+    run's. A null
     training.seed was drawn by the stage, so the seed is not compared."""
     from engine.state import fingerprint
-    from engine.state.trainer_state import belongs_to_run
+    from engine.state.trainer_state import belongs_to_run, resumable_shape
 
     newest = newest_checkpoint(paths.checkpoints)
     if newest is None:
         return None
     path, meta = newest
-    same_shape = (meta.get("world_size") == cfg.distributed.world_size
-                  and meta.get("strategy", cfg.distributed.resolved_strategy)
-                  == cfg.distributed.resolved_strategy)
+    same_shape = resumable_shape(meta, cfg.distributed)
     unseeded = ("training.seed",) if cfg.training.seed is None else ()
     if same_shape and belongs_to_run(meta, lambda: fingerprint.of_run(cfg, paths),
                                      cfg.checkpoint, ignore=unseeded):

@@ -140,13 +140,16 @@ def _check_targets(ws: Workspace, model_config) -> None:
 
 
 def check_resume_target(ws: Workspace) -> None:
-    """A named checkpoint exists whole and was written at this world size and strategy; with
-    resume_from_checkpoint: true, the newest one was (meta.json alone, no file hashing)."""
+    """A named checkpoint exists whole, and this strategy and world size can continue it with
+    its global batch; with resume_from_checkpoint: true, the newest one (meta.json alone, no
+    file hashing)."""
     from engine.state.trainer_state import resumable_path
 
     mode = ws.config.checkpoint.resume_from_checkpoint
     if isinstance(mode, str) and mode != "auto":
-        resumable_path(mode, ws.root, ws.config.distributed)
+        from engine.preflight import check_global_batch
+
+        check_global_batch(ws.config, *resumable_path(mode, ws.root, ws.config.distributed))
     elif mode is True:
         check_world_size(ws)
 
@@ -185,8 +188,8 @@ def check_sources(ws: Workspace) -> None:
 
 
 def check_world_size(ws: Workspace) -> None:
-    """Before any process starts: a resume of the newest checkpoint written at another world
-    size or strategy is refused from its meta.json alone (engine.preflight)."""
+    """Before any process starts: a resume of the newest checkpoint that this strategy and
+    world size cannot continue is refused from its meta.json alone (engine.preflight)."""
     from engine.preflight import check_world_size as check
 
     check(ws.config, ws.layout.checkpoints)

@@ -339,13 +339,10 @@ def resume_from_checkpoint_in_process(src: Path, tmp_path: Path, params: dict, a
     return resume_cut_back(full, tmp_path, at, train_in_place)
 
 
-def resume_cut_back(full: Path, tmp_path: Path, at: int, resume=None) -> str:
-    """A copy of the finished run `full` cut back to its step-`at` checkpoint, resumed with
-    `resume(project)` (default: through the stage); asserts it ends exactly as `full`."""
-    import torch
-
-    resume = resume or (lambda project: run_cli(project, "stage", "train", check=True))
-    cut = tmp_path / "cut"
+def cut_back(full: Path, cut: Path, at: int, overrides: dict | None = None) -> Path:
+    """A copy of the finished run `full` as a crash right after its step-`at` checkpoint
+    leaves it (later checkpoints, the trained model and the curves gone), set to resume
+    (with `overrides`: e.g. another number of processes)."""
     shutil.copytree(full, cut, symlinks=True)
     for checkpoint in (cut / "data/checkpoints").glob("step-*"):
         if int(checkpoint.name.removeprefix("step-")) > at:
@@ -353,7 +350,17 @@ def resume_cut_back(full: Path, tmp_path: Path, at: int, resume=None) -> str:
     shutil.rmtree(cut / "data/trained")
     for curve in ("train.csv", "eval.csv"):
         (cut / "data/plots" / curve).unlink(missing_ok=True)
-    write_params(cut, {"checkpoint.resume_from_checkpoint": True})
+    write_params(cut, {**(overrides or {}), "checkpoint.resume_from_checkpoint": True})
+    return cut
+
+
+def resume_cut_back(full: Path, tmp_path: Path, at: int, resume=None) -> str:
+    """A copy of the finished run `full` cut back to its step-`at` checkpoint, resumed with
+    `resume(project)` (default: through the stage); asserts it ends exactly as `full`."""
+    import torch
+
+    resume = resume or (lambda project: run_cli(project, "stage", "train", check=True))
+    cut = cut_back(full, tmp_path / "cut", at)
     out = resume(cut).stdout
     assert f"step-{at:07d} at step {at}" in out, out
     a, b = adapter(full), adapter(cut)
@@ -361,6 +368,27 @@ def resume_cut_back(full: Path, tmp_path: Path, at: int, resume=None) -> str:
     assert all(torch.equal(a[k], b[k]) for k in a), "resumed weights differ from uninterrupted"
     assert losses(cut) == losses(full)
     return out
+
+
+@contextlib.contextmanager
+def rows_seen():
+    """Which split rows each optimizer step of an in-process run consumed (step index ->
+    set of row ids), read where the loop counts a micro-batch as consumed (prefetched ones
+    it never trains on are not counted): a test-only observer, the batch is not changed."""
+    from engine.reporting.progress import Progress
+
+    seen: dict[int, set[int]] = {}
+    original = Progress.consume
+
+    def consume(self, batch):
+        seen.setdefault(self.step, set()).update(batch["rows"].tolist())
+        return original(self, batch)
+
+    Progress.consume = consume
+    try:
+        yield seen
+    finally:
+        Progress.consume = original
 
 
 # -- small readers shared by test_training and test_run_control --------------------------

@@ -181,16 +181,17 @@ def test_resume_ignore_changes_names_only_fingerprint_keys():
                       "checkpoint": {"resume_ignore_changes": ["logging.logging_steps"]}})
 
 
-def test_resume_at_another_world_size_is_refused_before_torchrun_starts(tokenized, tmp_path):
-    """The checkpoint's meta.json says world size 1; the params now say 2 processes: the stage
-    refuses before it starts any process (observed with an audit hook on subprocess.Popen)."""
+def test_resume_that_cannot_reshard_is_refused_before_torchrun_starts(tokenized, tmp_path):
+    """The checkpoint's meta.json says one process. Two DiLoCo workers cannot continue it
+    (DiLoCo's per-worker state is not resharded), and two DDP ranks with the same
+    micro-batch would double the global batch: the stage refuses either in one line before
+    it starts any process (observed with an audit hook on subprocess.Popen)."""
     import sys
 
     from finetune.workspace import Workspace
     from tasks.train import train
 
     project, _ = train_here(tokenized, tmp_path / "p")
-    write_params(project, {**DDP2, "checkpoint.resume_from_checkpoint": True})
     launched, watching = [], [True]
 
     def audit(event, args):
@@ -198,9 +199,19 @@ def test_resume_at_another_world_size_is_refused_before_torchrun_starts(tokenize
             launched.append(args[1])
 
     sys.addaudithook(audit)
+    diloco = {"distributed.strategy": "diloco", "distributed.nproc_per_node": 2,
+              "distributed.diloco.inner_steps": 3, "distributed.diloco.diloco_loops": 2}
     try:
-        with pytest.raises(PipelineError, match="world size 1 but this run is ddp with world size 2"):
-            train(Workspace.load(project / "params/default.yaml"))
+        for params, refusal in (
+                (diloco, "world size 1 but this run is diloco with world size 2; diloco resumes "
+                         "only with the strategy and world size that wrote it"),
+                ({**DDP2, "distributed.diloco": None},
+                 r"has global batch 4 \(per_device_train_batch_size 4 x "
+                 r"gradient_accumulation_steps 1 x world size 1\); this run's is 8 .*: "
+                 "set training.per_device_train_batch_size 2 to resume$")):
+            write_params(project, {**params, "checkpoint.resume_from_checkpoint": True})
+            with pytest.raises(PipelineError, match=refusal):
+                train(Workspace.load(project / "params/default.yaml"))
     finally:
         watching[0] = False
     assert launched == []

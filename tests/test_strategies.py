@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +16,12 @@ from helpers import (
     BIN,
     adapter,
     assert_weights_close,
+    cut_back,
     interrupt_then_resume,
     losses,
     resume_cut_back,
+    rows_seen,
+    run_cli,
     stage_outputs,
     stages_here,
     train_copy,
@@ -56,6 +60,33 @@ def diloco_run(tokenized, tmp_path_factory):
     return project
 
 
+@pytest.fixture(scope="module")
+def single_run(tokenized, tmp_path_factory):
+    """One process x batch 8: the examples of DDP 2 x 4 per step; with the rows each step read."""
+    with rows_seen() as rows:
+        project, _ = train_here(tokenized, tmp_path_factory.mktemp("single") / "p", {
+            **SGD, "training.per_device_train_batch_size": 8})
+    return project, rows
+
+
+def resumes_on_another_world_size(full, reference, cut: Path, overrides: dict,
+                                  rows: dict | None = None) -> None:
+    """`full` cut back to its step-3 checkpoint and resumed with `overrides` (another number
+    of processes, the same global batch) ends as `reference` did: losses within 1e-5 (fp32
+    SGD; only the reduction order differs) and, in this process, the same rows per step."""
+    cut_back(full, cut, 3, overrides)
+    if overrides.get("distributed.nproc_per_node", 1) > 1:
+        out = run_cli(cut, "stage", "train", check=True).stdout
+    else:
+        with rows_seen() as seen:
+            out = train_in_place(cut).stdout
+        assert seen == {step: rows[step] for step in (3, 4, 5)}
+    assert "step-0000003 at step 3" in out, out
+    assert train_metrics(cut)["world_size"] == overrides.get("distributed.nproc_per_node", 1)
+    assert losses(cut) == pytest.approx(losses(reference), abs=1e-5)
+    assert_weights_close(adapter(cut), adapter(reference))
+
+
 def export_loads(project) -> None:
     """LoRA trained under a strategy exports to a merged HF folder that loads and runs (the
     export stage's function in this process: no process boundary is under test here)."""
@@ -69,9 +100,10 @@ def export_loads(project) -> None:
 
 
 def refuses_another_world_size(project, world: int, overrides: dict) -> None:
-    """A different world size cannot resume exactly: refused before any training step, with
-    every checkpoint and curve left as it was. In this process, with the job the train stage
-    hands torchrun (the CLI's one-line contract for such refusals: tests/test_reliability.py)."""
+    """DiLoCo keeps per-worker state that is not resharded: another world size is refused
+    before any training step, with every checkpoint and curve left as it was. In this
+    process, with the job the train stage hands torchrun (the CLI's one-line contract for
+    such refusals: tests/test_reliability.py)."""
     from finetune.errors import PipelineError
 
     write_params(project, {**overrides, "checkpoint.resume_from_checkpoint": True})
@@ -81,9 +113,8 @@ def refuses_another_world_size(project, world: int, overrides: dict) -> None:
     assert stage_outputs(project) == before
 
 
-def test_ddp_two_ranks_match_one_rank_with_double_batch(tokenized, ddp_run, tmp_path):
-    single, _ = train_here(tokenized, tmp_path / "s", {
-        **SGD, "training.per_device_train_batch_size": 8})
+def test_ddp_two_ranks_match_one_rank_with_double_batch(ddp_run, single_run):
+    single, _ = single_run
     assert train_metrics(ddp_run)["world_size"] == 2 and train_metrics(single)["world_size"] == 1
     assert losses(ddp_run) == pytest.approx(losses(single), abs=1e-5)
     assert_weights_close(adapter(single), adapter(ddp_run))
@@ -100,11 +131,12 @@ def test_ddp_counts_exactly_its_gradient_bytes(ddp_run):
 
 
 def test_fsdp2_with_accumulation_matches_ddp_and_resumes_after_sigkill(tokenized, ddp_run,
-                                                                      tmp_path):
+                                                                      single_run, tmp_path):
     """FSDP2, 2 ranks x batch 2 x accumulation 2 (reduce-scatter skipped on the first micro-batch)
     sees the same examples per step as DDP 2 x 4: equal losses in fp32. Killed after its first
-    (sharded) checkpoint, it resumes bitwise. It builds the model on meta: sharded before any
-    weight exists, each rank reads only its shard of every stored tensor."""
+    (sharded) checkpoint, it resumes bitwise; resharded, on one process too. It builds the
+    model on meta: sharded before any weight exists, each rank reads only its shard of every
+    stored tensor."""
     params = {**SGD, **TWO, "distributed.strategy": "fsdp2",
               "distributed.fsdp.reshard_after_forward": True,
               "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2,
@@ -121,9 +153,40 @@ def test_fsdp2_with_accumulation_matches_ddp_and_resumes_after_sigkill(tokenized
     _, cut, stdout = interrupt_then_resume(tokenized, tmp_path, params, full=project)
     assert "at step 3" in stdout
     export_loads(project)
-    refuses_another_world_size(cut, 2, {"distributed.nproc_per_node": 1,
-                                        "distributed.strategy": "single",
-                                        "distributed.fsdp": None})
+    # the sharded checkpoint resumes on one process (accumulation 4 keeps the global batch)
+    resumes_on_another_world_size(project, ddp_run, tmp_path / "one", {
+        "distributed.nproc_per_node": 1, "training.gradient_accumulation_steps": 4},
+        single_run[1])
+
+
+def test_ddp_checkpoint_resumes_on_one_process_and_one_process_on_two(
+        ddp_run, single_run, tmp_path):
+    """DDP 2 x 4 cut back to step 3 resumes on one process (batch 4 x accumulation 2); one
+    process x 8 resumes on two (batch 4 each): each ends as the uninterrupted run."""
+    single, rows = single_run
+    resumes_on_another_world_size(ddp_run, ddp_run, tmp_path / "one", {
+        "distributed.nproc_per_node": 1, "training.gradient_accumulation_steps": 2}, rows)
+    resumes_on_another_world_size(single, single, tmp_path / "two", {
+        **TWO, "distributed.strategy": "ddp", "training.per_device_train_batch_size": 4})
+
+
+def test_another_global_batch_is_refused_naming_the_keys(ddp_run, tmp_path):
+    """Two processes x 4 cannot continue on one process x 4 (4 examples a step, not 8): one
+    line naming both splits and the key that restores it, before anything is written."""
+    from finetune.errors import PipelineError
+
+    cut = cut_back(ddp_run, tmp_path / "cut", 3, {"distributed.nproc_per_node": 1})
+    before = stage_outputs(cut)
+    with pytest.raises(PipelineError) as refused:
+        train_in_place(cut)
+    line = str(refused.value)
+    assert line.startswith("checkpoint ") and "\n" not in line, line
+    assert line.split("step-0000003 ", 1)[1] == (
+        "has global batch 8 "
+        "(per_device_train_batch_size 4 x gradient_accumulation_steps 1 x world size 2); this "
+        "run's is 4 (per_device_train_batch_size 4 x gradient_accumulation_steps 1 x world "
+        "size 1): set training.gradient_accumulation_steps 2 to resume")
+    assert stage_outputs(cut) == before
 
 
 def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(

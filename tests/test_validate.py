@@ -98,7 +98,7 @@ def test_the_code_references_are_the_user_functions():
         "training.compute_loss_func", "model.model_init", "data.collate_fn"}
 
 
-def test_validate_passes_the_default_and_checks_a_resume_at_another_world_size(
+def test_validate_passes_the_default_and_checks_a_resume_on_another_world_size(
         project, tokenized, tmp_path, capsys, monkeypatch):
     assert validate(project, capsys, monkeypatch) == (0, "")
     run, _ = train_here(tokenized, tmp_path / "run", {
@@ -106,12 +106,17 @@ def test_validate_passes_the_default_and_checks_a_resume_at_another_world_size(
         "checkpoint.save_steps": 2})
     code, line = validate(run, capsys, monkeypatch, "checkpoint.resume_from_checkpoint=true",
                           "distributed.strategy=ddp", "distributed.nproc_per_node=2")
-    assert code == 2 and "was written by strategy single with world size 1 but this run is " \
-        "ddp with world size 2" in line, line
+    assert code == 2 and "has global batch 4 (per_device_train_batch_size 4 x " \
+        "gradient_accumulation_steps 1 x world size 1); this run's is 8" in line, line
     code, line = validate(run, capsys, monkeypatch,
                           "checkpoint.resume_from_checkpoint=data/checkpoints/step-0000002",
-                          "distributed.strategy=ddp", "distributed.nproc_per_node=2")
-    assert code == 2 and "world size 1" in line, line
+                          "distributed.strategy=diloco", "distributed.nproc_per_node=2",
+                          "+distributed.diloco.inner_steps=2", "+distributed.diloco.diloco_loops=1")
+    assert code == 2 and "world size 1 but this run is diloco with world size 2" in line, line
+    # the same global batch on two processes: resharded, so it validates
+    assert validate(run, capsys, monkeypatch, "checkpoint.resume_from_checkpoint=true",
+                    "distributed.strategy=ddp", "distributed.nproc_per_node=2",
+                    "training.per_device_train_batch_size=2") == (0, "")
     write_params(run, {"checkpoint.resume_from_checkpoint": "data/checkpoints/step-0000002"})
     assert validate(run, capsys, monkeypatch) == (0, "")
 

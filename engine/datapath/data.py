@@ -2,11 +2,14 @@
 
 Global batch k is `perm[k*B : (k+1)*B]` with B = micro-batch x world size, and rank r takes the
 r-th contiguous slice. So 2 ranks x batch b see exactly the examples 1 rank x batch 2b sees,
-which is what makes DDP vs single runs comparable bit for bit, and the position in an epoch is
-just "batches consumed": enough to resume exactly. An epoch holds whole optimizer steps
-(micro x world x accumulation examples each); the remainder is dropped, so no step straddles
-two epochs and batch b x accumulation k sees exactly what batch k*b sees (or, with
-drop_last false, the last step is filled with examples from the start of the epoch).
+which is what makes DDP vs single runs comparable bit for bit. The permutation does not depend
+on the world size, so the position in an epoch is a global sample count (batches consumed x
+B): a checkpoint resumes exactly on another world size with the same examples per optimizer
+step (group_by_length sorts within mega-batches of whole optimizer steps for the same
+reason). An epoch holds whole optimizer steps (micro x world x accumulation examples each);
+the remainder is dropped, so no step straddles two epochs and batch b x accumulation k sees
+exactly what batch k*b sees (or, with drop_last false, the last step is filled with examples
+from the start of the epoch).
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ class ShardedBatches:
 
     def _grouped(self, perm: list[int]) -> list[int]:
         """HF's LengthGroupedSampler idea, per global batch: the shuffled order is cut into
-        mega-batches of 50 global batches, each sorted longest first, so a batch (and each
-        rank's share of it) holds similar lengths and pads little. Still seeded per epoch."""
-        mega = self.global_batch * MEGABATCH_MULT
+        mega-batches of 50 optimizer steps' examples (the same for any split of the global
+        batch), each sorted longest first, so a batch (and each rank's share of it) holds
+        similar lengths and pads little. Still seeded per epoch."""
+        mega = self.global_batch * self.accumulation * MEGABATCH_MULT
         out: list[int] = []
         for start in range(0, len(perm), mega):
             chunk = perm[start : start + mega]

@@ -1,9 +1,9 @@
 """Where a training run is: the one record the loop, checkpoints and callbacks read.
 
-The persisted part (step, epoch, micro-batch position, tokens seen) is what exact resume
-restores. The rest is this process's running counters: the current logging window (loss kept
-on the device until a logging step, so no host sync per step) and how full the batches were
-(padding, packing).
+The persisted part (step, epoch, micro-batch position, tokens seen; with it the checkpoint
+records the global sample count of the epoch) is what exact resume restores. The rest is this
+process's running counters: the current logging window (loss kept on the device until a
+logging step, so no host sync per step) and how full the batches were (padding, packing).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.reporting.callbacks import TrainState
+from finetune.errors import PipelineError
 
 POSITION = ("step", "epoch", "batch_in_epoch", "tokens_seen")
 
@@ -52,9 +53,24 @@ class Progress:
     def position(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in POSITION}
 
-    def restore(self, meta: dict) -> None:
+    def restore(self, meta: dict, micro_batch_samples: int | None = None) -> None:
+        """The checkpoint's position. `micro_batch_samples`: examples per micro-batch index on
+        all ranks together in this run; when the checkpoint's differed (another world size or
+        micro-batch), the position within the epoch comes from its global sample count, so the
+        run continues with the first example the checkpointed run had not seen (the order is
+        global: engine.datapath.data.ShardedBatches)."""
         for key in POSITION:
             setattr(self, key, int(meta[key]))
+        samples = meta.get("samples_in_epoch")
+        if micro_batch_samples is None or samples is None:
+            return
+        if samples != self.batch_in_epoch * micro_batch_samples:
+            if samples % micro_batch_samples:
+                raise PipelineError(
+                    f"checkpoint position: {samples} examples of epoch {self.epoch} seen, not a "
+                    f"multiple of this run's {micro_batch_samples} per micro-batch "
+                    "(per_device_train_batch_size x world size); keep the global batch size")
+            self.batch_in_epoch = samples // micro_batch_samples
 
     # -- counting ------------------------------------------------------------------------
     def consume(self, batch: dict) -> dict:

@@ -3,11 +3,12 @@
 Layout of `<dir>/step-0000050/`:
 - `.metadata`, `__<rank>_0.distcp`: DCP files with the trainable weights and optimizer state(s),
   FQN-keyed and sharded the way the model is (FSDP2 shards, DDP writes replicated tensors once);
-- `rank-<r>.pt`: each rank's RNG states (dropout differs per rank);
+- `rank-<r>.pt`: each rank's RNG states (dropout differs per rank); resumed on more processes,
+  a rank without a file gets a state derived from (seed, rank, step) (`derived_rng_state`);
 - `trainer.pt`: scheduler, GradScaler, strategy extras and the metric history (rank 0);
-- `meta.json`, written last: data position, world size, strategy, SHA-256 of every file, and
-  `meta_sha256`, the SHA-256 of the rest of meta.json itself (a flipped step or position is
-  detected like a corrupted shard).
+- `meta.json`, written last: data position (with the epoch's global sample count), world
+  size, strategy, SHA-256 of every file, and `meta_sha256`, the SHA-256 of the rest of
+  meta.json itself (a flipped step or position is detected like a corrupted shard).
 
 All ranks write into one hidden staging folder, which rank 0 renames into place once everything
 is on disk, so a crash mid-save leaves the previous checkpoint valid. A half-written or corrupted
@@ -319,5 +320,22 @@ def load(path: Path, dcp_state: dict, apply: Callable[[dict], None],
         dcp.load(dcp_state, checkpoint_id=str(path), process_group=group)
     apply(dcp_state)
     trainer_state = torch.load(path / TRAINER, map_location="cpu", weights_only=False)
-    set_rng_state(torch.load(path / f"rank-{_rank():05d}.pt", weights_only=False))
-    return trainer_state, read_meta(path) or {}
+    meta = read_meta(path) or {}
+    own = path / f"rank-{_rank():05d}.pt"
+    set_rng_state(torch.load(own, weights_only=False) if own.is_file()
+                  else derived_rng_state(meta.get("seed") or 0, _rank(), meta.get("step", 0)))
+    return trainer_state, meta
+
+
+def derived_rng_state(seed: int, rank: int, step: int) -> dict[str, Any]:
+    """The RNG state of a rank the checkpoint has no file for (it resumes on more processes
+    than wrote it): drawn from (seed, rank, step), so it is reproducible, differs from every
+    other rank's and from a fresh run's. Ranks that did write keep their own stream."""
+    value = int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+    saved = rng_state()
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # every CUDA device too
+    state = rng_state()
+    set_rng_state(saved)
+    return state

@@ -9,7 +9,10 @@ with the fingerprint of the run about to start (engine.state.trainer_state.plan_
   change the math (logging cadence, checkpoint and eval settings, export, loader workers,
   compile and gradient-checkpointing switches, launcher plumbing) and keys whose effect is
   already in a content hash below (the data section's dataset and template keys; the model's
-  path). The world size and the strategy that actually runs are in it.
+  path). The world size is not: the global batch size (micro-batch x accumulation x world
+  size) is, and single, ddp and fsdp2 share one strategy value, so a checkpoint resumes on
+  another number of processes as long as each step sees as many examples.
+- `batch`: how the global batch was split (not compared: what a refusal names).
 - `train_data`: SHA-256 of the train examples: the tokenized split's Arrow files, or the
   stream manifest of a streamed split (source file hashes and sampling settings).
 - `base_model`: SHA-256 of the base model's config and weight files for a local folder; for a
@@ -30,7 +33,15 @@ from typing import Any
 from engine.modeling.model import resolve_model_ref
 from engine.process.job import RunPaths
 from finetune.config import FinetuneConfig
-from finetune.config.fingerprint import CONTENT_KEYS, config_part
+from finetune.config.fingerprint import (
+    CONTENT_KEYS,
+    GLOBAL_BATCH,
+    RESHARDABLE,
+    RESHARDABLE_LABEL,
+    SPLIT_KEYS,
+    batch_split,
+    config_part,
+)
 from finetune.files import file_sha256, write_json_atomic
 
 MODEL_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -48,7 +59,7 @@ def compute(cfg: FinetuneConfig, train_identity: Path | None, model_ref: str) ->
     (a folder) or the stream manifest (a file); `model_ref`: the resolved model path or hub id."""
     cache = _HashCache.open()
     try:
-        return {"config": config_part(cfg),
+        return {"config": config_part(cfg), "batch": batch_split(cfg),
                 "train_data": _data_hash(train_identity, cache),
                 "base_model": _model_hash(model_ref, cfg.model.revision, cache)}
     finally:
@@ -61,7 +72,7 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, st
     if not old:
         return {"fingerprint": "none recorded (a checkpoint from before fingerprints)"}
     found = {}
-    before, after = old.get("config", {}), new["config"]
+    before, after = _upgraded(old.get("config", {})), new["config"]
     for key in sorted(set(before) | set(after)):
         was, now = before.get(key, "<unset>"), after.get(key, "<unset>")
         if was != now:
@@ -70,6 +81,54 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, st
         if old.get(key) != new[key]:
             found[key] = "content changed"
     return found
+
+
+def _upgraded(config: dict[str, Any]) -> dict[str, Any]:
+    """A fingerprint recorded before the global batch replaced the world size and its split
+    (and before single, ddp and fsdp2 shared one strategy value), in today's terms: such a
+    checkpoint still resumes, and on another world size too."""
+    if GLOBAL_BATCH in config or "distributed.world_size" not in config:
+        return config
+    config = dict(config)
+    split = [config.pop(f"training.{key}", None) for key in SPLIT_KEYS]
+    world = config.pop("distributed.world_size")
+    if None not in split:
+        config[GLOBAL_BATCH] = split[0] * split[1] * world
+    if config.get("distributed.strategy") in RESHARDABLE:
+        config["distributed.strategy"] = RESHARDABLE_LABEL
+    return config
+
+
+def global_batch_refusal(path: Path, old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """One line when the checkpoint's global batch differs from this run's, naming how each
+    is split and which key would restore it; None when it is the same."""
+    was, now = _upgraded(old.get("config", {})).get(GLOBAL_BATCH), new["config"][GLOBAL_BATCH]
+    if was is None or was == now:
+        return None
+    split = new["batch"]
+    return (f"checkpoint {path} has global batch {was}{_split_text(old.get('batch'))}; this "
+            f"run's is {now}{_split_text(split)}: {_fix(was, split)} to resume")
+
+
+def _split_text(split: dict[str, int] | None) -> str:
+    if not split:
+        return ""
+    return (f" (per_device_train_batch_size {split['per_device_train_batch_size']} x "
+            f"gradient_accumulation_steps {split['gradient_accumulation_steps']} x world size "
+            f"{split['world_size']})")
+
+
+def _fix(target: int, split: dict[str, int]) -> str:
+    """The one key to change (accumulation first: it keeps the memory per process)."""
+    micro, accum, world = (split[k] for k in (*SPLIT_KEYS, "world_size"))
+    if target % (micro * world) == 0:
+        return f"set training.gradient_accumulation_steps {target // (micro * world)}"
+    if target % (accum * world) == 0:
+        return f"set training.per_device_train_batch_size {target // (accum * world)}"
+    if target % world == 0:
+        return (f"set training.per_device_train_batch_size x gradient_accumulation_steps to "
+                f"{target // world}")
+    return f"resume on a number of processes that divides {target}"
 
 
 def _short(value: Any) -> str:

@@ -18,10 +18,11 @@ import torch
 
 from engine.reporting.reporters import History, without_measured
 from engine.state import checkpoint as ckpt
-from engine.state.fingerprint import differences
+from engine.state.fingerprint import differences, global_batch_refusal
 from engine.state.run_view import RunView
 from finetune.config.checkpoint import CheckpointConfig
 from finetune.config.distributed import DistributedConfig
+from finetune.config.fingerprint import GLOBAL_BATCH, RESHARDABLE
 from finetune.errors import PipelineError
 
 
@@ -42,6 +43,7 @@ def save(run: RunView, evaluated: dict) -> Path:
     }
     dist_cfg = run.cfg.distributed
     meta = {**run.progress.position(), "world_size": dist_cfg.world_size,
+            "samples_in_epoch": run.progress.batch_in_epoch * _micro_batch_samples(run),
             "strategy": dist_cfg.resolved_strategy, "seed": run.cfg.training.seed,
             **evaluated,
             # only a rank that writes meta.json needs it (hashing is not free)
@@ -55,16 +57,41 @@ def save(run: RunView, evaluated: dict) -> Path:
     return path
 
 
+def _micro_batch_samples(run: RunView) -> int:
+    """Examples one micro-batch index covers, all data-parallel ranks together: the factor
+    between the loader's per-rank position and the global sample count."""
+    view = run.strategy.data_view(run.dist)
+    return run.cfg.training.per_device_train_batch_size * view.world_size
+
+
 def check_resumable(meta: dict, path: Path, dist: DistributedConfig) -> None:
-    """Exact resume needs the same world size (data shards, per-rank RNG) and the same
-    strategy that actually ran (`resolved_strategy`: ddp with one process is single)."""
+    """single, ddp and fsdp2 resume each other's checkpoints on any world size: DCP reshards
+    the weights and optimizer state, the data position is a global sample count, and the
+    fingerprint checks that the global batch is the same. DiLoCo and pipeline keep per-worker
+    or per-stage state that is not resharded: the same world size and strategy only (the
+    strategy that ran, `resolved_strategy`: ddp with one process is single)."""
     world, strategy = dist.world_size, dist.resolved_strategy
-    if meta.get("world_size") != world or meta.get("strategy", strategy) != strategy:
-        raise PipelineError(
-            f"checkpoint {path} was written by strategy {meta.get('strategy')} with world size "
-            f"{meta.get('world_size')} but this run is {strategy} with world size {world}; "
-            "resume with the same distributed.strategy and nproc_per_node x nnodes"
-        )
+    was_world, was = meta.get("world_size"), meta.get("strategy", strategy)
+    if was in RESHARDABLE and strategy in RESHARDABLE:
+        return
+    if was_world == world and was == strategy:
+        return
+    fixed = next((s for s in (was, strategy) if s not in RESHARDABLE), strategy)
+    raise PipelineError(
+        f"checkpoint {path} was written by strategy {was} with world size {was_world} but "
+        f"this run is {strategy} with world size {world}; {fixed} resumes only with the "
+        "strategy and world size that wrote it (only single, ddp and fsdp2 reshard): resume "
+        f"with distributed.strategy {was} and nproc_per_node x nnodes = {was_world}"
+    )
+
+
+def resumable_shape(meta: dict, dist: DistributedConfig) -> bool:
+    """Could this run's strategy and world size continue the checkpoint with `meta`?"""
+    try:
+        check_resumable(meta, Path(), dist)
+    except PipelineError:
+        return False
+    return True
 
 
 def _main_decides(choose, d):
@@ -134,6 +161,7 @@ def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
     what = "; ".join(f"{k}: {v}" for k, v in changed.items())
     aside = directory.with_name(directory.name + ckpt.PREVIOUS)
     if mode is True:
+        _refuse_another_global_batch(path, meta, fingerprint, changed)
         raise PipelineError(
             f"checkpoint {path} belongs to another run ({what}); resuming it would continue "
             "that run under these params: restore them, list the keys in "
@@ -142,6 +170,18 @@ def plan_start(directory: Path, fingerprint: Callable[[], dict[str, Any]],
     log(f"[train] resume_from_checkpoint auto: {path} belongs to another run ({what}); "
         f"starting fresh (its checkpoints move to {aside})")
     return Start(None, True)
+
+
+def _refuse_another_global_batch(path: Path, meta: dict, fingerprint,
+                                 changed: dict[str, Any]) -> None:
+    """A resume onto another world size must keep the examples per step: one line naming
+    both splits and the key that restores it (the other changed keys after it)."""
+    line = (global_batch_refusal(path, meta.get("fingerprint") or {}, fingerprint())
+            if GLOBAL_BATCH in changed else None)
+    if line is None:
+        return
+    others = "; ".join(f"{k}: {v}" for k, v in changed.items() if k != GLOBAL_BATCH)
+    raise PipelineError(line + (f" (this run also changes {others})" if others else ""))
 
 
 def _changed(meta: dict, fingerprint, ckpt_cfg: CheckpointConfig) -> dict[str, Any]:
@@ -168,7 +208,7 @@ def named_checkpoint(value: str, root: Path | None) -> Path:
 
 def resumable_path(value: str, root: Path | None, dist_cfg: DistributedConfig) -> tuple[Path, dict]:
     """resume_from_checkpoint's named checkpoint and its meta record: a complete checkpoint,
-    written at this world size and strategy (what can be told without hashing files)."""
+    this run's strategy and world size can continue (what can be told without hashing files)."""
     path = named_checkpoint(value, root)
     if not ckpt.is_valid(path):
         raise PipelineError(
@@ -186,6 +226,7 @@ def _plan_from_path(directory: Path, fingerprint, ckpt_cfg: CheckpointConfig,
     path, meta = resumable_path(ckpt_cfg.resume_from_checkpoint, root, dist_cfg)
     changed = _changed(meta, fingerprint, ckpt_cfg)
     if changed:
+        _refuse_another_global_batch(path, meta, fingerprint, changed)
         what = "; ".join(f"{k}: {v}" for k, v in changed.items())
         raise PipelineError(
             f"checkpoint {path} belongs to another run ({what}); restore its params or list "
@@ -278,6 +319,6 @@ def _restore(run: RunView, path: Path) -> list[dict]:
     run.strategy.load_trainer_state(trainer_state.get("strategy", {}))
     run.monitor.load_state_dict(trainer_state.get("monitor", {}))
     run.callback_states = trainer_state.get("callbacks", {})
-    run.progress.restore(meta)
+    run.progress.restore(meta, _micro_batch_samples(run))
     run.log(f"[train] resumed from {path} at step {run.progress.step}")
     return trainer_state.get("history", [])

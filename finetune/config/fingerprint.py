@@ -60,9 +60,39 @@ def config_part(cfg: Any) -> dict[str, Any]:
     """`cfg`: a FinetuneConfig (not imported: the schema imports this module)."""
     flat = flatten(cfg.model_dump(mode="json"))
     part = {k: v for k, v in flat.items() if counts(k)}
-    part["distributed.world_size"] = cfg.distributed.world_size
-    part["distributed.strategy"] = cfg.distributed.resolved_strategy
+    # how the global batch is split (micro-batch x accumulation x processes) is not the math:
+    # the loss is token-weighted over the whole step and the data order is global, so only
+    # the product counts and a checkpoint resumes on another world size (docs/reliability.md)
+    for key in SPLIT_KEYS:
+        part.pop(f"training.{key}", None)
+    part[GLOBAL_BATCH] = global_batch(cfg)
+    strategy = cfg.distributed.resolved_strategy
+    part["distributed.strategy"] = RESHARDABLE_LABEL if strategy in RESHARDABLE else strategy
     return part
+
+
+#: the keys whose product with the world size is the global batch
+SPLIT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+#: the fingerprint's name for examples per optimizer step, all processes together
+GLOBAL_BATCH = "training.global_batch_size"
+#: strategies whose checkpoints DCP reshards onto any world size: the same math (every rank's
+#: gradient averaged each step), one fingerprint value, so each may resume the others'
+RESHARDABLE = ("single", "ddp", "fsdp2")
+RESHARDABLE_LABEL = "single|ddp|fsdp2"
+
+
+def batch_split(cfg: Any) -> dict[str, int]:
+    """How `cfg` splits its global batch: what a refusal of another global batch names."""
+    t = cfg.training
+    return {"per_device_train_batch_size": t.per_device_train_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps,
+            "world_size": cfg.distributed.world_size}
+
+
+def global_batch(cfg: Any) -> int:
+    split = batch_split(cfg)
+    return (split["per_device_train_batch_size"] * split["gradient_accumulation_steps"]
+            * split["world_size"])
 
 
 #: the content-hash parts of the fingerprint, named like config keys in refusals
