@@ -103,7 +103,8 @@ def promote(client, name: str, version: str, value: float | None,
         decision.champion_version = str(champion.version) if champion else None
         return decision
     candidate = {k: float(v) for k, v in (metrics or {}).items()
-                 if k in _gated_metrics(cfg) or gate.is_contamination(k)}
+                 if k in _gated_metrics(cfg)
+                 or (cfg.max_contamination is not None and gate.is_contamination(k))}
     candidate[metric] = float(value)
     for key, number in candidate.items():
         client.set_model_version_tag(name, version, gate_tag(key), repr(number))

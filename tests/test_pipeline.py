@@ -135,7 +135,8 @@ def test_mlflow_metrics_are_the_step_curves_and_the_final_evaluation(repro):
     ev = json.loads((project / "data/metrics/eval.json").read_text())
     train = json.loads((project / "data/metrics/train.json").read_text())
     evaluation = ({f"eval.{k}" for k in ev["finetuned"]}
-                  | {f"eval.base_{k}" for k in ev["base"]})
+                  | {f"eval.base_{k}" for k in ev["base"]}
+                  | {f"contamination.{s}.overlap_fraction" for s in ev["contamination"]})
     assert set(run.data.metrics) == PER_STEP_SERIES | evaluation, (
         set(run.data.metrics) ^ (PER_STEP_SERIES | evaluation))
     for key in run.data.metrics:
@@ -175,7 +176,8 @@ def test_evaluate_writes_generation_metrics_samples_and_plots(repro):
     run_id = json.loads((project / "data/lineage/train_run.json").read_text())["mlflow_run_id"]
     client = mlflow_client(project)
     logged = {a.path for folder in ("plots", "eval") for a in client.list_artifacts(run_id, folder)}
-    assert logged == {"plots/train.csv", "plots/eval.csv", "eval/samples.json"}, logged
+    assert logged == {"plots/train.csv", "plots/eval.csv", "eval/samples.json",
+                      "eval/contamination.json"}, logged
     assert "eval.exact_match" in client.get_run(run_id).data.metrics
 
 
@@ -218,7 +220,7 @@ def test_registered_version_walks_back_to_the_dataset(repro):
     mv = client.get_model_version_by_alias("finetune-default", "champion")
     # the version's page: a lineage summary and the gate value, nothing that pushes the
     # aliases below the fold; the whole lineage is its run's lineage.json
-    assert set(mv.tags) == {*LINEAGE_TAGS, "gate.eval.loss"}, sorted(mv.tags)
+    assert set(mv.tags) == {*LINEAGE_TAGS, "gate.eval.loss", "gate.decision"}, sorted(mv.tags)
     run = client.get_run(mv.run_id)
     lineage = run_lineage(run)
     whole = hashlib.sha256()
