@@ -17,7 +17,8 @@ from helpers import BIN, copy_project, run_cli
 #: whole files to the pytest-xdist workers in collection order (--dist loadfile
 #: --no-loadscope-reorder), so no long file starts last and runs alone at the end.
 LONGEST_FIRST = ("test_strategies.py", "test_e2e_prefect.py", "test_pipeline.py",
-                 "test_training.py", "test_failures.py", "test_preference.py", "test_grpo.py",
+                 "test_training.py", "test_failures.py", "test_preference.py", "test_reward.py",
+                 "test_grpo.py", "test_kto.py",
                  "test_pipeline_parallel.py", "test_reliability.py", "test_launch.py",
                  "test_streaming.py", "test_harness.py", "test_run_control.py", "test_flows.py",
                  "test_mixture.py")
