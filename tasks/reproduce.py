@@ -34,6 +34,8 @@ from tasks import registry, tracking
 
 #: the stage whose outs are the run's inputs; every other stage is recomputed from them
 INPUT_STAGE = "download"
+#: the name the worktree knows this checkout's default remote by
+REMOTE = "reproduce"
 URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w\-]+))")
 
 
@@ -210,7 +212,7 @@ def _fetch_inputs(tree: Path, remote: str, inputs: dict[str, str]) -> None:
     """Each input's objects from the remote into the worktree's cache, every file's bytes
     checked against its md5 (DVC fetches without checking), then checked out. The input
     stage's dvc.lock entry is the recorded one, whatever the commit's dvc.lock says."""
-    _dvc(tree, "remote", "add", "--local", "--default", "--force", "reproduce", remote)
+    _dvc(tree, "remote", "add", "--local", "--default", "--force", REMOTE, remote)
     lock_path = tree / "dvc.lock"
     lock = (yaml.safe_load(lock_path.read_text()) if lock_path.exists() else None) or {}
     lock.setdefault("schema", "2.0")
@@ -220,28 +222,45 @@ def _fetch_inputs(tree: Path, remote: str, inputs: dict[str, str]) -> None:
                            "outs": [{"path": p, "hash": "md5", "md5": md5}
                                     for p, md5 in inputs.items()]}
     lock_path.write_text(yaml.safe_dump(lock, sort_keys=False))
-    _dvc(tree, "fetch", INPUT_STAGE, check=False)  # what is missing is named below
-    cache = tree / ".dvc/cache/files/md5"
-    for path, md5 in inputs.items():
-        for rel, want in _objects(cache, path, md5, remote):
-            got = cache / want[:2] / want[2:]
-            where = f"input {rel} (md5 {want})"
-            if not got.is_file():
+    fetched = _dvc(tree, "fetch", INPUT_STAGE, check=False)  # what failed is named below
+    from dvc.repo import Repo
+
+    with Repo(str(tree)) as repo:
+        cache, stored = repo.cache.local, repo.cloud.get_remote_odb(REMOTE)
+        objects = [(f"input {rel} (md5 {want})", want, Path(cache.oid_to_path(want)))
+                   for path, md5 in inputs.items() for rel, want in _objects(cache, stored,
+                                                                              path, md5)]
+        for where, want, _ in objects:
+            if not stored.fs.exists(stored.oid_to_path(want)):
                 raise PipelineError(f"{where} is missing from the DVC remote {remote}")
-            if _md5(got) != want.removesuffix(".dir"):
-                raise PipelineError(f"{where} does not match its hash in the DVC remote "
-                                    f"{remote}: its bytes hash to {_md5(got)}")
+    for where, want, got in objects:
+        if not got.is_file():
+            lines = (fetched.stderr.strip() or fetched.stdout.strip()).splitlines()
+            raise PipelineError(f"{where} could not be fetched from the DVC remote {remote}: "
+                                f"{lines[-1] if lines else 'dvc fetch failed'}")
+        if _md5(got) != want.removesuffix(".dir"):
+            raise PipelineError(f"{where} does not match its hash in the DVC remote "
+                                f"{remote}: its bytes hash to {_md5(got)}")
     _dvc(tree, "checkout", INPUT_STAGE)
 
 
-def _objects(cache: Path, path: str, md5: str, remote: str) -> list[tuple[str, str]]:
-    """(path, md5) of an out's objects: itself, and for a folder each file its listing
-    (the `.dir` object, checked first) names."""
+def _objects(cache, stored, path: str, md5: str) -> list[tuple[str, str]]:
+    """(path, md5) of an out's objects: itself, and for a folder each file its listing (the
+    `.dir` object: from the cache, else straight from the remote when DVC fetched none of
+    the folder; unread when it does not match its own hash) names."""
     found = [(path, md5)]
-    listing = cache / md5[:2] / md5[2:]
-    if md5.endswith(".dir") and listing.is_file() and _md5(listing) == md5.removesuffix(".dir"):
-        entries = json.loads(listing.read_text())
-        found += [(f"{path}/{e['relpath']}", e["md5"]) for e in entries]
+    if not md5.endswith(".dir"):
+        return found
+    local, remote = Path(cache.oid_to_path(md5)), stored.oid_to_path(md5)
+    if local.is_file():
+        listing = local.read_bytes()
+    elif stored.fs.exists(remote):
+        with stored.fs.open(remote, "rb") as fh:
+            listing = fh.read()
+    else:
+        return found
+    if hashlib.md5(listing).hexdigest() == md5.removesuffix(".dir"):
+        found += [(f"{path}/{e['relpath']}", e["md5"]) for e in json.loads(listing)]
     return found
 
 
