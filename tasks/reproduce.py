@@ -276,7 +276,9 @@ def _check_params(tree: Path, reg: Registered) -> None:
     """The params file at the commit must resolve (with the commit's code) to the params
     the run recorded: a run started with overrides (-s) cannot be replayed by dvc repro."""
     params_file = reg.lineage.get("params_file", "params/default.yaml")
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "config", "-p", params_file],
+    finetune = Path(sys.executable).with_name("finetune")  # dvc.yaml's command, as dvc runs it
+    proc = subprocess.run([str(finetune) if finetune.exists() else "finetune", "config",
+                           "-p", params_file],
                           cwd=tree, capture_output=True, text=True, env=_env(tree))
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
