@@ -7,6 +7,7 @@
     finetune summary
     finetune show-rows --rows 2 --format html   # tokenized rows, trained tokens marked
     finetune registry rollback finetune-default --reason "worse in production"
+    finetune reproduce models:/finetune-default@champion   # rebuild it, compare the bytes
 
 Errors print as one line (`error: ...`) with exit code 2; `--debug` shows the traceback.
 """
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     back.add_argument("--reason", default="rolled back by hand",
                       help="why, recorded as the version's rollback.reason tag")
     _common(back)
+    rep = sub.add_parser("reproduce", help="rebuild a registered model from its lineage (its "
+                         "commit, its inputs from the DVC remote) and compare its weights' sha256")
+    rep.add_argument("model_uri", help="models:/NAME/VERSION or models:/NAME@ALIAS")
+    rep.add_argument("--tracking-uri", default=None,
+                     help="the MLflow store holding the registry (default: the one of -p)")
+    rep.add_argument("--keep", action="store_true",
+                     help="keep the temporary git worktree the model was rebuilt in")
+    _common(rep)
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
     ref.add_argument("--write", action="store_true",
                      help="update the docs site's reference page (docs/reference.md) in place")
@@ -263,6 +272,13 @@ def cmd_registry(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    from tasks.reproduce import reproduce
+
+    ws = Workspace.load(args.params, args.overrides)
+    return reproduce(ws.root, args.model_uri, args.tracking_uri or ws.mlflow_uri(), args.keep)
+
+
 def cmd_reference(args) -> int:
     from finetune.config.reference import embed, render
 
@@ -284,7 +300,7 @@ def _rel(path, root: Path) -> str:
 
 COMMANDS = {"stage": cmd_stage, "run": cmd_run, "validate": cmd_validate, "config": cmd_config,
             "summary": cmd_summary, "reference": cmd_reference,
-            "show-rows": cmd_show_rows, "registry": cmd_registry}
+            "show-rows": cmd_show_rows, "registry": cmd_registry, "reproduce": cmd_reproduce}
 
 if __name__ == "__main__":
     sys.exit(main())

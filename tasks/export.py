@@ -10,7 +10,7 @@ alone, for users who keep the base model; `data/export/quantized` the QAT model 
 checks run before any format writes). The model card is written last: it lists what the
 formats wrote. The merged model is then logged to the training's MLflow run (transformers
 flavour), registered, tagged with a lineage summary (the whole lineage is the run's
-`lineage.json`) and the GGUF files' sha256, and gated (see tasks.registry).
+`lineage.json`), the GGUF files' and every weight file's sha256, and gated (see tasks.registry).
 """
 
 from __future__ import annotations
@@ -86,9 +86,11 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
                                         (ws.layout.export / "README.md").read_text(),
                                         pipeline_tag=cfg.model_task.pipeline_tag)
     client = tracking.client(ws)
-    # the version's lineage is its run's lineage.json; its page shows the summary
+    # the version's lineage is its run's lineage.json; its page shows the summary; the weight
+    # files' sha256 are what `finetune reproduce` checks a rebuild against
     registry.tag_version(client, name, version,
-                         {**tracking.lineage_summary(lineage), **gguf_tags})
+                         {**tracking.lineage_summary(lineage), **gguf_tags,
+                          **registry.weight_tags(ws.layout.export)})
     # the guards' metrics and the standard errors, keyed as the training's MLflow run has them
     finetuned = {f"eval.{k}": v for k, v in (metrics.get("finetuned") or {}).items()}
     finetuned.update({f"contamination.{name}.overlap_fraction": m["overlap_fraction"]

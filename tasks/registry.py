@@ -12,10 +12,12 @@ import contextlib
 import os
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version as installed_version
+from pathlib import Path
 from typing import Any
 
 from finetune.config.outputs import RegistryConfig, stderr_key
 from finetune.errors import PipelineError
+from finetune.files import file_sha256
 from tasks import gate
 
 # What the pyfunc needs to load and run a merged causal LM; pinned to what trained it.
@@ -267,6 +269,24 @@ def log_and_register(tracking_uri: str, run_id: str, model, tokenizer, name: str
     if info.registered_model_version is None:
         raise PipelineError(f"MLflow did not register a version of '{name}' ({tracking_uri})")
     return str(info.registered_model_version)
+
+
+#: version tag prefix: `weights_sha256.<file>` for each weight file of the export folder (the
+#: merged model the version holds, the adapter, GGUF and quantized files), so that
+#: `finetune reproduce` can check a rebuild byte for byte
+WEIGHTS_TAG = "weights_sha256."
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".pt", ".bin")
+
+
+def weight_hashes(folder: Path) -> dict[str, str]:
+    """Each weight file under `folder` (relative POSIX path) -> its sha256."""
+    return {path.relative_to(folder).as_posix(): file_sha256(path)
+            for path in sorted(folder.rglob("*"))
+            if path.is_file() and path.suffix in WEIGHT_SUFFIXES}
+
+
+def weight_tags(folder: Path) -> dict[str, str]:
+    return {f"{WEIGHTS_TAG}{rel}": sha for rel, sha in weight_hashes(folder).items()}
 
 
 def tag_version(client, name: str, version: str, tags: dict[str, str]) -> None:

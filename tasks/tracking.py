@@ -39,20 +39,41 @@ def _env_quiet() -> None:
 
 
 def client(ws: Workspace):
+    return client_for(ws.mlflow_uri())
+
+
+def client_for(tracking_uri: str):
     _env_quiet()
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=ws.mlflow_uri())
+    return MlflowClient(tracking_uri=tracking_uri)
 
 
 def git_info(root: Path) -> dict[str, str]:
+    """The commit and whether the tree differs from it, leaving out what the pipeline itself
+    writes (dvc.lock, the outs and metrics kept in git): `dvc repro` rewrites those while it
+    runs, which says nothing of the code and params that ran (`finetune reproduce` refuses a
+    dirty tree)."""
     def git(*args: str) -> str:
         out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         return out.stdout.strip() if out.returncode == 0 else ""
 
     commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else False
+    written = [f":(exclude){path}" for path in pipeline_writes(root)]
+    dirty = (bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", *written))
+             if commit else False)
     return {"git_commit": commit or "none", "git_dirty": str(dirty).lower()}
+
+
+def pipeline_writes(root: Path) -> list[str]:
+    """dvc.lock and every path dvc.yaml lists as a stage's out, metric or plot."""
+    dvc_yaml = root / "dvc.yaml"
+    stages = (yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages", {}) \
+        if dvc_yaml.exists() else {}
+    paths = {next(iter(out)) if isinstance(out, dict) else out
+             for body in stages.values() for kind in ("outs", "metrics", "plots")
+             for out in body.get(kind, [])}
+    return ["dvc.lock", *sorted(paths)]
 
 
 def dvc_lock_hashes(root: Path) -> dict[str, str]:
