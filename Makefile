@@ -16,7 +16,7 @@ export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run sft-base test test-docs fuzz stack clean-outputs
+.PHONY: setup run sft-base test test-slow test-docs fuzz stack clean-outputs
 
 # The `dvc plots show` page template with Vega inlined, so the page draws offline
 # (flows/plots_page.py; needs npm once; without it DVC's page loads Vega from its CDN).
@@ -55,7 +55,13 @@ stack: setup
 test: setup
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The second step of .ci/run: every command the README and docs/ show in a bash block, run in
+# The second step of .ci/run: `finetune reproduce` rebuilding a registered model from a fresh
+# clone and the DVC remote (tests/test_reproduce.py, marker clean_room, which `make test` leaves
+# out: two whole pipeline runs, minutes).
+test-slow: setup
+	$(PY) -m pytest -m clean_room $(PYTEST_ARGS) tests/test_reproduce.py
+
+# The third step of .ci/run: every command the README and docs/ show in a bash block, run in
 # order on a fresh clone of the project, one page per test (tests/test_docs.py, marker
 # docs_commands, which `make test` leaves out; -rP prints each block's time). Runs the committed
 # tree: commit first.

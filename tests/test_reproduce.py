@@ -33,6 +33,9 @@ def clone(original: Path, dest: Path, remote: Path) -> Path:
     return dest
 
 
+#: two whole pipeline runs: `make test-slow`, .ci/run's second step (make test leaves it out)
+pytestmark = pytest.mark.clean_room
+
 @pytest.fixture(scope="module")
 def registered(tmp_path_factory):
     """The shrunk default run made by `dvc repro` and pushed to a local remote (registered
