@@ -161,7 +161,7 @@ def order(n: int, batch: int, steps: int, seed: int = 42) -> list[int]:
     out: list[int] = []
     epoch = 0
     while len(out) < batch * steps:
-        out += [i for b in batches.epoch(epoch) for i in b]
+        out += batches.epoch(epoch).ravel().tolist()
         epoch += 1
     return out[: batch * steps]
 

@@ -32,6 +32,7 @@ from finetune.workspace import Workspace
 from tasks.contracts import validate_tokenized
 from tasks.format import check_dropped, data_context
 from tasks.mixture import mix
+from tasks.saved_split import save_split
 from tasks.stream_manifest import carry_manifest
 
 
@@ -52,28 +53,28 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
     stats: dict[str, Any] = {}
     out: dict[str, Path] = {}
     with atomic_dir(ws.layout.tokenized) as staging:
-        splits: dict[str, list] = {}  # role -> [(source name, tokenized split)]
-        scratch = staging / ".encoded"  # the encoded splits before save_to_disk
+        splits: dict[str, list] = {}  # role -> [(source name, its Encoded split)]
+        scratch = staging / ".encoded"  # the encoded splits before they are saved
         scratch.mkdir()
         for name, part in data.parts():
             formatted = ws.layout.formatted / name if name else ws.layout.formatted
             for file in sorted(formatted.glob("*.parquet")):
                 role = f"{name}/{file.stem}" if name else file.stem  # how errors name it
-                ds, split_stats = _tokenize_file(file, part.datatype, ctx, role, ws,
-                                                 scratch)
-                splits.setdefault(file.stem, []).append((name, ds))
+                encoded, split_stats = _tokenize_file(file, part.datatype, ctx, role, ws,
+                                                      scratch)
+                splits.setdefault(file.stem, []).append((name, encoded))
                 if name:
                     stats.setdefault("sources", {}).setdefault(name, {})[file.stem] = split_stats
                 else:
                     stats[file.stem] = split_stats
         for role, parts in splits.items():
-            if data.sources:
-                ds = mix(parts, data, role, stats["sources"])
+            if data.sources:  # rows of several files: datasets mixes and saves them
+                ds = mix([(n, e.dataset()) for n, e in parts], data, role, stats["sources"])
                 stats[role] = _totals(ds).stats(sum(
                     stats["sources"][n][role]["dropped_rows"] for n, _ in parts))
-            else:
-                ds = parts[0][1]
-            ds.save_to_disk(str(staging / role))
+                ds.save_to_disk(str(staging / role))
+            else:  # one file: streamed into the saved split, nothing of it memory-mapped
+                save_split(parts[0][1].arrow, parts[0][1].fingerprint, staging / role)
             out[role] = ws.layout.tokenized / role
         shutil.rmtree(scratch)  # saved: the scratch files are not part of the output
         if ctx.labels is not None:
@@ -89,13 +90,12 @@ def tokenize(ws: Workspace) -> dict[str, Path]:
 
 
 def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Workspace,
-                   scratch: Path):
-    """One formatted split -> (tokenized split, its stats), rows without a trainable token
+                   scratch: Path) -> tuple["Encoded", dict[str, Any]]:
+    """One formatted split -> (encoded split, its stats), rows without a trainable token
     dropped (up to data.max_dropped_fraction) and the result checked. The split is encoded
-    batch by batch into an Arrow file under `scratch` and read back memory-mapped, so memory
-    holds a few batches and running totals, whatever the row count."""
-    import datasets
-
+    batch by batch into an Arrow file under `scratch` (tasks.saved_split copies it into the
+    saved split with plain reads), so memory holds a few batches and running totals, whatever
+    the row count."""
     data = ws.config.data
     fn, kwargs = datatype.encoder(ctx)
     tok = ctx.tokenizer
@@ -119,9 +119,24 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
                       f"no trainable token ({datatype.untrainable})", first_dropped,
                       "raise data.max_seq_length or shorten the prompts")
     # the fingerprint the map -> select -> add_column("length") chain gave it before
-    ds = datasets.Dataset.from_file(str(arrow))
-    ds._fingerprint = f"{fingerprint}-length"
-    return ds, totals.stats(dropped)
+    return Encoded(arrow, f"{fingerprint}-length"), totals.stats(dropped)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tokenized split before it is saved: its scratch Arrow file and its datasets
+    fingerprint (what `state.json` records)."""
+
+    arrow: Path
+    fingerprint: str
+
+    def dataset(self):
+        """The split as a memory-mapped Dataset (a mixture's source)."""
+        import datasets
+
+        ds = datasets.Dataset.from_file(str(self.arrow))
+        ds._fingerprint = self.fingerprint
+        return ds
 
 
 def workers(num_proc: int | None) -> int:

@@ -3,9 +3,9 @@ on data.num_proc, row numbers that stay the split's own across batches.
 
 A generated parquet file of short completion rows (the shipped stories260K tokenizer) goes
 through download, format and tokenize in a fresh process twice, at N and 4N rows; the peak
-difference over the 3N extra rows is the per-row growth. What is measured is the peak of
-anonymous memory: the pages of the memory-mapped Arrow files are the data's own (file-backed,
-given back under pressure). The stages keep nothing per row but download's split mask (1
+difference over the 3N extra rows is the per-row growth, of the peak of anonymous memory and
+of VmHWM (every resident page, file-backed ones too: a stage reading its output memory-mapped,
+as save_to_disk does, fails it). The stages keep nothing per row but download's split mask (1
 byte, only with split_ratio), so a stage holding the split as a pandas frame or Python lists
 (the old tokenize: about 9 KB a row) fails the bound by far.
 """
@@ -32,8 +32,7 @@ MAX_BYTES_PER_ROW = 200
 EMPTY_ROW = 10_000 + 345
 
 #: the stages in a fresh process, printing their peak anonymous memory (KiB), sampled every
-#: millisecond: the pages of the memory-mapped Arrow files save_to_disk reads are file-backed
-#: (the page cache's, dropped under pressure) and grow with the data by design
+#: millisecond, and their VmHWM (KiB)
 RUN_STAGES = """
 import threading, time
 from finetune.workspace import Workspace
@@ -51,7 +50,9 @@ threading.Thread(target=sample, daemon=True).start()
 ws = Workspace.load("params/default.yaml")
 download(ws); format_prompts(ws); tokenize(ws)
 time.sleep(0.01)
-print(peak[0])
+with open("/proc/self/status") as fh:
+    hwm = next(int(l.split()[1]) for l in fh if l.startswith("VmHWM:"))
+print(peak[0], hwm)
 """
 
 
@@ -76,14 +77,16 @@ def params_for(project: Path, rows: int, num_proc: int) -> None:
                            "data.num_proc": num_proc})
 
 
-def peak_rss_kib(project: Path) -> int:
+def peak_rss_kib(project: Path) -> tuple[int, int]:
+    """(peak anonymous KiB, VmHWM KiB: every resident page, file-backed ones too)."""
     # Arrow's default pool (mimalloc) keeps freed memory for a while, more or less of it from
     # run to run (+-5 MB, 140 bytes a row here); the system allocator measures what is held
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ARROW_DEFAULT_MEMORY_POOL": "system"}
     proc = subprocess.run([sys.executable, "-c", RUN_STAGES], cwd=project, env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return int(proc.stdout.split()[-1])
+    anon, hwm = proc.stdout.split()[-2:]
+    return int(anon), int(hwm)
 
 
 def outputs(project: Path) -> dict[str, bytes]:
@@ -106,11 +109,15 @@ def scaled(tmp_path_factory):
 
 
 def test_peak_memory_does_not_grow_with_rows(scaled):
-    small, large, _, project = scaled
+    (small, small_hwm), (large, large_hwm), _, project = scaled
     per_row = (large - small) * 1024 / (LARGE - SMALL)
+    hwm_per_row = (large_hwm - small_hwm) * 1024 / (LARGE - SMALL)
     print(f"peak anonymous RSS {small} KiB at {SMALL} rows, {large} KiB at {LARGE}: "
-          f"{per_row:.0f} B/row")
+          f"{per_row:.0f} B/row; VmHWM {small_hwm} / {large_hwm} KiB: {hwm_per_row:.0f} B/row")
     assert per_row < MAX_BYTES_PER_ROW, (small, large, per_row)
+    # every resident page too: the saved split is streamed, not read memory-mapped
+    # (save_to_disk's reads of the mapped file: ~775 B/row here)
+    assert hwm_per_row < MAX_BYTES_PER_ROW, (small_hwm, large_hwm, hwm_per_row)
     stats = json.loads((project / "data/metrics/tokenize.json").read_text())
     assert stats["train"]["rows"] == LARGE - 1  # every row but the empty one, in order
 
@@ -173,3 +180,41 @@ def test_row_groups_keep_one_type_per_column(tmp_path):
         with RowGroupWriter(tmp_path / "b.parquet", group_rows=2) as writer:
             writer.write(pd.DataFrame({"n": [1, 2]}))
             writer.write(pd.DataFrame({"n": ["x", "y"]}))
+
+
+def test_a_split_is_saved_as_the_bytes_save_to_disk_writes(tmp_path):
+    """The tokenize stage streams a split's Arrow file into its saved folder (resident memory
+    flat); the files must be save_to_disk's, byte for byte: batches of uneven sizes (dropped
+    rows, an empty one), a boolean column (its padding bits follow where batches are cut),
+    one shard and three (cut inside batches)."""
+    import datasets
+    import pyarrow as pa
+    from datasets.arrow_writer import ArrowWriter
+
+    from tasks.saved_split import _size, save_split
+
+    arrow = tmp_path / "split.arrow"
+    with ArrowWriter(path=str(arrow)) as writer:
+        start = 0
+        for size in (1000, 997, 0, 1000, 13, 1000, 512):
+            rows = range(start, start + size)
+            writer.write_table(pa.table({
+                "input_ids": pa.array([[i % 7] * (i % 5 + 1) for i in rows], pa.list_(pa.int32())),
+                "truncated": pa.array([i % 3 == 0 for i in rows], pa.bool_()),
+                "length": pa.array([i % 5 + 1 for i in rows], pa.int64())}))
+            start += size
+        writer.finalize()
+    ds = datasets.Dataset.from_file(str(arrow))
+    ds._fingerprint = "0123456789abcdef-length"
+    assert _size(arrow)[1:] == (len(ds), ds._estimate_nbytes())  # what picks the shard count
+
+    def files(folder: Path) -> dict[str, bytes]:
+        return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+    for shards in (None, 3):
+        ours, theirs = tmp_path / f"ours-{shards}", tmp_path / f"theirs-{shards}"
+        save_split(arrow, ds._fingerprint, ours, num_shards=shards)
+        ds.save_to_disk(str(theirs), num_shards=shards)
+        assert len(files(ours)) == (shards or 1) + 2
+        assert files(ours) == files(theirs), shards
+    assert datasets.load_from_disk(str(ours))["length"] == [i % 5 + 1 for i in range(start)]

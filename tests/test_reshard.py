@@ -87,3 +87,40 @@ def test_a_rank_the_checkpoint_has_no_rng_file_for_gets_a_state_of_its_own():
     assert torch.equal(one["torch"], again["torch"]) and one["python"] == again["python"]
     others = [derived_rng_state(42, 2, 3), derived_rng_state(42, 1, 4), derived_rng_state(7, 1, 3)]
     assert all(not torch.equal(one["torch"], other["torch"]) for other in others)
+
+
+def list_epoch(b: ShardedBatches, epoch: int) -> list[list[int]]:
+    """The order as Python lists, the way it was built before it was numpy: the reference
+    the numpy order must equal exactly (a resumed run and the default run's adapter depend
+    on it)."""
+    import torch
+
+    perm = torch.randperm(b.num_examples,
+                          generator=torch.Generator().manual_seed(b.seed + epoch)).tolist()
+    if b.lengths is not None:
+        mega = b.global_batch * b.accumulation * 50
+        perm = [i for start in range(0, len(perm), mega)
+                for i in sorted(perm[start:start + mega], key=lambda i: -b.lengths[i])]
+    short = len(b) * b.global_batch - len(perm)
+    if short > 0:
+        perm = perm + (perm * (short // len(perm) + 1))[:short]
+    return [perm[k * b.global_batch + b.rank * b.micro_batch_size:][:b.micro_batch_size]
+            for k in range(len(b))]
+
+
+@pytest.mark.parametrize("n, micro, world, accum, drop_last, grouped", [
+    (1000, 4, 2, 1, True, False), (1003, 2, 2, 2, True, True), (13, 4, 2, 1, False, False),
+    (5, 4, 2, 2, False, True), (2600, 3, 1, 2, True, True)])
+def test_the_numpy_order_is_the_list_order(n, micro, world, accum, drop_last, grouped):
+    """8 bytes an example in numpy, exactly the order the Python lists gave: every rank,
+    epochs 0 and 1, shuffled and group_by_length (lengths with many ties: a stable sort),
+    with the remainder dropped or filled (cycling when a step is larger than the split)."""
+    rng = random.Random(n)
+    lengths = [rng.randrange(1, 20) for _ in range(n)] if grouped else None
+    for rank in range(world):
+        b = ShardedBatches(n, micro, rank, world, seed=5, accumulation=accum, lengths=lengths,
+                           drop_last=drop_last)
+        for epoch in (0, 1):
+            order = b.epoch(epoch)
+            assert order.dtype == "int64" and order.shape == (len(b), micro)
+            assert order.tolist() == list_epoch(b, epoch), (rank, epoch)

@@ -95,7 +95,7 @@ def test_group_by_length_reads_the_length_column_it_is_told(tokenized, tmp_path)
                                                                                "n_trainable")
     assert by_trainable.dtype == "int32"  # a numpy array, 4 bytes a row: no Python ints
     assert by_trainable.tolist() == ds["n_trainable"] and by_trainable.tolist() != ds["length"]
-    order = [ShardedBatches(len(ds), 4, 0, 1, 42, lengths=lengths).epoch(0)
+    order = [ShardedBatches(len(ds), 4, 0, 1, 42, lengths=lengths).epoch(0).tolist()
              for lengths in (by_tokens, by_trainable)]
     assert order[0] != order[1]
     with pytest.raises(PipelineError, match=r"training.length_column_name 'nope' is not a "

@@ -15,9 +15,10 @@ from the start of the epoch).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from finetune.datatypes.encoding import IGNORE_INDEX
@@ -33,8 +34,9 @@ class ShardedBatches:
     world_size: int
     seed: int
     accumulation: int = 1
-    #: per-example token counts; set = group_by_length (similar lengths share a batch)
-    lengths: tuple[int, ...] | None = None
+    #: per-example token counts (a sequence or numpy array); set = group_by_length (similar
+    #: lengths share a batch)
+    lengths: "Sequence[int] | np.ndarray | None" = None
     #: False: fill the last optimizer step with examples from the epoch's start (the padding
     #: torch's DistributedSampler does) instead of dropping the remainder
     drop_last: bool = True
@@ -50,32 +52,31 @@ class ShardedBatches:
                  else -(-self.num_examples // per_step))
         return steps * self.accumulation
 
-    def epoch(self, epoch: int) -> list[list[int]]:
+    def epoch(self, epoch: int) -> np.ndarray:
+        """This rank's micro-batches of the epoch: row k holds micro-batch k's example indices
+        (int64, [len(self), micro_batch_size]). Numpy, not Python lists: 8 bytes an example
+        in each DataLoader worker instead of ~56, however large the split."""
         g = torch.Generator().manual_seed(self.seed + epoch)
-        perm = torch.randperm(self.num_examples, generator=g).tolist()
+        perm = torch.randperm(self.num_examples, generator=g).numpy()
         if self.lengths is not None:
             perm = self._grouped(perm)
-        short = len(self) * self.micro_batch_size * self.world_size - len(perm)
-        if short > 0:
-            perm = perm + (perm * (short // len(perm) + 1))[:short]
-        out = []
-        for k in range(len(self)):
-            start = k * self.global_batch + self.rank * self.micro_batch_size
-            out.append(perm[start : start + self.micro_batch_size])
-        return out
+        short = len(self) * self.global_batch - len(perm)
+        if short > 0:  # drop_last false: the last step filled from the epoch's start, cycling
+            perm = np.concatenate([perm, np.resize(perm, short)])
+        steps = perm[:len(self) * self.global_batch].reshape(
+            len(self), self.world_size, self.micro_batch_size)
+        return np.ascontiguousarray(steps[:, self.rank])
 
-
-    def _grouped(self, perm: list[int]) -> list[int]:
+    def _grouped(self, perm: np.ndarray) -> np.ndarray:
         """HF's LengthGroupedSampler idea, per global batch: the shuffled order is cut into
         mega-batches of 50 optimizer steps' examples (the same for any split of the global
-        batch), each sorted longest first, so a batch (and each rank's share of it) holds
-        similar lengths and pads little. Still seeded per epoch."""
+        batch), each sorted longest first, ties in shuffled order (a stable sort), so a batch
+        (and each rank's share of it) holds similar lengths and pads little. Still seeded per
+        epoch."""
         mega = self.global_batch * self.accumulation * MEGABATCH_MULT
-        out: list[int] = []
-        for start in range(0, len(perm), mega):
-            chunk = perm[start : start + mega]
-            out.extend(sorted(chunk, key=lambda i: -self.lengths[i]))
-        return out
+        lengths = np.asarray(self.lengths, dtype=np.int64)[perm]
+        chunk = np.arange(len(perm)) // mega
+        return perm[np.lexsort((-lengths, chunk))]  # by chunk, then longest first; stable
 
 
 MEGABATCH_MULT = 50

@@ -9,18 +9,21 @@ actually consumed, never for ones a worker prefetched.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from engine.datapath.data import ShardedBatches, take_rows
 
+if TYPE_CHECKING:
+    import numpy as np
+
 
 class MicroBatches(Dataset):
     def __init__(self, rows, batches: ShardedBatches, collate_fn: Callable):
         self.rows, self.batches, self.collate_fn = rows, batches, collate_fn
-        self._orders: dict[int, list[list[int]]] = {}
+        self._orders: dict[int, "np.ndarray"] = {}  # epoch -> [micro-batch, example] indices
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -29,7 +32,7 @@ class MicroBatches(Dataset):
         epoch, index = key
         if epoch not in self._orders:  # one permutation per epoch, per worker
             self._orders = {epoch: self.batches.epoch(epoch)}
-        indices = self._orders[epoch][index]
+        indices = self._orders[epoch][index].tolist()  # a micro-batch's: Python ints
         rows = take_rows(self.rows, indices)
         batch = self.collate_fn(rows)
         batch["key"] = torch.tensor([epoch, index])
