@@ -220,7 +220,15 @@ def test_registered_version_walks_back_to_the_dataset(repro):
     mv = client.get_model_version_by_alias("finetune-default", "champion")
     # the version's page: a lineage summary and the gate value, nothing that pushes the
     # aliases below the fold; the whole lineage is its run's lineage.json
-    assert set(mv.tags) == {*LINEAGE_TAGS, "gate.eval.loss", "gate.decision"}, sorted(mv.tags)
+    from tasks.registry import weight_hashes
+
+    weights = {f"weights_sha256.{rel}": sha  # what `finetune reproduce` compares against
+               for rel, sha in weight_hashes(project / "data/export").items()}
+    assert {"model.safetensors", "adapter/adapter_model.safetensors"} <= {
+        k.removeprefix("weights_sha256.") for k in weights}
+    assert set(mv.tags) == {*LINEAGE_TAGS, "gate.eval.loss", "gate.decision", *weights}, sorted(
+        mv.tags)
+    assert {k: mv.tags[k] for k in weights} == weights
     run = client.get_run(mv.run_id)
     lineage = run_lineage(run)
     whole = hashlib.sha256()
