@@ -20,6 +20,7 @@ import io
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from finetune.parquet_batches import record_batches
 from finetune.workspace import Workspace
 
 #: the row count per record batch read from a formatted training split
@@ -65,9 +66,7 @@ def row_texts(parquet: Path) -> Iterator[str]:
     their JSON, whose keys and punctuation the normalisation drops), a record batch at a time."""
     import json
 
-    import pyarrow.parquet as pq
-
-    for batch in pq.ParquetFile(parquet).iter_batches(batch_size=BATCH_ROWS):
+    for batch in record_batches(parquet, BATCH_ROWS):
         for row in batch.to_pylist():
             yield " ".join(v if isinstance(v, str) else json.dumps(v, default=str)
                            for v in row.values()

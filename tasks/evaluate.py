@@ -31,6 +31,7 @@ from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import contamination, reward_models, tracking
+from tasks.gate import contamination_metrics
 from tasks.harness import chat_tokenizer, check_gate, resolve_tasks
 from tasks.harness import run as run_harness
 
@@ -125,8 +126,7 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict], harness: dict | No
         flat = {f"eval.{k}": v for k, v in results["finetuned"].items()}
         flat.update({f"eval.base_{k}": v for k, v in results["base"].items()})
         flat.update({f"eval.quantized_{k}": v for k, v in results.get("quantized", {}).items()})
-        flat.update({f"contamination.{name}.overlap_fraction": s["overlap_fraction"]
-                     for name, s in metrics.get("contamination", {}).items()})
+        flat.update(contamination_metrics(metrics.get("contamination", {})))
         # one value each, at step 0: MLflow draws such a metric as a bar labelled with it
         tracking.log_metrics(ws, run_id, flat, step=0)
         if samples:

@@ -24,7 +24,7 @@ from finetune.config.compat import check_machine
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
-from tasks import registry, tracking
+from tasks import gate, registry, tracking
 from tasks.exporters import ExportContext, gguf, preflight, resolve
 from tasks.exporters.card import model_card
 
@@ -93,8 +93,7 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
                           **registry.weight_tags(ws.layout.export)})
     # the guards' metrics and the standard errors, keyed as the training's MLflow run has them
     finetuned = {f"eval.{k}": v for k, v in (metrics.get("finetuned") or {}).items()}
-    finetuned.update({f"contamination.{name}.overlap_fraction": m["overlap_fraction"]
-                      for name, m in (metrics.get("contamination") or {}).items()})
+    finetuned.update(gate.contamination_metrics(metrics.get("contamination") or {}))
     decision = registry.promote(client, name, version, gate_value, cfg.registry, finetuned)
     aliases = [cfg.registry.candidate_alias] + ([cfg.registry.champion_alias]
                                                  if decision.promoted else [])

@@ -117,6 +117,13 @@ def is_contamination(key: str) -> bool:
     return key.startswith(CONTAMINATION[0]) and key.endswith(CONTAMINATION[1])
 
 
+def contamination_metrics(section: dict) -> dict[str, float]:
+    """The metrics file's contamination section (tasks.contamination.metrics) as the MLflow
+    run and the gate name its numbers: `contamination.<set>.overlap_fraction`."""
+    prefix, suffix = CONTAMINATION
+    return {f"{prefix}{name}{suffix}": m["overlap_fraction"] for name, m in section.items()}
+
+
 def contamination_rows(cfg: RegistryConfig, candidate: dict) -> list[Row]:
     """With registry.max_contamination: each evaluation set's overlap fraction at most that
     (the candidate's alone: contamination is the training data's, not a comparison)."""

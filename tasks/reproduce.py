@@ -265,11 +265,8 @@ def _objects(cache, stored, path: str, md5: str) -> list[tuple[str, str]]:
 
 
 def _md5(path: Path) -> str:
-    h = hashlib.md5()
     with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "md5").hexdigest()
 
 
 def _check_params(tree: Path, reg: Registered) -> None:
