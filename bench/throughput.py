@@ -121,7 +121,7 @@ def our_order(n_rows: int, batch: int, steps: int, seed: int) -> list[int]:
     per_epoch = ShardedBatches(n_rows, batch, 0, 1, seed).epoch(0)
     if steps > len(per_epoch):
         raise SystemExit(f"{steps} steps exceed one epoch ({len(per_epoch)}); lower --steps")
-    return [i for b in per_epoch[:steps] for i in b]
+    return per_epoch[:steps].ravel().tolist()  # plain ints: the order travels as JSON
 
 
 #: our train stage's batch layouts: the same padding HF does, packed rows, one padding-free row
