@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the MLflow store holding the registry (default: the one of -p)")
     rep.add_argument("--keep", action="store_true",
                      help="keep the temporary git worktree the model was rebuilt in")
+    rep.add_argument("--tolerance", type=float, default=None, metavar="R",
+                     help="where the numerics differ from the registered run's (another CPU "
+                     "under native numerics, another mode or thread count): the largest weight "
+                     "difference allowed, relative to the largest weight (default 0.001)")
     _common(rep)
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
     ref.add_argument("--write", action="store_true",
@@ -152,6 +156,10 @@ def cmd_stage(args) -> int:
     bind_to_orchestrator_if_asked()  # under the orchestrator's dvc: a cancelled task ends us too
 
     ws = Workspace.load(args.params, args.overrides)
+    from finetune import numerics
+
+    # training.cpu_numerics: portable's pins must be in place before torch does any work
+    numerics.enter(numerics.plan(ws.config), argv=["-m", "flows.cli", *sys.argv[1:]])
     # project modules named in params ('module:function', 'path/to/file:Class') import from
     # the project root in every stage, as they do in the torchrun workers (cwd, PYTHONPATH)
     os.chdir(ws.root)
@@ -276,7 +284,8 @@ def cmd_reproduce(args) -> int:
     from tasks.reproduce import reproduce
 
     ws = Workspace.load(args.params, args.overrides)
-    return reproduce(ws.root, args.model_uri, args.tracking_uri or ws.mlflow_uri(), args.keep)
+    return reproduce(ws.root, args.model_uri, args.tracking_uri or ws.mlflow_uri(), args.keep,
+                     tolerance=args.tolerance)
 
 
 def cmd_reference(args) -> int:

@@ -23,6 +23,7 @@ from typing import Callable
 from engine.process.failures import Report
 from engine.process.job import JobSpec, RunPaths
 from engine.process.lifetime import WATCH_PID, child_dies_with_us
+from finetune import numerics
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -113,6 +114,7 @@ class TorchrunJob:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(self.ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
         env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
+        env.update(numerics.plan(self.ws.config).env)  # portable CPU numerics' pins
         env[WATCH_PID] = str(os.getpid())  # where the kernel cannot: workers watch the stage
         self._stderr = open(self.stderr_file, "w")
         # stdout (the training log) streams live; stderr is held back so that a clean one-line

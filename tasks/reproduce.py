@@ -25,10 +25,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import yaml
 
+from finetune import numerics
 from finetune.errors import PipelineError
 from tasks import registry, tracking
 
@@ -36,6 +38,10 @@ from tasks import registry, tracking
 INPUT_STAGE = "download"
 #: the name the worktree knows this checkout's default remote by
 REMOTE = "reproduce"
+#: the largest weight difference allowed where numerics differ, relative to the largest
+#: registered weight (the default run's adapters trained with native AVX-512 numerics and with
+#: portable ones differ by 4.5e-6, 1.7e-5 of the largest adapter weight)
+DEFAULT_TOLERANCE = 1e-3
 URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w\-]+))")
 
 
@@ -111,13 +117,23 @@ def _say(line: str) -> None:
 
 
 def reproduce(root: Path, uri: str, tracking_uri: str, keep: bool = False,
-              say: Callable[[str], None] = _say) -> int:
+              say: Callable[[str], None] = _say, tolerance: float | None = None) -> int:
     """Rebuild `uri` from its lineage; 0 when every weight file matches its registered
     sha256, 1 when one differs (first differing file, how far apart, the gate metric of
-    both). Input that cannot be reproduced (dirty tree, unknown commit, missing or altered
-    inputs in the remote) raises PipelineError."""
+    both). Where this machine's numerics differ from the registered run's (numerics_differ),
+    bytes cannot be expected equal: the weights are compared within `tolerance` (relative
+    to the largest weight; None: DEFAULT_TOLERANCE) instead, and it says so. Input that cannot
+    be reproduced (dirty tree, unknown commit, missing or altered inputs in the remote)
+    raises PipelineError."""
+    if tolerance is not None and not 0 <= tolerance < 1:
+        raise PipelineError(f"--tolerance {tolerance:g}: a relative difference in [0, 1)")
     client = tracking.client_for(tracking_uri)
     reg = resolve(client, uri)
+    differ = numerics_differ(reg)
+    if differ:
+        tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
+        say(f"numerics differ from the registered run's ({differ}): comparing the weights "
+            f"within {tolerance:g} of the largest weight instead of bit for bit")
     commit = _commit_of(root, reg)
     inputs = _inputs(root, commit, reg)
     remote = _remote_url(root)
@@ -131,7 +147,7 @@ def reproduce(root: Path, uri: str, tracking_uri: str, keep: bool = False,
         started = time.perf_counter()
         _repro(tree, inputs, reg)
         say(f"rebuilt in {tree} ({time.perf_counter() - started:.1f}s)")
-        return compare(client, reg, tree, say)
+        return compare(client, reg, tree, say, tolerance=tolerance if differ else None)
     finally:
         if keep:
             say(f"kept the worktree: {tree} (remove it with: git worktree remove --force {tree})")
@@ -310,9 +326,27 @@ def _repro(tree: Path, inputs: dict[str, str], reg: Registered) -> None:
                             "failing stage's error is printed above")
 
 
-def compare(client, reg: Registered, tree: Path, say: Callable[[str], None] = print) -> int:
+def numerics_differ(reg: Registered) -> str | None:
+    """Why a rebuild here need not give the registered bytes (finetune.numerics.comparable:
+    another mode, pins or thread count, or native numerics on another CPU), or None."""
+    params = reg.params
+    cfg = SimpleNamespace(
+        training=SimpleNamespace(
+            cpu_numerics=(params.get("training") or {}).get("cpu_numerics", numerics.NATIVE),
+            resolved_device="cpu" if (params.get("training") or {}).get("use_cpu")
+            else (params.get("training") or {}).get("device", "auto")),
+        distributed=SimpleNamespace(
+            threads_per_process=(params.get("distributed") or {}).get("threads_per_process"),
+            nproc_per_node=(params.get("distributed") or {}).get("nproc_per_node", 1)))
+    return numerics.comparable(reg.lineage, numerics.settings(numerics.plan(cfg)))
+
+
+def compare(client, reg: Registered, tree: Path, say: Callable[[str], None] = print,
+            tolerance: float | None = None) -> int:
     """The weight files `tree`'s export produced against the registered sha256: 0 when all
-    match; else 1, with the first differing file, how far apart and the gate metric of both."""
+    match; else 1, with the first differing file, how far apart and the gate metric of both.
+    `tolerance` (numerics that differ): differing bytes pass when every weight is within
+    tolerance x the largest registered weight."""
     export = tree / "data/export"
     produced = registry.weight_hashes(export) if export.is_dir() else {}
     differing = None
@@ -326,10 +360,16 @@ def compare(client, reg: Registered, tree: Path, say: Callable[[str], None] = pr
     if differing is None:
         say("reproduced bit for bit")
         return 0
-    distance = _distance(client, reg, export)
+    gap = _gap(client, reg, export)
     mine = _gate_value(tree, reg.gate_metric)
-    say(f"{differing} differs from {reg.uri}'s: {distance}; {reg.gate_metric} registered "
-        f"{_number(reg.gate_value)}, reproduced {_number(mine)}")
+    metric = (f"{reg.gate_metric} registered {_number(reg.gate_value)}, reproduced "
+              f"{_number(mine)}")
+    if tolerance is not None and gap.relative is not None and gap.relative <= tolerance:
+        say(f"reproduced within tolerance: {gap.text()} ({gap.relative:.3g} of the largest "
+            f"weight, allowed {tolerance:g}); {metric}")
+        return 0
+    allowed = "" if tolerance is None else f", allowed {tolerance:g} of the largest weight"
+    say(f"{differing} differs from {reg.uri}'s: {gap.text()}{allowed}; {metric}")
     return 1
 
 
@@ -345,15 +385,15 @@ def _gate_value(tree: Path, metric: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _distance(client, reg: Registered, export: Path) -> str:
-    """How far the reproduced weights are from the registered ones: max abs difference over
-    the tensors both hold, the registered side read from the version's MLflow model (the
-    merged weights), the reproduced side from the export folder's safetensors."""
+def _gap(client, reg: Registered, export: Path) -> "Gap":
+    """How far the reproduced weights are from the registered ones, the registered side read
+    from the version's MLflow model (the merged weights), the reproduced side from the export
+    folder's safetensors."""
     with tempfile.TemporaryDirectory() as tmp, registry.use_tracking_uri(client.tracking_uri):
         from mlflow.artifacts import download_artifacts
 
         folder = Path(download_artifacts(artifact_uri=reg.uri, dst_path=tmp))
-        return weights_distance(_tensors(folder), _tensors(export))
+        return weights_gap(_tensors(folder), _tensors(export))
 
 
 def _tensors(folder: Path) -> dict:
@@ -367,16 +407,40 @@ def _tensors(folder: Path) -> dict:
     return tensors
 
 
-def weights_distance(registered: dict, reproduced: dict) -> str:
-    """'max abs difference X over N tensors (largest in T)' over the tensors both name."""
+@dataclass
+class Gap:
+    """The largest difference between two sets of weights over the tensors both name, and
+    that difference relative to the largest registered weight (None when not comparable)."""
+
+    why_not: str | None = None  # no common tensor, or a shape that differs
+    largest: float = 0.0
+    tensor: str = ""
+    tensors: int = 0
+    scale: float = 0.0
+
+    @property
+    def relative(self) -> float | None:
+        if self.why_not is not None:
+            return None
+        return self.largest / self.scale if self.scale else float(self.largest > 0)
+
+    def text(self) -> str:
+        return self.why_not or (f"max abs difference {self.largest:.3g} over {self.tensors} "
+                                f"tensors (largest in {self.tensor})")
+
+
+def weights_gap(registered: dict, reproduced: dict) -> Gap:
+    """The Gap over the tensors both name."""
     common = sorted(set(registered) & set(reproduced))
     if not common:
-        return "no tensor names in common with the registered model"
+        return Gap("no tensor names in common with the registered model")
     for name in common:
         if registered[name].shape != reproduced[name].shape:
-            return (f"tensor {name} has shape {tuple(reproduced[name].shape)}, registered "
-                    f"{tuple(registered[name].shape)}")
+            return Gap(f"tensor {name} has shape {tuple(reproduced[name].shape)}, registered "
+                       f"{tuple(registered[name].shape)}")
     gaps = {name: float((registered[name].double() - reproduced[name].double()).abs().max())
             for name in common}
     worst = max(common, key=gaps.__getitem__)
-    return f"max abs difference {gaps[worst]:.3g} over {len(common)} tensors (largest in {worst})"
+    scale = max(float(registered[name].double().abs().max()) for name in common)
+    return Gap(None, gaps[worst], worst, len(common), scale)
+

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from finetune import numerics
 from finetune.config import config_fingerprint
 from finetune.config.section import flatten as dotted
 from finetune.files import file_sha256
@@ -127,7 +128,8 @@ def data_hashes(raw_dir: Path) -> dict[str, str]:
 
 #: the lineage entries shown as tags on the run and each registered version (the rest is in
 #: the `lineage.json` artifact)
-LINEAGE_TAGS = ("git_commit", "git_dirty", "params_file", "config_fingerprint", "data_sha256")
+LINEAGE_TAGS = ("git_commit", "git_dirty", "params_file", "config_fingerprint", "data_sha256",
+                "numerics.mode", "numerics.cpu_model")
 LINEAGE_ARTIFACT = "lineage.json"
 
 
@@ -140,6 +142,8 @@ def lineage(ws: Workspace) -> dict[str, str]:
         "config_fingerprint": config_fingerprint(ws.config),
         "strategy": ws.config.distributed.strategy,
         "world_size": str(ws.config.distributed.world_size),
+        # the CPU numerics it trained with and the CPU (what bitwise reproduction needs)
+        **numerics.settings(numerics.plan(ws.config)),
         **data_hashes(ws.layout.raw),
         **dvc_lock_hashes(ws.root),
         **dvc_out_hashes(ws.root),

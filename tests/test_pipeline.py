@@ -244,6 +244,17 @@ def test_registered_version_walks_back_to_the_dataset(repro):
     for tags in (mv.tags, run.data.tags, lineage):
         assert tags["git_commit"] == head and tags["git_dirty"] in ("true", "false")
     assert lineage["strategy"] == "single" and lineage["world_size"] == "1"
+    # the CPU numerics it trained with (the default: portable, where this CPU can) and the CPU
+    from finetune import numerics
+
+    portable = numerics.portable_blocker("cpu") is None
+    assert lineage["numerics.mode"] == mv.tags["numerics.mode"] == (
+        "portable" if portable else "native")
+    assert lineage["numerics.threads"] == "1"  # the tests' distributed.threads_per_process
+    if portable:
+        assert {k: lineage[f"numerics.{k}"] for k in numerics.PORTABLE_ENV} == \
+            numerics.PORTABLE_ENV
+    assert lineage["numerics.cpu_flags"] == numerics.cpu()["flags"]
     assert {"dvc_stage.download", "dvc_stage.train", "dvc_stage.evaluate"} <= set(lineage)
     params = load_dict(f"{run.info.artifact_uri}/resolved_params.json")
     written = yaml.safe_load((project / "params/default.yaml").read_text())

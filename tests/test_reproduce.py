@@ -169,6 +169,17 @@ def test_a_differing_weight_file_is_named_with_its_distance_and_the_gate_metric(
                                f"max abs difference 0.25 over "), said
     assert f"(largest in {name}); eval.loss registered {registered_loss:.6g}, reproduced " \
            f"{registered_loss + 1:.6g}" in said[-1], said
+    # where the numerics differ (another CPU under native numerics), within a tolerance
+    said.clear()
+    assert compare(client, resolve(client, f"models:/{MODEL}/1"), tree, said.append,
+                   tolerance=0.9) == 0
+    assert said[-1].startswith("reproduced within tolerance: max abs difference 0.25 over "), said
+    said.clear()
+    assert compare(client, resolve(client, f"models:/{MODEL}/1"), tree, said.append,
+                   tolerance=1e-6) == 1
+    assert said[-1].startswith(f"model.safetensors differs from models:/{MODEL}/1's: "
+                               f"max abs difference 0.25 over "), said
+    assert ", allowed 1e-06 of the largest weight; eval.loss registered" in said[-1], said
 
 
 def test_only_what_the_pipeline_writes_leaves_the_tree_clean(tmp_path):

@@ -65,6 +65,7 @@ from engine.reporting.progress import Progress
 from engine.reporting.readback import Readback
 from engine.reporting.reporters import MEASURED_METRICS, Console, build_reporters
 from engine.state import fingerprint, trainer_state
+from finetune import numerics
 from finetune.config import FinetuneConfig
 from finetune.config.compat import check_machine
 from finetune.errors import PipelineError
@@ -143,7 +144,7 @@ def train(cfg: FinetuneConfig, paths: RunPaths, go: Go | None = None,
     anything (the launcher's confirmation); returns the file to stream logged rows to, or None.
     `stream`: the streamed train split (epoch -> examples), else `paths.train_data` is read."""
     apply_allocator_settings(cfg.training)  # before CUDA allocates anything
-    d = setup(cfg.distributed, cfg.training.resolved_device)
+    d = setup(cfg.distributed, cfg.training.resolved_device, numerics.plan(cfg).threads)
     try:
         with attention_backends(cfg.training, d.device):
             return run_class(cfg)(cfg, paths, d, go, stream).fit()

@@ -183,6 +183,15 @@ class TrainingConfig(Section):
     use_cpu: bool = Field(
         False, fingerprint=True, description="HF's name for device: cpu."
     )
+    cpu_numerics: Literal["native", "portable"] = Field(
+        "native", fingerprint=False,
+        description="On a CPU: native lets torch's CPU kernels pick their instructions and "
+        "thread count by machine (fastest; bitwise reruns on the same machine only); portable "
+        "pins them (ATen AVX2 kernels, MKL's COMPATIBLE branch, oneDNN AVX2, "
+        "distributed.threads_per_process or 2 threads), so the same inputs give the same "
+        "bytes on any x86-64 CPU with AVX2. Applies to the train, evaluate and export stages; "
+        "on a CUDA GPU, or a CPU that cannot (not x86-64 AVX2), it runs native and says so.",
+    )
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
         None, fingerprint=True,
         description="Train the linear layers in fp8 (torchao Float8Linear, this scaling "
