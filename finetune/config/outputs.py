@@ -109,6 +109,15 @@ class EvalConfig(Section):
         description="exact_match: the answer is this regex's group 1 (first match); without "
         "a match, the last number in the text.",
     )
+    bootstrap_samples: int = Field(
+        1000, ge=0, fingerprint=False,
+        description="The evaluate stage's standard errors of its own held-out metrics (loss, "
+        "perplexity, exact match and the other means over rows, a classifier's accuracy, "
+        "preference pair accuracy): the std of the metric over this many resamples of the "
+        "held-out rows with replacement, seeded by training.seed; reported as "
+        "<metric>_stderr beside each metric, so registry guards and "
+        "min_improvement_stderr can judge them in standard errors. 0: no stderrs.",
+    )
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
     contamination_ngram: int | None = Field(
         13, ge=1, description="The evaluate stage's contamination check: the word n-gram "
