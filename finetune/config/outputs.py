@@ -260,7 +260,7 @@ class GuardMetric(Section):
     max_drop_stderr: float | None = Field(
         None, ge=0, description="Allowed drop in standard errors of the difference "
         "(sqrt(se_champion^2 + se_candidate^2)); the metric must report a stderr (harness "
-        "metrics do).")
+        "metrics do; ours by bootstrap, eval.bootstrap_samples).")
 
     @field_validator("metric")
     @classmethod
@@ -300,7 +300,7 @@ class RegistryConfig(Section):
     min_improvement_stderr: float = Field(
         0.0, ge=0, description="Improvement over the champion needed to promote, in standard "
         "errors of the difference (0: none; gate_metric must report a stderr: harness metrics "
-        "do). Both this and min_improvement must be met.")
+        "do, ours by bootstrap, eval.bootstrap_samples). Both this and min_improvement must be met.")
     guard_metrics: list[GuardMetric] = Field(
         default_factory=list, description="No-regression guards: promotion also needs every "
         "one to hold, i.e. the new model is not worse than the champion at `metric` by more "
