@@ -2,7 +2,10 @@
 same tokenized test split and the same token-weighted loss the trainer uses (so "fine-tuned
 below base" is an apples-to-apples claim), the QAT-quantized model's loss, and greedy
 generations on the first `eval.max_generation_samples` prompts (encoded exactly as in
-training), scored by each source's dataset type."""
+training), scored by each source's dataset type. Each number that is a mean over rows (or the
+token-weighted loss, a ratio of the rows' sums) gets its bootstrap stderr over the rows
+(`<metric>_stderr`, eval.bootstrap_samples, engine.evaluation.bootstrap); the loss's only where
+a batch row is one example (not under a project's data.collate_fn, which may pack)."""
 
 from __future__ import annotations
 
