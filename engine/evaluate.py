@@ -39,7 +39,8 @@ def heldout_metrics(cfg: FinetuneConfig, root: Path, trained: Path, test_dir: Pa
     """The method's numbers for the base and the fine-tuned model on the tokenized test split
     at `test_dir`, and the models it measured (lm-eval runs on the same ones). `rows()`: the
     generation prompts and references, or None; `make_scorer(tokenizer, labels)`: the dataset
-    types' scoring (`.generations(rows, texts)`, `.classes(predicted, true)`)."""
+    types' scoring (`.generations(rows, texts)`: the scores and the per-row values of those
+    that are means over rows; `.classes(predicted, true)`)."""
     method = run_class(cfg)
     tok = load_tokenizer(cfg.model, root)
     labels = read_labels(trained)  # a classifier's class names, saved with its weights

@@ -81,7 +81,10 @@ class _Scorer:
         self.ws = ws
         self.ctx = DataContext(ws.root, lambda: tok, labels=labels)
 
-    def generations(self, rows: pd.DataFrame, texts: list[str]) -> dict[str, float]:
+    def generations(self, rows: pd.DataFrame, texts: list[str]
+                    ) -> tuple[dict[str, float], dict[str, list[float]]]:
+        """The metrics, and the per-row values of those that are means over all the rows
+        (for their bootstrap stderr)."""
         return _score(self.ws, rows, texts, self.ctx)
 
     def classes(self, predicted: list[int], true: list[int]) -> dict[str, float]:
@@ -115,7 +118,6 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict], harness: dict | No
            contaminated: dict | None = None) -> dict[str, Path]:
     """The metrics file, the samples table, the contamination check's rows, and all of them
     into the training's MLflow run (with lm-eval's full results of `harness`, by model)."""
-    results = {k: v for k, v in metrics.items() if k in ("base", "finetuned", "quantized")}
     samples_path = write_json_atomic(ws.layout.eval_samples, samples)
     # a DVC output either way: with the check off, an empty report (no old rows left behind)
     write_json_atomic(ws.layout.eval_samples.parent / "contamination.json",
@@ -123,12 +125,8 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict], harness: dict | No
     path = write_json_atomic(ws.layout.metrics / "eval.json", metrics)
     run_id = tracking.run_id_of(ws)
     if run_id:
-        flat = {f"eval.{k}": v for k, v in results["finetuned"].items()}
-        flat.update({f"eval.base_{k}": v for k, v in results["base"].items()})
-        flat.update({f"eval.quantized_{k}": v for k, v in results.get("quantized", {}).items()})
-        flat.update(contamination_metrics(metrics.get("contamination", {})))
         # one value each, at step 0: MLflow draws such a metric as a bar labelled with it
-        tracking.log_metrics(ws, run_id, flat, step=0)
+        tracking.log_metrics(ws, run_id, mlflow_metrics(metrics), step=0)
         if samples:
             tracking.client(ws).log_table(run_id, pd.DataFrame(samples), "eval/samples.json")
         if harness:
@@ -136,6 +134,18 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict], harness: dict | No
         if contaminated is not None:
             tracking.client(ws).log_dict(run_id, contaminated, "eval/contamination.json")
     return {"metrics": path, "samples": samples_path}
+
+
+def mlflow_metrics(metrics: dict) -> dict[str, float]:
+    """The metrics file's numbers as the training's MLflow run (and so the promotion gate)
+    names them: the fine-tuned model's `eval.<metric>` (its stderr `eval.<metric>_stderr`,
+    which is where finetune.config.outputs.stderr_key looks), the base's `eval.base_<metric>`,
+    the quantized model's `eval.quantized_<metric>`, the contamination check's fractions."""
+    flat = {f"eval.{k}": v for k, v in metrics["finetuned"].items()}
+    flat.update({f"eval.base_{k}": v for k, v in metrics["base"].items()})
+    flat.update({f"eval.quantized_{k}": v for k, v in metrics.get("quantized", {}).items()})
+    flat.update(contamination_metrics(metrics.get("contamination", {})))
+    return flat
 
 
 def _generation_rows(ws: Workspace) -> pd.DataFrame:
@@ -153,10 +163,13 @@ def _generation_rows(ws: Workspace) -> pd.DataFrame:
     return rows.head(limit) if limit else rows
 
 
-def _score(ws: Workspace, rows: pd.DataFrame, predictions: list[str],
-           ctx: DataContext) -> dict[str, float]:
+def _score(ws: Workspace, rows: pd.DataFrame, predictions: list[str], ctx: DataContext
+           ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Each source's type scores its own rows; sources of one type are scored together, and
-    several types' scores (means over rows) are combined weighted by their rows."""
+    several types' scores (means over rows) are combined weighted by their rows. Beside the
+    scores, each metric's per-row values where they cover every row (so their mean is the
+    score): one type's means over rows; with several types, a metric every type has for all
+    of its rows (the others, and metrics of the whole set such as macro-F1, get none)."""
     parts = ws.config.data.parts()
     groups: dict[type, list[int]] = {}
     for i, part in enumerate(rows["part"]):
@@ -164,10 +177,21 @@ def _score(ws: Workspace, rows: pd.DataFrame, predictions: list[str],
     scored = []
     for positions in groups.values():
         datatype = parts[int(rows["part"].iloc[positions[0]])][1].datatype
-        scored.append((len(positions), datatype.score(
-            [predictions[i] for i in positions], rows["reference"].iloc[positions].tolist(),
-            ws.config.eval, ctx)))
+        args = ([predictions[i] for i in positions], rows["reference"].iloc[positions].tolist(),
+                ws.config.eval, ctx)
+        per_row = datatype.row_scores(*args) if ws.config.eval.bootstrap_samples else {}
+        scored.append((positions, datatype.score(*args), per_row))
     if len(scored) == 1:
-        return scored[0][1]
-    return {key: sum(n * scores.get(key, 0.0) for n, scores in scored) / len(rows)
-            for key in {k for _, scores in scored for k in scores}}
+        _, scores, per_row = scored[0]
+        return scores, {k: v for k, v in per_row.items() if len(v) == len(rows)}
+    combined = {key: sum(len(p) * scores.get(key, 0.0) for p, scores, _ in scored) / len(rows)
+                for key in {k for _, scores, _ in scored for k in scores}}
+    full = {}
+    for key in combined:
+        if all(len(per_row.get(key, ())) == len(p) for p, _, per_row in scored):
+            values = [0.0] * len(rows)
+            for positions, _, per_row in scored:
+                for i, v in zip(positions, per_row[key]):
+                    values[i] = v
+            full[key] = values
+    return combined, full

@@ -107,6 +107,9 @@ def test_a_classification_dataset_runs_through_all_six_stages(tmp_path):
     # anything): the loss says the training learned
     assert tuned["accuracy"] >= 0.9 and tuned["macro_f1"] >= 0.9, evaluation
     assert tuned["loss"] < base["loss"] / 10, evaluation
+    # accuracy's bootstrap stderr over the 20 rows (at most the binomial's at 1/2, 0.11);
+    # macro-F1 is of the whole set: none
+    assert 0 <= tuned["accuracy_stderr"] < 0.12 and "macro_f1_stderr" not in tuned, evaluation
     samples = json.loads((project / "data/eval/samples.json").read_text())
     assert samples[0]["reference"] in names and "prediction" in samples[0]
     config = json.loads((project / "data/export/config.json").read_text())

@@ -225,16 +225,20 @@ def _schema_keys() -> set[str]:
 def _metric_names() -> set[str]:
     """`eval.<metric>` names the evaluate stage writes (data/metrics/eval.json, MLflow's
     `eval.*`) for the shipped params files' dataset types; they share the `eval.` prefix with
-    the section."""
+    the section; with `<metric>_stderr` where the file's evaluation reports one."""
     import json
 
     from finetune.config import load_config
+    from finetune.config.compat import has_stderr
 
     names = set(json.loads((ROOT / "data/metrics/eval.json").read_text()))
     for params in (ROOT / "params").glob("*.yaml"):
         if params.name != "deployment.yaml":
-            for _, part in load_config(params).data.parts():
-                names |= set(part.datatype.reported_metrics())
+            cfg = load_config(params)
+            for _, part in cfg.data.parts():
+                reported = set(part.datatype.reported_metrics())
+                names |= reported | {f"{n}_stderr" for n in reported
+                                     if has_stderr(cfg, f"eval.{n}")}
     return {f"eval.{n}" for n in names} | {f"eval.base_{n}" for n in names}
 
 

@@ -249,6 +249,10 @@ def test_the_example_runs_through_evaluate_and_export(kto_run, tmp_path):
     assert tuned["kto_accuracy"] == pytest.approx(
         (tuned["desirable_accuracy"] + tuned["undesirable_accuracy"]) / 2)
     assert tuned["reward_margin"] != 0 and tuned["desirable_accuracy"] != 0.5
+    # bootstrap stderrs of the accuracies (the margin, a difference of two labels' means: none)
+    assert base["kto_accuracy_stderr"] == base["desirable_accuracy_stderr"] == 0
+    assert (tuned["kto_accuracy_stderr"] > 0) == (0 < tuned["kto_accuracy"] < 1)
+    assert "undesirable_accuracy_stderr" in tuned and "reward_margin_stderr" not in tuned
     version = json.loads((project / "data/lineage/model_version.json").read_text())
     assert version["gate_metric"] == "eval.kto_accuracy"
     assert version["value"] == tuned["kto_accuracy"]

@@ -165,6 +165,10 @@ def test_evaluate_writes_generation_metrics_samples_and_plots(repro):
     assert ev["generation_rows"] == 16  # TINY keeps 16 test rows
     for model in ("base", "finetuned"):
         assert 0.0 <= ev[model]["exact_match"] <= 1.0
+        # bootstrap stderrs over the test rows (eval.bootstrap_samples): what a guard in
+        # standard errors reads (eval.loss_stderr in MLflow)
+        assert 0 < ev[model]["loss_stderr"] < ev[model]["loss"], ev[model]
+        assert ev[model]["perplexity_stderr"] > 0 and "exact_match_stderr" in ev[model]
     samples = json.loads((project / "data/eval/samples.json").read_text())
     assert len(samples) == 5
     assert set(samples[0]) == {"prompt", "reference", "generation", "base_generation"}
@@ -178,7 +182,8 @@ def test_evaluate_writes_generation_metrics_samples_and_plots(repro):
     logged = {a.path for folder in ("plots", "eval") for a in client.list_artifacts(run_id, folder)}
     assert logged == {"plots/train.csv", "plots/eval.csv", "eval/samples.json",
                       "eval/contamination.json"}, logged
-    assert "eval.exact_match" in client.get_run(run_id).data.metrics
+    assert {"eval.exact_match", "eval.loss_stderr", "eval.base_loss_stderr"} <= set(
+        client.get_run(run_id).data.metrics)
 
 
 def test_export_has_adapter_and_registered_model_reloads(repro):
@@ -226,8 +231,8 @@ def test_registered_version_walks_back_to_the_dataset(repro):
                for rel, sha in weight_hashes(project / "data/export").items()}
     assert {"model.safetensors", "adapter/adapter_model.safetensors"} <= {
         k.removeprefix("weights_sha256.") for k in weights}
-    assert set(mv.tags) == {*LINEAGE_TAGS, "gate.eval.loss", "gate.decision", *weights}, sorted(
-        mv.tags)
+    assert set(mv.tags) == {*LINEAGE_TAGS, "gate.eval.loss", "gate.eval.loss_stderr",
+                            "gate.decision", *weights}, sorted(mv.tags)
     assert {k: mv.tags[k] for k in weights} == weights
     run = client.get_run(mv.run_id)
     lineage = run_lineage(run)

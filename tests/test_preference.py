@@ -413,6 +413,10 @@ def test_the_example_runs_through_evaluate_and_export_and_ranks_pairs_better(dpo
     assert tuned["preference_accuracy"] > base["preference_accuracy"]
     assert tuned["reward_margin"] > 0 and tuned["logp_margin"] > base["logp_margin"]
     assert 0 <= base["likelihood_accuracy"] <= 1
+    # bootstrap stderrs over the pairs: the base ties every pair, so its accuracy cannot move
+    assert base["preference_accuracy_stderr"] == 0
+    assert (tuned["preference_accuracy_stderr"] > 0) == (0 < tuned["preference_accuracy"] < 1)
+    assert tuned["loss_stderr"] > 0 and tuned["logp_margin_stderr"] > 0
     version = json.loads((project / "data/lineage/model_version.json").read_text())
     assert version["gate_metric"] == "eval.preference_accuracy" and version["promoted"]
     assert version["value"] == tuned["preference_accuracy"]

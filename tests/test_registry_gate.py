@@ -213,19 +213,40 @@ def _raw(**registry) -> dict:
      "registry.guard_metrics[0].max_drop: set exactly one of max_drop and max_drop_stderr"),
     ({"guard_metrics": [{"metric": "eval.perplexity", "max_drop": 1},
                         {"metric": "eval.exact_match", "max_drop_stderr": 2}]},
-     "registry.guard_metrics[1].max_drop_stderr: eval.exact_match reports no standard error"),
+     "registry.guard_metrics[1].max_drop_stderr: eval.exact_match reports no standard error "
+     "(eval.bootstrap_samples is 0"),
     ({"guard_metrics": [{"metric": "eval.perplexity", "max_drop": -1}]},
      "registry.guard_metrics[0].max_drop: Input should be greater than or equal to 0"),
     ({"guard_metrics": [{"metric": PAIRS, "max_drop": 0.1}]},
      f"registry.guard_metrics[0].metric {PAIRS} names a harness metric, and eval.harness.tasks "
      "is empty"),
     ({"min_improvement_stderr": 1.0},
-     "registry.min_improvement_stderr: eval.loss reports no standard error"),
+     "registry.min_improvement_stderr: eval.loss reports no standard error "
+     "(eval.bootstrap_samples is 0"),
 ])
 def test_bad_guards_are_refused_in_one_line_naming_the_key(registry, message):
+    raw = _raw(**registry)
+    raw["eval"]["bootstrap_samples"] = 0  # our own metrics then carry no stderr
     with pytest.raises(PipelineError) as err:
-        validate_raw(_raw(**registry))
+        validate_raw(raw)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_stderr_units_on_our_own_metrics_need_a_bootstrap_stderr():
+    """With eval.bootstrap_samples (default 1000) the loss and exact match carry a bootstrap
+    stderr, so guards and min_improvement_stderr in standard errors are valid on them; a
+    metric of the whole set (a classifier's macro-F1) never has one."""
+    validate_raw(_raw(min_improvement_stderr=1.0,
+                      guard_metrics=[{"metric": "eval.exact_match", "max_drop_stderr": 2}]))
+    raw = _raw(gate_metric="eval.accuracy",
+               guard_metrics=[{"metric": "eval.macro_f1", "max_drop_stderr": 2}])
+    raw["data"].update(dataset_type="classification", prompt_template=None,
+                       completion_template=None)
+    raw["eval"]["generation_metrics"] = []
+    raw["model"]["auto_class_name"] = "AutoModelForSequenceClassification"
+    with pytest.raises(PipelineError, match=r"registry.guard_metrics\[0\].max_drop_stderr: "
+                       r"eval.macro_f1 reports no standard error \(not a mean"):
+        validate_raw(raw)
 
 
 def test_the_shipped_guarded_example_is_valid():

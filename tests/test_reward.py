@@ -255,6 +255,8 @@ def test_the_example_ranks_held_out_pairs_better_and_exports_a_reward_model(rewa
     base, tuned = metrics["base"], metrics["finetuned"]
     assert tuned["preference_accuracy"] > base["preference_accuracy"]
     assert tuned["reward_margin"] > base["reward_margin"] and tuned["loss"] < base["loss"]
+    assert all(m[f"{k}_stderr"] > 0 for m in (base, tuned) for k in ("loss", "reward_margin"))
+    assert (tuned["preference_accuracy_stderr"] > 0) == (0 < tuned["preference_accuracy"] < 1)
     version = json.loads((project / "data/lineage/model_version.json").read_text())
     assert version["gate_metric"] == "eval.preference_accuracy" and version["promoted"]
     # the contamination check: the GSM8K pairs' train and test questions share no 13-gram

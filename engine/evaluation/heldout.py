@@ -12,7 +12,14 @@ from typing import Any, Callable
 
 import torch
 
-from engine.datapath.data import collate, count_targets, label_shift, take_rows, token_loss_sum
+from engine.datapath.data import (
+    IGNORE_INDEX,
+    collate,
+    count_targets,
+    label_shift,
+    take_rows,
+    token_loss_sum,
+)
 from engine.modeling.adapter import adapter_disabled, has_adapter
 from engine.process.distributed import Dist, all_reduce_sum
 
@@ -26,7 +33,7 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
                   max_batches: int | None = None, autocast_dtype: torch.dtype | None = None,
                   lockstep: bool = False, loss_sum_fn=None,
                   collate_fn: Callable[[list[dict]], dict] | None = None,
-                  on_batch: Callable[[], None] | None = None) -> dict:
+                  on_batch: Callable[[], None] | None = None, per_row: bool = False) -> dict:
     """Mean next-token loss and perplexity; rank r takes batches r, r+world, ...
 
     `collate_fn`: builds each batch from its rows (engine.datapath.data.eval_collate: the
@@ -35,7 +42,16 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
     so a rank with one batch fewer would hang the others); the extra ones are not counted.
     `loss_sum_fn(logits, labels)`: the summed loss (a classifier's is per row); None: the
     token loss, shifted as the batch's layout says (engine.datapath.data.label_shift).
-    `on_batch()`: called after each batch (a progress bar)."""
+    `on_batch()`: called after each batch (a progress bar).
+    `per_row`: also each example's loss sum and target-token count (`row_loss_sums`,
+    `row_tokens`: float64 and int64 tensors on the CPU, this rank's rows in order), for a
+    bootstrap stderr (engine.evaluation.bootstrap). Only meaningful where a batch row is one
+    example (the pipeline's padding collators; a collator that packs several examples into a
+    row gives per-packed-row sums, which are not the examples the stderr is about: the caller
+    asks for none then)."""
+    if per_row and loss_sum_fn is not None:
+        raise ValueError("evaluate_loss: per_row measures the token loss; a loss_sum_fn's "
+                         "rows are the caller's to split")
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     device = dist.device if dist else torch.device("cpu")
     was_training = model.training
@@ -43,7 +59,7 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
     starts = list(range(0, len(dataset), batch_size))
     if max_batches:
         starts = starts[:max_batches]
-    loss_sum, tokens = 0.0, 0
+    loss_sum, tokens, rows_out = 0.0, 0, []
     mine = starts[rank::world]
     rounds = -(-len(starts) // world) if lockstep else len(mine)
     for i in range(rounds):
@@ -60,13 +76,32 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
             tokens += count_targets(batch)
             loss_sum += float(loss_sum_fn(logits, batch["labels"]) if loss_sum_fn
                               else token_loss_sum(logits, batch["labels"], label_shift(batch)))
+            if per_row:
+                rows_out.append(row_loss_sums(logits, batch["labels"], label_shift(batch)))
         if on_batch is not None:
             on_batch()
     if dist:
         loss_sum, tokens = all_reduce_sum(loss_sum, dist), int(all_reduce_sum(tokens, dist))
     model.train(was_training)
     loss = loss_sum / max(tokens, 1)
-    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+    out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": tokens}
+    if per_row:  # one host copy at the end, not one per batch
+        sums = torch.cat(rows_out, dim=1).cpu() if rows_out else torch.zeros(2, 0,
+                                                                            dtype=torch.float64)
+        out.update(row_loss_sums=sums[0], row_tokens=sums[1].long())
+    return out
+
+
+def row_loss_sums(logits: torch.Tensor, labels: torch.Tensor, shift: int = 1) -> torch.Tensor:
+    """[2, rows]: each row's summed next-token cross entropy (`token_loss_sum` per row, in
+    float64) and its target-token count, for the whole batch in one call."""
+    shift_logits = logits[:, :logits.shape[1] - shift, :].float()
+    shift_labels = labels[:, shift:]
+    per_token = torch.nn.functional.cross_entropy(
+        shift_logits.transpose(1, 2), shift_labels, ignore_index=IGNORE_INDEX,
+        reduction="none")
+    counted = shift_labels != IGNORE_INDEX
+    return torch.stack([per_token.double().sum(1), counted.sum(1).double()])
 
 
 @torch.no_grad()
@@ -120,7 +155,9 @@ class HeldOut:
     #: the generation prompts and references (a DataFrame with prompt, reference, part), or
     #: None when eval asks for no generation metric
     rows: Callable[[], Any]
-    scorer: Any  # .generations(rows, texts), .classes(predicted, true): the types' metrics
+    #: the types' metrics: .generations(rows, texts) -> (scores, per-row values of the means
+    #: over rows, for their bootstrap stderr), .classes(predicted, true) -> scores
+    scorer: Any
     _tuned: torch.nn.Module | None = field(default=None, repr=False)
 
     def tuned(self) -> torch.nn.Module:

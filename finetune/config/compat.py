@@ -428,27 +428,46 @@ def _reported(c, metric: str, key: str) -> str | None:
             f"{', '.join('eval.' + m for m in sorted(reported))})")
 
 
-def has_stderr(metric: str) -> bool:
+def has_stderr(c, metric: str) -> bool:
     """Whether the evaluate stage reports a standard error for `metric` (a validated metric
-    name): lm-eval does for its tasks' metrics; our own held-out metrics report none."""
-    return metric.startswith("eval.harness.")
+    name): lm-eval does for its tasks' metrics; ours carry a bootstrap one over the held-out
+    rows (eval.bootstrap_samples > 0, engine.evaluation.bootstrap) when they are means over
+    rows or a token-weighted loss, except: macro-F1 (of the whole set), a classifier's loss,
+    KTO's reward_margin (a difference of two labels' means), GRPO's rewards, and the loss and
+    perplexity under a project's data.collate_fn (its batch rows need not be examples)."""
+    if metric.startswith("eval.harness."):
+        return True
+    if not c.eval.bootstrap_samples:
+        return False
+    name, method = metric.removeprefix("eval."), c.training.type
+    if method == "grpo" or name == "macro_f1" or (method == "kto" and name == "reward_margin"):
+        return False
+    if name in ("loss", "perplexity") and method != "reward":
+        return not c.data.task.classifier and c.data.user_collate_fn is None
+    return True
+
+
+def _why_no_stderr(c) -> str:
+    if not c.eval.bootstrap_samples:
+        return "eval.bootstrap_samples is 0; harness metrics have lm-eval's"
+    return "not a mean over held-out rows here; harness metrics have lm-eval's"
 
 
 def _guards(c) -> str | None:
     """Each registry.guard_metrics entry: one allowance, a stderr for stderr units, and a
     harness metric only with harness tasks; min_improvement_stderr needs a stderr too."""
     r = c.registry
-    if r.min_improvement_stderr and not has_stderr(r.gate_metric):
+    if r.min_improvement_stderr and not has_stderr(c, r.gate_metric):
         return (f"registry.min_improvement_stderr: {r.gate_metric} reports no standard error "
-                "(harness metrics do); use registry.min_improvement")
+                f"({_why_no_stderr(c)}); use registry.min_improvement")
     for i, guard in enumerate(r.guard_metrics):
         at = f"registry.guard_metrics[{i}]"
         if (guard.max_drop is None) == (guard.max_drop_stderr is None):
             return (f"{at}.max_drop: set exactly one of max_drop and max_drop_stderr for "
                     f"{guard.metric}")
-        if guard.max_drop_stderr is not None and not has_stderr(guard.metric):
-            return (f"{at}.max_drop_stderr: {guard.metric} reports no standard error (harness "
-                    "metrics do); use max_drop")
+        if guard.max_drop_stderr is not None and not has_stderr(c, guard.metric):
+            return (f"{at}.max_drop_stderr: {guard.metric} reports no standard error "
+                    f"({_why_no_stderr(c)}); use max_drop")
         unreported = _reported(c, guard.metric, f"{at}.metric")
         if unreported:
             return unreported
@@ -933,7 +952,7 @@ RULES: list[Rule] = [
     Agree("config", ("registry.gate_metric", "data.dataset_type"), _gate_reported,
           example={"registry.gate_metric": "eval.accuracy"}),
     Agree("config", ("registry.guard_metrics", "registry.min_improvement_stderr",
-                     "eval.harness.tasks"), _guards,
+                     "eval.harness.tasks", "eval.bootstrap_samples"), _guards,
           example={"registry.guard_metrics": [{"metric": "eval.perplexity"}]}),
     Refuse("config", "registry.max_contamination",
            _in("eval.contamination_ngram null", lambda c: c.eval.contamination_ngram is None),

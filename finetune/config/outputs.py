@@ -109,6 +109,15 @@ class EvalConfig(Section):
         description="exact_match: the answer is this regex's group 1 (first match); without "
         "a match, the last number in the text.",
     )
+    bootstrap_samples: int = Field(
+        1000, ge=0, fingerprint=False,
+        description="The evaluate stage's standard errors of its own held-out metrics (loss, "
+        "perplexity, exact match and the other means over rows, a classifier's accuracy, "
+        "preference pair accuracy): the std of the metric over this many resamples of the "
+        "held-out rows with replacement, seeded by training.seed; reported as "
+        "<metric>_stderr beside each metric, so registry guards and "
+        "min_improvement_stderr can judge them in standard errors. 0: no stderrs.",
+    )
     harness: HarnessConfig = Field(default_factory=HarnessConfig)
     contamination_ngram: int | None = Field(
         13, ge=1, description="The evaluate stage's contamination check: the word n-gram "
@@ -251,7 +260,7 @@ class GuardMetric(Section):
     max_drop_stderr: float | None = Field(
         None, ge=0, description="Allowed drop in standard errors of the difference "
         "(sqrt(se_champion^2 + se_candidate^2)); the metric must report a stderr (harness "
-        "metrics do).")
+        "metrics do; ours by bootstrap, eval.bootstrap_samples).")
 
     @field_validator("metric")
     @classmethod
@@ -291,7 +300,7 @@ class RegistryConfig(Section):
     min_improvement_stderr: float = Field(
         0.0, ge=0, description="Improvement over the champion needed to promote, in standard "
         "errors of the difference (0: none; gate_metric must report a stderr: harness metrics "
-        "do). Both this and min_improvement must be met.")
+        "do, ours by bootstrap, eval.bootstrap_samples). Both this and min_improvement must be met.")
     guard_metrics: list[GuardMetric] = Field(
         default_factory=list, description="No-regression guards: promotion also needs every "
         "one to hold, i.e. the new model is not worse than the champion at `metric` by more "

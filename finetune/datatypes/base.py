@@ -238,11 +238,19 @@ class DatasetType(ABC):
     def score(self, predictions: list, references: list, ev, ctx: DataContext
               ) -> dict[str, float]:
         """Metrics of one model's predictions (generated texts, or class ids for a
-        classifier) against the references; `ev`: the eval section."""
-        from finetune.datatypes.metrics import generation_metrics
+        classifier) against the references; `ev`: the eval section. By default each is the
+        mean of its `row_scores`."""
+        from finetune.datatypes.metrics import means
 
-        return generation_metrics(ev.generation_metrics, predictions, references,
-                                  ev.answer_regex)
+        return means(self.row_scores(predictions, references, ev, ctx))
+
+    def row_scores(self, predictions: list, references: list, ev, ctx: DataContext
+                   ) -> dict[str, list[float]]:
+        """The per-row values of the metrics that are means over rows (the evaluate stage's
+        bootstrap stderr resamples them); a metric of the whole set (macro-F1) has none."""
+        from finetune.datatypes.metrics import generation_rows
+
+        return generation_rows(ev.generation_metrics, predictions, references, ev.answer_regex)
 
     # -- export ------------------------------------------------------------------------------
     def serving_chat_template(self, tok, root: Path) -> str | None:

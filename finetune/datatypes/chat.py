@@ -121,22 +121,23 @@ class ChatType(DatasetType):
 
         return (*super().reported_metrics(), *TOOL_CALL_KEYS)
 
-    def score(self, predictions: list, references: list, ev, ctx: DataContext
-              ) -> dict[str, float]:
+    def row_scores(self, predictions: list, references: list, ev, ctx: DataContext
+                   ) -> dict[str, list[float]]:
         """Text rows with the generation metrics; tool-call rows (eval.generation_metrics
-        `tool_calls`) by the calls parsed from the generation: name and arguments."""
-        from finetune.datatypes.tool_calls import score_tool_calls
+        `tool_calls`) by the calls parsed from the generation: name and arguments. Each
+        metric's values cover its own rows."""
+        from finetune.datatypes.tool_calls import tool_call_rows
 
         calls = [i for i, r in enumerate(references) if isinstance(r, list)]
         texts = [i for i, r in enumerate(references) if not isinstance(r, list)]
-        scores = {}
+        rows = {}
         if texts:
-            scores.update(super().score([predictions[i] for i in texts],
-                                        [references[i] for i in texts], ev, ctx))
+            rows.update(super().row_scores([predictions[i] for i in texts],
+                                           [references[i] for i in texts], ev, ctx))
         if calls and "tool_calls" in ev.generation_metrics:
-            scores.update(score_tool_calls([predictions[i] for i in calls],
-                                           [references[i] for i in calls]))
-        return scores
+            rows.update(tool_call_rows([predictions[i] for i in calls],
+                                       [references[i] for i in calls]))
+        return rows
 
     def serving_chat_template(self, tok, root: Path) -> str | None:
         return chat_template(self.data, tok, root)

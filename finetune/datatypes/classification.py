@@ -120,6 +120,11 @@ class ClassificationType(DatasetType):
 
         return classification_metrics(predictions, references, len(ctx.labels))
 
+    def row_scores(self, predictions: list, references: list, ev, ctx: DataContext
+                   ) -> dict[str, list[float]]:
+        """Accuracy's rows (1.0 where the class is right); macro-F1 is of the whole set."""
+        return {"accuracy": [float(p == t) for p, t in zip(predictions, references)]}
+
 
 def _labels(frame, data, split: str):
     """The label column as strings ('' where a row has none); integral floats (pandas reads an

@@ -69,36 +69,60 @@ def is_exact_match(prediction: str, reference: str, pattern: str) -> bool:
     return normalize_answer(got) == normalize_answer(want)
 
 
+def exact_match_rows(predictions: list[str], references: list[str], pattern: str
+                     ) -> list[float]:
+    """1.0 for each row whose final answers agree, else 0.0."""
+    return [float(is_exact_match(p, r, pattern))
+            for p, r in zip(predictions, references, strict=True)]
+
+
 def exact_match(predictions: list[str], references: list[str], pattern: str) -> float:
     """Fraction of rows whose final answers agree."""
-    if not references:
-        return 0.0
-    hits = sum(is_exact_match(p, r, pattern) for p, r in zip(predictions, references, strict=True))
-    return hits / len(references)
+    return mean(exact_match_rows(predictions, references, pattern))
 
 
-def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
-    """Mean ROUGE-1/2/L F1 (rouge-score, Porter stemming), as the package computes each pair."""
+def rouge_rows(predictions: list[str], references: list[str]) -> dict[str, list[float]]:
+    """Each pair's ROUGE-1/2/L F1 (rouge-score, Porter stemming), as the package computes it."""
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
-    totals = dict.fromkeys(ROUGE_KEYS, 0.0)
+    rows: dict[str, list[float]] = {key: [] for key in ROUGE_KEYS}
     for pred, ref in zip(predictions, references, strict=True):
         scores = scorer.score(ref, pred)
         for key in ROUGE_KEYS:
-            totals[key] += scores[key].fmeasure
-    n = max(len(references), 1)
-    return {key: total / n for key, total in totals.items()}
+            rows[key].append(scores[key].fmeasure)
+    return rows
+
+
+def rouge(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """Mean ROUGE-1/2/L F1 over the pairs."""
+    return means(rouge_rows(predictions, references))
+
+
+def mean(values: list[float]) -> float:
+    """The mean over rows; 0.0 for no rows (a metric of nothing scores nothing)."""
+    return sum(values) / len(values) if values else 0.0
+
+
+def means(rows: dict[str, list[float]]) -> dict[str, float]:
+    return {key: mean(values) for key, values in rows.items()}
+
+
+def generation_rows(names: list[str], predictions: list[str], references: list[str],
+                    pattern: str) -> dict[str, list[float]]:
+    """Each generation metric's per-row values (every one is a mean over rows: its row values
+    also give its bootstrap stderr in the evaluate stage)."""
+    out: dict[str, list[float]] = {}
+    if "exact_match" in names:
+        out["exact_match"] = exact_match_rows(predictions, references, pattern)
+    if "rouge" in names:
+        out.update(rouge_rows(predictions, references))
+    return out
 
 
 def generation_metrics(names: list[str], predictions: list[str], references: list[str],
                        pattern: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    if "exact_match" in names:
-        out["exact_match"] = exact_match(predictions, references, pattern)
-    if "rouge" in names:
-        out.update(rouge(predictions, references))
-    return out
+    return means(generation_rows(names, predictions, references, pattern))
 
 
 def classification_metrics(predicted: list[int], true: list[int], num_labels: int) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from finetune.datatypes.metrics import TOOL_CALL_KEYS
+from finetune.datatypes.metrics import TOOL_CALL_KEYS, means
 
 __all__ = ["TOOL_CALL_KEYS", "parse_tool_calls", "score_tool_calls"]
 
@@ -63,19 +63,21 @@ def _arguments(value: Any) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def score_tool_calls(predictions: list[str], references: list[list[dict]]) -> dict[str, float]:
-    """Per reference turn: `tool_name_match` 1 when the generation calls the same tools in
-    the same order, `tool_arguments_match` 1 when each call's arguments are also equal;
-    means over the turns."""
-    if not references:
-        return dict.fromkeys(TOOL_CALL_KEYS, 0.0)
-    names = arguments = 0
+def tool_call_rows(predictions: list[str], references: list[list[dict]]
+                   ) -> dict[str, list[float]]:
+    """Per reference turn: `tool_name_match` 1.0 when the generation calls the same tools in
+    the same order, `tool_arguments_match` 1.0 when each call's arguments are also equal."""
+    rows: dict[str, list[float]] = {key: [] for key in TOOL_CALL_KEYS}
     for text, want in zip(predictions, references, strict=True):
         got = parse_tool_calls(text)
         same_names = [c["name"] for c in got] == [c["name"] for c in want]
-        names += same_names
-        arguments += same_names and all(
+        rows["tool_name_match"].append(float(same_names))
+        rows["tool_arguments_match"].append(float(same_names and all(
             g["arguments"] is not None and g["arguments"] == _arguments(w["arguments"])
-            for g, w in zip(got, want))
-    return {"tool_name_match": names / len(references),
-            "tool_arguments_match": arguments / len(references)}
+            for g, w in zip(got, want))))
+    return rows
+
+
+def score_tool_calls(predictions: list[str], references: list[list[dict]]) -> dict[str, float]:
+    """`tool_call_rows`' means over the turns."""
+    return means(tool_call_rows(predictions, references))

@@ -1,9 +1,11 @@
 """A sequence classifier's held-out numbers: loss and the dataset type's scores (accuracy,
-macro-F1) of the base model (its head untrained: chance) and the fine-tuned classifier; the
-samples table shows text, label and both predictions."""
+macro-F1) of the base model (its head untrained: chance) and the fine-tuned classifier, with
+accuracy's bootstrap stderr over the rows (the loss and macro-F1 get none); the samples table
+shows text, label and both predictions."""
 
 from __future__ import annotations
 
+from engine.evaluation.bootstrap import bootstrap_seed, stderrs
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss, predict_classes
 from engine.objective.loss import class_loss_sum
 from finetune.errors import PipelineError
@@ -21,8 +23,11 @@ def classifier_metrics(held: HeldOut) -> Evaluated:
         loss = evaluate_loss(model, *args, loss_sum_fn=class_loss_sum)
         predicted, true = predict_classes(model, *args)
         scores = held.scorer.classes(predicted, true)
+        correct = [float(p == t) for p, t in zip(predicted, true)]
         results[name] = {"loss": round(loss["loss"], 6),
-                         **{k: round(v, 6) for k, v in scores.items()}}
+                         **{k: round(v, 6) for k, v in scores.items()},
+                         **stderrs({"accuracy": correct}, cfg.eval.bootstrap_samples,
+                                   bootstrap_seed(cfg))}
         predictions[name] = predicted
     samples = [{"text": tok.decode(held.test[i]["input_ids"], skip_special_tokens=True),
                 "reference": labels[t],

@@ -1,11 +1,13 @@
 """How a model ranks held-out preference pairs: the evaluate stage's numbers for a DPO run
-(beside the SFT run's loss and generations, engine.recipe.sft)."""
+(beside the SFT run's loss and generations, engine.recipe.sft), each with its bootstrap stderr
+over the pairs."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.datapath.data import collate
+from engine.evaluation.bootstrap import bootstrap_seed, stderrs
 from engine.evaluation.heldout import scored_batches
 from engine.objective.logprobs import sequence_logps
 from engine.recipe.dpo.batches import collate_pairs
@@ -35,6 +37,12 @@ def ranking_scores(scored: torch.Tensor, reference: torch.Tensor, dpo) -> dict[s
     - reward_margin: the mean implicit reward margin (chosen - rejected).
     - likelihood_accuracy, logp_margin: the same from the model's own summed log-probabilities,
       no reference (how likely it finds each side)."""
+    return {k: float(v.mean()) for k, v in ranking_rows(scored, reference, dpo).items()}
+
+
+def ranking_rows(scored: torch.Tensor, reference: torch.Tensor, dpo) -> dict[str, torch.Tensor]:
+    """`ranking_scores`' per-pair values (1, 0.5 on a tie, 0 for the accuracies; the margins),
+    whose means are the scores and whose bootstrap gives their stderrs."""
     if len(scored) == 0:
         return {}
     chosen, rejected, n_chosen, n_rejected = scored.unbind(1)
@@ -44,11 +52,11 @@ def ranking_scores(scored: torch.Tensor, reference: torch.Tensor, dpo) -> dict[s
     else:
         reward = dpo.beta * (own - (reference[:, 0] - reference[:, 1]))
 
-    def ranked(margin: torch.Tensor) -> float:
-        return float(((margin > 0).double() + 0.5 * (margin == 0).double()).mean())
+    def ranked(margin: torch.Tensor) -> torch.Tensor:
+        return (margin > 0).double() + 0.5 * (margin == 0).double()
 
-    return {"preference_accuracy": ranked(reward), "reward_margin": float(reward.mean()),
-            "likelihood_accuracy": ranked(own), "logp_margin": float(own.mean())}
+    return {"preference_accuracy": ranked(reward), "reward_margin": reward,
+            "likelihood_accuracy": ranked(own), "logp_margin": own}
 
 
 def rank_pairs(held, results: dict) -> None:
@@ -60,6 +68,8 @@ def rank_pairs(held, results: dict) -> None:
     with held.as_base() as model:
         base = pair_log_probs(model, *args)
     tuned = pair_log_probs(held.tuned(), *args)
+    cfg = held.cfg
     for name, scored in (("base", base), ("finetuned", tuned)):
-        results[name].update(
-            {k: round(v, 6) for k, v in ranking_scores(scored, base, held.cfg.dpo).items()})
+        rows = ranking_rows(scored, base, cfg.dpo)
+        results[name].update({k: round(float(v.mean()), 6) for k, v in rows.items()})
+        results[name].update(stderrs(rows, cfg.eval.bootstrap_samples, bootstrap_seed(cfg)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.datapath.data import collate
+from engine.evaluation.bootstrap import bootstrap_seed, ratio_stderr
 from engine.evaluation.heldout import scored_batches
 from engine.objective.logprobs import sequence_logps
 from finetune.datatypes.unpaired_preference import LABEL_COLUMN
@@ -55,6 +56,37 @@ def rank_rows(held, results: dict) -> None:
     with held.as_base() as model:
         base = row_log_probs(model, *args)
     tuned = row_log_probs(held.tuned(), *args)
+    cfg = held.cfg
     for name, scored in (("base", base), ("finetuned", tuned)):
         results[name].update(
-            {k: round(v, 6) for k, v in unpaired_scores(scored, base, held.cfg.kto.beta).items()})
+            {k: round(v, 6) for k, v in unpaired_scores(scored, base, cfg.kto.beta).items()})
+        results[name].update(accuracy_stderrs(scored, base, cfg.kto.beta,
+                                              cfg.eval.bootstrap_samples, bootstrap_seed(cfg)))
+
+
+def accuracy_stderrs(scored: torch.Tensor, reference: torch.Tensor, beta: float, samples: int,
+                     seed: int) -> dict[str, float]:
+    """The bootstrap stderrs of `unpaired_scores`' accuracies over the rows: kto_accuracy a
+    mean over rows, each label's accuracy a ratio (its right rows over its rows). The
+    reward_margin, a difference of two labels' means, gets none."""
+    if len(scored) == 0:
+        return {}
+    right, desirable = _right(scored, reference, beta)
+    out = {}
+    for name, weight in (("kto", torch.ones_like(right)), ("desirable", desirable.double()),
+                         ("undesirable", (~desirable).double())):
+        if weight.any():
+            se = ratio_stderr(right * weight, weight, samples, seed)
+            if se is not None:
+                out[f"{name}_accuracy_stderr"] = round(se, 6)
+    return out
+
+
+def _right(scored: torch.Tensor, reference: torch.Tensor, beta: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row: 1 where its reward has its label's sign, 0.5 on a tie, else 0; and whether
+    it is desirable."""
+    reward = beta * (scored[:, 0] - reference[:, 0])
+    desirable = scored[:, 1] > 0.5
+    signed = torch.where(desirable, reward, -reward)
+    return (signed > 0).double() + 0.5 * (signed == 0).double(), desirable

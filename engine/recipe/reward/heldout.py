@@ -1,13 +1,14 @@
 """A reward model's held-out numbers for the evaluate stage: how often the base (its head
 untrained: chance) and the trained reward model score each held-out pair's chosen side above
-its rejected one, the mean reward margin, and the Bradley-Terry loss; the samples table shows
-a few pairs with both models' rewards."""
+its rejected one, the mean reward margin, and the Bradley-Terry loss, each with its bootstrap
+stderr over the pairs; the samples table shows a few pairs with both models' rewards."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.datapath.data import collate
+from engine.evaluation.bootstrap import bootstrap_seed, stderrs
 from engine.evaluation.heldout import Evaluated, scored_batches
 from engine.recipe.reward.batches import collate_rewarded
 from engine.recipe.reward.loss import bradley_terry
@@ -31,13 +32,19 @@ def ranking(scored: torch.Tensor, center_coefficient: float | None) -> dict[str,
     """From `pair_rewards` rows: preference_accuracy (the share of pairs with r_chosen >
     r_rejected, TRL's accuracy), reward_margin (the mean r_chosen - r_rejected) and the mean
     Bradley-Terry loss."""
+    return {k: float(v.mean()) for k, v in ranking_rows(scored, center_coefficient).items()}
+
+
+def ranking_rows(scored: torch.Tensor, center_coefficient: float | None
+                 ) -> dict[str, torch.Tensor]:
+    """`ranking`'s per-pair values, whose means are its numbers and whose bootstrap gives
+    their stderrs."""
     if len(scored) == 0:
         return {}
     chosen, rejected, margin = scored.unbind(1)
     pairs = bradley_terry(torch.cat([chosen, rejected]), margin, center_coefficient)
-    return {"loss": float(pairs.losses.mean()),
-            "preference_accuracy": float((chosen > rejected).float().mean()),
-            "reward_margin": float((chosen - rejected).mean())}
+    return {"loss": pairs.losses, "preference_accuracy": (chosen > rejected).float(),
+            "reward_margin": chosen - rejected}
 
 
 def reward_metrics(held) -> Evaluated:
@@ -46,8 +53,11 @@ def reward_metrics(held) -> Evaluated:
     base = pair_rewards(held.base, *args)
     tuned = pair_rewards(held.tuned(), *args)
     coefficient = cfg.reward.center_rewards_coefficient
-    results = {name: {k: round(v, 6) for k, v in ranking(scored, coefficient).items()}
-               for name, scored in (("base", base), ("finetuned", tuned))}
+    results = {}
+    for name, scored in (("base", base), ("finetuned", tuned)):
+        rows = ranking_rows(scored, coefficient)
+        results[name] = {k: round(float(v.mean()), 6) for k, v in rows.items()}
+        results[name].update(stderrs(rows, cfg.eval.bootstrap_samples, bootstrap_seed(cfg)))
     samples = []
     for i in range(min(cfg.eval.num_logged_samples, len(held.test))):
         row = held.test[i]

@@ -2,7 +2,10 @@
 same tokenized test split and the same token-weighted loss the trainer uses (so "fine-tuned
 below base" is an apples-to-apples claim), the QAT-quantized model's loss, and greedy
 generations on the first `eval.max_generation_samples` prompts (encoded exactly as in
-training), scored by each source's dataset type."""
+training), scored by each source's dataset type. Each number that is a mean over rows (or the
+token-weighted loss, a ratio of the rows' sums) gets its bootstrap stderr over the rows
+(`<metric>_stderr`, eval.bootstrap_samples, engine.evaluation.bootstrap); the loss's only where
+a batch row is one example (not under a project's data.collate_fn, which may pack)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import Callable
 
 from engine.datapath.data import eval_collate
 from engine.evaluation.generation import encode_prompts, greedy_generate
+from engine.evaluation.bootstrap import bootstrap_seed, perplexity, ratio_stderr, stderrs
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
 from engine.modeling.model import decoder_start, max_positions
 from engine.modeling.quantization import conversion_blocker, quantized_copy
@@ -36,16 +40,24 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
         "" if rows is None else f", {len(rows)} greedy generations of up to "
         f"{cfg.eval.generation_max_new_tokens} tokens")
     results, generations = {}, {}
+    samples_b, seed = cfg.eval.bootstrap_samples, bootstrap_seed(cfg)
+    # the stderr resamples examples: only where a batch row is one (the pipeline's collators)
+    per_row = bool(samples_b) and cfg.data.user_collate_fn is None
+
+    def measured(model, advance) -> tuple[dict, int]:
+        """The loss entry (with its stderrs) and the target tokens it was measured on."""
+        result = evaluate_loss(model, *args, collate_fn=batches, on_batch=advance,
+                               per_row=per_row)
+        return {**loss_entry(result), **loss_stderrs(result, samples_b, seed)}, result["tokens"]
+
     with work_bar(total, "evaluate", cfg.logging) as advance:
         print(f"[evaluate] base model: {what}", flush=True)
-        results["base"] = loss_entry(evaluate_loss(held.base, *args, collate_fn=batches,
-                                                   on_batch=advance))
+        results["base"], _ = measured(held.base, advance)
         if rows is not None:
             generations["base"] = generate(held, held.base, rows, advance)
         print(f"[evaluate] fine-tuned model: {what}", flush=True)
         tuned = held.tuned()
-        tuned_loss = evaluate_loss(tuned, *args, collate_fn=batches, on_batch=advance)
-        results["finetuned"] = loss_entry(tuned_loss)
+        results["finetuned"], eval_tokens = measured(tuned, advance)
         if t.qat_recipe:  # the quantised model the export ships (engine.modeling.quantization)
             device = next(tuned.parameters()).device
             reason = conversion_blocker(t.qat_recipe, t.qat_group_size, device)
@@ -55,23 +67,38 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
                       flush=True)
             else:
                 quantized, _ = quantized_copy(tuned, t.qat_recipe, t.qat_group_size)
-                results["quantized"] = loss_entry(evaluate_loss(
-                    quantized, *args, collate_fn=batches, on_batch=advance))
+                results["quantized"], _ = measured(quantized, advance)
                 del quantized
         if after_loss is not None:
             after_loss(held, results)
         if rows is not None:
             generations["finetuned"] = generate(held, tuned, rows, advance)
         for name, texts in generations.items():
-            scores = held.scorer.generations(rows, texts)
+            scores, per_row_scores = held.scorer.generations(rows, texts)
             results[name].update({k: round(v, 6) for k, v in scores.items()})
-    counts = {"eval_tokens": tuned_loss["tokens"],
+            results[name].update(stderrs(per_row_scores, samples_b, seed))
+    counts = {"eval_tokens": eval_tokens,
               "generation_rows": 0 if rows is None else len(rows)}
     return Evaluated(results, counts, samples(rows, generations, cfg.eval.num_logged_samples))
 
 
 def loss_entry(result: dict) -> dict:
     return {"loss": round(result["loss"], 6), "perplexity": round(result["perplexity"], 4)}
+
+
+def loss_stderrs(result: dict, samples: int, seed: int) -> dict:
+    """The loss's and the perplexity's bootstrap stderr over the examples (the token-weighted
+    loss is a ratio of sums: the rows' loss sums over their target tokens; the perplexity is
+    exp of each resample's loss), when `evaluate_loss` measured per row."""
+    if "row_loss_sums" not in result:
+        return {}
+    sums, counted = result["row_loss_sums"], result["row_tokens"]
+    loss = ratio_stderr(sums, counted, samples, seed)
+    if loss is None:
+        return {}
+    return {"loss_stderr": round(loss, 6),
+            "perplexity_stderr": round(ratio_stderr(sums, counted, samples, seed,
+                                                    transform=perplexity), 4)}
 
 
 def generate(held: HeldOut, model, rows, on_batch: Callable[[], None] | None = None
