@@ -201,6 +201,13 @@ def has_adapter(module) -> bool:
     return peft_model_in(module) is not None
 
 
+def base_rewritten(module) -> bool:
+    """PiSSA / OLoRA moved part of the base weights into the adapter: with the adapter
+    disabled, the module is the residual, not the base model."""
+    peft_model = peft_model_in(module)
+    return peft_model is not None and getattr(peft_model, INITIAL_ADAPTER, None) is not None
+
+
 def adapter_disabled(module):
     """A context in which `module` runs as its base model: the adapter's layers are skipped
     (PEFT's disable_adapter), so a DPO reference needs no second copy of the weights."""
