@@ -15,8 +15,8 @@ from helpers import (
     ROOT,
     adapter,
     assert_weights_close,
-    interrupt_then_resume,
     losses,
+    resume_cut_back,
     resume_from_checkpoint_in_process,
     train_copy,
     train_here,
@@ -130,6 +130,18 @@ def test_lora_on_moe_expert_parameters_trains_them_and_merges(tmp_path):
         apply_peft(copy.deepcopy(base), PeftSection(target_parameters=["mlp.experts.nope"]))
 
 
+def test_a_base_rewriting_init_refuses_a_grown_vocabulary(stories):
+    """peft's conversion keeps lora_A and lora_B only: embeddings trained in full for new
+    tokens would be lost from the saved adapter, so the run stops before it starts."""
+    from engine.modeling.vocabulary import GREW
+
+    grown = copy.deepcopy(stories)
+    setattr(grown, GREW, True)
+    with pytest.raises(PipelineError, match=r"^peft.init_lora_weights: olora does not combine "
+                                            r"with a grown vocabulary .* would be lost"):
+        apply_peft(grown, PeftSection(init_lora_weights="olora"))
+
+
 DEFAULT = yaml.safe_load((ROOT / "params/default.yaml").read_text())
 NEW_KEYS = {"peft.use_dora": True, "peft.use_rslora": True, "peft.init_lora_weights": "olora",
             "peft.layers_to_transform": [1], "peft.rank_pattern": {"q_proj": 4},
@@ -154,7 +166,7 @@ def test_each_new_key_changes_the_checkpoint_fingerprint():
         {"peft.init_lora_weights": "pissa_niter_4"}) != default
 
 
-def test_validate_refuses_a_lora_option_with_ia3_in_one_line(tmp_path, capsys, monkeypatch):
+def test_validate_refuses_ia3_options_unknown_parameters_and_loftq_in_one_line(tmp_path, capsys, monkeypatch):
     from helpers import copy_project
 
     from flows.cli import main
@@ -168,6 +180,10 @@ def test_validate_refuses_a_lora_option_with_ia3_in_one_line(tmp_path, capsys, m
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
     assert code == 2 and errors == [
         "error: peft.target_parameters: 'mlp.nope' is not a parameter of LlamaForCausalLM"]
+    code = main(["validate", "-s", "+peft.init_lora_weights=loftq"])
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "peft.init_lora_weights: loftq: peft's LoftQ " \
+        "quantizes with bitsandbytes on a CUDA GPU" in errors[0], errors
 
 
 def test_pissa_niter_resumes_bitwise_from_its_checkpoint(tokenized, tmp_path):
@@ -179,19 +195,20 @@ def test_pissa_niter_resumes_bitwise_from_its_checkpoint(tokenized, tmp_path):
     assert "resumed from" in out
 
 
-def test_dora_rslora_under_fsdp2_on_two_processes_match_one_and_resume_after_sigkill(
+def test_dora_rslora_under_fsdp2_on_two_processes_match_one_and_resume_bitwise(
         tokenized, tmp_path):
-    """DoRA + rsLoRA: FSDP2 2 ranks x batch 4 equals one process x batch 8 (fp32); killed after
-    its first (sharded) checkpoint, the two-process run resumes bitwise."""
+    """DoRA + rsLoRA: FSDP2 2 ranks x batch 4 equals one process x batch 8 (fp32); cut back
+    to what a crash right after its first (sharded) checkpoint leaves, the two-process run
+    resumes bitwise (two torchrun launches: a killed run is what the cut leaves)."""
     params = {"peft.use_dora": True, "peft.use_rslora": True, "optimizer.name": "SGD",
               "optimizer.learning_rate": 0.05, "training.max_grad_norm": 1e9,
               "training.max_steps": 4, "checkpoint.save_steps": 2, "eval.eval_steps": 2}
     one, _ = train_here(tokenized, tmp_path / "one",
                         {**params, "training.per_device_train_batch_size": 8})
-    two = {**params, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2}
-    project, proc = train_copy(tokenized, tmp_path / "two", two)
+    project, proc = train_copy(tokenized, tmp_path / "two", {
+        **params, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2})
     assert "strategy fsdp2, world size 2" in proc.stdout
     assert losses(project) == pytest.approx(losses(one), abs=1e-5)
     assert_weights_close(adapter(project), adapter(one))
     assert any("lora_magnitude_vector" in k for k in adapter(project))
-    interrupt_then_resume(tokenized, tmp_path, two, full=project)
+    resume_cut_back(project, tmp_path, at=2)

@@ -51,8 +51,7 @@ USED = {"training.mixed_precision": {"training.mixed_precision": "fp16"},
         "training.sdpa_backend": {"training.sdpa_backend": ["cudnn_attention"]},
         "training.fp8_recipe": {"training.fp8_recipe": "rowwise"},
         "training.use_liger_kernel": {"training.use_liger_kernel": True},
-        "distributed.backend": {"distributed.backend": "nccl"},
-        "peft.init_lora_weights": {"peft.init_lora_weights": "loftq"}}
+        "distributed.backend": {"distributed.backend": "nccl"}}
 
 
 @pytest.mark.parametrize("rule", MACHINE, ids=[r.key for r in MACHINE])

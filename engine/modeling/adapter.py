@@ -17,7 +17,7 @@ def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
                 tied: bool = False):
     """`tied`: the model ties its input and output embeddings and one of them is trained in
     full: LoRA keeps them one weight (peft's ensure_weight_tying); IA3 cannot."""
-    from peft import IA3Config, LoftQConfig, LoraConfig
+    from peft import IA3Config, LoraConfig
 
     if cfg.peft_type == "IA3":
         if tied:
@@ -39,7 +39,6 @@ def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
         use_dora=cfg.use_dora,
         use_rslora=cfg.use_rslora,
         init_lora_weights=cfg.init_lora_weights,
-        loftq_config=LoftQConfig() if cfg.init_lora_weights == "loftq" else {},
         layers_to_transform=cfg.layers_to_transform,
         layers_pattern=cfg.layers_pattern,
         rank_pattern=dict(cfg.rank_pattern),
@@ -64,6 +63,12 @@ def apply_peft(model, cfg: PeftSection, seed: int | None = None):
     check_target_parameters(model, cfg.target_parameters)
     grew = getattr(model, GREW, False)
     extra = embedding_module_names(model) if grew else None
+    if grew and cfg.mutates_base:  # the compat table refuses the user's modules_to_save
+        raise PipelineError(
+            f"peft.init_lora_weights: {cfg.init_lora_weights} does not combine with a grown "
+            "vocabulary (model.added_tokens, special_tokens): peft converts the adapter to one "
+            "of the original base from lora_A and lora_B alone, and the embeddings trained in "
+            "full would be lost; use init_lora_weights true or gaussian")
     if cfg.modules_to_save:
         extra = list(dict.fromkeys([*cfg.modules_to_save, *(extra or [])]))
     out = model.get_output_embeddings()
@@ -108,6 +113,8 @@ def check_target_parameters(model, names: list[str] | None) -> None:
 #: the adapter as PiSSA / OLoRA made it, before any step (on the PeftModel): what saving
 #: subtracts so the saved adapter applies to the original base
 INITIAL_ADAPTER = "_finetune_initial_adapter"
+#: the name peft loads it under while converting (the folder's name)
+INITIAL = "initial"
 
 
 def keep_initial_adapter(peft_model) -> None:
@@ -123,6 +130,7 @@ def save_adapter(module, folder, state_dict: dict | None = None) -> None:
     initialisation rewrote the base (PiSSA, OLoRA) is saved converted by peft
     (`path_initial_model_for_weight_conversion`: rank 2r, [A | A0] and [B | -B0]), so it
     applies to the original base model, which is what every later stage loads."""
+    import re
     import tempfile
 
     from safetensors.torch import save_file
@@ -133,10 +141,15 @@ def save_adapter(module, folder, state_dict: dict | None = None) -> None:
         module.save_pretrained(folder, safe_serialization=True, **kwargs)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "initial"  # peft writes its config here, the weights are ours
+        path = Path(tmp) / INITIAL  # peft writes its config here, the weights are ours
         path.mkdir()
         save_file({k: v.contiguous() for k, v in initial.items()},
                   path / "adapter_model.safetensors")
+        if state_dict is not None:  # gathered (FSDP2): peft reads the initial adapter there
+            # too, named as the LoRA model (under the PeftModel's `base_model.`) names it
+            kwargs["state_dict"] = {**state_dict, **{
+                re.sub(r"\.(lora_[AB])\.", rf".\1.{INITIAL}.", k.removeprefix("base_model.")): v
+                for k, v in initial.items()}}
         module.save_pretrained(folder, safe_serialization=True,
                                path_initial_model_for_weight_conversion=str(path), **kwargs)
 

@@ -1046,18 +1046,26 @@ RULES: list[Rule] = [
         (("olora",), "olora", QUANTIZED,
          "peft's OLoRA decomposes float weights only; load the base unquantized",
          {"model.load_in_4bit": True}),
-        (("loftq",), "loftq", QUANTIZED,
-         "LoftQ quantizes the full-precision base itself; load it unquantized",
-         {"model.load_in_4bit": True}),
-        (("pissa", "olora", "loftq"), "pissa", META,
+        (("pissa", "olora"), "pissa", META,
          "it rewrites the base weights when the adapter is made, and on meta they are read "
          "after it; use construct_model_on: default or device", {
              "training.construct_model_on": "meta"}),
-        (("pissa", "olora", "loftq"), "olora", PIPELINE,
+        (("pissa", "olora"), "olora", PIPELINE,
          "the pipeline writes each stage's adapter weights itself, past peft's conversion "
          "of the adapter to the original base", {"distributed.strategy": "pipeline",
                                                  "distributed.nproc_per_node": 2}),
-        (("pissa", "olora", "loftq"), "pissa", PARAMETER_TARGETS,
+        *(((("pissa", "olora"), "olora", where,
+            "peft converts the adapter to one of the original base (path_initial_model_for_"
+            f"weight_conversion) from lora_A and lora_B alone: {lost} would be lost", extra))
+          for where, lost, extra in (
+            (When("peft.use_dora", lambda c: c.peft.use_dora), "DoRA's magnitudes",
+             {"peft.use_dora": True}),
+            (When("peft.bias all or lora_only", lambda c: c.peft.bias != "none"),
+             "the trained biases", {"peft.bias": "lora_only"}),
+            (When("peft.modules_to_save or a classification dataset",
+                  lambda c: bool(c.peft.modules_to_save) or c.data.task.classifier),
+             "the modules trained in full", {"peft.modules_to_save": ["lm_head"]}))),
+        (("pissa", "olora"), "pissa", PARAMETER_TARGETS,
          "a parameter target (peft's ParamWrapper) has no weight matrix to decompose",
          {"peft.target_parameters": ["model.layers.0.mlp.down_proj.weight"]}),
     )),
@@ -1112,9 +1120,6 @@ RULES: list[Rule] = [
     *(Needs("machine", key, CUDA, why, used=lambda m, key=key: _get(m, key)
             not in (None, False))
       for key, why in _CUDA_ONLY_WHY.items()),
-    Needs("machine", "peft.init_lora_weights", CUDA,
-          "peft's LoftQ quantizes with bitsandbytes on a CUDA device; use pissa or olora here",
-          used=lambda m: m.cfg.peft.init_lora_weights == "loftq"),
     Needs("machine", "training.sdpa_backend", CUDA,
           f"only {' and '.join(CPU_SDPA)} run on a CPU",
           used=lambda m: any(n not in CPU_SDPA for n in m.cfg.training.sdpa_backend or ())),

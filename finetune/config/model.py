@@ -102,7 +102,7 @@ class ModelConfig(Section):
 
 
 #: peft's named initialisations besides true/false and pissa_niter_N
-INIT_LORA_WEIGHTS = ("gaussian", "pissa", "olora", "loftq")
+INIT_LORA_WEIGHTS = ("gaussian", "pissa", "olora")
 
 
 class PeftSection(Section):
@@ -137,8 +137,8 @@ class PeftSection(Section):
         True, fingerprint=True,
         description="LoRA only: how the adapter starts. true (B = 0), false (random, for "
         "tests), gaussian, pissa or pissa_niter_N (the principal singular vectors, N "
-        "randomized-SVD iterations seeded from training.seed), olora (QR), loftq (CUDA and "
-        "bitsandbytes). pissa and olora move part of the base weights into the adapter; the "
+        "randomized-SVD iterations seeded from training.seed), olora (QR); loftq is refused "
+        "(its adapter belongs to a quantized base). pissa and olora move part of the base weights into the adapter; the "
         "saved adapter is converted to apply to the original base.")
     layers_to_transform: int | list[int] | None = Field(
         None, fingerprint=True,
@@ -172,6 +172,12 @@ class PeftSection(Section):
     def _known_init(cls, value: bool | str) -> bool | str:
         import re
 
+        if value == "loftq":
+            raise ValueError(
+                "loftq: peft's LoftQ quantizes with bitsandbytes on a CUDA GPU (it has no "
+                "CPU quantizer), and its adapter belongs to the quantized base it writes, not "
+                "to the original base the evaluate and export stages load; use pissa (an SVD "
+                "start too, saved as an adapter of the original base)")
         if isinstance(value, bool) or value in INIT_LORA_WEIGHTS or re.fullmatch(
                 r"pissa_niter_[1-9]\d*", value):
             return value
@@ -188,6 +194,6 @@ class PeftSection(Section):
 
     @property
     def mutates_base(self) -> bool:
-        """PiSSA, OLoRA and LoftQ rewrite the base weights when the adapter is made."""
+        """PiSSA and OLoRA rewrite the base weights when the adapter is made."""
         init = self.init_lora_weights
-        return isinstance(init, str) and (init.startswith("pissa") or init in ("olora", "loftq"))
+        return isinstance(init, str) and (init.startswith("pissa") or init == "olora")
