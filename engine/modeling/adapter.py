@@ -63,9 +63,10 @@ def apply_peft(model, cfg: PeftSection, seed: int | None = None):
     check_target_parameters(model, cfg.target_parameters)
     grew = getattr(model, GREW, False)
     extra = embedding_module_names(model) if grew else None
-    if grew and cfg.mutates_base:  # the compat table refuses the user's modules_to_save
+    # known once the tokenizer grew the model (the compat table refuses modules_to_save)
+    if grew and cfg.mutates_base:
         raise PipelineError(
-            f"peft.init_lora_weights: {cfg.init_lora_weights} does not combine with a grown "
+            f"peft.init_lora_weights: {cfg.init_lora_weights} cannot train a grown "
             "vocabulary (model.added_tokens, special_tokens): peft converts the adapter to one "
             "of the original base from lora_A and lora_B alone, and the embeddings trained in "
             "full would be lost; use init_lora_weights true or gaussian")
