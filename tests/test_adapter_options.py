@@ -109,6 +109,29 @@ def test_each_kind_merged_by_peft_on_the_original_base_equals_the_trained_model(
         assert config["layers_to_transform"] == [1, 3]
 
 
+def test_a_rewritten_base_gives_preference_methods_a_frozen_reference(stories):
+    """DPO/KTO/GRPO compare with the base: under PiSSA the policy with its adapter disabled is
+    the residual, so the reference is a frozen copy of the original base (plain LoRA: the
+    policy itself, adapter disabled)."""
+    from types import SimpleNamespace
+
+    from engine.recipe.reference import Reference
+
+    def reference(model):
+        return Reference.of(SimpleNamespace(
+            strategy=SimpleNamespace(module=model), cfg=SimpleNamespace(model=STORIES),
+            paths=SimpleNamespace(project_root=ROOT), dist=SimpleNamespace(device="cpu"),
+            log=lambda line: None))
+
+    with torch.no_grad():
+        want = stories(input_ids=BATCH).logits
+    for kind, frozen in (("pissa", True), ("rslora", False)):
+        ref = reference(trained(stories, PeftSection(**KINDS[kind]), steps=1))
+        assert (ref.frozen is not None) == frozen
+        with ref.model() as model, torch.no_grad():
+            torch.testing.assert_close(model(input_ids=BATCH).logits, want)
+
+
 def test_lora_on_moe_expert_parameters_trains_them_and_merges(tmp_path):
     """target_parameters on a MoE model built by model.model_init (through our loader and
     adapter code): the experts' LoRA weights move, and peft's merge gives the same logits."""
