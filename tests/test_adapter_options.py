@@ -34,6 +34,16 @@ STORIES = ModelConfig(name_or_path="data/models/stories260K")
 BATCH = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """A 260K-parameter model gains nothing from more threads, and test files run side by
+    side: one thread keeps these in-process steps from fighting them for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def stories():
     """The original base, loaded once; each test adapts a copy."""
