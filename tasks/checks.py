@@ -125,7 +125,7 @@ def check_vocabulary(ws: Workspace, model_config) -> None:
 def _check_targets(ws: Workspace, model_config) -> None:
     import torch
 
-    from engine.modeling.adapter import check_target_modules
+    from engine.modeling.adapter import check_target_modules, check_target_parameters
     from engine.modeling.model import model_class
 
     cfg = ws.config
@@ -137,6 +137,7 @@ def _check_targets(ws: Workspace, model_config) -> None:
     with torch.device("meta"):
         skeleton = klass.from_config(model_config)
     check_target_modules(skeleton, cfg.peft.target_modules)
+    check_target_parameters(skeleton, cfg.peft.target_parameters)
 
 
 def check_resume_target(ws: Workspace) -> None:

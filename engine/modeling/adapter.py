@@ -36,30 +36,123 @@ def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
         lora_dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
         bias=cfg.bias,
+        use_dora=cfg.use_dora,
+        use_rslora=cfg.use_rslora,
+        init_lora_weights=cfg.init_lora_weights,
+        layers_to_transform=cfg.layers_to_transform,
+        layers_pattern=cfg.layers_pattern,
+        rank_pattern=dict(cfg.rank_pattern),
+        alpha_pattern=dict(cfg.alpha_pattern),
+        target_parameters=cfg.target_parameters,
         task_type=cfg.task_type,
         modules_to_save=modules_to_save,
         ensure_weight_tying=tied,
     )
 
 
-def apply_peft(model, cfg: PeftSection):
+def apply_peft(model, cfg: PeftSection, seed: int | None = None):
     """Wrap with an adapter (or leave for full fine-tuning). A grown vocabulary's embedding
     and output layers train in full and are saved with the adapter (peft's modules_to_save):
-    LoRA alone cannot give the new rows a meaning."""
+    LoRA alone cannot give the new rows a meaning. `seed` (training.seed): pissa_niter_N's
+    randomized SVD draws from it, so a resumed run rebuilds the same residual base."""
     if not cfg.use_peft:
         return model
     from peft import get_peft_model
 
     check_target_modules(model, cfg.target_modules)
+    check_target_parameters(model, cfg.target_parameters)
     grew = getattr(model, GREW, False)
     extra = embedding_module_names(model) if grew else None
+    # known once the tokenizer grew the model (the compat table refuses modules_to_save)
+    if grew and cfg.mutates_base:
+        raise PipelineError(
+            f"peft.init_lora_weights: {cfg.init_lora_weights} cannot train a grown "
+            "vocabulary (model.added_tokens, special_tokens): peft converts the adapter to one "
+            "of the original base from lora_A and lora_B alone, and the embeddings trained in "
+            "full would be lost; use init_lora_weights true or gaussian")
+    if cfg.modules_to_save:
+        extra = list(dict.fromkeys([*cfg.modules_to_save, *(extra or [])]))
     out = model.get_output_embeddings()
     tied = grew and out is not None and out.weight is model.get_input_embeddings().weight
     try:
-        with peft_wrapping():
-            return get_peft_model(model, peft_config(cfg, extra, tied))
+        with peft_wrapping(), _seeded(seed if cfg.mutates_base else None):
+            peft_model = get_peft_model(model, peft_config(cfg, extra, tied))
     except ValueError as exc:
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
+    if cfg.mutates_base:
+        keep_initial_adapter(peft_model)
+    return peft_model
+
+
+def _seeded(seed: int | None):
+    """The RNG seeded for the base-rewriting initialisations (and restored after, so the
+    rest of the run draws as it would), or nothing: the default LoRA init draws from the
+    run's RNG as it always did."""
+    import contextlib
+
+    if seed is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=[]))
+    torch.manual_seed(seed)
+    return stack
+
+
+def check_target_parameters(model, names: list[str] | None) -> None:
+    """Each name of peft.target_parameters is a parameter of the model (its whole name or
+    its last parts, as peft matches it); peft adapts what matches and ignores the rest."""
+    if not names:
+        return
+    params = [n for n, _ in model.named_parameters()]
+    for name in names:
+        if not any(p == name or p.endswith(f".{name}") for p in params):
+            raise PipelineError(
+                f"peft.target_parameters: '{name}' is not a parameter of "
+                f"{type(model).__name__}")
+
+
+#: the adapter as PiSSA / OLoRA made it, before any step (on the PeftModel): what saving
+#: subtracts so the saved adapter applies to the original base
+INITIAL_ADAPTER = "_finetune_initial_adapter"
+#: the name peft loads it under while converting (the folder's name)
+INITIAL = "initial"
+
+
+def keep_initial_adapter(peft_model) -> None:
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model)
+    setattr(peft_model, INITIAL_ADAPTER, {k: v.detach().to("cpu", copy=True)
+                                          for k, v in state.items()})
+
+
+def save_adapter(module, folder, state_dict: dict | None = None) -> None:
+    """save_pretrained of a PEFT model (or any model: a full fine-tune). An adapter whose
+    initialisation rewrote the base (PiSSA, OLoRA) is saved converted by peft
+    (`path_initial_model_for_weight_conversion`: rank 2r, [A | A0] and [B | -B0]), so it
+    applies to the original base model, which is what every later stage loads."""
+    import re
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    kwargs = {} if state_dict is None else {"state_dict": state_dict}
+    initial = getattr(module, INITIAL_ADAPTER, None)
+    if initial is None:
+        module.save_pretrained(folder, safe_serialization=True, **kwargs)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / INITIAL  # peft writes its config here, the weights are ours
+        path.mkdir()
+        save_file({k: v.contiguous() for k, v in initial.items()},
+                  path / "adapter_model.safetensors")
+        if state_dict is not None:  # gathered (FSDP2): peft reads the initial adapter there
+            # too, named as the LoRA model (under the PeftModel's `base_model.`) names it
+            kwargs["state_dict"] = {**state_dict, **{
+                re.sub(r"\.(lora_[AB])\.", rf".\1.{INITIAL}.", k.removeprefix("base_model.")): v
+                for k, v in initial.items()}}
+        module.save_pretrained(folder, safe_serialization=True,
+                               path_initial_model_for_weight_conversion=str(path), **kwargs)
 
 
 def check_target_modules(model, targets) -> None:
@@ -120,6 +213,13 @@ def peft_model_in(module):
 
 def has_adapter(module) -> bool:
     return peft_model_in(module) is not None
+
+
+def base_rewritten(module) -> bool:
+    """PiSSA / OLoRA moved part of the base weights into the adapter: with the adapter
+    disabled, the module is the residual, not the base model."""
+    peft_model = peft_model_in(module)
+    return peft_model is not None and getattr(peft_model, INITIAL_ADAPTER, None) is not None
 
 
 def adapter_disabled(module):

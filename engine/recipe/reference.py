@@ -3,7 +3,7 @@ KL term of the next methods (KTO, GRPO's beta), so it is built once, here, not i
 
 The reference is the base model:
 - under PEFT, the policy itself with its adapter disabled: no second copy in memory (TRL's
-  way);
+  way), unless the adapter's initialisation rewrote the base (PiSSA, OLoRA): then a frozen copy;
 - for full fine-tuning, a frozen copy of the base loaded once (each rank holds a whole copy,
   also under FSDP2, whose sharded policy has no base left to disable into).
 
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from engine.modeling.adapter import adapter_disabled, has_adapter
+from engine.modeling.adapter import adapter_disabled, base_rewritten, has_adapter
 from engine.modeling.model import load_base_model
 
 #: (model, device batch) -> [rows, width] scores of the batch's split rows
@@ -60,9 +60,10 @@ class Reference:
     @classmethod
     def of(cls, run) -> "Reference":
         """The reference of `run` (engine.state.run_view.RunView): its unwrapped module with
-        the adapter disabled, or a frozen copy of the base when it has no adapter."""
+        the adapter disabled, or a frozen copy of the base when it has no adapter or the
+        adapter's initialisation rewrote the base (PiSSA, OLoRA: disabled, it is the residual)."""
         module = run.strategy.module
-        if has_adapter(module):
+        if has_adapter(module) and not base_rewritten(module):
             return cls(module)
         frozen = load_base_model(run.cfg.model, run.paths.project_root, log=run.log)
         return cls(module, frozen.to(run.dist.device).eval().requires_grad_(False))

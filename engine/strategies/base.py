@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from engine.datapath.data import token_loss_sum
 from engine.evaluation.heldout import evaluate_loss
+from engine.modeling.adapter import save_adapter
 from engine.modeling.construction import materialise
 from engine.modeling.model import DTYPES
 from engine.objective.optim import build_optimizer
@@ -218,11 +219,9 @@ class Strategy:
         pass
 
     def save_pretrained(self, folder, full: dict | None) -> None:
-        """The main rank writes the trained model: a normal HF/PEFT folder."""
-        if full is None:
-            self.module.save_pretrained(folder, safe_serialization=True)
-        else:
-            self.module.save_pretrained(folder, state_dict=full, safe_serialization=True)
+        """The main rank writes the trained model: a normal HF/PEFT folder (a PiSSA/OLoRA
+        adapter converted to apply to the original base: save_adapter)."""
+        save_adapter(self.module, folder, full)
 
     def full_state_dict(self) -> dict | None:
         """Collective: the unsharded state dict for export, or None when module.state_dict()

@@ -101,6 +101,10 @@ class ModelConfig(Section):
         return self
 
 
+#: peft's named initialisations besides true/false and pissa_niter_N
+INIT_LORA_WEIGHTS = ("gaussian", "pissa", "olora")
+
+
 class PeftSection(Section):
     """Parameter-efficient fine-tuning (peft.LoraConfig / peft.IA3Config names)."""
 
@@ -121,8 +125,75 @@ class PeftSection(Section):
     )
     bias: Literal["none", "all", "lora_only"] = Field(
         "none", fingerprint=True, description="Which biases train.")
+    # peft.LoraConfig's own names and defaults (the default run's adapter is unchanged);
+    # rules among them and other keys: finetune/config/compat.py
+    use_dora: bool = Field(
+        False, fingerprint=True,
+        description="LoRA only: DoRA (weight-decomposed LoRA: a trained magnitude per output).")
+    use_rslora: bool = Field(
+        False, fingerprint=True,
+        description="LoRA only: rank-stabilized scaling, lora_alpha / sqrt(r) instead of / r.")
+    init_lora_weights: bool | str = Field(
+        True, fingerprint=True,
+        description="LoRA only: how the adapter starts. true (B = 0), false (random, for "
+        "tests), gaussian, pissa or pissa_niter_N (the principal singular vectors, N "
+        "randomized-SVD iterations seeded from training.seed), olora (QR); loftq is refused "
+        "(its adapter belongs to a quantized base). pissa and olora move part of the base weights into the adapter; the "
+        "saved adapter is converted to apply to the original base.")
+    layers_to_transform: int | list[int] | None = Field(
+        None, fingerprint=True,
+        description="LoRA only: adapt only these layer indices (needs target_modules as a list).")
+    layers_pattern: str | list[str] | None = Field(
+        None, fingerprint=True,
+        description="LoRA only: the name of the layer list layers_to_transform indexes "
+        "(e.g. layers); null: peft's usual names.")
+    rank_pattern: dict[str, int] = Field(
+        fingerprint=True, default_factory=dict,
+        description="LoRA only: r per module name or regex (peft's rank_pattern).")
+    alpha_pattern: dict[str, float] = Field(
+        fingerprint=True, default_factory=dict,
+        description="LoRA only: lora_alpha per module name or regex (peft's alpha_pattern).")
+    modules_to_save: list[str] | None = Field(
+        None, fingerprint=True,
+        description="Modules trained in full and saved with the adapter (with a grown "
+        "vocabulary, the embedding layers join them).")
+    target_parameters: list[str] | None = Field(
+        None, fingerprint=True,
+        description="LoRA only: nn.Parameter weights to adapt by name (e.g. MoE experts' "
+        "mlp.experts.gate_up_proj), beside target_modules.")
     task_type: Literal["CAUSAL_LM", "SEQ_CLS", "SEQ_2_SEQ_LM"] = Field(
         "CAUSAL_LM", fingerprint=True,
         description="peft task type (SEQ_CLS, set for data.dataset_type "
         "classification, also trains the classification head: modules_to_save; SEQ_2_SEQ_LM, "
         "set for data.dataset_type seq2seq: an encoder-decoder model, T5-style).")
+
+    @field_validator("init_lora_weights")
+    @classmethod
+    def _known_init(cls, value: bool | str) -> bool | str:
+        import re
+
+        if value == "loftq":
+            raise ValueError(
+                "loftq: peft's LoftQ quantizes with bitsandbytes on a CUDA GPU (it has no "
+                "CPU quantizer), and its adapter belongs to the quantized base it writes, not "
+                "to the original base the evaluate and export stages load; use pissa (an SVD "
+                "start too, saved as an adapter of the original base)")
+        if isinstance(value, bool) or value in INIT_LORA_WEIGHTS or re.fullmatch(
+                r"pissa_niter_[1-9]\d*", value):
+            return value
+        raise ValueError(f"'{value}' is not a LoRA initialisation (true, false, "
+                         f"{', '.join(INIT_LORA_WEIGHTS)} or pissa_niter_N)")
+
+    @field_validator("rank_pattern", "alpha_pattern")
+    @classmethod
+    def _positive(cls, pattern: dict) -> dict:
+        for key, value in pattern.items():
+            if value <= 0:
+                raise ValueError(f"{key}: {value} (must be > 0)")
+        return pattern
+
+    @property
+    def mutates_base(self) -> bool:
+        """PiSSA and OLoRA rewrite the base weights when the adapter is made."""
+        init = self.init_lora_weights
+        return isinstance(init, str) and (init.startswith("pissa") or init == "olora")
