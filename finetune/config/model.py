@@ -126,3 +126,23 @@ class PeftSection(Section):
         description="peft task type (SEQ_CLS, set for data.dataset_type "
         "classification, also trains the classification head: modules_to_save; SEQ_2_SEQ_LM, "
         "set for data.dataset_type seq2seq: an encoder-decoder model, T5-style).")
+    trainable_token_indices: Literal["added"] | list[int] | dict[str, list[int]] | None = Field(
+        "added", fingerprint=True,
+        description="LoRA: which embedding rows train on their own (peft's trainable tokens; "
+        "the rest of the embedding stays frozen). 'added': the rows model.added_tokens and "
+        "model.special_tokens add (none added: none train), in the input embedding and "
+        "the output layer; a list of token ids (the input embedding) or {module name: "
+        "[ids]}; null: a grown vocabulary's embedding and output layers train in full "
+        "(modules_to_save), as IA3 and full fine-tuning always do.")
+
+    @field_validator("trainable_token_indices")
+    @classmethod
+    def _token_ids(cls, value):
+        lists = value.values() if isinstance(value, dict) else [value] if isinstance(
+            value, list) else []
+        for ids in lists:
+            if not ids:
+                raise ValueError("an empty list of token ids trains nothing; give ids or null")
+            if min(ids) < 0:
+                raise ValueError(f"token id {min(ids)} is negative")
+        return value
