@@ -61,7 +61,8 @@ def apply_peft(model, cfg: PeftSection):
     extra = embedding_module_names(model) if grew and tokens is None else None
     try:
         with peft_wrapping():
-            return get_peft_model(model, peft_config(cfg, extra, tied and (grew or bool(tokens)),
+            # trainable tokens follow a tied head by themselves (peft ties their rows)
+            return get_peft_model(model, peft_config(cfg, extra, tied and extra is not None,
                                                      tokens))
     except ValueError as exc:
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
