@@ -175,3 +175,17 @@ def test_the_seeds_data_tokenizer_name_is_the_model_tokenizer():
                        "model.tokenizer_name_or_path 'other' differ"):
         FinetuneConfig.model_validate({"data": {**data, "tokenizer_name": "gpt2"},
                                        "model": {"tokenizer_name_or_path": "other"}})
+
+
+def test_the_pipeline_refuses_token_rows_of_a_tied_embedding_split_across_its_stages():
+    import pytest
+
+    from engine.modeling.adapter import apply_peft
+    from engine.modeling.pipeline_stages import cut_stages
+    from finetune.config.model import PeftSection
+    from finetune.errors import PipelineError
+
+    with pytest.raises(PipelineError, match=r"^distributed.strategy pipeline: the model ties "
+                       r"its input embedding to its output layer and "
+                       r"peft.trainable_token_indices trains rows of both"):
+        cut_stages(apply_peft(_tiny_grown_model(tie=True), PeftSection(r=2)), [0], 2)
