@@ -56,8 +56,8 @@ class ModelConfig(Section):
     added_tokens: list[str] = Field(
         fingerprint=True, default_factory=list,
         description="New tokens added to the vocabulary (tokenizer.add_tokens); the embeddings "
-        "grow to match (new rows: the mean of the old ones) and, with an adapter, the "
-        "embedding and output layers train in full (modules_to_save).",
+        "grow to match (new rows: the mean of the old ones) and, with an adapter, the new "
+        "rows train (peft.trainable_token_indices).",
     )
     special_tokens: dict[str, str | list[str]] = Field(
         fingerprint=True, default_factory=dict,
