@@ -83,12 +83,13 @@ def trainable_tokens(model, cfg: PeftSection, tied: bool) -> list[int] | dict | 
             return None
         names = embedding_module_names(model)
         return new if tied or len(names) == 1 else {name: new for name in names}
-    layers = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-              if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))
-              and getattr(m, "weight", None) is not None and m.weight.shape[0] == rows}
+    full = [name for name, m in model.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))
+            and getattr(m, "weight", None) is not None and m.weight.shape[0] == rows]
+    layers = {name.rsplit(".", 1)[-1] for name in full}
     for name, ids in (wanted.items() if isinstance(wanted, dict) else [(None, wanted)]):
         key = "peft.trainable_token_indices" + (f".{name}" if name else "")
-        if name is not None and name not in layers:
+        if name is not None and not any(f == name or f.endswith(f".{name}") for f in full):
             raise PipelineError(f"{key}: not a layer of the model with one row per token "
                                 f"(those are: {', '.join(sorted(layers))})")
         if max(ids) >= rows:
