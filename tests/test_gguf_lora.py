@@ -134,6 +134,8 @@ def test_rslora_is_written_as_the_alpha_llama_cpp_divides_by_the_rank(tmp_path):
      "llama.cpp does not apply; set export.save_adapter false to write the merged GGUF alone"),
     ({"modules_to_save": ["lm_head"]}, "has modules_to_save [\"lm_head\"]: modules trained in "
      "full"),
+    ({"trainable_token_indices": [3]}, "has trainable_token_indices [3]: token rows trained "
+     "on their own ([3]) are not an adapter llama.cpp applies"),
     ({"target_modules": ["q_proj", "lm_head"]}, "adapts lm_head, which a LoRA-GGUF of llama "
      "cannot hold (its output.weight tensor)"),
     ({"rank_pattern": {"q_proj": 2}, "use_rslora": True}, "is rsLoRA with ranks [2, 4]"),

@@ -8,15 +8,16 @@ from pathlib import Path
 import torch
 
 from engine.modeling.model import peft_wrapping, resolve_model_ref
-from engine.modeling.vocabulary import GREW, embedding_module_names
+from engine.modeling.vocabulary import GREW, added_rows, embedding_module_names
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.errors import PipelineError
 
 
 def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
-                tied: bool = False):
+                tied: bool = False, tokens: list[int] | dict[str, list[int]] | None = None):
     """`tied`: the model ties its input and output embeddings and one of them is trained in
-    full: LoRA keeps them one weight (peft's ensure_weight_tying); IA3 cannot."""
+    full: LoRA keeps them one weight (peft's ensure_weight_tying); IA3 cannot. `tokens`: the
+    rows that train on their own (LoRA's trainable_token_indices, resolved)."""
     from peft import IA3Config, LoraConfig
 
     if cfg.peft_type == "IA3":
@@ -47,22 +48,24 @@ def peft_config(cfg: PeftSection, modules_to_save: list[str] | None = None,
         task_type=cfg.task_type,
         modules_to_save=modules_to_save,
         ensure_weight_tying=tied,
+        trainable_token_indices=tokens,
     )
 
 
 def apply_peft(model, cfg: PeftSection, seed: int | None = None):
-    """Wrap with an adapter (or leave for full fine-tuning). A grown vocabulary's embedding
-    and output layers train in full and are saved with the adapter (peft's modules_to_save):
-    LoRA alone cannot give the new rows a meaning. `seed` (training.seed): pissa_niter_N's
-    randomized SVD draws from it, so a resumed run rebuilds the same residual base."""
+    """Wrap with an adapter (or leave for full fine-tuning). A grown vocabulary's new rows
+    must train, since LoRA alone cannot give them a meaning: under LoRA only those rows
+    (peft's trainable tokens, `peft.trainable_token_indices: added`), otherwise the
+    embedding and output layers in full, saved with the adapter (peft's modules_to_save).
+    `seed` (training.seed): pissa_niter_N's randomized SVD draws from it, so a resumed run
+    rebuilds the same residual base."""
     if not cfg.use_peft:
         return model
     from peft import get_peft_model
 
     check_target_modules(model, cfg.target_modules)
     check_target_parameters(model, cfg.target_parameters)
-    grew = getattr(model, GREW, False)
-    extra = embedding_module_names(model) if grew else None
+    grew = getattr(model, GREW, None) is not None
     # known once the tokenizer grew the model (the compat table refuses modules_to_save)
     if grew and cfg.mutates_base:
         raise PipelineError(
@@ -70,13 +73,18 @@ def apply_peft(model, cfg: PeftSection, seed: int | None = None):
             "vocabulary (model.added_tokens, special_tokens): peft converts the adapter to one "
             "of the original base from lora_A and lora_B alone, and the embeddings trained in "
             "full would be lost; use init_lora_weights true or gaussian")
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight is model.get_input_embeddings().weight
+    tokens = trainable_tokens(model, cfg, tied) if cfg.peft_type == "LORA" else None
+    extra = embedding_module_names(model) if grew and tokens is None else None
+    # a tied embedding trained in full stays one weight; trainable tokens follow a tied head
+    # by themselves (peft ties their rows)
+    tie = tied and extra is not None
     if cfg.modules_to_save:
         extra = list(dict.fromkeys([*cfg.modules_to_save, *(extra or [])]))
-    out = model.get_output_embeddings()
-    tied = grew and out is not None and out.weight is model.get_input_embeddings().weight
     try:
         with peft_wrapping(), _seeded(seed if cfg.mutates_base else None):
-            peft_model = get_peft_model(model, peft_config(cfg, extra, tied))
+            peft_model = get_peft_model(model, peft_config(cfg, extra, tie, tokens))
     except ValueError as exc:
         raise PipelineError(f"peft.target_modules: {str(exc).splitlines()[0]}") from None
     if cfg.mutates_base:
@@ -153,6 +161,36 @@ def save_adapter(module, folder, state_dict: dict | None = None) -> None:
                 for k, v in initial.items()}}
         module.save_pretrained(folder, safe_serialization=True,
                                path_initial_model_for_weight_conversion=str(path), **kwargs)
+
+
+def trainable_tokens(model, cfg: PeftSection, tied: bool) -> list[int] | dict | None:
+    """peft.trainable_token_indices as peft takes it, checked against the model: 'added' is
+    the grown rows of the input embedding and, unless it is tied to it (peft then ties the
+    trained rows too), of the output layer; ids past the vocabulary or a module that is not
+    an embedding of the model are refused here, in one line, not deep in peft."""
+    wanted = cfg.trainable_token_indices
+    if wanted is None:
+        return None
+    rows = model.get_input_embeddings().weight.shape[0]
+    if wanted == "added":
+        new = added_rows(model)
+        if not new:
+            return None
+        names = embedding_module_names(model)
+        return new if tied or len(names) == 1 else {name: new for name in names}
+    full = [name for name, m in model.named_modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.Linear))
+            and getattr(m, "weight", None) is not None and m.weight.shape[0] == rows]
+    layers = {name.rsplit(".", 1)[-1] for name in full}
+    for name, ids in (wanted.items() if isinstance(wanted, dict) else [(None, wanted)]):
+        key = "peft.trainable_token_indices" + (f".{name}" if name else "")
+        if name is not None and not any(f == name or f.endswith(f".{name}") for f in full):
+            raise PipelineError(f"{key}: not a layer of the model with one row per token "
+                                f"(those are: {', '.join(sorted(layers))})")
+        if max(ids) >= rows:
+            raise PipelineError(f"{key}: token id {max(ids)} is past the vocabulary "
+                                f"({rows} rows)")
+    return wanted
 
 
 def check_target_modules(model, targets) -> None:

@@ -168,6 +168,12 @@ def cut_stages(model, ids: list[int], num_stages: int, splitter: str | None = No
             "distributed.strategy pipeline: the model ties its input embedding to its output "
             "layer and trains them, but they sit on the first and the last stage; freeze them "
             "(LoRA without embedding modules_to_save) or use ddp / fsdp2")
+    tokens = getattr(lm.lm_head, "token_adapter", None)
+    if tokens is not None and tokens.tied_adapter is not None:
+        raise PipelineError(
+            "distributed.strategy pipeline: the model ties its input embedding to its output "
+            "layer and peft.trainable_token_indices trains rows of both, which sit on the "
+            "first and the last stage; add no tokens, or use ddp / fsdp2")
     layers = list(inner.layers)
     if splitter:
         from finetune.imports import load_object

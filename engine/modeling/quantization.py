@@ -63,7 +63,7 @@ def base_config(recipe: str, group_size: int):
 
 
 #: PEFT's own modules (adapters, trained copies) stay in full precision
-ADAPTER_PARTS = ("lora_", "modules_to_save", "original_module")
+ADAPTER_PARTS = ("lora_", "modules_to_save", "original_module", "token_adapter")
 
 
 def _candidate(module: nn.Module, fqn: str) -> bool:

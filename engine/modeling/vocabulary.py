@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-#: set on a model whose vocabulary grew: its embedding and output layers must train
+#: set on a model whose vocabulary grew: its embedding and output layers must train; the value
+#: is the first new row (the rows from it on are the added tokens')
 GREW = "_finetune_grew_vocabulary"
 
 
@@ -24,7 +25,7 @@ def grow_vocabulary(model, size: int) -> int:
             layer.weight[old:] = layer.weight[:old].mean(dim=0)
             if getattr(layer, "bias", None) is not None:
                 layer.bias[old:] = layer.bias[:old].mean()
-    setattr(model, GREW, True)
+    setattr(model, GREW, old)
     return size - old
 
 
@@ -33,3 +34,12 @@ def embedding_module_names(model) -> list[str]:
     wanted = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                    if id(m) in wanted})
+
+
+def added_rows(model) -> list[int]:
+    """The token ids the vocabulary grew by (peft.trainable_token_indices: added); none when
+    it did not grow."""
+    first = getattr(model, GREW, None)
+    if first is None:
+        return []
+    return list(range(first, model.get_input_embeddings().weight.shape[0]))

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from transformers import get_scheduler
 
+from engine.objective.loraplus import ROLES, loraplus_lr, loraplus_role
 from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.errors import PipelineError
 from finetune.imports import load_object
@@ -56,8 +57,11 @@ def scheduler_factory(name: str):
 
 
 def build_optimizer(named_params, cfg: OptimizerConfig,
-                    log: Callable[[str], None] | None = None) -> torch.optim.Optimizer:
-    """optimizer.name over the trainable parameters, split into `optimizer_groups`."""
+                    log: Callable[[str], None] | None = None,
+                    model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+    """optimizer.name over the trainable parameters, split into `optimizer_groups`, and each
+    group into its LoRA+ parts (A, embedding, B rates) when optimizer.loraplus_lr_ratio is
+    set; `model`: the module the names are of (LoRA+ looks their layers up in it)."""
     klass = optimizer_class(cfg.name)
     named = [(n, p) for n, p in named_params if p.requires_grad]
     if not named:
@@ -67,6 +71,12 @@ def build_optimizer(named_params, cfg: OptimizerConfig,
     if cfg.weight_decay:
         kwargs["weight_decay"] = cfg.weight_decay
     names = [n for n, _ in named]
+    roles = None
+    if cfg.loraplus_lr_ratio is not None:
+        if model is None:
+            raise PipelineError("optimizer.loraplus_lr_ratio: the optimizer was built without "
+                                "the model its parameters belong to")
+        roles = [loraplus_role(model, n, p) for n, p in named]
     patterns = list(cfg.optimizer_groups)
     groups = []
     for g, members in enumerate(assign_groups(names, patterns)):
@@ -76,14 +86,21 @@ def build_optimizer(named_params, cfg: OptimizerConfig,
                 f"{' left by the earlier patterns' if g else ''} (names look like "
                 f"{names[0]!r}); fix the regex or remove the group"
             )
-        if members:
-            overrides = cfg.optimizer_groups[patterns[g]] if g < len(patterns) else {}
-            groups.append({"params": [named[i][1] for i in members], **overrides})
+        overrides = cfg.optimizer_groups[patterns[g]] if g < len(patterns) else {}
+        parts = [(None, members)] if roles is None else [
+            (role, [i for i in members if roles[i] == role]) for role in ROLES]
+        for role, part in parts:
+            if not part:
+                continue
+            rate = {} if role in (None, "A") else {
+                "lr": loraplus_lr(role, overrides.get("lr", cfg.learning_rate), cfg)}
+            groups.append({"params": [named[i][1] for i in part], **overrides, **rate})
             if log:
                 label = f"'{patterns[g]}' {overrides}" if g < len(patterns) else "default"
-                shown = ", ".join(names[i] for i in members[:4])
-                more = f" (+{len(members) - 4} more)" if len(members) > 4 else ""
-                log(f"[optimizer] group {label}: {len(members)} tensors: {shown}{more}")
+                label += f" LoRA+ {role} lr {groups[-1].get('lr', kwargs['lr']):g}" if role else ""
+                shown = ", ".join(names[i] for i in part[:4])
+                more = f" (+{len(part) - 4} more)" if len(part) > 4 else ""
+                log(f"[optimizer] group {label}: {len(part)} tensors: {shown}{more}")
     try:
         optimizer = klass(groups, **kwargs)
     except TypeError as exc:

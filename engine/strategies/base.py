@@ -146,7 +146,8 @@ class Strategy:
     def build_optimizer(self) -> torch.optim.Optimizer:
         log = (lambda line: print(line, flush=True)) if (
             self.d.is_main and self.setup.optimizer.log_param_groups) else None
-        return build_optimizer(self.module.named_parameters(), self.setup.optimizer, log)
+        return build_optimizer(self.module.named_parameters(), self.setup.optimizer, log,
+                               model=self.module)
 
     def trainable_names(self) -> set[str]:
         return {n for n, p in self.module.named_parameters() if p.requires_grad}

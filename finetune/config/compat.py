@@ -846,6 +846,23 @@ RULES: list[Rule] = [
                                         lambda c: "gguf" in c.export.formats),
           "the gguf format writes them; add it, or empty export.gguf",
           example={"export.gguf": ["f16"], "export.formats": ["hf"]}),
+    *(Refuse("config", key, When(name, holds), why, used=used, example={**example, **extra})
+      for key, used, example in (
+        ("optimizer.loraplus_lr_ratio", None, {"optimizer.loraplus_lr_ratio": 16}),
+        ("peft.trainable_token_indices",
+         lambda c: c.peft.trainable_token_indices not in (None, "added"),
+         {"peft.trainable_token_indices": [3]}))
+      for name, holds, why, extra in (
+        ("peft.use_peft: false", lambda c: not c.peft.use_peft,
+         "full fine-tuning trains every weight; remove it or set peft.use_peft: true",
+         {"peft.use_peft": False}),
+        ("peft.peft_type: IA3", lambda c: c.peft.use_peft and c.peft.peft_type == "IA3",
+         "it is a LoRA option: IA3 has no A/B matrices nor trainable tokens; use LORA",
+         {"peft.peft_type": "IA3"}))),
+    Needs("config", "optimizer.loraplus_lr_embedding",
+          When("optimizer.loraplus_lr_ratio", lambda c: c.optimizer.loraplus_lr_ratio is not None),
+          "it is LoRA+'s rate for LoRA matrices on an embedding; set the ratio too",
+          example={"optimizer.loraplus_lr_embedding": 1e-5}),
     Refuse("config", "training.pad_to_multiple_of",
            When("a data.collate_fn of the project (module:function)",
                 lambda c: c.data.user_collate_fn is not None),

@@ -56,8 +56,8 @@ class ModelConfig(Section):
     added_tokens: list[str] = Field(
         fingerprint=True, default_factory=list,
         description="New tokens added to the vocabulary (tokenizer.add_tokens); the embeddings "
-        "grow to match (new rows: the mean of the old ones) and, with an adapter, the "
-        "embedding and output layers train in full (modules_to_save).",
+        "grow to match (new rows: the mean of the old ones) and, with an adapter, the new "
+        "rows train (peft.trainable_token_indices).",
     )
     special_tokens: dict[str, str | list[str]] = Field(
         fingerprint=True, default_factory=dict,
@@ -197,3 +197,24 @@ class PeftSection(Section):
         """PiSSA and OLoRA rewrite the base weights when the adapter is made."""
         init = self.init_lora_weights
         return isinstance(init, str) and (init.startswith("pissa") or init == "olora")
+
+    trainable_token_indices: Literal["added"] | list[int] | dict[str, list[int]] | None = Field(
+        "added", fingerprint=True,
+        description="LoRA: which embedding rows train on their own (peft's trainable tokens; "
+        "the rest of the embedding stays frozen). 'added': the rows model.added_tokens and "
+        "model.special_tokens add (none added: none train), in the input embedding and "
+        "the output layer; a list of token ids (the input embedding) or {module name: "
+        "[ids]}; null: a grown vocabulary's embedding and output layers train in full "
+        "(modules_to_save), as IA3 and full fine-tuning always do.")
+
+    @field_validator("trainable_token_indices")
+    @classmethod
+    def _token_ids(cls, value):
+        lists = value.values() if isinstance(value, dict) else [value] if isinstance(
+            value, list) else []
+        for ids in lists:
+            if not ids:
+                raise ValueError("an empty list of token ids trains nothing; give ids or null")
+            if min(ids) < 0:
+                raise ValueError(f"token id {min(ids)} is negative")
+        return value

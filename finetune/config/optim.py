@@ -42,6 +42,15 @@ class OptimizerConfig(Section):
         "'norm|bias|embed': {weight_decay: 0.0}); first match wins, the rest use the values "
         "above; a regex left with no parameter is an error.",
     )
+    loraplus_lr_ratio: float | None = Field(
+        None, fingerprint=True, gt=0,
+        description="LoRA+ (peft's create_loraplus_optimizer rule): the LoRA B matrices (and "
+        "other trained vectors) learn at this many times their group's rate, A matrices at "
+        "the group's rate; the paper suggests 16. null: off.")
+    loraplus_lr_embedding: float | None = Field(
+        None, fingerprint=True, gt=0,
+        description="LoRA+: the learning rate of LoRA matrices on an embedding layer "
+        "(peft.target_modules naming it); null: peft's 1e-6.")
     log_param_groups: bool = Field(
         False, fingerprint=False, description="Print which parameters each optimizer group got."
     )

@@ -125,6 +125,8 @@ def _refuse_config(cfg: dict, where: str) -> None:
         "modules_to_save": "modules trained in full ({value}) are not an adapter llama.cpp "
                            "applies",
         "alpha_pattern": "a per-module alpha ({value}); a LoRA-GGUF has one alpha",
+        "trainable_token_indices": "token rows trained on their own ({value}) are not an "
+                                   "adapter llama.cpp applies",
         "lora_bias": "a trained bias on lora_B, which llama.cpp does not add",
     }
     for key, why in refusals.items():
