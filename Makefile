@@ -55,11 +55,14 @@ stack: setup
 test: setup
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The second step of .ci/run: `finetune reproduce` rebuilding a registered model from a fresh
-# clone and the DVC remote (tests/test_reproduce.py, marker clean_room, which `make test` leaves
-# out: two whole pipeline runs, minutes).
+# The second step of .ci/run, two real-component runs of minutes that `make test` leaves out:
+# `finetune reproduce` rebuilding a registered model from a fresh clone and the DVC remote
+# (tests/test_reproduce.py, marker clean_room: two whole pipeline runs) and the Prefect stack
+# end to end (tests/test_e2e_prefect.py, marker stack_e2e: a server on loopback, deployment
+# runs, the schedule, a clean stop), side by side.
 test-slow: setup
-	$(PY) -m pytest -m clean_room $(PYTEST_ARGS) tests/test_reproduce.py
+	$(PY) -m pytest -m "clean_room or stack_e2e" -n 2 --dist loadfile $(PYTEST_ARGS) \
+		tests/test_reproduce.py tests/test_e2e_prefect.py
 
 # The third step of .ci/run: every command the README and docs/ show in a bash block, run in
 # order on a fresh clone of the project, one page per test (tests/test_docs.py, marker

@@ -247,3 +247,78 @@ def test_dora_rslora_under_fsdp2_on_two_processes_match_one_and_resume_bitwise(
     assert "strategy fsdp2, world size 2" in proc.stdout
     assert losses(project) == pytest.approx(losses(one), abs=1e-5)
     assert_weights_close(adapter(project), adapter(one))
+
+
+# An adapter section as each tool's docs write one with DoRA, rsLoRA and LoRA+ (Axolotl's
+# config reference names; LLaMA-Factory's examples/extras/loraplus/llama3_lora_sft.yaml with
+# its use_dora / use_rslora switches).
+AXOLOTL = """
+adapter: lora
+lora_r: 16
+lora_alpha: 32
+lora_dropout: 0.05
+lora_target_linear: true
+peft_use_dora: true
+peft_use_rslora: true
+loraplus_lr_ratio: 16
+loraplus_lr_embedding: 1.0e-6
+learning_rate: 0.0002
+"""
+LLAMA_FACTORY = """
+finetuning_type: lora
+lora_target: all
+lora_rank: 8
+lora_alpha: 16
+use_dora: true
+use_rslora: true
+loraplus_lr_ratio: 16.0
+learning_rate: 1.0e-4
+"""
+
+
+def rename_table() -> list[dict[str, str]]:
+    """docs/training.md's table of renames, as rows {axolotl, llama_factory, here, value}."""
+    text = (ROOT / "docs/training.md").read_text()
+    body = text.split("| Axolotl | LLaMA-Factory | here | value |\n|---|---|---|---|\n", 1)[1]
+    rows = []
+    for line in body.splitlines():
+        if not line.startswith("|"):
+            break
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        rows.append(dict(zip(("axolotl", "llama_factory", "here", "value"), cells)))
+    return rows
+
+
+def renamed(config: dict, tool: str) -> dict:
+    """`config`'s keys renamed as the table says, values changed only where its value column
+    says so; a key the table lacks fails the test."""
+    table = {}
+    for row in rename_table():
+        key, _, literal = row[tool].partition(": ")
+        if key:
+            table[key] = (row["here"], literal, row["value"])
+    out = {}
+    for key, value in config.items():
+        assert key in table, f"{tool}'s {key} is not in docs/training.md's rename table"
+        here, literal, note = table[key]
+        if literal:  # a row for one value of the key (`adapter: lora`)
+            assert str(value).lower() == literal, (key, value)
+            value = yaml.safe_load(note.strip("`"))
+        elif "comma-separated" in note and isinstance(value, str):
+            value = "all-linear" if value == "all" else [v.strip() for v in value.split(",")]
+        out[here] = value
+    return out
+
+
+@pytest.mark.parametrize("tool, config", [("axolotl", AXOLOTL), ("llama_factory", LLAMA_FACTORY)])
+def test_a_dora_rslora_loraplus_config_from_another_tool_validates_after_the_documented_renames(
+        tool, config):
+    values = renamed(yaml.safe_load(config), tool)
+    raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    cfg = validate_raw(set_keys(raw, values))
+    assert cfg.peft.use_peft and cfg.peft.use_dora and cfg.peft.use_rslora
+    assert cfg.peft.target_modules == "all-linear"
+    assert cfg.optimizer.loraplus_lr_ratio == 16
+    source = yaml.safe_load(config)
+    assert cfg.peft.r == source.get("lora_r", source.get("lora_rank"))
+    assert cfg.optimizer.learning_rate == source["learning_rate"]

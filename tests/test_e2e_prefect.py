@@ -49,6 +49,7 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 @pytest.mark.slow
+@pytest.mark.stack_e2e
 def test_stack_deployment_run_schedule_and_clean_stop(tmp_path):
     """The README's commands against the real stack: a full run, a second run that finds
     everything cached, a run with `--param overrides=...` (a DVC experiment that leaves the
