@@ -128,15 +128,22 @@ def plan(cfg) -> Plan:
 
 
 def enter(p: Plan, argv: list[str] | None = None) -> None:
-    """Make this process run with the plan's pins before torch does any work. When torch is
-    already loaded (a params-named module imported it), the process starts itself again with
-    the variables set (`argv`: its arguments after the interpreter, e.g. ['-m', 'flows.cli',
-    ...]); the pins are read when the kernels first run, so a loaded torch keeps its own."""
+    """Make this command's process run with the plan's pins before torch does any work.
+    `argv`: how the process was started, after the interpreter (['-m', 'flows.cli', ...]),
+    needed only when torch is already loaded (a params-named module imported it): the
+    process then starts itself again with the variables set, since the pins are read when
+    the kernels first run.
+    Only a command's own process calls this (flows/cli.py): a caller running a stage inside
+    its own process (a test, a notebook) keeps its kernels and environment, and the train
+    stage still hands the pins to its torchrun workers (tasks/launch.py)."""
     differs = {k: v for k, v in p.env.items() if os.environ.get(k) != v}
     if not differs:
         return
+    if "torch" in sys.modules and argv is None:
+        raise RuntimeError("numerics.enter: torch is already loaded and there is no command "
+                           "line to start again with the pins set")
     os.environ.update(differs)
-    if "torch" in sys.modules and argv is not None:
+    if "torch" in sys.modules:
         os.execv(sys.executable, [sys.executable, *argv])
 
 

@@ -116,6 +116,7 @@ def _interrupted(exc: KeyboardInterrupt) -> tuple[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = argv is None  # the `finetune` command itself, not a Python caller
     _quiet_env()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -159,7 +160,9 @@ def cmd_stage(args) -> int:
     from finetune import numerics
 
     # training.cpu_numerics: portable's pins must be in place before torch does any work
-    numerics.enter(numerics.plan(ws.config), argv=["-m", "flows.cli", *sys.argv[1:]])
+    # (the command's own process only: main() called from Python leaves its caller's alone)
+    if args.command_line:
+        numerics.enter(numerics.plan(ws.config), argv=["-m", "flows.cli", *sys.argv[1:]])
     # project modules named in params ('module:function', 'path/to/file:Class') import from
     # the project root in every stage, as they do in the torchrun workers (cwd, PYTHONPATH)
     os.chdir(ws.root)

@@ -38,6 +38,10 @@ TINY = {
     # one torch thread per process: a 260K-parameter model gains nothing from more, and
     # test files run side by side (pytest-xdist) without oversubscribing the cores
     "distributed.threads_per_process": 1,
+    # the machine's own kernels: in-process runs (train_here) cannot take portable numerics'
+    # pins (torch is loaded), and tests compare them bitwise with runs through the stage;
+    # portable numerics are tested in test_numerics.py and by test_pipeline's default run
+    "training.cpu_numerics": "native",
 }
 
 

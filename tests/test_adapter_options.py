@@ -15,12 +15,11 @@ from helpers import (
     ROOT,
     adapter,
     assert_weights_close,
+    interrupt_then_resume,
     losses,
-    resume_cut_back,
     resume_from_checkpoint_in_process,
     train_copy,
     train_here,
-    train_in_place,
 )
 
 from engine.modeling.adapter import apply_peft, base_rewritten, save_adapter
@@ -231,22 +230,20 @@ def test_pissa_niter_resumes_bitwise_from_its_checkpoint(tokenized, tmp_path):
 
 def test_dora_rslora_under_fsdp2_on_two_processes_match_one_and_resume_bitwise(
         tokenized, tmp_path):
-    """DoRA + rsLoRA: FSDP2 2 ranks x batch 4 (one torchrun launch) equals one process x
-    batch 8 (fp32), and the one-process run, cut back to what a crash right after its first
-    checkpoint leaves, resumes bitwise (in-process: the test budget has room for one
-    launch; FSDP2's own sharded resume is test_strategies')."""
+    """DoRA + rsLoRA: FSDP2 2 ranks x batch 4 equals one process x batch 8 (fp32), and the
+    two-process run, SIGKILLed right after its first checkpoint, resumes bitwise."""
     params = {"peft.use_dora": True, "peft.use_rslora": True, "optimizer.name": "SGD",
               "optimizer.learning_rate": 0.05, "training.max_grad_norm": 1e9,
               "training.max_steps": 4, "checkpoint.save_steps": 2, "eval.eval_steps": 2}
     one, _ = train_here(tokenized, tmp_path / "one",
                         {**params, "training.per_device_train_batch_size": 8})
     assert any("lora_magnitude_vector" in k for k in adapter(one))
-    resume_cut_back(one, tmp_path, at=2, resume=train_in_place)
-    project, proc = train_copy(tokenized, tmp_path / "two", {
-        **params, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2})
+    sharded = {**params, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2}
+    project, proc = train_copy(tokenized, tmp_path / "two", sharded)
     assert "strategy fsdp2, world size 2" in proc.stdout
     assert losses(project) == pytest.approx(losses(one), abs=1e-5)
     assert_weights_close(adapter(project), adapter(one))
+    interrupt_then_resume(tokenized, tmp_path, sharded, full=project)
 
 
 # An adapter section as each tool's docs write one with DoRA, rsLoRA and LoRA+ (Axolotl's

@@ -34,7 +34,9 @@ def ran(proc) -> list[str]:
 
 @pytest.fixture(scope="module")
 def repro(tmp_path_factory):
-    project = copy_project(tmp_path_factory.mktemp("pipe") / "p")
+    # the default run's portable CPU numerics (TINY sets native for the in-process tests)
+    project = copy_project(tmp_path_factory.mktemp("pipe") / "p",
+                           {"training.cpu_numerics": "portable"})
     # every stage also records which params keys it reads (finetune.config.reads)
     first = dvc(project, "repro", env={**os.environ, READS_ENV: str(_reads_dir(project))})
     return project, first
