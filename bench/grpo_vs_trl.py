@@ -241,7 +241,7 @@ def run_ours(args, model_dir: Path, work: Path, profile: bool) -> dict:
             clock.boundary()
             return stop
 
-    dist = setup(cfg.distributed, "cpu")
+    dist = setup(cfg.distributed, "cpu", os.cpu_count() or 1)  # one rank, every core
     run = Timed(cfg, paths, dist)
     orig_open = run.open_reporters
 

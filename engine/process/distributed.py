@@ -51,15 +51,13 @@ def choose_device(choice: str, local_rank: int = 0) -> torch.device:
     return torch.device(f"cuda:{local_rank}")
 
 
-def setup(cfg: DistributedConfig, device_choice: str = "auto", threads: int | None = None
-          ) -> Dist:
-    """`threads`: torch threads of this rank (finetune.numerics.plan: portable numerics fix
-    the count); None: threads_per_process, else the cores shared among the node's ranks."""
+def setup(cfg: DistributedConfig, device_choice: str, threads: int) -> Dist:
+    """`threads`: torch threads of this rank (finetune.numerics.plan: threads_per_process,
+    portable numerics' fixed count, or the cores shared among the node's ranks)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    threads = threads or cfg.threads_per_process or max(1, (os.cpu_count() or 1) // local_world)
     torch.set_num_threads(threads)
     device = choose_device(device_choice, local_rank)
     cuda = device.type == "cuda"
