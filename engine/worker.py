@@ -7,7 +7,9 @@ file rank 0 streams its logged rows to: the stage forwards them to MLflow), and,
 train split is streamed, the recipe function that opens the stream (the engine takes an
 example source; it knows nothing of formats and tokenizers). A `PipelineError` on any rank is
 written to the job's error file so the launching stage can re-raise the same one-line message
-instead of torchrun's failure dump.
+instead of torchrun's failure dump. A job armed for a scheduler's stop signal (JobSpec.stop_signal,
+engine.process.preemption) that saved and stopped on it exits 0, like a finished one; its
+stopped file tells the two apart.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Callable
 from engine.process.failures import Report, describe
 from engine.process.job import JobSpec
 from engine.process.lifetime import die_with_parent
+from engine.process.preemption import StoppedBySignal, armed, remove_stale_stopped_file
 from finetune.errors import PipelineError, quiet_import_noise
 
 
@@ -33,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     job = JobSpec.read(Path(argv[0]))
     try:
         run_job(job)
+        return 0
+    except StoppedBySignal:  # the checkpoint is saved; the process group is torn down
         return 0
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -52,17 +57,37 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_job(job: JobSpec) -> dict:
     """What every rank does with a job: validate its config, open the stream it names, train.
-    Tests call it in-process with the job the train stage would write."""
-    from engine.recipe.run import train
-    from finetune.config import reads, validate_raw
-    from finetune.imports import load_object
+    Tests call it in-process with the job the train stage would write. Armed for the job's
+    stop signal first (before the slow imports and the model load), so a signal that comes
+    during setup is kept and acted on after the first step; raises StoppedBySignal then."""
+    with armed(job.stop_signal, job.stopped_file):
+        from engine.recipe.run import train
+        from finetune.config import reads, validate_raw
+        from finetune.imports import load_object
 
-    cfg = validate_raw(job.config, source="train job")
-    reads.start()  # FINETUNE_CONFIG_READS: the train stage's keys include the engine's
-    stream = None
-    if job.train_stream:  # 'module:function' (cfg, root) -> epoch -> examples
-        stream = load_object(job.train_stream, "train job stream")(cfg, job.paths.project_root)
-    return train(cfg, job.paths, launcher_go(job), stream)
+        cfg = validate_raw(job_config(job), source="train job")
+        if cfg.distributed.node_rank == 0 and os.environ.get("LOCAL_RANK", "0") == "0":
+            remove_stale_stopped_file(job.stopped_file)  # Dist.is_main, before the group
+        reads.start()  # FINETUNE_CONFIG_READS: the train stage's keys include the engine's
+        stream = None
+        if job.train_stream:  # 'module:function' (cfg, root) -> epoch -> examples
+            stream = load_object(job.train_stream, "train job stream")(cfg,
+                                                                       job.paths.project_root)
+        return train(cfg, job.paths, launcher_go(job), stream)
+
+
+def job_config(job: JobSpec) -> dict:
+    """The job's config as this node runs it: with `node_rank_env`, the node's rank comes from
+    that environment variable (every node reads the same job file)."""
+    if not job.node_rank_env:
+        return job.config
+    value = os.environ.get(job.node_rank_env, "")
+    if not value.strip().isdigit():
+        raise PipelineError(f"job node_rank_env: environment variable {job.node_rank_env} is "
+                            f"{'unset' if not value else repr(value)}, not a node rank (an "
+                            "integer from 0); the launcher must export it on every node")
+    distributed = {**job.config.get("distributed", {}), "node_rank": int(value)}
+    return {**job.config, "distributed": distributed}
 
 
 GO_TIMEOUT_S = 600

@@ -67,6 +67,15 @@ class JobSpec:
     ready_file: str | None = None
     #: 'module:function' (cfg, project_root) -> epoch -> examples, for a streamed train split
     train_stream: str | None = None
+    #: a signal name ("SIGUSR1") a scheduler sends before its time limit: every rank then
+    #: saves a checkpoint at the next step end and leaves (engine.process.preemption)
+    stop_signal: str | None = None
+    #: after such a stop the main rank writes here {"step", "checkpoint", "signal"} (JSON),
+    #: which tells a stop from a finished run; removed at start
+    stopped_file: str | None = None
+    #: the environment variable that holds this node's rank (every node reads the same job
+    #: file); its value becomes distributed.node_rank
+    node_rank_env: str | None = None
 
     def write(self, path: Path) -> Path:
         data = {**asdict(self), "paths": self.paths.to_json()}

@@ -55,6 +55,7 @@ from engine.objective.optim_in_backward import OptimizerInBackward
 from engine.process.comm import CommMeter
 from engine.process.distributed import Dist, node_group, setup, teardown
 from engine.process.job import RunPaths
+from engine.process.preemption import current as armed_stop_signal
 from engine.recipe.model_setup import build_model
 from engine.recipe.sft.heldout import lm_metrics
 from engine.recipe.trainers import register_trainer, run_class, trainer_class  # noqa: F401
@@ -178,6 +179,8 @@ class TrainingRun:
         self.history: list[dict] = []  # rows restored from a checkpoint
         self._fingerprint: dict[str, Any] | None = None
         self.logged: LoggedWindow | None = None  # a row not yet emitted
+        #: a scheduler's signal this process is armed for (engine.process.preemption)
+        self.stop_signal = armed_stop_signal()
 
     def log(self, line: str) -> None:
         if self.dist.is_main and self.cfg.logging.log_level in ("debug", "info"):
@@ -191,6 +194,8 @@ class TrainingRun:
         check_machine(self.cfg, d.device)  # what this device cannot run: one line
         configure_torch(t)
         self.node_group = node_group(d) if self.cfg.checkpoint.save_on_each_node else None
+        if self.stop_signal:  # collective: its gloo group, when the backend is not gloo
+            self.stop_signal.bind(d.world_size)
         if self.cfg.distributed.nnodes > 1:  # training.seed null: node 0's stage drew it
             box = [t.seed]
             torch.distributed.broadcast_object_list(box, src=d.main_rank)
@@ -501,8 +506,10 @@ class TrainingRun:
             self.reporters.on_epoch_end(self.state)
         asked_stop, asked_save, asked_eval = self.control_requests()
         save_now, eval_now = save_now or asked_save, eval_now or asked_eval
-        evaluated = {}
-        if eval_now or save_now or asked_stop or self.monitor.should_stop:
+        # the last step just finishes; before it, every rank learns whether any got the signal
+        signalled = not last and self.stop_signal is not None and self.stop_signal.agreed()
+        evaluated, path = {}, None
+        if eval_now or save_now or asked_stop or self.monitor.should_stop or signalled:
             self.emit_logged(wait=True)  # a checkpoint's history holds every row so far
         if self.eval_data is not None and e.evaluates_in_training and (
                 eval_now or (save_now and on_save)):
@@ -512,6 +519,8 @@ class TrainingRun:
             path = trainer_state.save(self, evaluated)
             if self.reporters:
                 self.reporters.on_save(self.state, path)
+        if signalled and not stop:  # a stop that ends the run anyway finishes it
+            self.stop_on_signal(path, evaluated)
         if stop and asked_stop:
             self.log(f"[train] stopping at step {step}: a callback set "
                      "control.should_training_stop")
@@ -521,6 +530,19 @@ class TrainingRun:
                      f"more than {m.threshold:g} for {m.bad_evals} evaluations (best "
                      f"{m.best:.6g} at step {m.best_step})")
         return stop
+
+    def stop_on_signal(self, path, evaluated: dict) -> None:
+        """The scheduler's signal: a checkpoint at this step (the one due here, else one
+        made now, whatever checkpoint.save_strategy says), the stopped file, and every rank
+        leaves without the run's end (engine.process.preemption.StoppedBySignal)."""
+        if path is None:
+            path = trainer_state.save(self, evaluated)
+            if self.reporters:
+                self.reporters.on_save(self.state, path)
+        self.close_batches()
+        stopped = self.stop_signal.stopped(self.progress.step, path, self.dist.is_main)
+        self.log(str(stopped))
+        raise stopped
 
     def control_requests(self) -> tuple[bool, bool, bool]:
         """(stop, save, evaluate) as the callbacks asked on the main process, the same on
@@ -560,9 +582,7 @@ class TrainingRun:
         """Final metrics, the best checkpoint if asked, the trained model, the reporters' end."""
         self.emit_logged(wait=True)
         runtime = time.perf_counter() - self.started
-        if isinstance(self.batches, Prefetched):
-            self.batches.close()
-        del self.batches  # stops the loader's workers
+        self.close_batches()
         result = self.metrics(runtime)
         trainer_state.make_room(self)  # a run that saved no checkpoint: not beside another's
         if self.cfg.checkpoint.load_best_model_at_end:
@@ -577,6 +597,11 @@ class TrainingRun:
         if self.dist.world_size > 1:
             torch.distributed.barrier()
         return result
+
+    def close_batches(self) -> None:
+        if isinstance(self.batches, Prefetched):
+            self.batches.close()
+        del self.batches  # stops the loader's workers
 
     def metrics(self, runtime: float) -> dict[str, Any]:
         progress, cfg = self.progress, self.cfg
