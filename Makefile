@@ -59,10 +59,12 @@ test: setup
 # `finetune reproduce` rebuilding a registered model from a fresh clone and the DVC remote
 # (tests/test_reproduce.py, marker clean_room: two whole pipeline runs) and the Prefect stack
 # end to end (tests/test_e2e_prefect.py, marker stack_e2e: a server on loopback, deployment
-# runs, the schedule, a clean stop), side by side.
+# runs, the schedule, a clean stop) and the train stage on a real one-host SLURM cluster
+# (tests/test_slurm.py, marker slurm: needs Debian's slurm-wlm and munge, which .ci/run
+# installs), side by side.
 test-slow: setup
-	$(PY) -m pytest -m "clean_room or stack_e2e" -n 2 --dist loadfile $(PYTEST_ARGS) \
-		tests/test_reproduce.py tests/test_e2e_prefect.py
+	$(PY) -m pytest -m "clean_room or stack_e2e or slurm" -n 2 --dist loadfile $(PYTEST_ARGS) \
+		tests/test_slurm.py tests/test_reproduce.py tests/test_e2e_prefect.py
 
 # The third step of .ci/run: every command the README and docs/ show in a bash block, run in
 # order on a fresh clone of the project, one page per test (tests/test_docs.py, marker

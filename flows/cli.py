@@ -1,6 +1,7 @@
 """`finetune` console script: run a stage, the whole pipeline, validate or print a config.
 
     finetune stage train [-p params/default.yaml] [-s training.max_steps=10]
+    finetune stage train --dry-run   # the torchrun command or sbatch script it would start
     finetune run                  # dvc repro + summary
     finetune validate -p params/x.yaml
     finetune config -s optimizer.learning_rate=3e-4
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stage", help="run one pipeline stage (what dvc.yaml calls)")
     st.add_argument("name", choices=STAGES)
     _common(st)
+    st.add_argument("--dry-run", action="store_true",
+                    help="train: print what would start (the torchrun command, or the sbatch "
+                    "script with distributed.launcher: slurm) and start nothing")
     run = sub.add_parser("run", help="run the whole pipeline with dvc repro, then summarise")
     _common(run)
     run.add_argument("--force", action="store_true", help="rerun every stage")
@@ -157,6 +161,15 @@ def cmd_stage(args) -> int:
     bind_to_orchestrator_if_asked()  # under the orchestrator's dvc: a cancelled task ends us too
 
     ws = Workspace.load(args.params, args.overrides)
+    if args.dry_run:
+        if args.name != "train":
+            raise PipelineError(f"--dry-run is for the train stage (it shows what train would "
+                                f"start); stage {args.name} has nothing to show")
+        from tasks.launchers import dry_run
+
+        print(dry_run(ws), end="" if args.name == "train" and
+              ws.config.distributed.launcher == "slurm" else "\n")
+        return 0
     from finetune import numerics
 
     # training.cpu_numerics: portable's pins must be in place before torch does any work

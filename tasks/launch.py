@@ -98,7 +98,7 @@ class TorchrunJob:
     def __init__(self, ws: Workspace, handshake: bool = True):
         self.ws, self.handshake = ws, handshake
         self.proc: subprocess.Popen | None = None
-        self._relay: _RowTail | None = None
+        self._relay: RowTail | None = None
 
     def __enter__(self) -> "TorchrunJob":
         self._tmp = tempfile.TemporaryDirectory(prefix="finetune-job-")
@@ -133,7 +133,7 @@ class TorchrunJob:
         if relay is not None:
             relay_file = Path(self._tmp.name) / "rows.jsonl"
             relay_file.touch()
-            self._relay = _RowTail(relay_file, relay)
+            self._relay = RowTail(relay_file, relay)
         write_json_atomic(self.go_file, {"relay_file": str(relay_file) if relay_file else None})
 
     def abort(self, why: str) -> None:
@@ -191,7 +191,7 @@ class TorchrunJob:
             self._tmp.cleanup()
 
 
-class _RowTail:
+class RowTail:
     """Follows the rows file rank 0 appends to and hands each complete line to `relay`, in a
     thread, while training runs; `finish()` (after the workers exited) reads the rest and
     returns the first relay error, if any (rows after an error are not relayed)."""

@@ -19,7 +19,8 @@ from engine import preflight as preflight_engine
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks import reward_models, tracking
-from tasks.launch import TorchrunJob, run_paths, train_metrics
+from tasks.launch import run_paths, train_metrics
+from tasks.launchers import launch
 from tasks.wandb_tracking import WandbRun, wandb_module
 
 
@@ -81,7 +82,7 @@ def train(ws: Workspace) -> dict[str, Path]:
         return _train_worker_node(ws)
     ws = with_resolved_seed(ws)
     launched = time.time()
-    with TorchrunJob(ws) as job:  # starts now: worker start-up overlaps the checks below
+    with launch(ws) as job:  # starts now: worker start-up overlaps the checks below
         try:
             preflight(ws)
             run_id = tracking.start_run(ws)
@@ -185,7 +186,7 @@ def _log_tokenize_stats(ws: Workspace, run_id: str) -> None:
 def _train_worker_node(ws: Workspace) -> dict[str, Path]:
     """node_rank > 0 of a multi-node job: run this node's ranks; node 0 (global rank 0) owns
     the MLflow run and writes the trained model, metrics and checkpoints (shared storage)."""
-    with TorchrunJob(ws, handshake=False) as job:
+    with launch(ws, handshake=False) as job:
         job.wait()
     print(f"[train] node {ws.config.distributed.node_rank} finished; node 0 writes the outputs",
           flush=True)

@@ -19,14 +19,14 @@ from helpers import ROOT, wait_until_no_process_in, write_params
 
 from finetune.errors import PipelineError
 from finetune.workspace import Workspace
-from tasks.launch import _RowTail
+from tasks.launch import RowTail
 
 
 def test_row_tail_relays_whole_lines_in_order_and_keeps_the_first_error(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("")
     seen = []
-    tail = _RowTail(path, seen.append)
+    tail = RowTail(path, seen.append)
     with open(path, "a") as fh:
         fh.write('{"step": 1, "loss": 2.5}\n{"step": 2, ')  # a row cut mid-write
         fh.flush()
@@ -41,7 +41,7 @@ def test_row_tail_relays_whole_lines_in_order_and_keeps_the_first_error(tmp_path
         seen.append(row)
 
     seen.clear()
-    tail = _RowTail(path, failing)
+    tail = RowTail(path, failing)
     error = tail.finish()
     assert isinstance(error, ConnectionError) and seen == [{"step": 1, "loss": 2.5}]
 

@@ -1,7 +1,8 @@
 """The `distributed` section: how torchrun launches the worker and how the model is parallelised.
 
-Strategy-specific options live in their own sub-section (`fsdp`, `diloco`); setting one for a
-different strategy is an error, because it would silently do nothing.
+Strategy-specific options live in their own sub-section (`fsdp`, `diloco`, `pipeline`), and the
+SLURM launcher's in `slurm`; setting one for a different strategy or launcher is an error,
+because it would silently do nothing.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.pipeline import PipelineConfig
+from finetune.config.slurm import SlurmConfig
 from finetune.config.section import Field, Section, did_you_mean
 
 FloatDtype = Literal["float32", "bfloat16", "float16"]
@@ -189,6 +191,11 @@ class DistributedConfig(Section):
         description="Parallelism strategy (pipeline: the decoder layers split into "
         "stages over the ranks, distributed.pipeline)."
     )
+    launcher: Literal["local", "slurm"] = Field(
+        "local", fingerprint=False,
+        description="How the train stage starts torchrun: here (local; other nodes by hand "
+        "with node_rank), or as a SLURM batch job on the cluster's nodes (slurm, options in "
+        "distributed.slurm), which the stage submits and follows to its end.")
     nproc_per_node: int = Field(
         1, fingerprint=False, gt=0, description="Processes per node (torchrun).")
     nnodes: int = Field(1, fingerprint=False, gt=0, description="Number of nodes (torchrun).")
@@ -237,11 +244,16 @@ class DistributedConfig(Section):
     diloco: DilocoConfig | None = Field(None, description="DiLoCo options (strategy diloco only).")
     pipeline: PipelineConfig | None = Field(
         None, description="Pipeline options (strategy pipeline only; defaults apply when unset).")
+    slurm: SlurmConfig | None = Field(
+        None, fingerprint=False,
+        description="SLURM job options (launcher slurm only; defaults apply when unset).")
 
     @model_validator(mode="after")
     def _compat(self) -> "DistributedConfig":
         if self.strategy == "pipeline" and self.pipeline is None:
             self.pipeline = PipelineConfig()  # its defaults apply
+        if self.launcher == "slurm" and self.slurm is None:
+            self.slurm = SlurmConfig()
         compat.check(self, "distributed")
         return self
 
