@@ -281,3 +281,19 @@ def test_the_flow_trains_on_the_cluster_and_runs_the_other_stages_where_it_is(tm
     assert (project / "data/export").is_dir()
     lock = (project / "dvc.lock").read_text()
     assert "train:" in lock and "export:" in lock
+
+
+@pytest.mark.slurm
+def test_a_job_left_by_a_killed_stage_keeps_a_second_one_out(tokenized, tmp_path, slurm):
+    """The job outlives a killed stage (it trains on, as a SLURM job should); a new stage in
+    the project refuses to submit a second job that would write the same outputs."""
+    project = on_slurm(tokenized, tmp_path / "p")
+    stage = Stage(project)
+    job = stage.wait_for(r"submitted SLURM job (\d+)").group(1)
+    stage.wait_for(r"^\[node 0\] ")
+    stage.proc.kill()
+    stage.finish()
+    line = error_line(run_cli(project, "stage", "train"))
+    assert f"SLURM job {job} of an earlier train stage is still RUNNING" in line, line
+    assert f"scancel {job}" in line, line
+    subprocess.run(["scancel", job], check=True, env={**os.environ, **slurm})

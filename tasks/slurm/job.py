@@ -15,6 +15,7 @@ which every node must see (shared storage), as they must see the data and the ch
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from datetime import datetime, timezone
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.process.failures import Report
-from finetune.errors import PipelineError
+from finetune.errors import PipelineError, warn
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks.launch import RowTail, job_spec
@@ -32,6 +33,10 @@ from tasks.slurm.commands import JobState
 
 #: where a stage's SLURM runs keep their folders (under the project's data/logs)
 RUNS = "slurm"
+#: the job a train stage submitted and has not seen end: {"job_id", "run_dir"}
+ACTIVE = "active.json"
+#: how long the stage keeps asking a controller that does not answer before it lets go
+CONTACT_GRACE_S = 300
 
 
 def run_dir(ws: Workspace) -> Path:
@@ -55,10 +60,13 @@ class SlurmJob:
         self._relay: RowTail | None = None
         self._logs: dict[Path, int] = {}  # file -> bytes already shown
         self._last: JobState | None = None
+        self._let_go = False  # lost contact: leave the job alone
 
     # -- submit ------------------------------------------------------------------------------
     def __enter__(self) -> "SlurmJob":
         commands.require("sbatch")
+        self.active = self.ws.layout.logs / RUNS / ACTIVE
+        self._refuse_if_a_job_still_runs()
         self.dir = run_dir(self.ws)
         self.error_dir = self.dir / "errors"
         self.error_dir.mkdir(parents=True)
@@ -78,9 +86,24 @@ class SlurmJob:
         path = self.dir / script.SCRIPT_FILE
         path.write_text(script.render(self.ws, self.dir))
         self.job_id = commands.submit(path, self.ws.root)
+        write_json_atomic(self.active, {"job_id": self.job_id, "run_dir": self._where()})
         print(f"[train] submitted SLURM job {self.job_id} "
               f"({path.relative_to(self.ws.root)})", flush=True)
         return self
+
+    def _refuse_if_a_job_still_runs(self) -> None:
+        """A stage that died (a killed login shell) leaves its job running, writing this
+        project's checkpoints and outputs: a second job beside it would write them too."""
+        if not self.active.exists():
+            return
+        earlier = json.loads(self.active.read_text())
+        now = commands.state(earlier["job_id"])
+        if now is not None and not now.ended:
+            raise PipelineError(
+                f"SLURM job {earlier['job_id']} of an earlier train stage is still {now.state} "
+                f"and writes this project's outputs ({earlier['run_dir']}): wait for it to end "
+                f"or cancel it (scancel {earlier['job_id']}), then run the stage again")
+        self.active.unlink()
 
     def go(self, relay: Callable[[dict], None] | None = None) -> None:
         """Confirm the job; `relay` gets every row the main rank logs (in a thread)."""
@@ -99,7 +122,7 @@ class SlurmJob:
         """Follow the job to its end; return when it completed, else raise its one line."""
         poll = self.ws.config.distributed.slurm.poll_seconds
         while True:
-            now = commands.state(self.job_id)
+            now = self._ask()
             self._show_logs()
             if now is None:  # gone from SLURM's memory (MinJobAge) between two polls
                 raise RunFailure(f"SLURM job {self.job_id} is no longer known to scontrol "
@@ -110,6 +133,7 @@ class SlurmJob:
                 break
             time.sleep(poll)
         self._show_logs()
+        self.active.unlink(missing_ok=True)
         relay_error = self._relay.finish() if self._relay else None
         self._relay = None
         if now.state != "COMPLETED" or now.exit_status != 0:
@@ -119,6 +143,26 @@ class SlurmJob:
         if relay_error is not None:
             raise PipelineError(f"training finished but logging its rows failed: "
                                 f"{type(relay_error).__name__}: {relay_error}")
+
+    def _ask(self) -> JobState | None:
+        """The job's state; a controller that does not answer (restarting, overloaded) is
+        asked again for CONTACT_GRACE_S, then the stage lets go of the job, which runs on."""
+        since = None
+        while True:
+            try:
+                return commands.state(self.job_id)
+            except PipelineError as exc:
+                if since is None:
+                    since = time.monotonic()
+                    warn(f"SLURM does not answer ({exc}); asking again for up to "
+                         f"{CONTACT_GRACE_S} s")
+                elif time.monotonic() - since > CONTACT_GRACE_S:
+                    self._let_go = True  # the job is fine as far as anyone knows
+                    raise RunFailure(
+                        f"lost contact with SLURM for {CONTACT_GRACE_S} s; job {self.job_id} "
+                        f"was left as it is (squeue -j {self.job_id}); its folder "
+                        f"{self._where()}") from None
+                time.sleep(min(10.0, self.ws.config.distributed.slurm.poll_seconds * 5))
 
     def _show_state(self, now: JobState) -> None:
         """One line per change: queued (and why), running where, requeued."""
@@ -192,10 +236,11 @@ class SlurmJob:
                          f"reason {now.reason}); nodes' log {rel}, job folder {self._where()}")
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is not None and self.job_id is not None:
+        if exc[0] is not None and self.job_id is not None and not self._let_go:
             ended = self._last is not None and self._last.ended
             if not ended:  # an error or Ctrl-C in the stage: the job must not train on alone
                 commands.cancel(self.job_id)
                 print(f"[slurm] cancelled job {self.job_id}", file=sys.stderr, flush=True)
+            self.active.unlink(missing_ok=True)
         if self._relay is not None:
             self._relay.finish()
