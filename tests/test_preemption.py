@@ -19,13 +19,23 @@ import torch
 
 from helpers import adapter, as_a_worker, losses, write_params
 
-#: a callback that sends this process the stop signal at the step named in signal_at.txt (0:
-#: before the first step; a file, so the run stopped and the run never stopped have the same
-#: params and fingerprint)
+#: SignalAt sends this process the stop signal at the step named in signal_at.txt (0: before
+#: the first step). HoldAfterStep3 keeps the main rank at the end of step 3 while a file "hold"
+#: exists, so a signal sent once step 2's row shows lands before the last step however late
+#: the test gets to send it. (Files, so the run stopped and the run never stopped have the same
+#: params and fingerprint.)
 SIGNALLER = """
 import os
 import signal
+import time
 from pathlib import Path
+
+
+class HoldAfterStep3:
+    def on_step_end(self, state):
+        deadline = time.monotonic() + 60
+        while state.step == 3 and Path("hold").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 class SignalAt:
@@ -44,8 +54,9 @@ SINGLE = {"training.max_steps": 4, "checkpoint.save_strategy": "no", "eval.eval_
           "logging.logging_steps": 1, "logging.callbacks": ["signal_cb:SignalAt"]}
 
 DDP = {"distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
-       "distributed.threads_per_process": 1, "training.max_steps": 12,
-       "checkpoint.save_strategy": "no", "eval.eval_steps": 12, "logging.logging_steps": 1,
+       "distributed.threads_per_process": 1, "training.max_steps": 8,
+       "checkpoint.save_strategy": "no", "eval.eval_steps": 8, "logging.logging_steps": 1,
+       "logging.callbacks": ["signal_cb:HoldAfterStep3"],
        # a rank left waiting in a collective fails the run in a minute, not half an hour
        "distributed.ddp_timeout": 60}
 
@@ -142,8 +153,9 @@ def test_a_signal_before_the_first_step_is_kept_and_acted_on_after_it(single, tm
     assert not (project / "data/trained").exists()
 
 
-def test_node_rank_env_names_the_nodes_rank(monkeypatch, tmp_path):
+def test_the_job_fields_node_rank_env_and_a_bad_signal_name(monkeypatch, tmp_path):
     from engine.process.job import JobSpec, RunPaths
+    from engine.process.preemption import signal_number
     from engine.worker import job_config
     from finetune.errors import PipelineError
 
@@ -161,6 +173,9 @@ def test_node_rank_env_names_the_nodes_rank(monkeypatch, tmp_path):
     monkeypatch.delenv("SCHED_NODE")
     with pytest.raises(PipelineError, match="SCHED_NODE is unset"):
         job_config(job)
+    with pytest.raises(PipelineError, match="job stop_signal 'SIGNOPE' is not a signal"):
+        signal_number("SIGNOPE")
+    assert signal_number("USR1") is signal.SIGUSR1
 
 
 # -- two processes under torchrun, the signal to one of them ----------------------------------
@@ -204,6 +219,7 @@ def ddp_full(tokenized, tmp_path_factory):
     """The 2-process run never stopped (started here, waited for by the test that needs it)."""
     project = tmp_path_factory.mktemp("ddp") / "full"
     shutil.copytree(tokenized, project, symlinks=True)
+    (project / "signal_cb.py").write_text(SIGNALLER)
     write_params(project, DDP)
     agent = torchrun(project, job_file(project, project / "stopped.json"))
     yield project, agent
@@ -216,6 +232,8 @@ def test_ddp_one_rank_signalled_stops_all_and_a_restart_resumes_bitwise(ddp_full
                                                                            tmp_path):
     project = tmp_path / "cut"
     shutil.copytree(tokenized, project, symlinks=True)
+    (project / "signal_cb.py").write_text(SIGNALLER)
+    (project / "hold").touch()
     write_params(project, DDP)
     stopped = project / "stopped.json"
     agent = torchrun(project, job_file(project, stopped))
@@ -224,11 +242,13 @@ def test_ddp_one_rank_signalled_stops_all_and_a_restart_resumes_bitwise(ddp_full
         seen += line
         if line.startswith("[train] step=2 "):
             worker_of_rank(agent, 1).send_signal(signal.SIGUSR1)
+            (project / "hold").unlink()
             break
     seen = ended(agent, seen)
     record = json.loads(stopped.read_text())
     step, checkpoint = record["step"], Path(record["checkpoint"])
-    assert 2 <= step < DDP["training.max_steps"] and record["signal"] == "SIGUSR1"
+    assert 2 <= step <= 3 and record["signal"] == "SIGUSR1"  # the held step at the latest
+    assert step < DDP["training.max_steps"]
     assert checkpoint == project / f"data/checkpoints/step-{step:07d}" and checkpoint.is_dir()
     assert (f"[train] stopped at step {step} on SIGUSR1: checkpoint {checkpoint} saved; a "
             "restart resumes from it") in seen
