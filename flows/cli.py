@@ -167,8 +167,7 @@ def cmd_stage(args) -> int:
                                 f"start); stage {args.name} has nothing to show")
         from tasks.launchers import dry_run
 
-        print(dry_run(ws), end="" if args.name == "train" and
-              ws.config.distributed.launcher == "slurm" else "\n")
+        print(dry_run(ws), end="")
         return 0
     from finetune import numerics
 

@@ -95,6 +95,13 @@ class TorchrunJob:
     `job.go(uri, run_id)` + `job.wait()`, or `job.abort(why)`. A failure of the workers
     becomes one PipelineError line (the worker's own message when it wrote one)."""
 
+    @staticmethod
+    def dry_run(ws: Workspace) -> str:
+        """The torchrun command the stage would start (its job file named JOB.json)."""
+        import shlex
+
+        return shlex.join(torchrun_command(ws, ws.root / "JOB.json")) + "\n"
+
     def __init__(self, ws: Workspace, handshake: bool = True):
         self.ws, self.handshake = ws, handshake
         self.proc: subprocess.Popen | None = None

@@ -45,17 +45,17 @@ def run_dir(ws: Workspace) -> Path:
     return ws.layout.logs / RUNS / f"train-{stamp}"
 
 
-def dry_run(ws: Workspace) -> str:
-    """The script the stage would submit (its run folder named as it would be)."""
-    return script.render(ws, run_dir(ws))
-
-
 class SlurmJob:
     """`with SlurmJob(ws) as job:` submits the job; then `job.go(relay)` + `job.wait()`, or
     `job.abort(why)` (tasks/launch.py's TorchrunJob has the same shape)."""
 
+    @staticmethod
+    def dry_run(ws: Workspace) -> str:
+        """The script the stage would submit (its run folder named as it would be)."""
+        return script.render(ws, run_dir(ws))
+
     def __init__(self, ws: Workspace, handshake: bool = True):
-        self.ws = ws
+        self.ws = ws  # `handshake`: always on (the job's main rank waits for the go file)
         self.job_id: str | None = None
         self._relay: RowTail | None = None
         self._logs: dict[Path, int] = {}  # file -> bytes already shown

@@ -68,14 +68,13 @@ def render(ws: Workspace, run_dir: Path) -> str:
            **numerics.plan(ws.config).env}
     port = str(s.rdzv_port) if s.rdzv_port else "$((15000 + SLURM_JOB_ID % 10000))"
     gpus = f" --gpus-per-node={s.gpus_per_node}" if s.gpus_per_node else ""
-    requeue = (
-        f'  echo "[slurm] stopped before the time limit: $(tr -s " \\n" " " < "$RUN/{STOPPED_FILE}"); '
-        'requeueing job $SLURM_JOB_ID"\n'
-        '  scontrol requeue "$SLURM_JOB_ID" && sleep 600\n'
-        '  echo "[slurm] scontrol requeue failed: resume with a new job"\n'
-        '  exit 1\n') if s.requeue else (
-        f'  echo "[slurm] stopped before the time limit: $(tr -s " \\n" " " < "$RUN/{STOPPED_FILE}"); '
-        'requeue is off (distributed.slurm.requeue)"\n  exit 1\n')
+    stopped = (f'  echo "[slurm] stopped before the time limit: '
+               f'$(tr -s " \\n" " " < "$RUN/{STOPPED_FILE}"); ')
+    after_stop = [
+        stopped + 'requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID" && sleep 600',
+        '  echo "[slurm] scontrol requeue failed: resume with a new job"',
+    ] if s.requeue else [stopped + 'requeue is off (distributed.slurm.requeue)"']
     return "\n".join([
         "#!/bin/bash",
         f"# The train stage of {ws.root}, written by `finetune stage train` "
@@ -110,7 +109,8 @@ def render(ws: Workspace, run_dir: Path) -> str:
         '  -m engine.worker "$JOB"',
         "code=$?",
         f'if [ -f "$RUN/{STOPPED_FILE}" ]; then',
-        requeue.rstrip("\n"),
+        *after_stop,
+        "  exit 1",
         "fi",
         "exit $code",
         "",
