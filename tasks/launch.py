@@ -23,7 +23,7 @@ from typing import Callable
 from engine.process.failures import Report
 from engine.process.job import JobSpec, RunPaths
 from engine.process.lifetime import WATCH_PID, child_dies_with_us
-from finetune import numerics
+from finetune import host_memory, numerics
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -90,6 +90,17 @@ def job_spec(ws: Workspace, **handshake: str | None) -> JobSpec:
                    **handshake)
 
 
+def worker_environment(ws: Workspace) -> dict[str, str]:
+    """torchrun's environment (its workers inherit it): this process's, the project on
+    PYTHONPATH, the CPU numerics' pins and training.cpu_malloc_reuse's malloc settings."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
+    env.update(numerics.plan(ws.config).env)  # portable CPU numerics' pins
+    env.update(host_memory.worker_env(ws.config))
+    return env
+
+
 class TorchrunJob:
     """`with TorchrunJob(ws, handshake=True) as job:` starts torchrun; then exactly one of
     `job.go(uri, run_id)` + `job.wait()`, or `job.abort(why)`. A failure of the workers
@@ -118,10 +129,7 @@ class TorchrunJob:
                  go_file=str(self.go_file) if self.handshake else None,
                  ready_file=str(tmp / "ready") if self.handshake else None,
                  ).write(self.job_file)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(self.ws.root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        env.setdefault("OMP_NUM_THREADS", "1")  # the worker sets its own thread count
-        env.update(numerics.plan(self.ws.config).env)  # portable CPU numerics' pins
+        env = worker_environment(self.ws)
         env[WATCH_PID] = str(os.getpid())  # where the kernel cannot: workers watch the stage
         self._stderr = open(self.stderr_file, "w")
         # stdout (the training log) streams live; stderr is held back so that a clean one-line

@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from finetune import numerics
+from finetune import host_memory, numerics
 from finetune.workspace import Workspace
 
 JOB_FILE, RESUME_JOB_FILE = "job.json", "job-resume.json"
@@ -65,7 +65,7 @@ def render(ws: Workspace, run_dir: Path) -> str:
     python = s.python or sys.executable
     cpus = (s.cpus_per_task or 1) * d.nproc_per_node  # the node's share, for its one launcher
     env = {"PYTHONPATH": f"{ws.root}${{PYTHONPATH:+:$PYTHONPATH}}", "OMP_NUM_THREADS": "1",
-           **numerics.plan(ws.config).env}
+           **numerics.plan(ws.config).env, **host_memory.worker_env(ws.config)}
     port = str(s.rdzv_port) if s.rdzv_port else "$((15000 + SLURM_JOB_ID % 10000))"
     gpus = f" --gpus-per-node={s.gpus_per_node}" if s.gpus_per_node else ""
     stopped = (f'  echo "[slurm] stopped before the time limit: '
