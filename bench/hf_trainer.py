@@ -11,6 +11,11 @@ dataset is put in that order and read sequentially, so step k of both trainers s
 examples and the final losses must agree; with Trainer's own RandomSampler they would differ
 by sampling noise and the comparison would say nothing about correctness.
 
+CPU peers (bench/peers_cpu.py): `peft` ({r, lora_alpha, target_modules}) wraps the model in
+peft's LoRA; `save_dir` saves the trained model (or adapter) there after the timed run, for a
+held-out loss both sides compute the same way; `sampling` sets train_sampling_strategy (e.g.
+group_by_length; the default, sequential, reads the rows in `order`).
+
 GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
 examples' completion masks from our labels), `liger` its use_liger_kernel, `cudnn: false`
 turns cuDNN SDPA off for the run, and `timer` ({path, boundaries}) marks synchronised times at
@@ -47,6 +52,11 @@ def main(spec_path: str, out_path: str) -> None:
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
                                                  attn_implementation="sdpa")
+    if spec.get("peft"):
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0,
+                                                 **spec["peft"]))
     common = dict(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"],
         gradient_accumulation_steps=1, max_steps=spec["steps"],
@@ -55,7 +65,8 @@ def main(spec_path: str, out_path: str) -> None:
         optim="adamw_torch_fused", bf16=spec["precision"] == "bf16",
         use_cpu=spec.get("device", "cpu") == "cpu",
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
-        seed=spec["seed"], train_sampling_strategy="sequential", dataloader_drop_last=True,
+        seed=spec["seed"], train_sampling_strategy=spec.get("sampling", "sequential"),
+        dataloader_drop_last=True,
         disable_tqdm=True, remove_unused_columns=False, use_liger_kernel=spec.get("liger", False),
     )
     if trl:
@@ -118,6 +129,8 @@ def main(spec_path: str, out_path: str) -> None:
     started = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - started
+    if spec.get("save_dir"):
+        trainer.save_model(spec["save_dir"])
     real = slots["real"]  # collated batches = trained batches (max_steps, accumulation 1)
     skip = spec.get("warmup_window", 0)  # steps left out of the timed window
     json.dump({

@@ -44,7 +44,9 @@ COMMON = {"peft.use_peft": False, "checkpoint.save_strategy": "no", "eval.eval_s
           "optimizer.kwargs": {"fused": True},
           "scheduler.warmup_steps": 2, "training.per_device_train_batch_size": 8,
           "training.gradient_accumulation_steps": 1, "training.seed": 42,
-          "registry.register_model": False}
+          "registry.register_model": False,
+          # ATen's kernels for this CPU, as HF runs (params/default.yaml pins portable ones)
+          "training.cpu_numerics": "native"}
 
 
 def build_model(name: str, dest: Path) -> Path:
@@ -129,11 +131,14 @@ LAYOUTS = {"padded": {}, "packed": {"training.packing": True},
            "padfree": {"training.padding_free": True}}
 
 
-def run_ours(project: Path, model_dir: Path, precision: str, steps: int, layout: str) -> dict:
+def run_ours(project: Path, model_dir: Path, precision: str, steps: int, layout: str,
+             extra: dict | None = None) -> dict:
+    """Our train stage with COMMON, the layout's params and then `extra` (other benchmarks'
+    settings)."""
     set_params(project, {**COMMON, "model.name_or_path": str(model_dir),
                          "training.mixed_precision": precision, "training.max_steps": steps,
                          "training.packing": False, "training.padding_free": False,
-                         **LAYOUTS[layout]})
+                         **LAYOUTS[layout], **(extra or {})})
     launched = time.time()
     wall = stage(project, "train")
     m = train_metrics(project)
@@ -142,14 +147,20 @@ def run_ours(project: Path, model_dir: Path, precision: str, steps: int, layout:
     with open(project / "data/plots/train.csv") as fh:
         rows = list(csv.DictReader(fh))
     return {"tokens_per_s": m["num_input_tokens_seen"] / m["train_runtime"],
+            # after training.speed_metrics_start_step (0: the whole run)
+            "window_tokens_per_s": m["train_tokens_per_second"],
             "padding_fraction": m["padding_fraction"], "final_loss": float(rows[-1]["loss"]),
             "peak_rss_mb": m["memory_rss_mb"], "stage_wall_s": wall,
             "train_runtime_s": m["train_runtime"],
             "startup_s": m["first_step_unix"] - launched}  # launch to first optimizer step
 
 
-def run_hf(project: Path, model_dir: Path, precision: str, steps: int, order: list[int]) -> dict:
-    spec = {"train": str(project / "data/tokenized/train"), "model": str(model_dir),
+def run_hf(project: Path, model_dir: Path, precision: str, steps: int, order: list[int],
+           options: dict | None = None, env: dict | None = None) -> dict:
+    """bench/hf_trainer.py in its own process; `options` adds to its spec (peer settings),
+    `env` to its environment."""
+    spec = {**(options or {}), "train": str(project / "data/tokenized/train"),
+            "model": str(model_dir),
             "precision": precision, "batch": COMMON["training.per_device_train_batch_size"],
             "steps": steps, "learning_rate": COMMON["optimizer.learning_rate"],
             "weight_decay": 0.0, "warmup_steps": COMMON["scheduler.warmup_steps"],
@@ -158,11 +169,14 @@ def run_hf(project: Path, model_dir: Path, precision: str, steps: int, order: li
     spec_file, out_file = project / "hf-spec.json", project / "hf-result.json"
     spec_file.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(ROOT / "bench/hf_trainer.py"), str(spec_file),
-                           str(out_file)], capture_output=True, text=True)
+                           str(out_file)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
     if proc.returncode:
         raise SystemExit(f"HF Trainer failed:\n{proc.stderr[-3000:]}")
     r = json.loads(out_file.read_text())
     return {"tokens_per_s": r["useful_tokens"] / r["train_runtime"],
+            # after spec["warmup_window"] steps (the whole run without one)
+            "window_tokens_per_s": r["window_tokens"] / r["window_seconds"],
             "padding_fraction": r["padding_fraction"], "final_loss": r["losses"][-1],
             "peak_rss_mb": r["peak_rss_mb"], "train_runtime_s": r["train_runtime"]}
 

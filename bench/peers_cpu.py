@@ -1,0 +1,319 @@
+"""Our train stage against each peer at its best correct CPU setting, in one run.
+
+    .venv/bin/python bench/peers_cpu.py [--rows full,lora] [--steps 20] [--lora-steps 10]
+                                        [--profile]
+
+A user who knows HF compares with its best setting, not its default, so every peer runs at
+the settings that make it fastest here while still training each example on its own:
+
+- `HF Trainer` with dynamic padding (`DataCollatorForSeq2Seq`), its plain setting;
+- `HF Trainer group_by_length` (`train_sampling_strategy="group_by_length"`, its own answer
+  to padding: batches of similar lengths; here its sampler's batches, see below);
+- `TRL SFTTrainer padding_free` (each batch one row without padding; transformers keeps the
+  examples apart through the restarting `position_ids`, which the final loss checks);
+
+all with fused AdamW, fp32, sdpa attention, batch 8, Alpaca rows of at most 512 GPT-2 tokens,
+completion-only labels. `ours padfree` is our train stage with `training.padding_free` and
+`training.cpu_numerics: native` (ATen's kernels for this CPU, as the peers run; the default,
+portable, trades speed for the same bytes on every x86-64 CPU), with its default
+`training.cpu_malloc_reuse` (finetune/host_memory.py). Two more rows show what that setting
+is worth: ours with glibc's malloc defaults, and HF group_by_length given the same malloc
+environment (not an HF setting, so not a candidate for "best peer": the ratio to it is what
+is ours beyond the allocator).
+
+Two models, random weights (speed does not depend on them):
+
+- `llama-29M`: bench/throughput.py's llama-20M shape with one decoder layer and the GPT-2
+  vocabulary (28.9M parameters, tied embeddings), full fine-tuning;
+- `smollm2-135M-shape`: SmolLM2-135M's shape (hidden 576, FFN 1536, 30 layers, 9 heads, 3
+  KV heads, tied embeddings) with the GPT-2 vocabulary (50,257 tokens for SmolLM2's 49,152:
+  135.2M parameters), LoRA r 16, alpha 32 on the attention and MLP projections (peft on the
+  peers' side).
+
+Every trainer sees the same examples: `steps` batches of HF group_by_length's first
+mega-batch over the whole train split (see grouped_sample: what its sampler makes in a real
+run, not the tiny mega-batches it would sort out of a short run's rows). Ours, HF
+group_by_length and TRL train on exactly those batches in the same sequence, so their losses
+must agree (the correctness check); plain HF reads the same rows in random batches (its
+default sampler's padding), so its losses differ by the order. Each trained model (or
+adapter) is also saved and scored here with one function on the first 64 test rows.
+Useful tokens/s counts non-pad tokens after the first WARMUP_STEPS steps, over the time
+from the end of that step to the end of the run (HF: synchronised step ends from a callback,
+bench/hf_trainer.py's `warmup_window`; ours: `training.speed_metrics_start_step`); the
+whole-run rate (train runtime, first steps included) is kept beside it.
+
+`--profile` also runs our stage once more per model with `logging.profiler` (torch.profiler,
+steps 4-5) and keeps the ops table sorted by self CPU time in bench/results/.
+
+Writes bench/results/peers-cpu.json (`--out` changes the stem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from finetune.host_memory import MALLOC_REUSE_ENV
+from throughput import COMMON, MODELS, our_order, prepare_data, run_hf, run_ours
+from workdir import ROOT, SHARED, copy_project, machine, markdown_table, set_params
+
+GPT2 = SHARED / "models/gpt2-tokenizer"
+HELD_OUT_ROWS = 64
+#: name -> (config overrides over stories260K's, LoRA or full fine-tuning)
+SHAPES = {
+    "llama-29M": ({**MODELS["llama-20M"], "num_hidden_layers": 1}, False),
+    "smollm2-135M-shape": ({"hidden_size": 576, "intermediate_size": 1536,
+                            "num_hidden_layers": 30, "num_attention_heads": 9,
+                            "num_key_value_heads": 3, "rope_theta": 100000.0}, True),
+}
+ROWS = {"full": "llama-29M", "lora": "smollm2-135M-shape"}
+LORA = {"r": 16, "lora_alpha": 32,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"]}
+#: peer row name -> (options of bench/hf_trainer.py's spec, environment, reads the rows in
+#: random batches rather than in group_by_length's)
+PEERS = {
+    "HF Trainer": ({}, {}, True),
+    "HF Trainer group_by_length": ({}, {}, False),
+    "TRL SFTTrainer padding_free": ({"trainer": "trl"}, {}, False),
+    # not an HF setting: our allocator settings given to HF too, so that the ratio to the
+    # row above shows what is ours beyond them
+    "HF Trainer group_by_length + our malloc env": ({}, MALLOC_REUSE_ENV, False),
+}
+SEED = 42
+#: steps left out of the timed window, for every trainer: the first batch is group_by_length's
+#: longest (HF puts it first), and a first step's fresh memory costs more than a whole later
+#: step (a 20 s first step of 43 s measured on the LoRA row); users' runs are hundreds of steps
+WARMUP_STEPS = 2
+#: our row name -> params over COMMON and the row's own
+OURS = {"ours padfree": {},
+        "ours padfree, glibc malloc defaults": {"training.cpu_malloc_reuse": False}}
+
+
+def build(name: str, dest: Path) -> Path:
+    """A randomly initialised Llama of the named shape with the GPT-2 tokenizer (seed 0)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(ROOT / "data/models/stories260K")
+    for key, value in SHAPES[name][0].items():
+        setattr(config, key, value)
+    config.head_dim = config.hidden_size // config.num_attention_heads
+    config.max_position_embeddings = 2048
+    config.vocab_size, config.bos_token_id, config.eos_token_id = 50257, 50256, 50256
+    config.pad_token_id = None
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(dest)
+    for f in GPT2.iterdir():
+        if f.is_file():
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def grouped_sample(train_split: Path, batch: int, steps: int) -> list[int]:
+    """Replace the train split with the rows of `steps` of the batches HF's group_by_length
+    makes over it, laid out so that our train stage's seeded order reads them in exactly
+    those batches; returns that order (for the trainers that read the split in it).
+
+    HF's LengthGroupedSampler cuts a random permutation into mega-batches of 50 batches (fewer
+    when the data is small: len // (4 x batch)), sorts each by length and cuts it into
+    batches. Given only a short run's rows it would sort tiny mega-batches (40 rows for 160:
+    15% padding here instead of 4% over an epoch of 1,800 rows), so its speed would be
+    under-read. So the batches come from HF's own function over the whole split (seed 42):
+    `steps` of the first mega-batch's 50, drawn at random (an unbiased sample of its batch
+    lengths), in HF's sequence. Ours, HF group_by_length and TRL then train on the same
+    batches in the same sequence (equal losses are the correctness check); plain HF reads the
+    same rows in random batches, as its default sampler would."""
+    import datasets
+    import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    split = datasets.load_from_disk(str(train_split))
+    lengths = [len(ids) for ids in split["input_ids"]]
+    grouped = get_length_grouped_indices(lengths, batch,
+                                         generator=torch.Generator().manual_seed(SEED))
+    per_mega = batch * min(len(lengths) // (batch * 4), 50)
+    batches = [grouped[i:i + batch] for i in range(0, per_mega, batch)]
+    if steps > len(batches):
+        raise SystemExit(f"{steps} steps exceed one mega-batch ({len(batches)} batches)")
+    keep = sorted(torch.randperm(len(batches),
+                                 generator=torch.Generator().manual_seed(SEED))[:steps].tolist())
+    sequence = [i for b in keep for i in batches[b]]  # HF's rows, in its order
+    order = our_order(len(sequence), batch, steps, SEED)  # a permutation: one epoch exactly
+    layout = [0] * len(sequence)
+    for k, position in enumerate(order):
+        layout[position] = sequence[k]  # our k-th row read is HF's k-th
+    staged = train_split.with_name("train-sample")
+    split.select(layout).save_to_disk(str(staged))
+    shutil.rmtree(train_split)
+    staged.rename(train_split)
+    return order
+
+
+def held_out_loss(model_dir: Path, trained: Path, test_split: Path) -> float:
+    """Token-mean completion loss of the first HELD_OUT_ROWS test rows, padded batches of 8:
+    the same function for every trainer's saved model or adapter."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if (trained / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir),
+                                          trained)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(trained)
+    model.eval()
+    rows = datasets.load_from_disk(str(test_split))
+    rows = rows.select(range(min(HELD_OUT_ROWS, len(rows))))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(rows), 8):
+            part = rows[start:start + 8]
+            width = max(len(x) for x in part["input_ids"])
+            ids = torch.tensor([x + [0] * (width - len(x)) for x in part["input_ids"]])
+            labels = torch.tensor([x + [-100] * (width - len(x)) for x in part["labels"]])
+            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x))
+                                 for x in part["input_ids"]])
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            target = labels[:, 1:]
+            total += float(torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                ignore_index=-100, reduction="sum"))
+            count += int((target != -100).sum())
+    return total / count
+
+
+def profile_ours(project: Path, model_dir: Path, steps: int, lora: bool, dest: Path) -> str:
+    """Our stage once more with torch.profiler on steps 4-5; the ops table's path."""
+    prof = project / "bench-profile"
+    shutil.rmtree(prof, ignore_errors=True)
+    run_ours(project, model_dir, "fp32", max(steps, 5), "padfree", {
+        **ours_params(lora),
+        "logging.profiler": {"enabled": True, "wait_steps": 2, "warmup_steps": 1,
+                             "active_steps": 2, "row_limit": 40, "output_dir": str(prof)}})
+    shutil.copy2(next(prof.glob("ops-*.txt")), dest)
+    return str(dest.relative_to(ROOT))
+
+
+def ours_params(lora: bool) -> dict:
+    """Our stage's settings over throughput.COMMON for this row."""
+    peft = ({"peft.use_peft": True, "peft.r": LORA["r"], "peft.lora_alpha": LORA["lora_alpha"],
+             "peft.lora_dropout": 0.0, "peft.target_modules": LORA["target_modules"]}
+            if lora else {"peft.use_peft": False})
+    # native: ATen's own kernels for this CPU, what HF runs with (the default, portable, caps
+    # them at AVX2 for bitwise-equal runs on any x86-64 CPU: 0.73x, docs/tracking.md)
+    return {**peft, "training.cpu_numerics": "native",
+            "training.speed_metrics_start_step": WARMUP_STEPS,
+            "logging.profiler": {"enabled": False}}
+
+
+def measure(project: Path, tmp: Path, name: str, steps: int, profile: bool,
+            results: Path) -> dict:
+    import torch
+
+    lora = SHAPES[name][1]
+    model_dir = build(name, tmp / name)
+    set_params(project, {"model.name_or_path": str(model_dir)})
+    train_split = prepare_data(project, "alpaca", 512)
+    test_split = train_split.parent / "test"
+    batch = COMMON["training.per_device_train_batch_size"]
+    order = grouped_sample(train_split, batch, steps)
+    n_rows = len(order)
+    # another seed than our order's (ours is torch.randperm with SEED: the same permutation)
+    shuffled = torch.randperm(n_rows, generator=torch.Generator().manual_seed(SEED + 1)).tolist()
+    row = {"model": name, "adapter": "LoRA r16 attention+MLP" if lora else "full",
+           "steps": steps, "peers": {}}
+    for peer, (options, env, random_batches) in PEERS.items():
+        saved = tmp / f"{name}-{len(row['peers'])}"
+        extra = {**options, "save_dir": str(saved), "warmup_window": WARMUP_STEPS,
+                 **({"peft": LORA} if lora else {})}
+        r = run_hf(project, model_dir, "fp32", steps, shuffled if random_batches else order,
+                   extra, env)
+        r["held_out_loss"] = held_out_loss(model_dir, saved, test_split)
+        row["peers"][peer] = r
+        say(name, peer, r)
+    row["ours"] = {}
+    for ours, params in OURS.items():
+        r = run_ours(project, model_dir, "fp32", steps, "padfree", {**ours_params(lora), **params})
+        r["held_out_loss"] = held_out_loss(model_dir, project / "data/trained", test_split)
+        row["ours"][ours] = r
+        say(name, ours, r)
+    ours = row["ours"]["ours padfree"]
+    row["rows"] = n_rows
+    hf_settings = [p for p in row["peers"] if not PEERS[p][1]]  # the peers' own settings
+    best = max(hf_settings, key=lambda p: row["peers"][p]["window_tokens_per_s"])
+    row["best_peer"] = best
+    for key, peer in (("best_peer", best), ("plain_hf", "HF Trainer"),
+                      ("best_peer_with_our_malloc_env",
+                       "HF Trainer group_by_length + our malloc env")):
+        row[f"ratio_vs_{key}"] = (ours["window_tokens_per_s"]
+                                  / row["peers"][peer]["window_tokens_per_s"])
+        row[f"whole_run_ratio_vs_{key}"] = (ours["tokens_per_s"]
+                                            / row["peers"][peer]["tokens_per_s"])
+    for loss in ("held_out_loss", "final_loss"):  # the same batches: must agree
+        row[f"{loss}_diff_vs_best_peer"] = ours[loss] / row["peers"][best][loss] - 1
+    if profile:
+        row["profile"] = profile_ours(project, model_dir, steps, lora,
+                                      results / f"profile-{name}-cpu.txt")
+    return row
+
+
+def say(model: str, trainer: str, r: dict) -> None:
+    print(f"  {model}: {trainer}: {r['window_tokens_per_s']:,.0f} tok/s after step "
+          f"{WARMUP_STEPS} ({r['tokens_per_s']:,.0f} whole run), held-out "
+          f"{r['held_out_loss']:.4f}, last train loss {r['final_loss']:.4f}", flush=True)
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        entries = [{"trainer": t, **r} for t, r in {**row["peers"], **row["ours"]}.items()]
+        ours = row["ours"]["ours padfree"]["window_tokens_per_s"]
+        for e in entries:
+            lines.append({
+                "model": row["model"], "adapter": row["adapter"], "trainer": e["trainer"]
+                + (" (best peer)" if e["trainer"] == row["best_peer"] else ""),
+                f"useful tok/s after step {WARMUP_STEPS}": e["window_tokens_per_s"],
+                "ours / this": ours / e["window_tokens_per_s"],
+                "whole-run tok/s": e["tokens_per_s"],
+                "padding": e["padding_fraction"], "last train loss": e["final_loss"],
+                "held-out loss": e["held_out_loss"], "peak RSS MB": e["peak_rss_mb"]})
+    return markdown_table(lines, list(lines[0]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="full,lora", help="comma list of: " + ", ".join(ROWS))
+    ap.add_argument("--steps", type=int, default=20, help="steps of the full fine-tuning row")
+    ap.add_argument("--lora-steps", type=int, default=10, help="steps of the LoRA row")
+    ap.add_argument("--profile", action="store_true", help="also profile our step per model")
+    ap.add_argument("--out", default="peers")
+    ap.add_argument("--workdir", help="keep the projects here (default: a temporary folder)")
+    args = ap.parse_args()
+    results = ROOT / "bench/results"
+    rows = []
+    started, load = time.time(), os.getloadavg()
+    with (contextlib.nullcontext(args.workdir) if args.workdir
+          else tempfile.TemporaryDirectory(prefix="bench-peers-")) as tmp:
+        tmp = Path(tmp)
+        project = copy_project(tmp / "p")
+        for key in args.rows.split(","):
+            steps = args.lora_steps if SHAPES[ROWS[key]][1] else args.steps
+            rows.append(measure(project, tmp, ROWS[key], steps, args.profile, results))
+    print(table(rows))
+    out = results / f"{args.out}-{machine()['device']}.json"
+    out.write_text(json.dumps({"machine": machine(), "load_average_before": load,
+                               "wall_s": time.time() - started, "rows": rows}, indent=2))
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
