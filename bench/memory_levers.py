@@ -38,17 +38,21 @@ LEVERS = [
 ]
 
 
-def build_gpt2_vocab_model(dest: Path) -> Path:
-    """llama-20M's body with the GPT-2 vocabulary and tokenizer, random init (seed 0)."""
+def build_gpt2_vocab_model(dest: Path, shape: dict | None = None,
+                           max_positions: int = 1024) -> Path:
+    """A Llama of `shape` (config keys over stories260K's; default llama-20M's body) with the
+    GPT-2 vocabulary and tokenizer, random init (seed 0). No pad id: stories260K's (0) is a
+    real token in GPT-2's vocabulary."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(ROOT / "data/models/stories260K")
-    for key, value in MODELS["llama-20M"].items():
+    for key, value in (MODELS["llama-20M"] if shape is None else shape).items():
         setattr(config, key, value)
     config.head_dim = config.hidden_size // config.num_attention_heads
-    config.max_position_embeddings = 1024
+    config.max_position_embeddings = max_positions
     config.vocab_size, config.bos_token_id, config.eos_token_id = 50257, 50256, 50256
+    config.pad_token_id = None
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(dest)
     for f in GPT2.iterdir():

@@ -59,11 +59,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from memory_levers import build_gpt2_vocab_model
+
 from finetune.host_memory import MALLOC_REUSE_ENV
 from throughput import COMMON, MODELS, our_order, prepare_data, run_hf, run_ours
-from workdir import ROOT, SHARED, copy_project, machine, markdown_table, set_params
+from workdir import ROOT, copy_project, machine, markdown_table, set_params
 
-GPT2 = SHARED / "models/gpt2-tokenizer"
 HELD_OUT_ROWS = 64
 #: name -> (config overrides over stories260K's, LoRA or full fine-tuning)
 SHAPES = {
@@ -98,22 +99,7 @@ OURS = {"ours padfree": {},
 
 def build(name: str, dest: Path) -> Path:
     """A randomly initialised Llama of the named shape with the GPT-2 tokenizer (seed 0)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(ROOT / "data/models/stories260K")
-    for key, value in SHAPES[name][0].items():
-        setattr(config, key, value)
-    config.head_dim = config.hidden_size // config.num_attention_heads
-    config.max_position_embeddings = 2048
-    config.vocab_size, config.bos_token_id, config.eos_token_id = 50257, 50256, 50256
-    config.pad_token_id = None
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(dest)
-    for f in GPT2.iterdir():
-        if f.is_file():
-            shutil.copy2(f, dest / f.name)
-    return dest
+    return build_gpt2_vocab_model(dest, SHAPES[name][0], max_positions=2048)
 
 
 def grouped_sample(train_split: Path, batch: int, steps: int) -> list[int]:
