@@ -55,6 +55,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,7 +64,7 @@ from memory_levers import build_gpt2_vocab_model
 
 from finetune.host_memory import MALLOC_REUSE_ENV
 from throughput import COMMON, MODELS, our_order, prepare_data, run_hf, run_ours
-from workdir import ROOT, copy_project, machine, markdown_table, set_params
+from workdir import ROOT, SHARED, copy_project, machine, markdown_table, set_params
 
 HELD_OUT_ROWS = 64
 #: name -> (config overrides over stories260K's, LoRA or full fine-tuning)
@@ -284,6 +285,11 @@ def main() -> None:
     ap.add_argument("--out", default="peers")
     ap.add_argument("--workdir", help="keep the projects here (default: a temporary folder)")
     args = ap.parse_args()
+    for needed in (SHARED / "data/alpaca_2k.json", SHARED / "models/gpt2-tokenizer/tokenizer.json"):
+        if not needed.is_file():  # before any work: one line, exit 2
+            print(f"error: {needed} not found, needed by bench/peers_cpu.py (FINETUNE_BENCH_DATA "
+                  "names the folder that holds data/ and models/)", file=sys.stderr)
+            raise SystemExit(2)
     results = ROOT / "bench/results"
     rows = []
     started, load = time.time(), os.getloadavg()
