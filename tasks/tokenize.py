@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,13 @@ _WORKER: dict = {}
 
 
 def _init_worker(fn, fn_kwargs: dict) -> None:
+    # A forked worker inherits the command's handlers, and `finetune` turns SIGTERM into an
+    # exception (flows/cli.py). Pool.terminate's SIGTERM can land just before the worker
+    # blocks on the task queue's lock, where a Python handler never runs: the worker then
+    # waits forever and the stage with it (seen once in a test run). Workers die on SIGTERM
+    # as processes do by default; Ctrl-C is the parent's to handle, which then ends the pool.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER.update(fn=fn, fn_kwargs=fn_kwargs)
 
 

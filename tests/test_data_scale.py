@@ -218,3 +218,31 @@ def test_a_split_is_saved_as_the_bytes_save_to_disk_writes(tmp_path):
         assert len(files(ours)) == (shards or 1) + 2
         assert files(ours) == files(theirs), shards
     assert datasets.load_from_disk(str(ours))["length"] == [i % 5 + 1 for i in range(start)]
+
+
+def _worker_signals(batch: dict) -> dict:
+    import signal
+
+    return {"handlers": [f"{signal.getsignal(signal.SIGTERM)} {signal.getsignal(signal.SIGINT)}"]
+            * len(batch["i"])}
+
+
+def test_tokenize_workers_die_on_sigterm_whatever_the_command_installed():
+    """The stage's CLI turns SIGTERM into an exception; a forked pool worker that kept that
+    handler could miss Pool.terminate's SIGTERM and wait forever (a hang seen in a test run):
+    the workers get the default SIGTERM back and leave SIGINT to the parent."""
+    import signal
+
+    import pyarrow as pa
+
+    from flows.cli import _raise_interrupted
+    from tasks.tokenize import _encoded_batches
+
+    batches = [pa.record_batch({"i": [1, 2]}), pa.record_batch({"i": [3]})]
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        with _encoded_batches(iter(batches), _worker_signals, {}, 2) as tables:
+            seen = {h for t in tables for h in t.column("handlers").to_pylist()}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == {f"{signal.SIG_DFL} {signal.SIG_IGN}"}
