@@ -13,8 +13,7 @@ by sampling noise and the comparison would say nothing about correctness.
 
 CPU peers (bench/peers_cpu.py): `peft` ({r, lora_alpha, target_modules}) wraps the model in
 peft's LoRA; `save_dir` saves the trained model (or adapter) there after the timed run, for a
-held-out loss both sides compute the same way; `sampling` sets train_sampling_strategy (e.g.
-group_by_length; the default, sequential, reads the rows in `order`).
+held-out loss both sides compute the same way.
 
 GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
 examples' completion masks from our labels), `liger` its use_liger_kernel, `cudnn: false`
@@ -65,8 +64,7 @@ def main(spec_path: str, out_path: str) -> None:
         optim="adamw_torch_fused", bf16=spec["precision"] == "bf16",
         use_cpu=spec.get("device", "cpu") == "cpu",
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
-        seed=spec["seed"], train_sampling_strategy=spec.get("sampling", "sequential"),
-        dataloader_drop_last=True,
+        seed=spec["seed"], train_sampling_strategy="sequential", dataloader_drop_last=True,
         disable_tqdm=True, remove_unused_columns=False, use_liger_kernel=spec.get("liger", False),
     )
     if trl:

@@ -144,11 +144,13 @@ def grouped_sample(train_split: Path, batch: int, steps: int) -> list[int]:
 
 
 def held_out_loss(model_dir: Path, trained: Path, test_split: Path) -> float:
-    """Token-mean completion loss of the first HELD_OUT_ROWS test rows, padded batches of 8:
-    the same function for every trainer's saved model or adapter."""
+    """Token-mean completion loss of the first HELD_OUT_ROWS test rows, padded batches of 8
+    (the evaluate stage's engine.evaluation.heldout.evaluate_loss): the same function for
+    every trainer's saved model or adapter."""
     import datasets
-    import torch
     from transformers import AutoModelForCausalLM
+
+    from engine.evaluation.heldout import evaluate_loss
 
     if (trained / "adapter_config.json").exists():
         from peft import PeftModel
@@ -157,25 +159,9 @@ def held_out_loss(model_dir: Path, trained: Path, test_split: Path) -> float:
                                           trained)
     else:
         model = AutoModelForCausalLM.from_pretrained(trained)
-    model.eval()
     rows = datasets.load_from_disk(str(test_split))
     rows = rows.select(range(min(HELD_OUT_ROWS, len(rows))))
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(rows), 8):
-            part = rows[start:start + 8]
-            width = max(len(x) for x in part["input_ids"])
-            ids = torch.tensor([x + [0] * (width - len(x)) for x in part["input_ids"]])
-            labels = torch.tensor([x + [-100] * (width - len(x)) for x in part["labels"]])
-            mask = torch.tensor([[1] * len(x) + [0] * (width - len(x))
-                                 for x in part["input_ids"]])
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            target = labels[:, 1:]
-            total += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                ignore_index=-100, reduction="sum"))
-            count += int((target != -100).sum())
-    return total / count
+    return evaluate_loss(model, rows, batch_size=8, pad_id=0)["loss"]
 
 
 def profile_ours(project: Path, model_dir: Path, steps: int, lora: bool, dest: Path) -> str:
