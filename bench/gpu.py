@@ -1,22 +1,31 @@
-"""GPU benchmark: our engine against transformers.Trainer and TRL's SFTTrainer on one GPU, same
-model, data, precision, batch, steps and example order, with MFU against a matmul ceiling
-measured in the same run. Needs torch, transformers and peft (what a GPU machine has) plus
-datasets, pydantic, trl and liger-kernel (carried as wheels); no MLflow, DVC or Prefect.
+"""GPU benchmark: our engine against transformers.Trainer and TRL's SFTTrainer on one GPU, each
+peer at its settings (eager and compiled, Liger or not), same model, batches, precision, steps
+and example order, with MFU against a matmul ceiling measured in the same run. Needs torch,
+transformers and peft (what a GPU machine has) plus datasets, pydantic, trl and liger-kernel
+(carried as wheels); no MLflow, DVC or Prefect.
 
     python bench/gpu.py --data DIR [--batch 32] [--window 8] [--rows "NAME;NAME"] [--out DIR]
+    python bench/gpu.py --data DIR --merge gpu-<device>.json   # a second machine start
     python bench/gpu.py --data DIR --rows NAME --profile   # where a row's step time goes
+    python bench/gpu.py --data DIR --smoke --batch 4 --window 2   # this script, on a CPU
 
 DIR holds `alpaca-train` (Alpaca 2k through our tokenize stage, GPT-2 tokenizer, completion-only
 labels) and `tokenizer`, as bench/gpu_prep.py writes them. The model is a ~0.41B Llama built
 from config with torch.manual_seed(0) (hidden 1024, 24 layers, 16 heads, intermediate 2816, the
 tokenizer's vocabulary), full fine-tuning, bf16 autocast over fp32 weights, fused AdamW.
 
-Every row trains WARMUP steps, then three timed windows of --window steps; a window's time runs
-between device-synchronised marks at its boundaries (bench/gpu_timer.py, the same callback for
-every trainer), and a row's useful tokens/s is the median of its three windows (non-pad tokens
-only). MFU = 6 x params x tokens/s / the bf16 matmul rate measured here (attention FLOPs not
-counted). Prints the markdown table and writes bench/results/gpu-<device>.json. Refuses to run
-without CUDA (one line).
+The SFT rows train on HF group_by_length's first batches over the split, laid out so that our
+seeded order reads the same batches (bench/same_batches.py): HF pads only within length-sorted
+batches, its best setting, and equal losses check that the rows compute the same thing. The
+2048-token rows read their own data. Every row trains WARMUP steps, then three timed windows of
+--window steps; a window's time runs between device-synchronised marks at its boundaries
+(bench/gpu_timer.py, the same callback for every trainer), and a row's useful tokens/s is the
+median of its three windows (non-pad tokens only). MFU = 6 x params x tokens/s / the bf16
+matmul rate measured here (attention FLOPs not counted). The table names the best peer row and
+takes every ratio against it within one machine start; the record (--out/gpu-<device>.json,
+written after every row) counts `starts`, and --merge adds this start's rows to an earlier
+start's record, so ratios become ranges. --fold adds bench/dpo_gpu.py's rows to a record.
+Refuses to run without CUDA (one line) unless --smoke.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import argparse
 import csv
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,10 +48,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 SHAPE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
          "num_attention_heads": 16, "num_key_value_heads": 16,
          "max_position_embeddings": 2048, "tie_word_embeddings": False}
+#: --smoke's model: the same code paths in seconds on a CPU
+SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 4}
 #: steps before the first window (allocator warm-up, kernel planning, compilation and the
 #: recompile that makes the bucketed dimensions dynamic, seen at steps 6-11 on an H100)
 WARMUP = 10
 LONG = 2048  # the long-row rows' length
+SEED = 42  # our engine's data order seed (training.seed's default), HF's group_by_length seed
 
 # our engine's settings per row (layouts, compile, Liger); bucketed shapes for compile
 LAYOUT = {
@@ -87,26 +101,44 @@ def our_rows() -> dict[str, dict]:
     return rows
 
 
-ROWS = {
-    "HF Trainer": {"kind": "hf"},
-    "HF Trainer, cuDNN SDPA off": {"kind": "hf", "cudnn": False},
-    "TRL SFTTrainer padding_free (cuDNN SDPA off)": {"kind": "trl", "cudnn": False},
-    "TRL SFTTrainer padding_free + Liger (cuDNN SDPA off)": {"kind": "trl", "cudnn": False,
-                                                             "liger": True},
-    **our_rows(),
-}
+def peer_rows() -> dict[str, dict]:
+    """HF Trainer (group_by_length: every row here reads its batches) and TRL's SFTTrainer
+    (padding_free), each eager and compiled (`torch_compile=True`), TRL with and without
+    Liger; cuDNN SDPA off where it was the faster setting on an H100 (HF: 21,435 against
+    13,240 useful tok/s)."""
+    rows = {"HF Trainer group_by_length": {"kind": "hf"}}
+    for compiled in (False, True):
+        tail = " + compile" if compiled else ""
+        rows[f"HF Trainer group_by_length{tail}, cuDNN SDPA off"] = {
+            "kind": "hf", "cudnn": False, "compile": compiled}
+        for liger in (False, True):
+            name = f"TRL SFTTrainer padding_free{tail}" + (" + Liger" if liger else "")
+            rows[f"{name} (cuDNN SDPA off)"] = {"kind": "trl", "cudnn": False,
+                                                "compile": compiled, "liger": liger}
+    return rows
 
 
-#: what one call measures (in this order: the rows the issue's targets read first), within
-#: the 9 minutes a device call allows; every row of ROWS can be asked for with --rows
+ROWS = {**peer_rows(), **our_rows()}
+RECOMMENDED = "ours padding_free + compile"
+
+
+#: what one call measures, most telling first (HF and TRL at their best settings, ours
+#: recommended, the long packed rows' MFU), within the minutes a device call allows; every row
+#: of ROWS can be asked for with --rows
 DEFAULT_ROWS = [
-    "HF Trainer, cuDNN SDPA off", "TRL SFTTrainer padding_free + Liger (cuDNN SDPA off)",
-    "ours padding_free + compile", f"ours {LONG}-token rows, packed Alpaca + compile",
-    f"ours {LONG}-token rows, padded layout + compile", "HF Trainer",
-    "TRL SFTTrainer padding_free (cuDNN SDPA off)", "ours padding_free",
-    "ours padding_free + Liger", "ours padding_free + compile + Liger", "ours packing",
-    "ours packing + compile", "ours padded", "ours padded + compile",
+    "HF Trainer group_by_length + compile, cuDNN SDPA off",
+    "TRL SFTTrainer padding_free + compile (cuDNN SDPA off)", RECOMMENDED,
+    "HF Trainer group_by_length, cuDNN SDPA off", "TRL SFTTrainer padding_free (cuDNN SDPA off)",
+    f"ours {LONG}-token rows, packed Alpaca + compile",
+    "TRL SFTTrainer padding_free + compile + Liger (cuDNN SDPA off)",
+    "TRL SFTTrainer padding_free + Liger (cuDNN SDPA off)", "HF Trainer group_by_length",
+    "ours padding_free", "ours packing + compile", "ours padded + compile",
 ]
+
+
+def is_peer(name: str) -> bool:
+    """A peer's SFT row on the shared batches (the rows a 'best peer' is chosen from)."""
+    return name.startswith(("HF", "TRL")) and "DPO" not in name
 
 
 def matmul_ceiling() -> float:
@@ -152,18 +184,129 @@ def long_rows(train: Path, dest: Path, n_rows: int) -> Path:
     return dest
 
 
-def order(n: int, batch: int, steps: int, seed: int = 42) -> list[int]:
-    """Our trainer's example order (engine.datapath.data.ShardedBatches, one rank), for HF/TRL to
-    read sequentially: the same examples at every step."""
-    from engine.datapath.data import ShardedBatches
+def grouped_split(train: Path, dest: Path, batch: int, steps: int) -> Path:
+    """A copy of the train split holding HF group_by_length's first `steps` batches over the
+    whole split (what its sampler trains on first in a real run), laid out so that our engine
+    reads the same batches in the same order (bench/same_batches.py). Every SFT row reads it:
+    HF at its best setting pads only within a length-sorted batch, and equal losses across
+    trainers check that the rows are the same computation."""
+    import datasets
 
-    batches = ShardedBatches(n, batch, 0, 1, seed)
-    out: list[int] = []
-    epoch = 0
-    while len(out) < batch * steps:
-        out += batches.epoch(epoch).ravel().tolist()
-        epoch += 1
-    return out[: batch * steps]
+    from same_batches import hf_grouped_batches, read_in_our_order
+
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(train, dest)
+    lengths = [len(ids) for ids in datasets.load_from_disk(str(dest))["input_ids"]]
+    batches = hf_grouped_batches(lengths, batch, SEED)[:steps]
+    read_in_our_order(dest, [i for b in batches for i in b], batch, steps, SEED)
+    return dest
+
+
+def merge_starts(earlier: dict | None, now: dict) -> dict:
+    """This call's rows added to an earlier machine start's record of the same device: each
+    row keeps its latest values and gains `per_start` (one entry per start that measured it),
+    and `starts` counts the starts. Ratios are taken within a start (the same machine)."""
+    if earlier is not None and earlier["device"] != now["device"]:
+        raise SystemExit(f"--merge: {earlier['device']} is not this device ({now['device']})")
+    starts = (earlier["starts"] if earlier else 0) + 1
+    merged = dict(earlier["results"]) if earlier else {}
+    add_rows(merged, now["results"], starts)
+    return {**now, "starts": starts, "results": merged}
+
+
+def add_rows(merged: dict, rows: dict, start: int) -> None:
+    """`rows` measured in machine start `start`, added to `merged` (see merge_starts)."""
+    for name, r in rows.items():
+        if "tokens_per_s" not in r and "pairs_per_s" not in r:
+            merged.setdefault(name, r)
+            continue
+        before = merged.get(name, {}).get("per_start", [])
+        keep = {k: r[k] for k in ("tokens_per_s", "pairs_per_s", "windows", "final_loss",
+                                  "mfu", "peak_gib") if k in r}
+        merged[name] = {**r, "per_start": before + [{"start": start, **keep}]}
+
+
+def best_peer(results: dict, start: int) -> tuple[str, float] | None:
+    """The fastest peer SFT row measured in machine start `start`."""
+    seen = [(name, s["tokens_per_s"]) for name, r in results.items() if is_peer(name)
+            for s in r.get("per_start", []) if s["start"] == start and "tokens_per_s" in s]
+    return max(seen, key=lambda x: x[1]) if seen else None
+
+
+def spread(values: list[float], fmt: str) -> str:
+    low, high = min(values), max(values)
+    return fmt.format(low) if low == high else f"{fmt.format(low)} to {fmt.format(high)}"
+
+
+def table(record: dict) -> str:
+    """One row per run: its tokens/s, and its ratio to the best peer row of the same machine
+    start, as a range over the starts that measured both."""
+    results, starts = record["results"], record["starts"]
+    bests = {k: best_peer(results, k) for k in range(1, starts + 1)}
+    names = {k: b[0] for k, b in bests.items() if b}
+    lines = [f"best peer row per machine start: {names}", "",
+             "| run | useful tok/s | vs best peer | MFU | peak GiB | padding | final loss | "
+             "vs best peer loss | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        per = r.get("per_start", [])
+        if "DPO" in name:
+            continue
+        if not per or "tokens_per_s" not in per[0]:
+            lines.append(f"| {name} | {'failed' if 'error' in r else 'see DPO table'} | | | | | "
+                         f"| | {r.get('error', '')[-200:]!r} |")
+            continue
+        ratios, dloss = [], []
+        for s in per:
+            best = bests.get(s["start"])
+            if best:
+                ratios.append(s["tokens_per_s"] / best[1])
+                ref = results[best[0]]["per_start"]
+                ref_loss = [x["final_loss"] for x in ref if x["start"] == s["start"]][0]
+                if "2048" not in name:
+                    dloss.append((s["final_loss"] - ref_loss) / ref_loss)
+        lines.append(
+            f"| {name} | {spread([s['tokens_per_s'] for s in per], '{:,.0f}')} | "
+            f"{spread(ratios, '{:.2f}x') if ratios else '-'} | "
+            f"{spread([s['mfu'] for s in per], '{:.1%}')} | {r['peak_gib']:.1f} | "
+            f"{r['padding_fraction']:.2f} | {r['final_loss']:.5f} | "
+            f"{spread(dloss, '{:+.2%}') if dloss else '-'} | {r['note']} |")
+    dpo = {name: r for name, r in results.items() if "DPO" in name}
+    if dpo:
+        lines += ["", "| DPO run | pairs/s | useful tok/s | vs best TRL DPO row | final loss | "
+                  "peak GiB |", "|---|---|---|---|---|---|"]
+    for name, r in dpo.items():
+        per = r.get("per_start", [])
+        if not per:
+            lines.append(f"| {name} | failed | | | | {r.get('error', '')[-200:]!r} |")
+            continue
+        ratios = []
+        for s in per:
+            trl = [x["pairs_per_s"] for n, o in dpo.items() if n.startswith("TRL")
+                   for x in o.get("per_start", []) if x["start"] == s["start"]]
+            if trl:
+                ratios.append(s["pairs_per_s"] / max(trl))
+        lines.append(f"| {name} | {spread([s['pairs_per_s'] for s in per], '{:,.1f}')} | "
+                     f"{spread([s['tokens_per_s'] for s in per], '{:,.0f}')} | "
+                     f"{spread(ratios, '{:.2f}x') if ratios else '-'} | "
+                     f"{r['final_loss']:.5f} | {r['peak_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+def save(args, device: str, n_params: int, peak: float, results: dict) -> dict:
+    """The record so far (merged with --merge's earlier start), written to
+    --out/gpu-<device>.json."""
+    import torch
+
+    record = {"device": device, "torch": torch.__version__,
+              "python": platform.python_version(), "params": n_params, "batch": args.batch,
+              "warmup_steps": WARMUP, "window_steps": args.window, "bf16_peak_tflops": peak,
+              "batches": "HF group_by_length's first batches, read by every SFT row",
+              "results": dict(results)}
+    record = merge_starts(args.earlier, record)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"gpu-{device.replace(' ', '-').lower()}.json"
+    out.write_text(json.dumps(record, indent=2))
+    return record
 
 
 def boundaries(window: int) -> list[int]:
@@ -241,15 +384,17 @@ def run_ours(name: str, spec: dict, args, model: Path, train: Path, work: Path) 
 def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) -> dict:
     import datasets
 
+    from same_batches import our_order
+
     steps = WARMUP + 3 * args.window
     timer = work / "marks.jsonl"
     job = {"train": str(train), "model": str(model), "threads": 8, "seed": 42,
            "precision": "bf16", "batch": args.batch, "steps": steps, "learning_rate": 1e-3,
            "weight_decay": 0.0, "warmup_steps": 2, "output_dir": str(work / "out"),
-           "device": "cuda", "order": order(len(datasets.load_from_disk(str(train))),
-                                            args.batch, steps),
+           "device": args.device, "order": our_order(len(datasets.load_from_disk(str(train))),
+                                                args.batch, steps, SEED),
            "trainer": spec["kind"], "cudnn": spec.get("cudnn", True),
-           "liger": spec.get("liger", False),
+           "liger": spec.get("liger", False), "compile": spec.get("compile", False),
            "timer": {"path": str(timer), "boundaries": boundaries(args.window)}}
     (work / "spec.json").write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(ROOT / "bench/hf_trainer.py"),
@@ -278,28 +423,52 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     ap.add_argument("--budget", type=float, default=500.0,
                     help="seconds; rows not started by then are reported as skipped")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check this script on a CPU: a tiny model, the same flow and files")
+    ap.add_argument("--merge", type=Path,
+                    help="an earlier machine start's JSON of this device: rows gain a range")
+    ap.add_argument("--fold", type=Path,
+                    help="no rows run: add this file's rows (bench/dpo_gpu.py's --out-json, "
+                    "measured on the same machine start) to --merge's record, in place")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing, trace our rows' steps after the warm-up "
                     "(logging.profiler) and print each one's ops table by self CUDA time")
     args = ap.parse_args()
+    args.device = "cuda"
+    # read once: the record written after each row may replace this very file
+    args.earlier = json.loads(args.merge.read_text()) if args.merge else None
+    if args.fold:
+        if args.earlier is None:
+            raise SystemExit("bench/gpu.py: --fold adds rows to a record: name it with --merge")
+        add_rows(args.earlier["results"], json.loads(args.fold.read_text())["rows"],
+                 args.earlier["starts"])
+        args.merge.write_text(json.dumps(args.earlier, indent=2))
+        print(table(args.earlier))
+        return
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.smoke:
         raise SystemExit("bench/gpu.py: no CUDA device here; run it on a GPU machine "
-                         "(bench/suite.py is the CPU benchmark)")
+                         "(bench/suite.py is the CPU benchmark; --smoke checks this script)")
+    if args.smoke:  # the flow on a CPU with a tiny model: no number of it means anything
+        SHAPE.update(SMOKE_SHAPE)
+        args.device = "cpu"
     started = time.perf_counter()
     chosen = [r.strip() for r in args.rows.split(";") if r.strip()] or DEFAULT_ROWS
     unknown = [r for r in chosen if r not in ROWS]
     if unknown:
         raise SystemExit(f"bench/gpu.py: unknown rows {unknown}; rows: {list(ROWS)}")
-    device = torch.cuda.get_device_name()
-    peak = matmul_ceiling()
+    device = "cpu smoke" if args.smoke else torch.cuda.get_device_name()
+    peak = 1.0 if args.smoke else matmul_ceiling()
     args.work.mkdir(parents=True, exist_ok=True)
     model = args.work / "model"
     n_params = build_model(args.data / "tokenizer", model)
-    torch.cuda.empty_cache()
+    if not args.smoke:
+        torch.cuda.empty_cache()
     alpaca = args.data / "alpaca-train"
-    long = long_rows(alpaca, args.work / "long-rows", 8 * (WARMUP + 3 * args.window))
+    steps = WARMUP + 3 * args.window
+    long = long_rows(alpaca, args.work / "long-rows", 8 * steps)
+    grouped = grouped_split(alpaca, args.work / "alpaca-grouped", args.batch, steps)
     results: dict[str, dict] = {}
     for name in chosen:
         spec = ROWS[name]
@@ -309,7 +478,7 @@ def main() -> None:
         work = args.work / name.replace(" ", "_").replace(",", "").replace("(", "").replace(
             ")", "").replace("+", "p")
         work.mkdir(parents=True, exist_ok=True)
-        train = long if spec.get("long") == "rows" else alpaca
+        train = {"rows": long, "packed": alpaca}.get(spec.get("long"), grouped)
         t0 = time.perf_counter()
         runner = run_ours if spec["kind"] == "ours" else run_hf
         if args.profile and spec["kind"] != "ours":
@@ -327,37 +496,16 @@ def main() -> None:
                  f"{', '.join(f'{w:,.0f}' for w in r['windows'])}), final loss "
                  f"{r['final_loss']:.5f}" if "windows" in r else r["error"][-600:])
         print(f"{name}: {r['wall_s']:.0f} s, {shown}", flush=True)
+        if not args.profile:  # what is measured survives a call cut short
+            record = save(args, device, n_params, peak, results)
     if args.profile:
         return
-    base = results.get("HF Trainer, cuDNN SDPA off", {}).get("tokens_per_s")
-    trl = results.get("TRL SFTTrainer padding_free + Liger (cuDNN SDPA off)", {}).get(
-        "tokens_per_s")
-    hf_loss = results.get("HF Trainer, cuDNN SDPA off", {}).get("final_loss")
+    record = save(args, device, n_params, peak, results)
     print(f"\n{device}, torch {torch.__version__}; {n_params / 1e6:.0f}M params, batch "
           f"{args.batch} (long rows: their own), {WARMUP} warm-up steps then 3 windows of "
           f"{args.window}; median window; bf16 peak {peak:.0f} TFLOP/s; total "
-          f"{time.perf_counter() - started:.0f} s\n")
-    print("| run | useful tok/s | vs HF (cuDNN off) | vs TRL+Liger | MFU | peak GiB | "
-          "padding | final loss | vs HF loss | note |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        if "windows" not in r:
-            print(f"| {name} | failed | | | | | | | | {r['error'][-200:]!r} |")
-            continue
-        tps = r["tokens_per_s"]
-        vs_hf = f"{tps / base:.2f}x" if base else "-"
-        vs_trl = f"{tps / trl:.2f}x" if trl else "-"
-        dl = (f"{(r['final_loss'] - hf_loss) / hf_loss:+.2%}" if hf_loss and "2048" not in name
-              else "-")
-        print(f"| {name} | {tps:,.0f} | {vs_hf} | {vs_trl} | {r['mfu']:.1%} | "
-              f"{r['peak_gib']:.1f} | {r['padding_fraction']:.2f} | {r['final_loss']:.5f} | "
-              f"{dl} | {r['note']} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = device.replace(" ", "-").lower()
-    (args.out / f"gpu-{stem}.json").write_text(json.dumps({
-        "device": device, "torch": torch.__version__, "python": platform.python_version(),
-        "params": n_params, "batch": args.batch, "warmup_steps": WARMUP,
-        "window_steps": args.window, "bf16_peak_tflops": peak, "results": results}, indent=2))
+          f"{time.perf_counter() - started:.0f} s; machine starts: {record['starts']}\n")
+    print(table(record))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ held-out loss both sides compute the same way.
 
 GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
 examples' completion masks from our labels), `liger` its use_liger_kernel, `cudnn: false`
-turns cuDNN SDPA off for the run, and `timer` ({path, boundaries}) marks synchronised times at
+turns cuDNN SDPA off for the run, `compile` sets TrainingArguments' `torch_compile` (TRL's
+config inherits it), and `timer` ({path, boundaries}) marks synchronised times at
 those steps (bench/gpu_timer.py).
 """
 
@@ -66,6 +67,7 @@ def main(spec_path: str, out_path: str) -> None:
         logging_steps=1, save_strategy="no", eval_strategy="no", report_to="none",
         seed=spec["seed"], train_sampling_strategy="sequential", dataloader_drop_last=True,
         disable_tqdm=True, remove_unused_columns=False, use_liger_kernel=spec.get("liger", False),
+        torch_compile=spec.get("compile", False),
     )
     if trl:
         from trl import SFTConfig

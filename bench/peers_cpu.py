@@ -63,7 +63,8 @@ from pathlib import Path
 from memory_levers import build_gpt2_vocab_model
 
 from finetune.host_memory import MALLOC_REUSE_ENV
-from throughput import COMMON, MODELS, our_order, prepare_data, run_hf, run_ours
+from same_batches import hf_grouped_batches, read_in_our_order
+from throughput import COMMON, MODELS, prepare_data, run_hf, run_ours
 from workdir import ROOT, SHARED, copy_project, machine, markdown_table, set_params
 
 HELD_OUT_ROWS = 64
@@ -119,28 +120,16 @@ def grouped_sample(train_split: Path, batch: int, steps: int) -> list[int]:
     same rows in random batches, as its default sampler would."""
     import datasets
     import torch
-    from transformers.trainer_pt_utils import get_length_grouped_indices
 
-    split = datasets.load_from_disk(str(train_split))
-    lengths = [len(ids) for ids in split["input_ids"]]
-    grouped = get_length_grouped_indices(lengths, batch,
-                                         generator=torch.Generator().manual_seed(SEED))
-    per_mega = batch * min(len(lengths) // (batch * 4), 50)
-    batches = [grouped[i:i + batch] for i in range(0, per_mega, batch)]
+    lengths = [len(ids) for ids in datasets.load_from_disk(str(train_split))["input_ids"]]
+    per_mega = min(len(lengths) // (batch * 4), 50)
+    batches = hf_grouped_batches(lengths, batch, SEED)[:per_mega]
     if steps > len(batches):
         raise SystemExit(f"{steps} steps exceed one mega-batch ({len(batches)} batches)")
     keep = sorted(torch.randperm(len(batches),
                                  generator=torch.Generator().manual_seed(SEED))[:steps].tolist())
     sequence = [i for b in keep for i in batches[b]]  # HF's rows, in its order
-    order = our_order(len(sequence), batch, steps, SEED)  # a permutation: one epoch exactly
-    layout = [0] * len(sequence)
-    for k, position in enumerate(order):
-        layout[position] = sequence[k]  # our k-th row read is HF's k-th
-    staged = train_split.with_name("train-sample")
-    split.select(layout).save_to_disk(str(staged))
-    shutil.rmtree(train_split)
-    staged.rename(train_split)
-    return order
+    return read_in_our_order(train_split, sequence, batch, steps, SEED)
 
 
 def held_out_loss(model_dir: Path, trained: Path, test_split: Path) -> float:

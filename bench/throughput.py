@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from same_batches import our_order
 from workdir import ROOT, SHARED, set_params, stage, train_metrics
 
 ALPACA = {
@@ -115,15 +116,6 @@ def prepare_data(project: Path, dataset: str, max_len: int) -> Path:
     for name in ("download", "format", "tokenize"):
         stage(project, name)
     return project / "data/tokenized/train"
-
-
-def our_order(n_rows: int, batch: int, steps: int, seed: int) -> list[int]:
-    from engine.datapath.data import ShardedBatches
-
-    per_epoch = ShardedBatches(n_rows, batch, 0, 1, seed).epoch(0)
-    if steps > len(per_epoch):
-        raise SystemExit(f"{steps} steps exceed one epoch ({len(per_epoch)}); lower --steps")
-    return per_epoch[:steps].ravel().tolist()  # plain ints: the order travels as JSON
 
 
 #: our train stage's batch layouts: the same padding HF does, packed rows, one padding-free row

@@ -45,3 +45,64 @@ def test_peers_benchmark_names_a_missing_input_before_any_work(tmp_path):
         f"error: {tmp_path}/data/alpaca_2k.json not found, needed by bench/peers_cpu.py")
     assert proc.stdout == ""  # no work started
     assert (results.stat().st_mtime_ns if results.exists() else None) == before
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_our_order_reads_hf_group_by_length_batches_after_the_layout(tmp_path):
+    """The GPU and CPU peer benchmarks' fairness rests on this: after read_in_our_order, our
+    engine's seeded batches over the new split are HF's group_by_length batches, in HF's order,
+    and the returned order makes a sequential reader see the same rows."""
+    import datasets
+
+    same = _bench_module("same_batches")
+    lengths = [(7 * i) % 53 + 3 for i in range(96)]
+    datasets.Dataset.from_dict({"input_ids": [[i] * n for i, n in enumerate(lengths)]}) \
+        .save_to_disk(str(tmp_path / "train"))
+    batch, steps = 4, 5
+    batches = same.hf_grouped_batches(lengths, batch, 42)[:steps]
+    assert all(len(b) == batch for b in batches) and len({i for b in batches for i in b}) == 20
+    order = same.read_in_our_order(tmp_path / "train", [i for b in batches for i in b], batch,
+                                   steps, 42)
+    laid = datasets.load_from_disk(str(tmp_path / "train"))["input_ids"]
+    from engine.datapath.data import ShardedBatches
+
+    ours = ShardedBatches(len(laid), batch, 0, 1, 42).epoch(0).tolist()
+    assert [[laid[i][0] for i in b] for b in ours] == batches
+    assert [laid[i][0] for i in order] == [i for b in batches for i in b]
+
+
+def test_gpu_record_merges_starts_into_ranges_and_folds_dpo_rows():
+    gpu = _bench_module("gpu")
+
+    def row(tps, loss):
+        return {"windows": [tps], "tokens_per_s": tps, "final_loss": loss, "mfu": 0.1,
+                "peak_gib": 1.0, "padding_fraction": 0.0, "note": ""}
+
+    first = gpu.merge_starts(None, {"device": "X", "results": {
+        "HF Trainer group_by_length": row(100.0, 2.0), "ours padding_free": row(150.0, 2.0)}})
+    second = gpu.merge_starts(first, {"device": "X", "results": {
+        "HF Trainer group_by_length": row(200.0, 2.0), "ours padding_free": row(260.0, 2.02),
+        "TRL SFTTrainer padding_free": {"error": "skipped: --budget spent"}}})
+    assert second["starts"] == 2
+    assert [s["tokens_per_s"] for s in second["results"]["ours padding_free"]["per_start"]] == [
+        150.0, 260.0]
+    assert gpu.best_peer(second["results"], 2) == ("HF Trainer group_by_length", 200.0)
+    gpu.add_rows(second["results"], {"ours DPO": {**row(50.0, 0.6), "pairs_per_s": 5.0},
+                                     "TRL DPOTrainer": {**row(40.0, 0.6), "pairs_per_s": 4.0}}, 2)
+    table = gpu.table(second)
+    assert "| ours padding_free | 150 to 260 | 1.30x to 1.50x |" in table
+    assert "| +0.00% to +1.00% |" in table and "| TRL SFTTrainer padding_free | failed |" in table
+    assert "| ours DPO | 5.0 | 50 | 1.25x |" in table
+    try:
+        gpu.merge_starts({"device": "Y", "starts": 1, "results": {}}, second)
+    except SystemExit as exc:
+        assert "is not this device" in str(exc)
+    else:
+        raise AssertionError("a record of another device was merged")
