@@ -94,18 +94,24 @@ class DiLoCoStrategy(Strategy):
     def _local_phase(self, step: int) -> bool:
         return step >= self.start
 
-    def loss_divisor(self, local_targets: int, step: int) -> float:
+    def loss_divisor(self, local_targets: int, step: int) -> float | torch.Tensor:
+        """Local phase: the worker's (or, with post_local_gradient_allreduce, the node's)
+        target count over the ranks that average gradients. A count summed over ranks stays
+        on the device (no host sync per step), and so does the tokens-since-sync weight it
+        adds to."""
         if not self._local_phase(step):
             return super().loss_divisor(local_targets, step)
-        worker_targets = float(local_targets)
+        worker_targets: float | torch.Tensor = float(local_targets)
         if self.group_size > 1:  # FSDP2 averages gradients over the worker's group
             worker_targets = all_reduce_count(worker_targets, self.meter, "loss_normaliser",
-                                              self.d.device, group=self._group)
-        self.tokens_since_sync += worker_targets
+                                              self.d.device, group=self._group, on_device=True)
+        self.tokens_since_sync = self.tokens_since_sync + worker_targets
         if self.node_size > 1:  # the node averages gradients: weight by the node's targets
             node_targets = all_reduce_count(local_targets, self.meter, "loss_normaliser",
-                                            self.d.device, group=self.node)
-            return max(node_targets, 1.0) / self.node_size
+                                            self.d.device, group=self.node, on_device=True)
+            return (node_targets.clamp_min(1.0) / self.node_size).float()
+        if isinstance(worker_targets, torch.Tensor):
+            return (worker_targets.clamp_min(1.0) / self.group_size).float()
         return max(worker_targets, 1.0) / self.group_size
 
     def sync_context(self, last_micro_batch: bool):
@@ -150,13 +156,14 @@ class DiLoCoStrategy(Strategy):
         globals_ = list(self.globals.parameters())
         deltas = torch.cat([(g - _local(p)).reshape(-1)
                             for g, (_, p) in zip(globals_, self.local)])
-        weight = torch.tensor([self.tokens_since_sync], dtype=torch.float64,
-                              device=deltas.device)
+        # the worker's targets since the last sync (a device tensor when summed over ranks)
+        weight = torch.as_tensor(self.tokens_since_sync, dtype=torch.float64,
+                                 device=deltas.device).reshape(1).clone()
         if self.workers > 1:
-            deltas.mul_(self.tokens_since_sync)
+            deltas.mul_(weight[0])
             all_reduce(deltas, self.meter, "diloco_pseudo_grad", group=self.replicas)
             all_reduce(weight, self.meter, "diloco_token_weight", group=self.replicas)
-            deltas.div_(max(float(weight.item()), 1.0))
+            deltas.div_(weight[0].clamp_min(1.0))
         for g, chunk in zip(globals_, deltas.split([g.numel() for g in globals_])):
             g.grad = chunk.view_as(g).clone()
         norm = self._clip_pseudo_gradient(globals_, c.outer_grad_clip)
