@@ -108,28 +108,14 @@ def trl_layout(pair: dict) -> dict:
 
 
 def prep(out: Path) -> None:
-    import shutil
-    import tempfile
-
     import datasets
-    from gpu_prep import config_only_model
-    from workdir import SHARED, copy_project, set_params, stage
+    from gpu_prep import through_stages
 
-    with tempfile.TemporaryDirectory() as tmp:
-        project = copy_project(Path(tmp) / "p")
-        model = config_only_model(SHARED / "models/gpt2-tokenizer", Path(tmp) / "model")
-        set_params(project, {
-            "model.name_or_path": str(model), "training.type": "dpo",
-            "data.dataset_type": "preference",
-            "data.data_files": {k: str(v) for k, v in PAIRS_FILES.items()},
-            "data.prompt_template": PROMPT, "data.completion_template": None,
-            "data.max_seq_length": 1024, "data.max_eval_samples": 8})
-        for name in ("download", "format", "tokenize"):
-            print(f"{name}: {stage(project, name):.1f} s", flush=True)
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(project / "data/tokenized/train", out / "pairs-train",
-                        dirs_exist_ok=True)
-        shutil.copytree(model, out / "tokenizer", dirs_exist_ok=True)
+    through_stages({"training.type": "dpo", "data.dataset_type": "preference",
+                    "data.data_files": {k: str(v) for k, v in PAIRS_FILES.items()},
+                    "data.prompt_template": PROMPT, "data.completion_template": None,
+                    "data.max_seq_length": 1024, "data.max_eval_samples": 8},
+                   out, "pairs-train")
     ours = datasets.load_from_disk(str(out / "pairs-train"))
     cols = ["input_ids", "labels", "rejected_input_ids", "rejected_labels"]
     rows = [trl_layout(dict(zip(cols, v))) for v in zip(*(ours[c] for c in cols))]
@@ -141,19 +127,6 @@ def prep(out: Path) -> None:
 
 
 # -- run (the GPU machine) --------------------------------------------------------------------
-
-def build_model(tokenizer: Path, dest: Path, shape: dict) -> int:
-    """bench/gpu.py's model build, for any shape: a Llama from config, torch.manual_seed(0)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **shape))
-    model.save_pretrained(dest)
-    tok.save_pretrained(dest)
-    return sum(p.numel() for p in model.parameters())
-
 
 def boundaries(args) -> list[int]:
     return [args.warmup + i * args.window for i in range(4)]
@@ -380,7 +353,7 @@ def run(args) -> None:
             raise SystemExit(f"bench/dpo_gpu.py: {args.data / need} missing; "
                              "run `python bench/dpo_gpu.py prep OUT` first")
     started = time.perf_counter()
-    from gpu import SHAPE
+    from gpu import SHAPE, build_model
 
     shape = SHAPE if args.shape == "0.41B" else TINY
     args.work.mkdir(parents=True, exist_ok=True)

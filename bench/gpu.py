@@ -160,13 +160,15 @@ def matmul_ceiling() -> float:
     return 2 * 8192**3 / statistics.median(times) / 1e12
 
 
-def build_model(tokenizer: Path, dest: Path) -> int:
+def build_model(tokenizer: Path, dest: Path, shape: dict | None = None) -> int:
+    """A Llama of `shape` (default SHAPE) with the tokenizer's vocabulary, from config after
+    torch.manual_seed(0), saved with the tokenizer; returns its parameter count."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **SHAPE))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), **(shape or SHAPE)))
     model.save_pretrained(dest)
     tok.save_pretrained(dest)
     return sum(p.numel() for p in model.parameters())

@@ -30,18 +30,24 @@ def config_only_model(tokenizer: Path, dest: Path) -> Path:
     return dest
 
 
-def main(out: Path) -> None:
+def through_stages(params: dict, out: Path, split: str) -> None:
+    """Our own download, format and tokenize stages, in a throwaway copy of the project, with
+    `params` over a config-only GPT-2-vocabulary Llama: the tokenized train split is copied to
+    OUT/split and the tokenizer to OUT/tokenizer."""
     with tempfile.TemporaryDirectory() as tmp:
         project = copy_project(Path(tmp) / "p")
         model = config_only_model(SHARED / "models/gpt2-tokenizer", Path(tmp) / "model")
-        set_params(project, {**ALPACA, "model.name_or_path": str(model),
-                             "data.max_seq_length": 1024, "data.max_dropped_fraction": 0.5})
+        set_params(project, {"model.name_or_path": str(model), **params})
         for name in ("download", "format", "tokenize"):
             print(f"{name}: {stage(project, name):.1f} s", flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(project / "data/tokenized/train", out / "alpaca-train",
-                        dirs_exist_ok=True)
+        shutil.copytree(project / "data/tokenized/train", out / split, dirs_exist_ok=True)
         shutil.copytree(model, out / "tokenizer", dirs_exist_ok=True)
+
+
+def main(out: Path) -> None:
+    through_stages({**ALPACA, "data.max_seq_length": 1024, "data.max_dropped_fraction": 0.5},
+                   out, "alpaca-train")
     print(f"wrote {out}/alpaca-train and {out}/tokenizer")
 
 
