@@ -104,7 +104,7 @@ def test_the_gpu_benchmark_refuses_cleanly_without_a_gpu(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "bench/gpu.py: no CUDA device here; run it on a GPU machine (bench/suite.py is the "
-        "CPU benchmark)"]
+        "CPU benchmark; --smoke checks this script)"]
 
 
 def test_compile_and_dtype_knobs_reach_torch_and_compile_ones_need_compile():
