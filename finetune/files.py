@@ -37,19 +37,44 @@ NEARLY_FULL = 4 << 20
 
 
 def as_disk_full(exc: BaseException, folder: Path) -> BaseException:
-    """`exc`, or an OSError(ENOSPC) naming `folder` when the filesystem there is (nearly)
-    full, so that callers explain a full disk as such whatever the writer raised."""
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+    """`exc`, or an OSError(ENOSPC) naming `folder` when the error says the disk is full
+    without naming a file, or when the filesystem there is (nearly) full, so that callers
+    explain a full disk as such, and where, whatever the writer raised. The error's own word
+    counts first: under several ranks another one may free its half-written save before this
+    one looks at the free space."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and exc.filename:
         return exc
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return exc
-    if free >= NEARLY_FULL:
-        return exc
+    if not says_disk_full(exc):
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            return exc
+        if free >= NEARLY_FULL:
+            return exc
     full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
     full.__cause__ = exc
     return full
+
+
+def says_disk_full(exc: BaseException) -> bool:
+    """An ENOSPC/EDQUOT OSError (or its text) in the exception's chain or, for a wrapper that
+    gathers several ranks' errors (DCP's CheckpointException: `failures`, rank -> (exception,
+    traceback)), in theirs."""
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    texts = (os.strerror(errno.ENOSPC), os.strerror(getattr(errno, "EDQUOT", errno.ENOSPC)))
+    pending, seen = [exc], []
+    while pending:
+        for e in exception_chain(pending.pop()):
+            if any(e is s for s in seen):
+                continue
+            seen.append(e)
+            if (isinstance(e, OSError) and e.errno in codes) or any(t in str(e) for t in texts):
+                return True
+            failures = getattr(e, "failures", None)
+            if isinstance(failures, dict):
+                pending += [pair[0] for pair in failures.values() if isinstance(pair, tuple)
+                            and pair and isinstance(pair[0], BaseException)]
+    return False
 
 
 #: a write refused by the filesystem or its permissions, not by its size

@@ -185,6 +185,37 @@ def test_out_of_memory_and_disk_full_errors_are_described_by_cause():
     assert describe(ValueError("boom"), 0).message == "training crashed on rank 0: ValueError: boom"
 
 
+def test_a_full_disk_is_named_by_the_folder_even_after_another_rank_freed_space(tmp_path):
+    """Under DDP a rank may look at the free space only after the leader removed its
+    half-written save (seen in a fresh-clone run: 'disk full (rank 1): free space on that
+    filesystem', no path). An error that itself says ENOSPC without naming a file is taken
+    for a full disk whatever the free space now, and named by the folder being written."""
+    import errno
+    import os
+
+    from engine.process.failures import describe
+    from finetune.files import discard_on_failure
+
+    class CheckpointException(BaseException):  # DCP's wrapper: per-rank (error, traceback)
+        def __init__(self, msg, failures):
+            super().__init__(msg)
+            self.failures = failures
+
+    staging = tmp_path / "checkpoints" / ".step-0000003.tmp"
+    staging.mkdir(parents=True)
+    write_failed = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # file.write(): no name
+    with pytest.raises(OSError) as caught:
+        with discard_on_failure(staging, remove=False):
+            raise CheckpointException("ranks:dict_keys([0, 1])", {1: (write_failed, None)})
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(staging)
+    report = describe(caught.value, rank=1)
+    assert report.kind == "disk" and report.message.startswith(
+        f"disk full writing {staging} (rank 1): free space"), report
+    with pytest.raises(ValueError):  # plenty of space and no word of a full disk: as raised
+        with discard_on_failure(staging, remove=False):
+            raise ValueError("boom")
+
+
 def test_a_refused_write_names_the_folder_and_the_fix(tmp_path):
     """A read-only filesystem (or a folder this user may not write) under a checkpoint or
     output write: DCP names only its own file ('__0_0.distcp'); the report names the folder
