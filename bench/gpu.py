@@ -6,7 +6,7 @@ transformers and peft (what a GPU machine has) plus datasets, pydantic, trl and 
 
     python bench/gpu.py --data DIR [--batch 32] [--window 8] [--rows "NAME;NAME"] [--out DIR]
     python bench/gpu.py --data DIR --merge gpu-<device>.json   # a second machine start
-    python bench/gpu.py --data DIR --rows NAME --profile   # where a row's step time goes
+    python bench/gpu.py --data DIR --rows "NAME;NAME" --profile   # where each step's time goes
     python bench/gpu.py --data DIR --smoke --batch 4 --window 2   # this script, on a CPU
 
 DIR holds `alpaca-train` (Alpaca 2k through our tokenize stage, GPT-2 tokenizer, completion-only
@@ -388,8 +388,9 @@ def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) ->
 
     from same_batches import our_order
 
-    steps = WARMUP + 3 * args.window
+    steps = WARMUP + 1 + PROFILED if args.profile else WARMUP + 3 * args.window
     timer = work / "marks.jsonl"
+    traced = {"path": str(work / "ops.txt"), "wait": WARMUP + 1, "active": PROFILED}
     job = {"train": str(train), "model": str(model), "threads": 8, "seed": 42,
            "precision": "bf16", "batch": args.batch, "steps": steps, "learning_rate": 1e-3,
            "weight_decay": 0.0, "warmup_steps": 2, "output_dir": str(work / "out"),
@@ -397,7 +398,8 @@ def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) ->
                                                 args.batch, steps, SEED),
            "trainer": spec["kind"], "cudnn": spec.get("cudnn", True),
            "liger": spec.get("liger", False), "compile": spec.get("compile", False),
-           "timer": {"path": str(timer), "boundaries": boundaries(args.window)}}
+           **({"profile": traced} if args.profile else
+              {"timer": {"path": str(timer), "boundaries": boundaries(args.window)}})}
     (work / "spec.json").write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(ROOT / "bench/hf_trainer.py"),
                            str(work / "spec.json"), str(work / "result.json")],
@@ -405,6 +407,8 @@ def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) ->
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-2500:]}
+    if args.profile:
+        return {"ops_table": Path(traced["path"]).read_text(), "trace": traced["path"]}
     from gpu_timer import windows
 
     r = json.loads((work / "result.json").read_text())
@@ -434,7 +438,8 @@ def main() -> None:
                     "measured on the same machine start) to --merge's record, in place")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing, trace our rows' steps after the warm-up "
-                    "(logging.profiler) and print each one's ops table by self CUDA time")
+                    "(ours: logging.profiler; HF/TRL: the same steps through torch.profiler) and "
+                    "print each one's ops table by self CUDA time")
     args = ap.parse_args()
     args.device = "cuda"
     # read once: the record written after each row may replace this very file
@@ -483,9 +488,6 @@ def main() -> None:
         train = {"rows": long, "packed": alpaca}.get(spec.get("long"), grouped)
         t0 = time.perf_counter()
         runner = run_ours if spec["kind"] == "ours" else run_hf
-        if args.profile and spec["kind"] != "ours":
-            results[name] = {"error": "skipped: --profile traces our engine's rows only"}
-            continue
         r = results[name] = runner(name, spec, args, model, train, work)
         if "ops_table" in r:
             print(f"{name}: trace {r['trace']}\n{r['ops_table']}", flush=True)

@@ -18,7 +18,9 @@ held-out loss both sides compute the same way.
 GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
 examples' completion masks from our labels), `liger` its use_liger_kernel, `cudnn: false`
 turns cuDNN SDPA off for the run, `compile` sets TrainingArguments' `torch_compile` (TRL's
-config inherits it), and `timer` ({path, boundaries}) marks synchronised times at
+config inherits it), `profile` ({path, wait, active}) traces steps wait+1..wait+active with
+torch.profiler and writes the ops table by self device time (bench/gpu.py --profile), and
+`timer` ({path, boundaries}) marks synchronised times at
 those steps (bench/gpu_timer.py).
 """
 
@@ -29,6 +31,39 @@ import os
 import resource
 import sys
 import time
+
+
+def step_profiler(path: str, wait: int, active: int):
+    """A TrainerCallback tracing steps wait+1..wait+active (torch.profiler, CUDA activity on a
+    GPU) and writing the ops table, sorted by self CUDA time on a GPU, else self CPU time: the
+    peers' side of bench/gpu.py --profile."""
+    import torch
+    from transformers import TrainerCallback
+
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+
+    class StepProfiler(TrainerCallback):
+        trace = None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == wait and self.trace is None:
+                self.trace = torch.profiler.profile(activities=activities)
+                self.trace.__enter__()
+
+        def on_step_end(self, args, state, control, **kw):
+            if self.trace is not None and state.global_step == wait + active:
+                if cuda:
+                    torch.cuda.synchronize()
+                self.trace.__exit__(None, None, None)
+                key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+                table = self.trace.key_averages().table(sort_by=key, row_limit=40)
+                with open(path, "w") as fh:
+                    fh.write(f"steps {wait + 1}-{wait + active}, sorted by {key}\n{table}\n")
+                self.trace = None
+
+    return StepProfiler()
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -98,6 +133,8 @@ def main(spec_path: str, out_path: str) -> None:
         from gpu_timer import hf_timer
 
         callbacks.append(hf_timer(spec["timer"]["path"], spec["timer"]["boundaries"]))
+    if spec.get("profile"):
+        callbacks.append(step_profiler(**spec["profile"]))
     if trl:
         from trl import SFTTrainer
 
