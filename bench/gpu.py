@@ -348,9 +348,14 @@ def profile_ours(name: str, spec: dict, args, model: Path, train: Path, work: Pa
     proc = launch(work, overrides, train, None)
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-2500:]}
+    return traced(traces, proc.stdout)
+
+
+def traced(traces: Path, log: str) -> dict:
+    """The ops table and trace a profiled row wrote (logging.profiler's files)."""
     ops = sorted(traces.glob("ops-*.txt"))
     if not ops:
-        return {"error": f"no ops table under {traces}: {proc.stdout[-1000:]}"}
+        return {"error": f"no ops table under {traces}: {log[-1000:]}"}
     return {"ops_table": ops[0].read_text(), "trace": str(sorted(traces.glob("trace-*"))[0])}
 
 
@@ -390,7 +395,7 @@ def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) ->
 
     steps = WARMUP + 1 + PROFILED if args.profile else WARMUP + 3 * args.window
     timer = work / "marks.jsonl"
-    traced = {"path": str(work / "ops.txt"), "wait": WARMUP + 1, "active": PROFILED}
+    traces = work / "profile"
     job = {"train": str(train), "model": str(model), "threads": 8, "seed": 42,
            "precision": "bf16", "batch": args.batch, "steps": steps, "learning_rate": 1e-3,
            "weight_decay": 0.0, "warmup_steps": 2, "output_dir": str(work / "out"),
@@ -398,7 +403,8 @@ def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) ->
                                                 args.batch, steps, SEED),
            "trainer": spec["kind"], "cudnn": spec.get("cudnn", True),
            "liger": spec.get("liger", False), "compile": spec.get("compile", False),
-           **({"profile": traced} if args.profile else
+           **({"profile": {"out_dir": str(traces), "wait": WARMUP, "active": PROFILED}}
+              if args.profile else
               {"timer": {"path": str(timer), "boundaries": boundaries(args.window)}})}
     (work / "spec.json").write_text(json.dumps(job))
     proc = subprocess.run([sys.executable, str(ROOT / "bench/hf_trainer.py"),
@@ -408,7 +414,7 @@ def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) ->
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-2500:]}
     if args.profile:
-        return {"ops_table": Path(traced["path"]).read_text(), "trace": traced["path"]}
+        return traced(traces, proc.stdout)
     from gpu_timer import windows
 
     r = json.loads((work / "result.json").read_text())
@@ -438,7 +444,7 @@ def main() -> None:
                     "measured on the same machine start) to --merge's record, in place")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing, trace our rows' steps after the warm-up "
-                    "(ours: logging.profiler; HF/TRL: the same steps through torch.profiler) and "
+                    "(logging.profiler; for HF/TRL through a Trainer callback) and "
                     "print each one's ops table by self CUDA time")
     args = ap.parse_args()
     args.device = "cuda"

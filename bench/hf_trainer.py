@@ -18,8 +18,9 @@ held-out loss both sides compute the same way.
 GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
 examples' completion masks from our labels), `liger` its use_liger_kernel, `cudnn: false`
 turns cuDNN SDPA off for the run, `compile` sets TrainingArguments' `torch_compile` (TRL's
-config inherits it), `profile` ({path, wait, active}) traces steps wait+1..wait+active with
-torch.profiler and writes the ops table by self device time (bench/gpu.py --profile), and
+config inherits it), `profile` ({out_dir, wait, active}) traces steps with our engine's
+profiler after `wait` steps and one warm-up step, writing the same ops table and trace files
+as our rows do (bench/gpu.py --profile), and
 `timer` ({path, boundaries}) marks synchronised times at
 those steps (bench/gpu_timer.py).
 """
@@ -33,37 +34,36 @@ import sys
 import time
 
 
-def step_profiler(path: str, wait: int, active: int):
-    """A TrainerCallback tracing steps wait+1..wait+active (torch.profiler, CUDA activity on a
-    GPU) and writing the ops table, sorted by self CUDA time on a GPU, else self CPU time: the
-    peers' side of bench/gpu.py --profile."""
+def step_profiler(out_dir: str, wait: int, active: int):
+    """A TrainerCallback driving our engine's own `logging.profiler` (engine.reporting.
+    profiler.StepProfiler: the same schedule, ops table and trace files as our rows): `wait`
+    steps, one warm-up step, then `active` traced steps. The peers' side of
+    bench/gpu.py --profile."""
+    from pathlib import Path
+
     import torch
     from transformers import TrainerCallback
 
-    cuda = torch.cuda.is_available()
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from engine.reporting.profiler import StepProfiler
+    from finetune.config.reporting import ProfilerConfig
 
-    class StepProfiler(TrainerCallback):
-        trace = None
+    cfg = ProfilerConfig(enabled=True, wait_steps=wait, warmup_steps=1, active_steps=active)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-        def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == wait and self.trace is None:
-                self.trace = torch.profiler.profile(activities=activities)
-                self.trace.__enter__()
+    class Traced(TrainerCallback):
+        profiler = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.profiler = StepProfiler(cfg, Path(out_dir), device, 0, print)
 
         def on_step_end(self, args, state, control, **kw):
-            if self.trace is not None and state.global_step == wait + active:
-                if cuda:
-                    torch.cuda.synchronize()
-                self.trace.__exit__(None, None, None)
-                key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-                table = self.trace.key_averages().table(sort_by=key, row_limit=40)
-                with open(path, "w") as fh:
-                    fh.write(f"steps {wait + 1}-{wait + active}, sorted by {key}\n{table}\n")
-                self.trace = None
+            self.profiler.step(state.global_step)
 
-    return StepProfiler()
+        def on_train_end(self, args, state, control, **kw):
+            self.profiler.__exit__(None, None, None)
+
+    return Traced()
 
 
 def main(spec_path: str, out_path: str) -> None:
