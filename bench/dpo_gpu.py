@@ -59,6 +59,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -70,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from gpu import boundaries  # noqa: E402
 from same_batches import our_order  # noqa: E402
 
 PROMPT = "Question: {question}\nAnswer:"
@@ -128,10 +130,6 @@ def prep(out: Path) -> None:
 
 # -- run (the GPU machine) --------------------------------------------------------------------
 
-def boundaries(args) -> list[int]:
-    return [args.warmup + i * args.window for i in range(4)]
-
-
 def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int, str]:
     """A child in its own process group (torchrun and its worker die together on timeout)."""
     with open(log, "w") as fh:
@@ -157,8 +155,7 @@ def child_env(args) -> dict:
 
 
 def run_ours(spec: dict, args, model: Path, work: Path, timeout: float) -> dict:
-    from engine.process.job import JobSpec, RunPaths
-    from finetune.config import load_config
+    from engine_smoke import launch
 
     steps = args.warmup + 3 * args.window
     timer = work / "marks.jsonl"
@@ -180,21 +177,15 @@ def run_ours(spec: dict, args, model: Path, work: Path, timeout: float) -> dict:
         "checkpoint.save_strategy": "no", "eval.eval_strategy": "no",
         "logging.logging_steps": 1, "logging.report_to": [],
         "logging.callbacks": [{"class": "bench.gpu_timer:WindowTimer", "kwargs": {
-            "path": str(timer), "boundaries": boundaries(args)}}]}
+            "path": str(timer), "boundaries": boundaries(args.window, args.warmup)}}]}
     if spec["compile"]:
         overrides.update({"training.torch_compile": True, "training.dynamo_recompile_limit": 32,
                           "training.pad_to_multiple_of": PAD_COMPILE})
-    cfg = load_config(ROOT / "params/default.yaml", overrides)
-    paths = RunPaths(project_root=ROOT, train_data=args.data / "pairs-train", eval_data=None,
-                     checkpoints=work / "checkpoints", trained=work / "trained",
-                     metrics_file=work / "train.json", plots_dir=work / "plots")
-    job = JobSpec(config=cfg.model_dump(mode="json"), paths=paths,
-                  error_dir=str(work)).write(work / "job.json")
-    rc, text = run_child([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node=1", "-m", "engine.worker", str(job)],
-                         work / "log.txt", timeout, child_env(args))
-    if rc != 0:
-        return {"error": text}
+    proc = launch(work, overrides, args.data / "pairs-train", None, timeout, child_env(args))
+    if proc.returncode != 0:
+        timed_out = " (timed out)" if proc.returncode == 124 else ""
+        return {"error": f"rc {proc.returncode}{timed_out}: "
+                         + (proc.stdout + proc.stderr)[-2500:]}
     with open(work / "plots/train.csv") as fh:
         rows = list(csv.DictReader(fh))
     seen = [0] + [int(float(r["num_input_tokens_seen"])) for r in rows
@@ -215,7 +206,7 @@ def run_trl(spec: dict, args, model: Path, work: Path, timeout: float, order: li
            "pairs": args.pairs, "steps": steps, "device": args.device, "lr": args.lr,
            "output_dir": str(work / "out"), "compile": spec["compile"],
            "liger": spec.get("liger", False), "cudnn": False,
-           "timer": {"path": str(timer), "boundaries": boundaries(args)}}
+           "timer": {"path": str(timer), "boundaries": boundaries(args.window, args.warmup)}}
     (work / "spec.json").write_text(json.dumps(job))
     rc, text = run_child([sys.executable, str(Path(__file__).resolve()), "trl",
                           str(work / "spec.json"), str(work / "result.json")],
@@ -382,8 +373,6 @@ def run(args) -> None:
         work = args.work / name.replace(" ", "_").replace("(", "").replace(")", "").replace(
             "+", "p")
         if work.exists():
-            import shutil
-
             shutil.rmtree(work)
         work.mkdir(parents=True)
         t0 = time.perf_counter()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,10 +28,12 @@ from engine.process.job import JobSpec, RunPaths  # noqa: E402
 from finetune.config import load_config  # noqa: E402
 
 
-def launch(work: Path, overrides: dict, train_data: Path,
-           eval_data: Path | None) -> subprocess.CompletedProcess:
+def launch(work: Path, overrides: dict, train_data: Path, eval_data: Path | None,
+           timeout: float | None = None, env: dict | None = None
+           ) -> subprocess.CompletedProcess:
     """One job of the default params with `overrides`, every output under `work`, run the way
-    the train stage runs it (torchrun -> engine.worker); the log goes to work/log.txt."""
+    the train stage runs it (torchrun -> engine.worker); the log goes to work/log.txt. Past
+    `timeout` seconds torchrun and its workers are killed together (return code 124)."""
     cfg = load_config(ROOT / "params/default.yaml", overrides)
     work.mkdir(parents=True, exist_ok=True)
     paths = RunPaths(project_root=ROOT, train_data=train_data, eval_data=eval_data,
@@ -37,11 +41,19 @@ def launch(work: Path, overrides: dict, train_data: Path,
                      metrics_file=work / "train.json", plots_dir=work / "plots")
     job = JobSpec(config=cfg.model_dump(mode="json"), paths=paths,
                   error_dir=str(work)).write(work / "job.json")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=1", "-m", "engine.worker", str(job)], cwd=ROOT,
-                          capture_output=True, text=True)
-    (work / "log.txt").write_text(proc.stdout + proc.stderr)
-    return proc
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "engine.worker", str(job)]
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, start_new_session=True) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+            code = child.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            code = 124
+    (work / "log.txt").write_text(out + err)
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def run_job(name: str, overrides: dict, tokenized: Path, out: Path) -> Path:

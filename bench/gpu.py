@@ -311,8 +311,9 @@ def save(args, device: str, n_params: int, peak: float, results: dict) -> dict:
     return record
 
 
-def boundaries(window: int) -> list[int]:
-    return [WARMUP + i * window for i in range(4)]
+def boundaries(window: int, warmup: int = WARMUP) -> list[int]:
+    """The optimizer steps that open and close the three timed windows."""
+    return [warmup + i * window for i in range(4)]
 
 
 def our_overrides(spec: dict, args, model: Path, steps: int) -> dict:
