@@ -60,9 +60,7 @@ import math
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -131,19 +129,18 @@ def prep(out: Path) -> None:
 # -- run (the GPU machine) --------------------------------------------------------------------
 
 def run_child(cmd: list[str], log: Path, timeout: float, env: dict) -> tuple[int, str]:
-    """A child in its own process group (torchrun and its worker die together on timeout)."""
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = 124
-    text = log.read_text()
-    return rc, (text if rc == 0 else f"rc {rc}{' (timed out)' if rc == 124 else ''}: "
-                + text[-2500:])
+    """A child in its own process group (engine_smoke.run_killable), its output in `log`."""
+    from engine_smoke import run_killable
+
+    proc = run_killable(cmd, timeout, env)
+    log.write_text(proc.stdout + proc.stderr)
+    return proc.returncode, failure(proc)
+
+
+def failure(proc) -> str:
+    """A failed child's return code (124: killed at its timeout) and the end of its output."""
+    timed_out = " (timed out)" if proc.returncode == 124 else ""
+    return f"rc {proc.returncode}{timed_out}: {(proc.stdout + proc.stderr)[-2500:]}"
 
 
 def child_env(args) -> dict:
@@ -183,9 +180,7 @@ def run_ours(spec: dict, args, model: Path, work: Path, timeout: float) -> dict:
                           "training.pad_to_multiple_of": PAD_COMPILE})
     proc = launch(work, overrides, args.data / "pairs-train", None, timeout, child_env(args))
     if proc.returncode != 0:
-        timed_out = " (timed out)" if proc.returncode == 124 else ""
-        return {"error": f"rc {proc.returncode}{timed_out}: "
-                         + (proc.stdout + proc.stderr)[-2500:]}
+        return {"error": failure(proc)}
     with open(work / "plots/train.csv") as fh:
         rows = list(csv.DictReader(fh))
     seen = [0] + [int(float(r["num_input_tokens_seen"])) for r in rows

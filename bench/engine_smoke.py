@@ -43,6 +43,15 @@ def launch(work: Path, overrides: dict, train_data: Path, eval_data: Path | None
                   error_dir=str(work)).write(work / "job.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "engine.worker", str(job)]
+    proc = run_killable(cmd, timeout, env)
+    (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+def run_killable(cmd: list[str], timeout: float | None = None, env: dict | None = None
+                 ) -> subprocess.CompletedProcess:
+    """`cmd` from the project root in its own process group, killed with all its children
+    past `timeout` seconds (return code 124, what it printed until then kept)."""
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=env, start_new_session=True) as child:
         try:
@@ -52,7 +61,6 @@ def launch(work: Path, overrides: dict, train_data: Path, eval_data: Path | None
             os.killpg(child.pid, signal.SIGKILL)
             out, err = child.communicate()
             code = 124
-    (work / "log.txt").write_text(out + err)
     return subprocess.CompletedProcess(cmd, code, out, err)
 
 
