@@ -254,8 +254,7 @@ def table(record: dict) -> str:
         if "DPO" in name:
             continue
         if not per or "tokens_per_s" not in per[0]:
-            lines.append(f"| {name} | {'failed' if 'error' in r else 'see DPO table'} | | | | | "
-                         f"| | {r.get('error', '')[-200:]!r} |")
+            lines.append(f"| {name} | failed | | | | | | | {r.get('error', '')[-200:]!r} |")
             continue
         ratios, dloss = [], []
         for s in per:
@@ -465,7 +464,6 @@ def main() -> None:
         raise SystemExit("bench/gpu.py: no CUDA device here; run it on a GPU machine "
                          "(bench/suite.py is the CPU benchmark; --smoke checks this script)")
     if args.smoke:  # the flow on a CPU with a tiny model: no number of it means anything
-        SHAPE.update(SMOKE_SHAPE)
         args.device = "cpu"
     started = time.perf_counter()
     chosen = [r.strip() for r in args.rows.split(";") if r.strip()] or DEFAULT_ROWS
@@ -476,7 +474,8 @@ def main() -> None:
     peak = 1.0 if args.smoke else matmul_ceiling()
     args.work.mkdir(parents=True, exist_ok=True)
     model = args.work / "model"
-    n_params = build_model(args.data / "tokenizer", model)
+    n_params = build_model(args.data / "tokenizer", model,
+                           {**SHAPE, **SMOKE_SHAPE} if args.smoke else SHAPE)
     if not args.smoke:
         torch.cuda.empty_cache()
     alpaca = args.data / "alpaca-train"
