@@ -110,9 +110,9 @@ class DiLoCoStrategy(Strategy):
             node_targets = all_reduce_count(local_targets, self.meter, "loss_normaliser",
                                             self.d.device, group=self.node, on_device=True)
             return (node_targets.clamp_min(1.0) / self.node_size).float()
-        if isinstance(worker_targets, torch.Tensor):
+        if self.group_size > 1:
             return (worker_targets.clamp_min(1.0) / self.group_size).float()
-        return max(worker_targets, 1.0) / self.group_size
+        return max(worker_targets, 1.0)
 
     def sync_context(self, last_micro_batch: bool):
         return self.inner.sync_context(last_micro_batch)
