@@ -56,19 +56,29 @@ def as_disk_full(exc: BaseException, folder: Path) -> BaseException:
     return full
 
 
+#: a full disk, as the OS says it and as writers with errors of their own put it (the text
+#: of ENOSPC and EDQUOT, fsspec's StorageFull)
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "StorageFull")
+
+
+def disk_full_error(exc: BaseException) -> bool:
+    """Does this one exception (not its causes) say the disk is full?"""
+    return ((isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS)
+            or any(t in f"{type(exc).__name__}: {exc}" for t in DISK_FULL_TEXTS))
+
+
 def says_disk_full(exc: BaseException) -> bool:
-    """An ENOSPC/EDQUOT OSError (or its text) in the exception's chain or, for a wrapper that
-    gathers several ranks' errors (DCP's CheckpointException: `failures`, rank -> (exception,
-    traceback)), in theirs."""
-    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    texts = (os.strerror(errno.ENOSPC), os.strerror(getattr(errno, "EDQUOT", errno.ENOSPC)))
+    """A full-disk error in the exception's chain or, for a wrapper that gathers several
+    ranks' errors (DCP's CheckpointException: `failures`, rank -> (exception, traceback)), in
+    theirs."""
     pending, seen = [exc], []
     while pending:
         for e in exception_chain(pending.pop()):
             if any(e is s for s in seen):
                 continue
             seen.append(e)
-            if (isinstance(e, OSError) and e.errno in codes) or any(t in str(e) for t in texts):
+            if disk_full_error(e):
                 return True
             failures = getattr(e, "failures", None)
             if isinstance(failures, dict):

@@ -9,19 +9,17 @@ message can say that the earlier checkpoints and outputs are intact.
 
 from __future__ import annotations
 
-import errno
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from finetune.errors import PipelineError
-from finetune.files import exception_chain, refused_write
+from finetune.files import disk_full_error, exception_chain, refused_write
 
 #: the kinds, in the order the launcher prefers them when several ranks report
 KINDS = ("input", "disk", "memory", "crash", "checkpoint", "comm")
 
 INTACT = "earlier checkpoints and outputs are intact"
-DISK_FULL = ("No space left on device", "Disk quota exceeded", "StorageFull")
 CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 #: lower case: matched against the lower-cased error text
 COMM = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
@@ -66,7 +64,8 @@ def describe(exc: BaseException, rank: int, ddp_timeout: int | None = None) -> R
     if isinstance(exc, PipelineError):
         return Report("input", str(exc), rank)
     ranks = rank_errors(exc)
-    full = next((e for e in [exc, *ranks.values()] if _disk_full(e, _text(e))), None)
+    full = next((e for e in [exc, *ranks.values()]
+                 if any(disk_full_error(x) for x in exception_chain(e))), None)
     if full is not None:
         where = getattr(exc, "filename", None) or getattr(full, "filename", None)
         at = f" writing {where}" if where else ""
@@ -120,12 +119,6 @@ def rank_errors(exc: BaseException) -> dict[int, BaseException]:
             return {r: pair[0] for r, pair in failures.items()
                     if isinstance(pair, tuple) and isinstance(pair[0], BaseException)}
     return {}
-
-
-def _disk_full(exc: BaseException, text: str) -> bool:
-    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    return (any(isinstance(e, OSError) and e.errno in codes for e in exception_chain(exc))
-            or any(s in text for s in DISK_FULL))
 
 
 def _out_of_memory(exc: BaseException, text: str) -> str | None:
