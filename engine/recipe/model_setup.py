@@ -31,6 +31,7 @@ from engine.datapath.data import collate_seq2seq, user_collate
 from engine.datapath.packing import prepare_batch_layout
 from engine.modeling.adapter import apply_peft
 from engine.modeling.compile import maybe_compile
+from engine.modeling.fused_lora import use_fused_lora
 from engine.modeling.model import (count_parameters, decoder_start, load_base_model,
                                    resolve_model_ref)
 from engine.modeling.quantization import convert_to_fp8, prepare_qat
@@ -76,6 +77,9 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     fast_linears = use_fast_bf16_cpu_kernels(model, d.device, amp, strategy.param_dtype)
     if fast_linears:
         log(f"[train] bf16 on CPU: {fast_linears} linear layers use layout-aware GEMMs")
+    if t.fused_lora and (fused := use_fused_lora(model)):
+        log(f"[train] fused LoRA: {fused} adapted linear layers (where plain LoRA; see "
+            "training.fused_lora)")
     # before the wrap, or (sharded on meta) once the wrap's shards are read
     layout_and_loss = placement.when_weights_exist(
         lambda: _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log))
