@@ -106,3 +106,24 @@ def test_gpu_record_merges_starts_into_ranges_and_folds_dpo_rows():
         assert "is not this device" in str(exc)
     else:
         raise AssertionError("a record of another device was merged")
+
+
+def test_fused_lora_bench_times_both_variants_and_refuses_a_missing_gpu():
+    """bench/fused_lora.py measures peft and the fused layers on the same block in one run (a
+    tiny round here: the numbers are the bench's, not the test's); --device cuda on a machine
+    without one is one line and exit 2 before any work."""
+    from types import SimpleNamespace
+
+    import torch
+
+    bench = _bench_module("fused_lora")
+    got = bench.measure(SimpleNamespace(shape="smollm2-135M", tokens=8, rank=4, dtype="fp32",
+                                        device="cpu", repeats=1))
+    assert got["peft_ms"] > 0 and got["fused_ms"] > 0
+    assert got["speedup"] == got["peft_ms"] / got["fused_ms"]
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/fused_lora.py"), "--device",
+                           "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: --device cuda: no CUDA GPU is visible here"
