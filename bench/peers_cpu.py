@@ -96,7 +96,10 @@ SEED = 42
 WARMUP_STEPS = 2
 #: our row name -> params over COMMON and the row's own
 OURS = {"ours padfree": {},
-        "ours padfree, glibc malloc defaults": {"training.cpu_malloc_reuse": False}}
+        "ours padfree, glibc malloc defaults": {"training.cpu_malloc_reuse": False},
+        # LoRA rows only: what training.fused_lora is worth (peft's own layer forward)
+        "ours padfree, peft's LoRA forward": {"training.fused_lora": False}}
+LORA_ONLY = {"ours padfree, peft's LoRA forward"}
 
 
 def build(name: str, dest: Path) -> Path:
@@ -174,6 +177,8 @@ def ours_params(lora: bool) -> dict:
     # them at AVX2 for bitwise-equal runs on any x86-64 CPU: 0.73x, docs/tracking.md)
     return {**peft, "training.cpu_numerics": "native",
             "training.speed_metrics_start_step": WARMUP_STEPS,
+            # the levers the OURS rows turn off, back on (params persist between rows)
+            "training.cpu_malloc_reuse": True, "training.fused_lora": True,
             "logging.profiler": {"enabled": False}}
 
 
@@ -204,6 +209,8 @@ def measure(project: Path, tmp: Path, name: str, steps: int, profile: bool,
         say(name, peer, r)
     row["ours"] = {}
     for ours, params in OURS.items():
+        if ours in LORA_ONLY and not lora:
+            continue
         r = run_ours(project, model_dir, "fp32", steps, "padfree", {**ours_params(lora), **params})
         r["held_out_loss"] = held_out_loss(model_dir, project / "data/trained", test_split)
         row["ours"][ours] = r
