@@ -130,10 +130,11 @@ class TrainingConfig(Section):
     fused_lora: bool = Field(
         True, fingerprint=False,
         description="peft's LoRA linear layers as one autograd node each: the scale and the "
-        "adapter's output folded into the GEMMs, forward and backward (no elementwise pass over "
-        "the layer's output or input gradient; equal to peft's up to float rounding). Applies "
-        "to plain LoRA only (one active adapter, no DoRA, no dropout, an ordinary linear base); "
-        "other layers and calls run peft's own forward. false: peft's forward everywhere.",
+        "adapter's output folded into the GEMMs, forward and backward (no separate elementwise "
+        "pass over the layer's output or input gradient; equal to peft's up to float "
+        "rounding). Applies to plain LoRA only (one active adapter, no DoRA, no dropout, an "
+        "ordinary linear base); other layers and calls run peft's own forward. false: peft's "
+        "forward everywhere.",
     )
     pad_to_multiple_of: int | None = Field(
         None, fingerprint=False, gt=0,
