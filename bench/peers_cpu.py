@@ -43,7 +43,9 @@ bench/hf_trainer.py's `warmup_window`; ours: `training.speed_metrics_start_step`
 whole-run rate (train runtime, first steps included) is kept beside it.
 
 `--profile` also runs our stage once more per model with `logging.profiler` (torch.profiler,
-steps 4-5) and keeps the ops table sorted by self CPU time in bench/results/.
+steps 4-5) and keeps the ops table sorted by self CPU time in bench/results/, and the best peer
+once more with the same profiler on the same rows' steps 4-5 (`profile-<model>-peer-cpu.txt`):
+equal batches, so the two tables compare op by op.
 
 Writes bench/results/peers-cpu.json (`--out` changes the stem).
 """
@@ -168,6 +170,22 @@ def profile_ours(project: Path, model_dir: Path, steps: int, lora: bool, dest: P
     return str(dest.relative_to(ROOT))
 
 
+def profile_peer(project: Path, model_dir: Path, peer: str, order: list[int], lora: bool,
+                 dest: Path) -> str:
+    """The named peer once more with the same profiler (our engine's StepProfiler, through
+    bench/hf_trainer.py's `profile`) on the same steps 4-5 of the same rows, so its ops table
+    and ours compare op by op on equal batches; the table's path."""
+    prof = project / "bench-profile-peer"
+    shutil.rmtree(prof, ignore_errors=True)
+    options, env, _ = PEERS[peer]
+    steps, batch = 5, COMMON["training.per_device_train_batch_size"]
+    run_hf(project, model_dir, "fp32", steps, order[:steps * batch],
+           {**options, "profile": {"out_dir": str(prof), "wait": 2, "active": 2},
+            **({"peft": LORA} if lora else {})}, env)
+    shutil.copy2(next(prof.glob("ops-*.txt")), dest)
+    return str(dest.relative_to(ROOT))
+
+
 def ours_params(lora: bool) -> dict:
     """Our stage's settings over throughput.COMMON for this row."""
     peft = ({"peft.use_peft": True, "peft.r": LORA["r"], "peft.lora_alpha": LORA["lora_alpha"],
@@ -232,6 +250,9 @@ def measure(project: Path, tmp: Path, name: str, steps: int, profile: bool,
     if profile:
         row["profile"] = profile_ours(project, model_dir, steps, lora,
                                       results / f"profile-{name}-cpu.txt")
+        if not PEERS[best][2]:  # a peer on our batches: the same rows at steps 4-5
+            row["best_peer_profile"] = profile_peer(
+                project, model_dir, best, order, lora, results / f"profile-{name}-peer-cpu.txt")
     return row
 
 
