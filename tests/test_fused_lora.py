@@ -119,29 +119,29 @@ def test_anything_but_plain_lora_runs_peft_forward(ids, case):
     layer = _first_layer(model)
     if case == "dropout":
         model.train()
-        assert _plain_case(layer, x, (), {}) is None
+        assert _plain_case(layer, (), {}) is None
         model.eval()  # dropout off: plain again
     elif case == "disabled":
         with model.disable_adapter():
-            assert _plain_case(layer, x, (), {}) is None
+            assert _plain_case(layer, (), {}) is None
     elif case == "merged":
         layer.merge()
-        assert _plain_case(layer, x, (), {}) is None
+        assert _plain_case(layer, (), {}) is None
         layer.unmerge()
     elif case == "dora":
-        assert _plain_case(layer, x, (), {}) is None
+        assert _plain_case(layer, (), {}) is None
         return  # DoRA stays DoRA
     elif case == "two adapters":
         model.add_adapter("other", LoraConfig(r=2, target_modules=TARGETS))
         model.base_model.set_adapter(["default", "other"])
-        assert _plain_case(layer, x, (), {}) is None
+        assert _plain_case(layer, (), {}) is None
         model.base_model.set_adapter("default")
     else:
         layer.base_layer.to(torch.bfloat16)
         with torch.no_grad():
             assert torch.equal(layer(x.bfloat16()), type(layer).forward(layer, x.bfloat16()))
         layer.base_layer.float()
-    assert _plain_case(layer, x, (), {}) is not None
+    assert _plain_case(layer, (), {}) is not None
 
 
 def test_deepcopy_keeps_each_copy_on_its_own_layer(ids):

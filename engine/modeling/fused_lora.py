@@ -73,7 +73,7 @@ class FusedLoraLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_bias, grad_a, grad_lb, None
 
 
-def _plain_case(layer, x: torch.Tensor, args: tuple, kwargs: dict):
+def _plain_case(layer, args: tuple, kwargs: dict):
     """(weight, bias, A, B, scale) when `layer` (a peft lora.Linear) computes plain LoRA on this
     call, else None (peft's own forward then runs)."""
     if args or kwargs or layer.disable_adapters or layer.merged:
@@ -82,8 +82,8 @@ def _plain_case(layer, x: torch.Tensor, args: tuple, kwargs: dict):
     if len(active) != 1:
         return None
     name = active[0]
-    if (name not in layer.lora_A or name in getattr(layer, "lora_variant", {})
-            or getattr(layer, "use_dora", {}).get(name) or layer.fan_in_fan_out):
+    # DoRA and peft's other variants live in lora_variant
+    if name not in layer.lora_A or name in layer.lora_variant or layer.fan_in_fan_out:
         return None
     dropout = layer.lora_dropout[name]
     if not (isinstance(dropout, nn.Identity) or not dropout.training):
@@ -99,7 +99,7 @@ def _plain_case(layer, x: torch.Tensor, args: tuple, kwargs: dict):
 
 def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A peft lora.Linear's forward (bound to the layer by `use_fused_lora`)."""
-    parts = _plain_case(self, x, args, kwargs)
+    parts = _plain_case(self, args, kwargs)
     if parts is None:
         return type(self).forward(self, x, *args, **kwargs)
     weight, bias, lora_a, lora_b, scale = parts
