@@ -22,12 +22,16 @@ from engine.recipe.reference import lockstep_batches
 
 
 class HeldOutSums:
-    """A mixin for TrainingRun subclasses (see the module docstring)."""
+    """A mixin for TrainingRun subclasses (see the module docstring). The class that mixes it
+    in defines `eval_batch_sums(batch, real) -> torch.Tensor`: [loss sum, rows counted,
+    *statistic sums] of one held-out batch (float64), its first `real` rows counted (the rest
+    pad an uneven last share); a class without it is refused when it is defined."""
 
-    def eval_batch_sums(self, batch: dict, real: int) -> torch.Tensor:
-        """[loss sum, rows counted, *statistic sums] of one held-out batch (float64), its
-        first `real` rows counted (the rest pad an uneven last share)."""
-        raise NotImplementedError
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not callable(getattr(cls, "eval_batch_sums", None)):
+            raise TypeError(f"{cls.__name__} mixes in HeldOutSums but defines no "
+                            "eval_batch_sums(batch, real)")
 
     @contextlib.contextmanager
     def _eval_mode(self):
