@@ -271,6 +271,101 @@ def test_varlen_attention_equals_separate_forwards_and_leaves_padded_batches_alo
     assert not torch.allclose(stock_flat[11:], out[11:], atol=1e-3)
 
 
+def _attention_grads(attend, dtype, lengths=(11, 4, 23), heads=(4, 2), dim=16):
+    """Output and q/k/v gradients (float64) of `attend(q, k, v)` on fixed random inputs in
+    `dtype`, for examples of `lengths` laid end to end (grouped-query heads)."""
+    g = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, n, total, dim, generator=g).to(dtype).requires_grad_()
+               for n in (heads[0], heads[1], heads[1]))
+    out = attend(q, k, v)
+    out.backward(torch.randn(out.shape, generator=g).to(out.dtype))
+    return [t.double() for t in (out, q.grad, k.grad, v.grad)]
+
+
+def test_short_examples_on_a_cpu_in_bf16_take_padded_matmuls_as_close_as_flash_per_example():
+    """The padded-matmul path (bf16 on a CPU, short examples) computes each example's causal
+    attention and its gradients: against the float64 per-example computation it is within
+    twice the error of torch's flash kernel per example in the same bf16 (a missing causal
+    mask or a leak between examples would be off by O(1))."""
+    import torch.nn.functional as F
+
+    from engine.datapath.attention import _per_example, _short_on_cpu
+
+    lengths = (11, 4, 23)
+    cu = torch.tensor([0, 11, 15, 38])
+    bounds = cu.tolist()
+
+    def ours(q, k, v):
+        return _per_example(q, k, v, cu, None, 0.0)
+
+    def flash(q, k, v):
+        return torch.cat([F.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=True)
+            for s, e in zip(bounds[:-1], bounds[1:])], dim=2).transpose(1, 2)
+
+    exact = _attention_grads(ours, torch.float64, lengths)
+    torch.testing.assert_close(exact[0], _attention_grads(flash, torch.float64, lengths)[0])
+    assert _short_on_cpu(torch.zeros(1, 4, 38, 16, dtype=torch.bfloat16), bounds) == 23
+    padded, per_example = (_attention_grads(f, torch.bfloat16, lengths) for f in (ours, flash))
+    for name, got, theirs, want in zip(("out", "dq", "dk", "dv"), padded, per_example, exact):
+        err, flash_err = ((x - want).abs().max().item() for x in (got, theirs))
+        assert err <= 2 * flash_err, (name, err, flash_err)
+    # under bf16 autocast (fp32 q/k from the rotary embedding) it is the same computation
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = _attention_grads(ours, torch.float32, lengths)
+    assert torch.equal(autocast[0], padded[0])
+
+
+def test_the_padded_matmul_path_is_only_for_short_examples_computing_in_bf16_on_a_cpu():
+    from engine.datapath.attention import (SHORT_EXAMPLE_TOKENS, SHORT_SCORE_ELEMENTS,
+                                           _short_on_cpu)
+
+    def q(dtype=torch.bfloat16, heads=9):
+        return torch.zeros(1, heads, 8, 4, dtype=dtype)
+
+    assert _short_on_cpu(q(), [0, 5, 8]) == 5
+    assert _short_on_cpu(q(torch.float32), [0, 5, 8]) == 0  # fp32: flash per example
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _short_on_cpu(q(torch.float32), [0, 5, 8]) == 5
+    assert _short_on_cpu(q(), [0, SHORT_EXAMPLE_TOKENS + 1]) == 0
+    assert _short_on_cpu(q(), [0, SHORT_EXAMPLE_TOKENS]) == SHORT_EXAMPLE_TOKENS
+    many = SHORT_SCORE_ELEMENTS // (9 * 100 * 100) + 1  # examples of 100 tokens, 9 heads
+    assert _short_on_cpu(q(), list(range(0, 100 * (many + 1), 100))) == 0
+    assert _short_on_cpu(q(), list(range(0, 100 * many, 100))) == 100
+
+
+def test_padding_free_logits_in_bf16_on_a_cpu_keep_examples_apart():
+    """The whole model on a padding-free row under bf16 autocast, where short examples take
+    the padded-matmul path: against the fp32 logits each example's are within twice the error
+    of the flash kernel per example in the same autocast, and one causal attention over the
+    row (examples leaking into each other) is far off."""
+    from engine.datapath import attention
+    from engine.datapath.data import collate_flat, model_inputs
+    from engine.datapath.packing import enable_varlen
+
+    model = _stories().eval()
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(3, 500, (n,), generator=g).tolist(), "labels": [0] * n}
+            for n in (11, 4, 23)]
+    flat = model_inputs(collate_flat(rows, 0))
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            leaky = model(**flat).logits[0].float()
+        enable_varlen(model, "sdpa_per_example", torch.device("cpu"))
+        exact = model(**flat).logits[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            padded = model(**flat).logits[0].float()
+            limit, attention.SHORT_EXAMPLE_TOKENS = attention.SHORT_EXAMPLE_TOKENS, 0
+            try:
+                per_example = model(**flat).logits[0].float()
+            finally:
+                attention.SHORT_EXAMPLE_TOKENS = limit
+    err, flash_err = ((x - exact).abs().max() for x in (padded, per_example))
+    assert err <= 2 * flash_err
+    assert (leaky - exact)[11:].abs().max() > 10 * err
+
+
 def test_packed_rows_carry_varlen_boundaries_over_the_flattened_rows():
     """For a varlen kernel, packed rows (width 6 here) are one flat sequence of segments:
     each example, then each row's padding tail as a segment of its own (its labels ignored)."""
@@ -376,21 +471,41 @@ def test_layout_aware_linear_computes_the_same_products_as_autograd_in_bf16():
             torch.testing.assert_close(theirs.double(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_fast_bf16_kernels_switch_on_only_for_bf16_on_cpu():
+def test_fast_bf16_kernels_switch_on_only_for_bf16_on_cpu_without_native_bf16_gemm():
     from engine.modeling.runtime import use_fast_bf16_cpu_kernels
 
     model = _stories()
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
-    # the last argument: Strategy.param_dtype (None without FSDP2 mixed precision; an fsdp2
-    # config's fsdp.param_dtype bfloat16 gives torch.bfloat16: tests/test_strategy_placement.py)
-    cpu, single = torch.device("cpu"), None
-    assert use_fast_bf16_cpu_kernels(model, cpu, None, single) == 0
-    assert use_fast_bf16_cpu_kernels(model, torch.device("cuda"), torch.bfloat16, single) == 0
+    # the last but one argument: Strategy.param_dtype (None without FSDP2 mixed precision; an
+    # fsdp2 config's fsdp.param_dtype bfloat16 gives torch.bfloat16:
+    # tests/test_strategy_placement.py); the last: whether the CPU multiplies bf16 natively
+    cpu, single, slow = torch.device("cpu"), None, False
+    assert use_fast_bf16_cpu_kernels(model, cpu, None, single, slow) == 0
+    assert use_fast_bf16_cpu_kernels(model, torch.device("cuda"), torch.bfloat16, single,
+                                     slow) == 0
+    assert use_fast_bf16_cpu_kernels(model, cpu, torch.bfloat16, single, native=True) == 0
     assert not any("forward" in m.__dict__ for m in model.modules())
     fsdp_bf16 = torch.bfloat16
-    assert use_fast_bf16_cpu_kernels(model, cpu, None, fsdp_bf16) == n_linear > 0
-    assert use_fast_bf16_cpu_kernels(_stories(), cpu, torch.bfloat16, single) == n_linear
-    assert use_fast_bf16_cpu_kernels(_stories().bfloat16(), cpu, None, single) == n_linear
+    assert use_fast_bf16_cpu_kernels(model, cpu, None, fsdp_bf16, slow) == n_linear > 0
+    assert use_fast_bf16_cpu_kernels(_stories(), cpu, torch.bfloat16, single, slow) == n_linear
+    assert use_fast_bf16_cpu_kernels(_stories().bfloat16(), cpu, None, single, slow) == n_linear
+
+
+@pytest.mark.parametrize("flags, ceiling, native", [
+    ("avx2,fma", "", False),  # no bf16 instructions
+    ("avx2,avx512f,avx512_bf16", "", True),
+    ("avx2,avx512f,avx512_bf16", "AVX2", False),  # portable numerics' cap
+    ("avx2,avx512f,avx512_bf16", "AVX512_CORE", False),  # capped just below them
+    ("avx2,avx512f,avx512_bf16", "avx512_core_bf16", True),
+    ("avx2,avx512f,amx_tile,amx_bf16", "AVX512_CORE_AMX", True),
+    ("avx2,avx512f,amx_bf16", "ALL", True),
+])
+def test_native_bf16_gemm_needs_the_instructions_and_onednn_allowed_to_use_them(
+        flags, ceiling, native):
+    from engine.modeling.cpu_linear import native_bf16_gemm
+
+    env = {"ONEDNN_MAX_CPU_ISA": ceiling} if ceiling else {}
+    assert native_bf16_gemm(flags, env) is native
 
 
 def test_packing_probe_refuses_models_that_cannot_separate_examples():

@@ -19,6 +19,12 @@ names, which its models pass from `forward(**kwargs)` down to the attention func
   squared lengths). Right on a CPU, where one call per example costs microseconds; on a GPU
   every call is a kernel launch (thousands per step), so it is the fallback there, with cuDNN
   attention kept out (it plans every new shape on the host: ~3 ms per call measured on an H100).
+  On a CPU computing in bf16/fp16, a micro-batch of short examples (see `_short_on_cpu`) runs
+  instead as one right-padded batch of plain matmuls with an fp32 softmax (transformers' eager
+  attention, batched): torch's flash CPU kernel is slow in bf16 at these lengths. Measured on
+  the 2-core EPYC with AVX512-BF16, forward and backward of 8 examples of 110-133 tokens, 9
+  heads over 3 kv heads of 64: 17.9 ms per example-wise flash call set, 7.3 ms padded (and
+  fp32 flash 12.4 ms); at 500 tokens flash wins (129 vs 309 ms), hence the length limit.
 
 The flash kernels take the boundaries on the device, copied with the batch (`host_keys()`
 tells the loop which keys stay behind): nothing in a layer reads the host, so compiled blocks
@@ -226,12 +232,77 @@ def _flex_kernel(query, key, value, cu, scaling, dropout: float):
     return out.reshape(h, b, t, d).permute(1, 2, 0, 3)
 
 
+#: the padded-matmul path's limits: its longest example (tokens; flash wins beyond about
+#: 300 in bf16 on the CPU measured) and its score elements (examples x heads x longest^2, about
+#: 10 bytes each kept for backward per layer: 80 MB at most)
+SHORT_EXAMPLE_TOKENS = 256
+SHORT_SCORE_ELEMENTS = 1 << 23
+
+
+def _short_on_cpu(query, bounds: list[int]) -> int:
+    """The longest example's length when this micro-batch takes the padded-matmul path (a CPU
+    computing in bf16/fp16, short examples, bounded scores), else 0."""
+    if query.device.type != "cpu":
+        return 0
+    low = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+           else query.dtype)
+    if low not in _FAST_DTYPES:
+        return 0
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    n = len(bounds) - 1
+    fits = (longest <= SHORT_EXAMPLE_TOKENS
+            and n * query.shape[1] * longest * longest <= SHORT_SCORE_ELEMENTS)
+    return longest if fits else 0
+
+
+def _padded_positions(cu: torch.Tensor, longest: int) -> torch.Tensor:
+    """Where each flat token sits in the (examples x longest) right-padded layout; built once
+    per forward and shared by every layer."""
+    def build(c, device):
+        bounds = c.tolist()
+        return torch.cat([torch.arange(s, e) - s + i * longest
+                          for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]).to(device)
+    return _once_per_forward(cu, torch.device("cpu"), build)
+
+
+def _padded_math(query, key, value, cu, longest: int, scaling, dropout: float):
+    """(1, heads, tokens, dim) -> (1, tokens, heads, dim): the examples right-padded to
+    `longest`, causal attention as two batched matmuls around an fp32 softmax. Right padding
+    needs no padding mask: a real query at position i sees keys <= i, all real; the pad rows'
+    outputs are dropped, so they get no gradient and give none."""
+    h, kv, d = query.shape[1], key.shape[1], query.shape[3]
+    n = len(cu) - 1
+    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    at = _padded_positions(cu, longest)
+
+    def pad(x):  # (1, heads, tokens, dim) -> (examples, heads, longest, dim)
+        x = x[0].to(low)
+        out = x.new_zeros(x.shape[0], n * longest, d).index_copy(1, at, x)
+        return out.view(x.shape[0], n, longest, d).transpose(0, 1)
+
+    with torch.autocast("cpu", enabled=False):
+        # the scale on q (examples x longest x dim), not on the scores (x longest x longest)
+        scale = d ** -0.5 if scaling is None else scaling
+        q = pad(query * scale).view(n, kv, h // kv, longest, d)  # grouped-query: kv once
+        k, v = pad(key).unsqueeze(2), pad(value).unsqueeze(2)
+        future = torch.ones(longest, longest, dtype=torch.bool).triu(1)
+        scores = (q @ k.transpose(-1, -2)).masked_fill_(future, float("-inf"))
+        probs = scores.softmax(-1, dtype=torch.float32).to(low)
+        if dropout:
+            probs = F.dropout(probs, dropout)
+        out = (probs @ v).view(n, h, longest, d).permute(0, 2, 1, 3).reshape(n * longest, h, d)
+    return out.index_select(0, at).unsqueeze(0)
+
+
 def _per_example(query, key, value, cu, scaling, dropout: float):
-    """(1, heads, tokens, dim) -> (1, tokens, heads, dim), causal SDPA per example."""
+    """(1, heads, tokens, dim) -> (1, tokens, heads, dim), causal SDPA per example (or, short
+    examples on a CPU in bf16/fp16, `_padded_math`)."""
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION}: per-example attention needs one row, got "
                          f"{query.shape[0]}")
     bounds = cu.tolist()
+    if longest := _short_on_cpu(query, bounds):
+        return _padded_math(query, key, value, cu, longest, scaling, dropout)
     gqa = query.shape[1] != key.shape[1]
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

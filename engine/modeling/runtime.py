@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from engine.modeling.cpu_linear import computes_in_bf16_on_cpu, use_layout_aware_linear
+from engine.modeling.cpu_linear import (computes_in_bf16_on_cpu, native_bf16_gemm,
+                                         use_layout_aware_linear)
 from engine.modeling.model import DTYPES
 from finetune.config.training import TrainingConfig
 from finetune.errors import PipelineError
@@ -159,11 +160,16 @@ def checkpoint_chosen_modules(model: torch.nn.Module, t: TrainingConfig) -> list
 
 
 def use_fast_bf16_cpu_kernels(model, device: torch.device, amp: torch.dtype | None,
-                              param_dtype: torch.dtype | None) -> int:
-    """bf16 on a CPU: linear layers whose backward avoids the slow GEMM layout (see
-    engine/modeling/cpu_linear.py); returns how many layers were switched (0: not a bf16 CPU
-    run). `param_dtype`: what the strategy's mixed precision computes parameters in
-    (Strategy.param_dtype; FSDP2 applies it only at the wrap, after this choice)."""
+                              param_dtype: torch.dtype | None,
+                              native: bool | None = None) -> int:
+    """bf16 on a CPU without native bf16 GEMMs: linear layers whose backward avoids the slow
+    GEMM layout (see engine/modeling/cpu_linear.py); returns how many layers were switched (0:
+    not a bf16 CPU run, or the CPU multiplies bf16 natively in any layout). `param_dtype`: what
+    the strategy's mixed precision computes parameters in (Strategy.param_dtype; FSDP2 applies
+    it only at the wrap, after this choice). `native`: cpu_linear.native_bf16_gemm() unless
+    given."""
     if not computes_in_bf16_on_cpu(model, device, {amp, param_dtype}):
+        return 0
+    if native_bf16_gemm() if native is None else native:
         return 0
     return use_layout_aware_linear(model)
