@@ -285,9 +285,10 @@ def _padded_math(query, key, value, cu, longest: int, scaling, dropout: float):
         scale = d ** -0.5 if scaling is None else scaling
         q = pad(query * scale).view(n, kv, h // kv, longest, d)  # grouped-query: kv once
         k, v = pad(key).unsqueeze(2), pad(value).unsqueeze(2)
-        future = torch.ones(longest, longest, dtype=torch.bool).triu(1)
-        scores = (q @ k.transpose(-1, -2)).masked_fill_(future, float("-inf"))
-        probs = scores.softmax(-1, dtype=torch.float32).to(low)
+        # -inf above the diagonal, added: an addition's backward passes the gradient through
+        # untouched (a masked_fill's would mask it again; softmax's is already 0 there)
+        future = torch.full((longest, longest), float("-inf"), dtype=low).triu(1)
+        probs = (q @ k.transpose(-1, -2) + future).softmax(-1, dtype=torch.float32).to(low)
         if dropout:
             probs = F.dropout(probs, dropout)
         out = (probs @ v).view(n, h, longest, d).permute(0, 2, 1, 3).reshape(n * longest, h, d)

@@ -101,8 +101,10 @@ class TrainingConfig(Section):
         description="Attention kernel for padding_free (and packing on a GPU): auto picks the "
         "fastest the machine has (torch's flash varlen on CUDA with bf16/fp16 compute, then the "
         "flash-attn package, then FlexAttention with a document mask, any dtype; on a CPU "
-        "causal SDPA per example: torch has no FlexAttention backward there). The choice is "
-        "printed at start-up.",
+        "causal SDPA per example, torch having no FlexAttention backward there, except that a "
+        "bf16/fp16 micro-batch of examples up to 256 tokens runs as one right-padded batch of "
+        "matmuls, faster than the CPU flash kernel at those lengths). The choice is printed at "
+        "start-up.",
     )
     packed_sequence_length: int | None = Field(
         None, fingerprint=True, gt=0,
