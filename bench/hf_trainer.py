@@ -12,7 +12,7 @@ examples and the final losses must agree; with Trainer's own RandomSampler they 
 by sampling noise and the comparison would say nothing about correctness.
 
 CPU peers (bench/peers_cpu.py): `peft` ({r, lora_alpha, target_modules}) wraps the model in
-peft's LoRA; `save_dir` saves the trained model (or adapter) there after the timed run, for a
+peft's LoRA, `base_bf16` loads the base model's weights in bf16 first; `save_dir` saves the trained model (or adapter) there after the timed run, for a
 held-out loss both sides compute the same way.
 
 GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
@@ -85,8 +85,11 @@ def main(spec_path: str, out_path: str) -> None:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     torch.manual_seed(spec["seed"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    # `base_bf16`: the frozen base weights loaded in bf16 (peft keeps the adapter in fp32),
+    # the usual LoRA setting where memory or speed counts
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model"], dtype=torch.bfloat16 if spec.get("base_bf16") else torch.float32,
+        attn_implementation="sdpa")
     if spec.get("peft"):
         from peft import LoraConfig, get_peft_model
 

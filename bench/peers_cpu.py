@@ -1,6 +1,6 @@
 """Our train stage against each peer at its best correct CPU setting, in one run.
 
-    .venv/bin/python bench/peers_cpu.py [--rows full,lora] [--steps 20] [--lora-steps 10]
+    .venv/bin/python bench/peers_cpu.py [--rows full,lora] [--steps 20] [--lora-steps 20]
                                         [--profile]
 
 A user who knows HF compares with its best setting, not its default, so every peer runs at
@@ -12,12 +12,19 @@ the settings that make it fastest here while still training each example on its 
 - `TRL SFTTrainer padding_free` (each batch one row without padding; transformers keeps the
   examples apart through the restarting `position_ids`, which the final loss checks);
 
-all with fused AdamW, fp32, sdpa attention, batch 8, Alpaca rows of at most 512 GPT-2 tokens,
-completion-only labels. `ours padfree` is our train stage with `training.padding_free` and
-`training.cpu_numerics: native` (ATen's kernels for this CPU, as the peers run; the default,
-portable, trades speed for the same bytes on every x86-64 CPU), with its default
-`training.cpu_malloc_reuse` (finetune/host_memory.py). Two more rows show what that setting
-is worth: ours with glibc's malloc defaults, and HF group_by_length given the same malloc
+in fp32 and, except plain HF, in bf16 autocast (`bf16=True`: a CPU with AVX512-BF16 or AMX
+multiplies bf16 several times faster than fp32, so there it is the peers' best precision),
+and for LoRA also with the frozen base loaded in bf16 (peft's usual speed setting); all with
+fused AdamW, sdpa attention, batch 8, Alpaca rows of at most 512 GPT-2 tokens,
+completion-only labels. The fastest of these is the best peer. `ours padfree` is our train
+stage with `training.padding_free` and `training.cpu_numerics: native` (ATen's kernels for
+this CPU, as the peers run; the default, portable, trades speed for the same bytes on every
+x86-64 CPU), with its defaults `training.cpu_malloc_reuse` (finetune/host_memory.py) and
+`training.fused_lora`, at each peer setting: fp32, bf16 autocast, and for LoRA the base in
+bf16 (`model.dtype: bfloat16`); the headline ratio divides ours at the best peer's setting by
+the best peer (and `ratio_vs_best_fp32_peer_both_fp32` keeps the fp32 comparison). Lever rows
+at that setting show what our settings are worth: ours with
+glibc's malloc defaults, ours with peft's LoRA forward, and the best peer given our malloc
 environment (not an HF setting, so not a candidate for "best peer": the ratio to it is what
 is ours beyond the allocator).
 
@@ -42,10 +49,10 @@ from the end of that step to the end of the run (HF: synchronised step ends from
 bench/hf_trainer.py's `warmup_window`; ours: `training.speed_metrics_start_step`); the
 whole-run rate (train runtime, first steps included) is kept beside it.
 
-`--profile` also runs our stage once more per model with `logging.profiler` (torch.profiler,
-steps 4-5) and keeps the ops table sorted by self CPU time in bench/results/, and the best peer
-once more with the same profiler on the same rows' steps 4-5 (`profile-<model>-peer-cpu.txt`):
-equal batches, so the two tables compare op by op.
+`--profile` also runs our stage once more per model (at the best peer's precision) with
+`logging.profiler` (torch.profiler, steps 4-5) and keeps the ops table sorted by self CPU time
+in bench/results/, and the best peer once more with the same profiler on the same rows'
+steps 4-5 (`profile-<model>-peer-cpu.txt`): equal batches, so the two tables compare op by op.
 
 Writes bench/results/peers-cpu.json (`--out` changes the stem).
 """
@@ -60,6 +67,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from memory_levers import build_gpt2_vocab_model
@@ -81,27 +89,54 @@ ROWS = {"full": "llama-29M", "lora": "smollm2-135M-shape"}
 LORA = {"r": 16, "lora_alpha": 32,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"]}
-#: peer row name -> (options of bench/hf_trainer.py's spec, environment, reads the rows in
-#: random batches rather than in group_by_length's)
+@dataclass(frozen=True)
+class Peer:
+    """A peer row: bench/hf_trainer.py's spec additions, its precision (bf16: TrainingArguments'
+    `bf16=True`, autocast), environment, whether it reads the rows in random batches rather
+    than in group_by_length's, and whether it is a LoRA setting only."""
+
+    options: dict
+    precision: str = "fp32"
+    env: dict = field(default_factory=dict)
+    random_batches: bool = False
+    lora_only: bool = False
+
+
 PEERS = {
-    "HF Trainer": ({}, {}, True),
-    "HF Trainer group_by_length": ({}, {}, False),
-    "TRL SFTTrainer padding_free": ({"trainer": "trl"}, {}, False),
-    # not an HF setting: our allocator settings given to HF too, so that the ratio to the
-    # row above shows what is ours beyond them
-    "HF Trainer group_by_length + our malloc env": ({}, MALLOC_REUSE_ENV, False),
+    "HF Trainer": Peer({}, random_batches=True),
+    "HF Trainer group_by_length": Peer({}),
+    "HF Trainer group_by_length, bf16 autocast": Peer({}, "bf16"),
+    # peft's usual setting when speed or memory counts: the frozen base in bf16
+    "HF Trainer group_by_length, bf16 base weights + bf16 autocast": Peer(
+        {"base_bf16": True}, "bf16", lora_only=True),
+    "TRL SFTTrainer padding_free": Peer({"trainer": "trl"}),
+    "TRL SFTTrainer padding_free, bf16 autocast": Peer({"trainer": "trl"}, "bf16"),
 }
+#: not an HF setting: the best peer row again with our allocator settings, so that the ratio
+#: to it shows what is ours beyond them (never a candidate for "best peer")
+WITH_OUR_MALLOC = " + our malloc env"
 SEED = 42
 #: steps left out of the timed window, for every trainer: the first batch is group_by_length's
 #: longest (HF puts it first), and a first step's fresh memory costs more than a whole later
 #: step (a 20 s first step of 43 s measured on the LoRA row); users' runs are hundreds of steps
 WARMUP_STEPS = 2
-#: our row name -> params over COMMON and the row's own
-OURS = {"ours padfree": {},
-        "ours padfree, glibc malloc defaults": {"training.cpu_malloc_reuse": False},
-        # LoRA rows only: what training.fused_lora is worth (peft's own layer forward)
-        "ours padfree, peft's LoRA forward": {"training.fused_lora": False}}
-LORA_ONLY = {"ours padfree, peft's LoRA forward"}
+#: our rows at each peer setting: (precision, base weights in bf16) -> (name, params)
+OURS_AT = {
+    ("fp32", False): ("ours padfree", {}),
+    ("bf16", False): ("ours padfree, bf16 autocast", {}),
+    # LoRA only, as on the peers' side: the frozen base loaded in bf16 (model.dtype)
+    ("bf16", True): ("ours padfree, bf16 base weights + bf16 autocast",
+                     {"model.dtype": "bfloat16"}),
+}
+#: lever rows, run at the best peer's setting: name suffix -> (params, LoRA rows only)
+LEVERS = {"glibc malloc defaults": ({"training.cpu_malloc_reuse": False}, False),
+          # what training.fused_lora is worth (peft's own layer forward)
+          "peft's LoRA forward": ({"training.fused_lora": False}, True)}
+
+
+def setting(p: Peer) -> tuple[str, bool]:
+    """A peer's (precision, base weights in bf16): the key of our row at its setting."""
+    return p.precision, bool(p.options.get("base_bf16"))
 
 
 def build(name: str, dest: Path) -> Path:
@@ -158,12 +193,14 @@ def held_out_loss(model_dir: Path, trained: Path, test_split: Path) -> float:
     return evaluate_loss(model, rows, batch_size=8, pad_id=0)["loss"]
 
 
-def profile_ours(project: Path, model_dir: Path, steps: int, lora: bool, dest: Path) -> str:
-    """Our stage once more with torch.profiler on steps 4-5; the ops table's path."""
+def profile_ours(project: Path, model_dir: Path, steps: int, lora: bool, precision: str,
+                 params: dict, dest: Path) -> str:
+    """Our stage once more (at `precision`, with `params`) with torch.profiler on steps 4-5;
+    the ops table's path."""
     prof = project / "bench-profile"
     shutil.rmtree(prof, ignore_errors=True)
-    run_ours(project, model_dir, "fp32", max(steps, 5), "padfree", {
-        **ours_params(lora),
+    run_ours(project, model_dir, precision, max(steps, 5), "padfree", {
+        **ours_params(lora), **params,
         "logging.profiler": {"enabled": True, "wait_steps": 2, "warmup_steps": 1,
                              "active_steps": 2, "row_limit": 40, "output_dir": str(prof)}})
     shutil.copy2(next(prof.glob("ops-*.txt")), dest)
@@ -177,11 +214,11 @@ def profile_peer(project: Path, model_dir: Path, peer: str, order: list[int], lo
     and ours compare op by op on equal batches; the table's path."""
     prof = project / "bench-profile-peer"
     shutil.rmtree(prof, ignore_errors=True)
-    options, env, _ = PEERS[peer]
+    p = PEERS[peer]
     steps, batch = 5, COMMON["training.per_device_train_batch_size"]
-    run_hf(project, model_dir, "fp32", steps, order[:steps * batch],
-           {**options, "profile": {"out_dir": str(prof), "wait": 2, "active": 2},
-            **({"peft": LORA} if lora else {})}, env)
+    run_hf(project, model_dir, p.precision, steps, order[:steps * batch],
+           {**p.options, "profile": {"out_dir": str(prof), "wait": 2, "active": 2},
+            **({"peft": LORA} if lora else {})}, p.env)
     shutil.copy2(next(prof.glob("ops-*.txt")), dest)
     return str(dest.relative_to(ROOT))
 
@@ -195,8 +232,9 @@ def ours_params(lora: bool) -> dict:
     # them at AVX2 for bitwise-equal runs on any x86-64 CPU: 0.73x, docs/tracking.md)
     return {**peft, "training.cpu_numerics": "native",
             "training.speed_metrics_start_step": WARMUP_STEPS,
-            # the levers the OURS rows turn off, back on (params persist between rows)
+            # the levers and settings rows change, back (params persist between rows)
             "training.cpu_malloc_reuse": True, "training.fused_lora": True,
+            "model.dtype": "float32",
             "logging.profiler": {"enabled": False}}
 
 
@@ -215,42 +253,64 @@ def measure(project: Path, tmp: Path, name: str, steps: int, profile: bool,
     # another seed than our order's (ours is torch.randperm with SEED: the same permutation)
     shuffled = torch.randperm(n_rows, generator=torch.Generator().manual_seed(SEED + 1)).tolist()
     row = {"model": name, "adapter": "LoRA r16 attention+MLP" if lora else "full",
-           "steps": steps, "peers": {}}
-    for peer, (options, env, random_batches) in PEERS.items():
+           "steps": steps, "peers": {}, "precision": {}, "setting": {}}
+
+    def peer_row(label: str, p: Peer) -> None:
         saved = tmp / f"{name}-{len(row['peers'])}"
-        extra = {**options, "save_dir": str(saved), "warmup_window": WARMUP_STEPS,
+        extra = {**p.options, "save_dir": str(saved), "warmup_window": WARMUP_STEPS,
                  **({"peft": LORA} if lora else {})}
-        r = run_hf(project, model_dir, "fp32", steps, shuffled if random_batches else order,
-                   extra, env)
+        r = run_hf(project, model_dir, p.precision, steps,
+                   shuffled if p.random_batches else order, extra, p.env)
         r["held_out_loss"] = held_out_loss(model_dir, saved, test_split)
-        row["peers"][peer] = r
-        say(name, peer, r)
+        row["peers"][label], row["precision"][label] = r, p.precision
+        row["setting"][label] = setting(p)
+        say(name, label, r)
+
+    for peer, p in PEERS.items():
+        if lora or not p.lora_only:
+            peer_row(peer, p)
+    best = max(row["peers"], key=lambda p: row["peers"][p]["window_tokens_per_s"])
+    best_precision = PEERS[best].precision
+    malloc_row = best + WITH_OUR_MALLOC
+    peer_row(malloc_row, Peer(PEERS[best].options, best_precision, MALLOC_REUSE_ENV,
+                              PEERS[best].random_batches))
     row["ours"] = {}
-    for ours, params in OURS.items():
-        if ours in LORA_ONLY and not lora:
-            continue
-        r = run_ours(project, model_dir, "fp32", steps, "padfree", {**ours_params(lora), **params})
+
+    def ours_row(label: str, at: tuple[str, bool], params: dict) -> None:
+        r = run_ours(project, model_dir, at[0], steps, "padfree",
+                     {**ours_params(lora), **params})
         r["held_out_loss"] = held_out_loss(model_dir, project / "data/trained", test_split)
-        row["ours"][ours] = r
-        say(name, ours, r)
-    ours = row["ours"]["ours padfree"]
+        row["ours"][label], row["precision"][label], row["setting"][label] = r, at[0], at
+        say(name, label, r)
+
+    for at, (label, params) in OURS_AT.items():
+        if lora or not at[1]:
+            ours_row(label, at, params)
+    headline, headline_params = OURS_AT[setting(PEERS[best])]
+    for lever, (params, lora_only) in LEVERS.items():
+        if lora or not lora_only:
+            ours_row(f"{headline}, {lever}", setting(PEERS[best]),
+                     {**headline_params, **params})
+    ours = row["ours"][headline]
     row["rows"] = n_rows
-    hf_settings = [p for p in row["peers"] if not PEERS[p][1]]  # the peers' own settings
-    best = max(hf_settings, key=lambda p: row["peers"][p]["window_tokens_per_s"])
-    row["best_peer"] = best
-    for key, peer in (("best_peer", best), ("plain_hf", "HF Trainer"),
-                      ("best_peer_with_our_malloc_env",
-                       "HF Trainer group_by_length + our malloc env")):
-        row[f"ratio_vs_{key}"] = (ours["window_tokens_per_s"]
+    row["best_peer"], row["ours_headline"] = best, headline
+    best_fp32 = max((p for p in row["peers"] if row["precision"][p] == "fp32"
+                     and not p.endswith(WITH_OUR_MALLOC)),
+                    key=lambda p: row["peers"][p]["window_tokens_per_s"])
+    row["best_fp32_peer"] = best_fp32
+    for key, mine, peer in (("best_peer", headline, best), ("plain_hf", headline, "HF Trainer"),
+                            ("best_peer_with_our_malloc_env", headline, malloc_row),
+                            ("best_fp32_peer_both_fp32", "ours padfree", best_fp32)):
+        row[f"ratio_vs_{key}"] = (row["ours"][mine]["window_tokens_per_s"]
                                   / row["peers"][peer]["window_tokens_per_s"])
-        row[f"whole_run_ratio_vs_{key}"] = (ours["tokens_per_s"]
+        row[f"whole_run_ratio_vs_{key}"] = (row["ours"][mine]["tokens_per_s"]
                                             / row["peers"][peer]["tokens_per_s"])
     for loss in ("held_out_loss", "final_loss"):  # the same batches: must agree
         row[f"{loss}_diff_vs_best_peer"] = ours[loss] / row["peers"][best][loss] - 1
     if profile:
-        row["profile"] = profile_ours(project, model_dir, steps, lora,
-                                      results / f"profile-{name}-cpu.txt")
-        if not PEERS[best][2]:  # a peer on our batches: the same rows at steps 4-5
+        row["profile"] = profile_ours(project, model_dir, steps, lora, best_precision,
+                                      headline_params, results / f"profile-{name}-cpu.txt")
+        if not PEERS[best].random_batches:  # a peer on our batches: the same rows at 4-5
             row["best_peer_profile"] = profile_peer(
                 project, model_dir, best, order, lora, results / f"profile-{name}-peer-cpu.txt")
     return row
@@ -263,14 +323,19 @@ def say(model: str, trainer: str, r: dict) -> None:
 
 
 def table(rows: list[dict]) -> str:
+    """One line per trainer row; "ours / this" divides our row at the same setting (precision
+    and base weights' dtype; our lever rows: the best peer's) by this row."""
     lines = []
     for row in rows:
         entries = [{"trainer": t, **r} for t, r in {**row["peers"], **row["ours"]}.items()]
-        ours = row["ours"]["ours padfree"]["window_tokens_per_s"]
         for e in entries:
+            precision = row["precision"][e["trainer"]]
+            mine = OURS_AT[tuple(row["setting"][e["trainer"]])][0]
+            ours = row["ours"][mine]["window_tokens_per_s"]
             lines.append({
                 "model": row["model"], "adapter": row["adapter"], "trainer": e["trainer"]
                 + (" (best peer)" if e["trainer"] == row["best_peer"] else ""),
+                "precision": precision,
                 f"useful tok/s after step {WARMUP_STEPS}": e["window_tokens_per_s"],
                 "ours / this": ours / e["window_tokens_per_s"],
                 "whole-run tok/s": e["tokens_per_s"],
@@ -283,7 +348,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="full,lora", help="comma list of: " + ", ".join(ROWS))
     ap.add_argument("--steps", type=int, default=20, help="steps of the full fine-tuning row")
-    ap.add_argument("--lora-steps", type=int, default=10, help="steps of the LoRA row")
+    ap.add_argument("--lora-steps", type=int, default=20, help="steps of the LoRA row")
     ap.add_argument("--profile", action="store_true", help="also profile our step per model")
     ap.add_argument("--out", default="peers")
     ap.add_argument("--workdir", help="keep the projects here (default: a temporary folder)")

@@ -88,7 +88,14 @@ def machine() -> dict:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+    try:  # the flags that decide kernels (AVX-512, AVX512-BF16, AMX): bf16 ratios need them
+        from finetune.numerics import cpu as cpu_info
+
+        flags = cpu_info()["flags"]
+    except ImportError:  # a GPU machine's bare environment
+        flags = "unknown"
+    return {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(),
+            "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "python": platform.python_version()}
 
