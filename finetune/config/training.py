@@ -207,8 +207,8 @@ class TrainingConfig(Section):
         True, fingerprint=False,
         description="The training processes keep freed memory for reuse (glibc malloc: no "
         "mmap for large blocks, no trimming), so the large tensors a step frees are not "
-        "page-faulted in again the next step: 1.22x tokens/s on a CPU in "
-        "bench/peers_cpu.py's 29M model, at a higher resident peak (+414 MB there; the heap "
+        "page-faulted in again the next step: 1.85x tokens/s in bf16 on a CPU in "
+        "bench/peers_cpu.py's 29M model, at a higher resident peak (+607 MB there; the heap "
         "does not shrink). Results are the same either way; false: glibc's defaults.",
     )
     fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = Field(
