@@ -127,3 +127,32 @@ def test_fused_lora_bench_times_both_variants_and_refuses_a_missing_gpu():
                            "cuda"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: --device cuda: no CUDA GPU is visible here"
+
+
+def test_peers_benchmark_has_our_row_at_every_peer_setting_and_divides_like_for_like():
+    """Every peer setting (precision, base dtype) has our row at the same setting (else the
+    headline ratio would fail after a half-hour run), a bf16 base is a LoRA setting on both
+    sides, and the table divides each row by ours at its own setting."""
+    peers = _bench_module("peers_cpu")
+    for name, peer in peers.PEERS.items():
+        assert peers.setting(peer) in peers.OURS_AT, name
+        assert peer.lora_only or not peers.setting(peer)[1], name
+    at = {setting: label for setting, (label, _) in peers.OURS_AT.items()}
+    rates = {at[("fp32", False)]: 300.0, at[("bf16", False)]: 600.0, at[("bf16", True)]: 800.0,
+             "HF fp32": 150.0, "HF bf16 base": 400.0}
+    settings = {at[("fp32", False)]: ("fp32", False), at[("bf16", False)]: ("bf16", False),
+                at[("bf16", True)]: ("bf16", True), "HF fp32": ("fp32", False),
+                "HF bf16 base": ("bf16", True)}
+
+    def result(rate):
+        return {"window_tokens_per_s": rate, "tokens_per_s": rate, "padding_fraction": 0.0,
+                "final_loss": 1.0, "held_out_loss": 1.0, "peak_rss_mb": 1.0}
+
+    row = {"model": "m", "adapter": "LoRA", "best_peer": "HF bf16 base",
+           "peers": {p: result(rates[p]) for p in ("HF fp32", "HF bf16 base")},
+           "ours": {o: result(rates[o]) for o in at.values()},
+           "precision": {k: v[0] for k, v in settings.items()}, "setting": settings}
+    lines = peers.table([row]).splitlines()[2:]
+    ratio = {line.split(" | ")[2]: float(line.split(" | ")[5]) for line in lines}
+    assert ratio["HF fp32"] == 2.0 and ratio["HF bf16 base (best peer)"] == 2.0
+    assert ratio[at[("bf16", False)]] == 1.0
