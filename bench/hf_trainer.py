@@ -12,8 +12,9 @@ examples and the final losses must agree; with Trainer's own RandomSampler they 
 by sampling noise and the comparison would say nothing about correctness.
 
 CPU peers (bench/peers_cpu.py): `peft` ({r, lora_alpha, target_modules}) wraps the model in
-peft's LoRA, `base_bf16` loads the base model's weights in bf16 first; `save_dir` saves the trained model (or adapter) there after the timed run, for a
-held-out loss both sides compute the same way.
+peft's LoRA, `base_bf16` loads the base model's weights in bf16 first; `save_dir` saves the
+trained model (or adapter) there after the timed run, for a held-out loss both sides compute
+the same way.
 
 GPU options (bench/gpu.py): `trainer: trl` runs TRL's SFTTrainer with padding_free (the
 examples' completion masks from our labels), `liger` its use_liger_kernel, `cudnn: false`
