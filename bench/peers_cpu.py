@@ -270,9 +270,9 @@ def measure(project: Path, tmp: Path, name: str, steps: int, profile: bool,
         if lora or not p.lora_only:
             peer_row(peer, p)
     best = max(row["peers"], key=lambda p: row["peers"][p]["window_tokens_per_s"])
-    best_precision = PEERS[best].precision
+    best_at = setting(PEERS[best])
     malloc_row = best + WITH_OUR_MALLOC
-    peer_row(malloc_row, Peer(PEERS[best].options, best_precision, MALLOC_REUSE_ENV,
+    peer_row(malloc_row, Peer(PEERS[best].options, best_at[0], MALLOC_REUSE_ENV,
                               PEERS[best].random_batches))
     row["ours"] = {}
 
@@ -286,11 +286,10 @@ def measure(project: Path, tmp: Path, name: str, steps: int, profile: bool,
     for at, (label, params) in OURS_AT.items():
         if lora or not at[1]:
             ours_row(label, at, params)
-    headline, headline_params = OURS_AT[setting(PEERS[best])]
+    headline, headline_params = OURS_AT[best_at]
     for lever, (params, lora_only) in LEVERS.items():
         if lora or not lora_only:
-            ours_row(f"{headline}, {lever}", setting(PEERS[best]),
-                     {**headline_params, **params})
+            ours_row(f"{headline}, {lever}", best_at, {**headline_params, **params})
     ours = row["ours"][headline]
     row["rows"] = n_rows
     row["best_peer"], row["ours_headline"] = best, headline
@@ -308,7 +307,7 @@ def measure(project: Path, tmp: Path, name: str, steps: int, profile: bool,
     for loss in ("held_out_loss", "final_loss"):  # the same batches: must agree
         row[f"{loss}_diff_vs_best_peer"] = ours[loss] / row["peers"][best][loss] - 1
     if profile:
-        row["profile"] = profile_ours(project, model_dir, steps, lora, best_precision,
+        row["profile"] = profile_ours(project, model_dir, steps, lora, best_at[0],
                                       headline_params, results / f"profile-{name}-cpu.txt")
         if not PEERS[best].random_batches:  # a peer on our batches: the same rows at 4-5
             row["best_peer_profile"] = profile_peer(

@@ -239,14 +239,15 @@ SHORT_EXAMPLE_TOKENS = 256
 SHORT_SCORE_ELEMENTS = 1 << 23
 
 
+def _cpu_compute_dtype(query) -> torch.dtype:
+    """What a CPU's matmuls compute in here: autocast's dtype, else the inputs'."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+
+
 def _short_on_cpu(query, bounds: list[int]) -> int:
     """The longest example's length when this micro-batch takes the padded-matmul path (a CPU
     computing in bf16/fp16, short examples, bounded scores), else 0."""
-    if query.device.type != "cpu":
-        return 0
-    low = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
-           else query.dtype)
-    if low not in _FAST_DTYPES:
+    if query.device.type != "cpu" or _cpu_compute_dtype(query) not in _FAST_DTYPES:
         return 0
     longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
     n = len(bounds) - 1
@@ -272,7 +273,7 @@ def _padded_math(query, key, value, cu, longest: int, scaling, dropout: float):
     outputs are dropped, so they get no gradient and give none."""
     h, kv, d = query.shape[1], key.shape[1], query.shape[3]
     n = len(cu) - 1
-    low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    low = _cpu_compute_dtype(query)
     at = _padded_positions(cu, longest)
 
     def pad(x):  # (1, heads, tokens, dim) -> (examples, heads, longest, dim)
