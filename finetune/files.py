@@ -122,8 +122,9 @@ def as_unwritable(exc: BaseException, folder: Path) -> BaseException:
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield an empty staging folder that replaces `final` only if the block succeeds.
 
-    A failing stage leaves the previous successful output untouched (DVC outs are `persist`
-    so DVC does not delete them first either).
+    A failing stage leaves the previous successful output untouched (under `dvc repro`, which
+    deletes a stage's outs before running it, the failed stage puts them back from DVC's
+    cache: flows/dvc_restore.py).
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))

@@ -191,7 +191,11 @@ def cmd_stage(args) -> int:
         for path in remove_interrupted_writes(ws.root / "data"):  # no live run owns them now
             print(f"[{args.name}] removed {_rel(path, ws.root)}, left by an interrupted write")
         try:
-            outputs = stage_function(args.name)(ws)
+            try:
+                outputs = stage_function(args.name)(ws)
+            except BaseException:
+                _put_back_previous_outputs(ws.root, args.name)
+                raise
         except KeyboardInterrupt as exc:
             where = ""
             if args.name == "train":
@@ -210,6 +214,22 @@ def cmd_stage(args) -> int:
         if notice:
             print(notice)
     return 0
+
+
+def _put_back_previous_outputs(root: Path, name: str) -> None:
+    """Under `dvc repro` (DVC_STAGE names this stage), DVC deleted the stage's outs before
+    running it: a failed run puts the previous ones back from DVC's cache (flows/dvc_restore.py)
+    so that the workspace keeps them, as it does when the stage is run by hand."""
+    if os.environ.get("DVC_STAGE") != name:
+        return
+    from flows.dvc_restore import restore_previous_outputs, restored_note
+
+    try:
+        note = restored_note(name, *restore_previous_outputs(root, name))
+    except Exception as exc:  # noqa: BLE001 - the stage's own error is the one to report
+        note = f"[{name}] could not put back the previous outputs ({exc}): `dvc checkout {name}`"
+    if note:
+        print(note, flush=True)
 
 
 def cmd_validate(args) -> int:
@@ -254,12 +274,21 @@ def cmd_run(args) -> int:
             "single stages with 'finetune stage NAME -p FILE -s KEY=VALUE'"
         )
     from finetune.workspace import workspace_lock
-    from flows.dvc_runner import dvc_env, dvc_exe
+    from flows.dvc_runner import dvc_env, dvc_exe, forget_lineage_of_restored
 
     started = time.perf_counter()
     cmd = dvc_exe() + ["repro"] + (["--force"] if args.force else [])
     with workspace_lock(ws.root):  # the Prefect flow takes the same lock
-        proc = subprocess.run(cmd, cwd=ws.root, env=dvc_env())
+        # DVC's output passed through as it comes (same process group: Ctrl-C reaches it)
+        proc = subprocess.Popen(cmd, cwd=ws.root, env=dvc_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            print(line, end="", flush=True)
+        proc.wait()
+        forget_lineage_of_restored(ws.root, "".join(lines))
     if proc.returncode != 0:
         raise PipelineError(f"dvc repro failed (exit {proc.returncode}); the failing stage's "
                             "error is printed above")

@@ -30,7 +30,13 @@ from finetune.config.overrides import apply_overrides
 from finetune.errors import PipelineError
 
 RAN = re.compile(r"Running stage '([\w-]+)'")
-GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots", "data/eval")
+#: DVC's line for a stage its run-cache restored instead of running it
+RESTORED_BY_RUN_CACHE = re.compile(r"Stage '([\w-]+)' is cached - skipping run")
+#: the run-specific record each stage writes outside DVC (this clone's MLflow run, registered
+#: version): it describes the outputs that stage made here, not outputs DVC restored
+LINEAGE_OF = {"train": ("data/lineage/train_run.json",),
+              "export": ("data/lineage/model_version.json",)}
+GIT_TRACKED_RESULTS = ("dvc.lock", "data/metrics", "data/plots")
 #: what an override run puts back as it was: the git-tracked results, and the record of which
 #: MLflow run and registered version the restored outputs belong to (gitignored)
 RESTORED = (*GIT_TRACKED_RESULTS, "data/lineage")
@@ -137,6 +143,18 @@ def repro_stage(root: Path, stage: str, on_line: Callable[[str], None] | None = 
             f"stage '{stage}' failed: {stage_error(out) or dvc_error or f'dvc exited {rc}'}",
             int(code.group(1)) if code else None)
     return StageResult(stage, stage in RAN.findall(out), out)
+
+
+def forget_lineage_of_restored(root: Path, output: str) -> list[str]:
+    """After `dvc repro` output in which DVC's run-cache restored stages: the lineage records
+    of those stages (LINEAGE_OF) removed, since no run in this clone made the restored
+    outputs (a record left from an earlier run would name the wrong MLflow run). Returns the
+    stages restored."""
+    restored = RESTORED_BY_RUN_CACHE.findall(output)
+    for stage in restored:
+        for rel in LINEAGE_OF.get(stage, ()):
+            (root / rel).unlink(missing_ok=True)
+    return restored
 
 
 def stage_outs(root: Path, stage: str) -> tuple[list[str], list[str]]:

@@ -23,7 +23,8 @@ from finetune.errors import PipelineError
 from finetune.workspace import (DEFAULT_PARAMS, Layout, Workspace, find_project_root,
                                 workspace_lock)
 from tasks import STAGES
-from flows.dvc_runner import OverrideSession, StageFailed, repro_stage
+from flows.dvc_runner import (OverrideSession, StageFailed, forget_lineage_of_restored,
+                              repro_stage)
 from flows.report import markdown, summary
 from tasks.train import RESUME_ENV
 
@@ -59,6 +60,7 @@ def _stage(stage: str, root: str, extra_env: dict[str, str] | None = None):
     if stage != VALIDATE and not Layout(Path(root)).params_valid.exists():
         repro_stage(Path(root), VALIDATE, on_line=logger.info)  # a task run on its own
     result = repro_stage(Path(root), stage, on_line=logger.info, extra_env=extra_env)
+    forget_lineage_of_restored(Path(root), result.output)
     if not result.ran:
         return Completed(message="cached: up to date", data={"stage": stage, "ran": False})
     return {"stage": stage, "ran": True}

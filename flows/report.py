@@ -46,7 +46,11 @@ def markdown(info: dict, ran: list[str] | None = None, cached: list[str] | None 
         verdict = "improved" if delta > 0 else "did NOT improve"
         lines.append(f"\nfine-tuning {verdict} eval loss by {delta:+.4f}")
     lines.append(f"exported model: {info['export_path']} (AutoModelForCausalLM.from_pretrained)")
-    lines.append(f"MLflow run: {info['mlflow_run_id']} in {info['mlflow_uri']}")
+    if info["mlflow_run_id"]:
+        lines.append(f"MLflow run: {info['mlflow_run_id']} in {info['mlflow_uri']}")
+    else:  # DVC's run-cache restored the training (or MLflow logging is off)
+        lines.append(f"MLflow run: none in {info['mlflow_uri']} (no training ran here for "
+                     "these outputs: DVC restored them from its cache, or MLflow is off)")
     reg = info.get("registry")
     if reg and reg.get("registered"):
         lines.append(f"registered model: {reg['name']} v{reg['version']} "

@@ -37,9 +37,10 @@ SECTIONS = ("model", "peft", "data", "training", "optimizer", "scheduler", "dist
 TOP = ("params/", "tasks/", "engine/", "flows/", "finetune/", "tests/", "bench/", "data/",
        "preprocess/", "docs/", ".ci/", "dvc.yaml", "dvc.lock", "Makefile", "pyproject.toml",
        "constraints.txt", "prefect.yaml", "mkdocs.yml")
-#: written by a run but neither a DVC output nor in git: the train logs, the checkpoints a
-#: fresh run moves aside, an interrupted write's staging folders
-RUN_PATHS = ("data/logs", "data/lineage", "data/checkpoints.previous", "data/.trained.tmp-*",
+#: written by a run but neither a DVC output nor in git: the train logs, the train stage's
+#: checkpoints and those a fresh run moves aside, an interrupted write's staging folders
+RUN_PATHS = ("data/logs", "data/lineage", "data/checkpoints", "data/checkpoints.previous",
+             "data/.trained.tmp-*",
              "data/sft/gsm8k")  # the DPO example's base: the default run's export, copied
 #: names that look like paths and are not: the Prefect deployment
 NOT_PATHS = ("finetune/default",)
@@ -417,9 +418,31 @@ def _script(page: str, first: int, lines: list[str]) -> tuple[str, list[str]]:
     return "source \"$DOCS_LOGS/prelude.sh\"\n" + "\n".join(out) + "\n", background
 
 
-def _fresh_clone(dest: Path) -> Path:
+#: the commands a teammate runs once in a new clone to share the team's DVC cache
+#: (docs/orchestration.md, "Sharing work in a team"); every clone this test makes runs them
+#: with one cache for the whole session, so a stage whose code, params and data equal a run
+#: another clone already made is restored by DVC's run-cache instead of run again
+TEAM_CACHE_SETUP = (("dvc", "cache", "dir", "--local", "{cache}"),
+                    ("dvc", "config", "--local", "cache.shared", "group"))
+#: the docs commands run on two lanes (xdist groups, `make test-docs` runs `--dist loadgroup`),
+#: each a list of pages in order; a page's blocks stay on one lane, in reading order, in one
+#: clone. The README page (the default run, the Prefect stack, lm-eval) is about as long as
+#: all the others together
+LANES = (("README.md",),
+         ("docs/orchestration.md", "docs/distributed.md", "docs/gguf.md", "docs/benchmarks.md",
+          "docs/training.md"))
+#: a page whose set-up builds what a block of another page builds first: it waits for that
+#: block (at most this long, and only while the block is still to run in this session), so
+#: DVC's run-cache restores the shared work instead of both lanes running it side by side
+#: (training.md's `make sft-base` is the README's `make run`)
+WAITS_FOR = {"docs/training.md": ("README.md", 0)}
+WAIT_AT_MOST = 1800
+
+
+def _fresh_clone(dest: Path, cache: Path) -> Path:
     """`git clone` of this repository (its committed tree) with this test's environment as its
-    `.venv`: the stamp `make` checks made newer than the clone's files, so nothing reinstalls."""
+    `.venv` (the stamp `make` checks made newer than the clone's files, so nothing
+    reinstalls), sharing the DVC cache `cache` as a teammate's clone does."""
     venv = BIN.parent
     stamp = venv / ".installed"
     assert stamp.is_file(), f"{stamp} is missing: run `make setup` first"
@@ -430,6 +453,9 @@ def _fresh_clone(dest: Path) -> Path:
     before = stamp.stat().st_mtime - 60
     for name in ("pyproject.toml", "constraints.txt"):
         os.utime(dest / name, (before, before))
+    for command in TEAM_CACHE_SETUP:
+        subprocess.run([str(BIN / command[0]), *(w.format(cache=cache) for w in command[1:])],
+                       cwd=dest, check=True, capture_output=True)
     return dest
 
 
@@ -456,36 +482,50 @@ def _stop(pgid: int, timeout: float = 90) -> bool:
     return False
 
 
-@pytest.mark.docs_commands
-@pytest.mark.parametrize("page, blocks", _docs_pages(), ids=[p for p, _ in _docs_pages()])
-def test_the_shown_commands_run_on_a_fresh_clone(page, blocks, tmp_path):
-    """Each page's bash blocks, in order, as a reader runs them in one shell on a fresh clone:
-    each block in `bash -euo pipefail` (the next one starts with its variables and folder),
+class PageRun:
+    """One page's clone, as a reader works through it in one shell: its blocks run in order,
+    each in `bash -euo pipefail` (the next one starts with its variables and folder), each
     failing at the first command that fails, named with its page and line."""
-    project = _fresh_clone(tmp_path / "project")
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    (logs / "prelude.sh").write_text(_PRELUDE)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "VIRTUAL_ENV", "FINETUNE_"))}
-    # a reader's shell: the environment is not active until a block activates it
-    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
-                                  if p and Path(p).resolve() != BIN.resolve())
-    env.update(DOCS_LOGS=str(logs), DOCS_PYTHON=sys.executable)
-    if BENCH_DATA.is_dir():  # the benchmarks' inputs (the clone's own default would miss them)
-        env["FINETUNE_BENCH_DATA"] = str(BENCH_DATA)
-    timings = []
-    for first, lines in blocks:
+
+    def __init__(self, page: str, blocks: list[tuple[int, list[str]]], home: Path,
+                 shared: Path):
+        self.page, self.blocks, self.shared = page, blocks, shared
+        self.project = _fresh_clone(home / "project", shared / "dvc-cache")
+        self.logs = home / "logs"
+        self.logs.mkdir()
+        (self.logs / "prelude.sh").write_text(_PRELUDE)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PREFECT_", "MLFLOW_TRACKING", "VIRTUAL_ENV", "FINETUNE_"))}
+        # a reader's shell: the environment is not active until a block activates it
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                      if p and Path(p).resolve() != BIN.resolve())
+        env.update(DOCS_LOGS=str(self.logs), DOCS_PYTHON=sys.executable)
+        if BENCH_DATA.is_dir():  # the benchmarks' inputs (the clone's own default would miss them)
+            env["FINETUNE_BENCH_DATA"] = str(BENCH_DATA)
+        self.env = env
+        self.done = 0  # blocks run so far
+        self.failed: str | None = None  # the block that failed, which every later one needs
+
+    def where(self, index: int) -> str:
+        return f"{self.page}:{self.blocks[index][0]}"
+
+    def run(self, index: int) -> str:
+        """Block `index` (the blocks before it have run); its timing line."""
+        assert index == self.done, (index, self.done)
+        first, lines = self.blocks[index]
+        page = self.page
         script, background = _script(page, first, lines)
         for command in background:
             url = BACKGROUND[command][0]
             assert _port_free(url), f"{page}:{first}: {url} is taken: stop what listens there"
         started = time.monotonic()
-        out = logs / f"{first}.out"  # written as it runs: `tail -f` it to follow a block
+        out = self.logs / f"{first}.out"  # written as it runs: `tail -f` it to follow a block
+        self.done += 1
+        self.failed = self.where(index)  # until it passes
         with open(out, "w") as sink:
-            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=project,
-                                    env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script],
+                                    cwd=self.project, env=self.env, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 proc.wait(timeout=BLOCK_TIMEOUT)
             except subprocess.TimeoutExpired:
@@ -494,10 +534,11 @@ def test_the_shown_commands_run_on_a_fresh_clone(page, blocks, tmp_path):
                 sink.write(f"\ndocs-test: FAILED at {page}:{first} with exit timeout "
                            f"({BLOCK_TIMEOUT} s)\n")
         output = out.read_text()
-        timings.append(f"{page}:{first}: {time.monotonic() - started:.0f}s")
-        pgids = [int(p) for p in (logs / "background").read_text().split()] if (
-            logs / "background").exists() else []
-        (logs / "background").unlink(missing_ok=True)
+        timing = f"{page}:{first}: {time.monotonic() - started:.0f}s"
+        background_file = self.logs / "background"
+        pgids = [int(p) for p in background_file.read_text().split()] if (
+            background_file.exists()) else []
+        background_file.unlink(missing_ok=True)
         left = [pgid for pgid in pgids if not _stop(pgid)]
         failed = re.search(r"docs-test: FAILED at (\S+) with exit (\w+)", output)
         where = failed.group(1) if failed else f"{page}:{first}"
@@ -507,6 +548,80 @@ def test_the_shown_commands_run_on_a_fresh_clone(page, blocks, tmp_path):
             f"(exit {failed.group(2) if failed else proc.returncode}):\n"
             + "\n".join(output.splitlines()[-40:]))
         assert not left, f"{page}:{first}: {background} left processes after SIGINT"
+        self.failed = None
+        (self.shared / _done_marker(page, index)).touch()
+        return timing
+
+
+def _done_marker(page: str, index: int) -> str:
+    return f"done-{page.replace('/', '_')}-{index}"
+
+
+def _lane_params() -> list:
+    pages = dict(_docs_pages())
+    laned = [p for lane in LANES for p in lane]
+    assert sorted(laned) == sorted(pages), f"put every page on a lane: {set(pages) ^ set(laned)}"
+    return [pytest.param(page, index, id=f"{page}:{pages[page][index][0]}",
+                         marks=pytest.mark.xdist_group(f"docs-lane-{n}"))
+            for n, lane in enumerate(LANES, 1) for page in lane
+            for index in range(len(pages[page]))]
+
+
+@pytest.fixture(scope="session")
+def docs_shared(tmp_path_factory) -> Path:
+    """What this session's clones share, on every xdist worker: the DVC cache and the
+    markers of the blocks that passed."""
+    shared = tmp_path_factory.getbasetemp().parent / "docs-shared"
+    (shared / "dvc-cache").mkdir(parents=True, exist_ok=True)
+    return shared
+
+
+@pytest.fixture(scope="session")
+def page_runs(tmp_path_factory, docs_shared, request):
+    """This worker's clone of each page, reused by the page's tests in reading order; the
+    node ids of the session's tests (a page waits only for a block this session runs)."""
+    runs: dict[str, PageRun] = {}
+    selected = {item.nodeid for item in request.session.items}
+
+    def get(page: str, index: int) -> PageRun:
+        run = runs.get(page)
+        if run is None or run.done > index:  # first here, or a block run again: a new clone
+            pages = dict(_docs_pages())
+            _wait_for_shared_work(page, docs_shared, selected)
+            run = runs[page] = PageRun(page, pages[page], tmp_path_factory.mktemp("docs"),
+                                       docs_shared)
+        return run
+
+    return get
+
+
+def _wait_for_shared_work(page: str, shared: Path, selected: set[str]) -> None:
+    if page not in WAITS_FOR:
+        return
+    other, index = WAITS_FOR[page]
+    block_id = f"{other}:{dict(_docs_pages())[other][index][0]}"
+    if not any(f"[{block_id}]" in nodeid for nodeid in selected):  # xdist adds @lane
+        return
+    deadline = time.monotonic() + WAIT_AT_MOST
+    while not (shared / _done_marker(other, index)).exists() and time.monotonic() < deadline:
+        time.sleep(5)
+
+
+@pytest.mark.docs_commands
+@pytest.mark.parametrize("page, index", _lane_params())
+def test_a_shown_block_runs_on_a_fresh_clone(page, index, page_runs):
+    """Each bash block of the README and docs/, as a reader runs it: on a fresh clone of the
+    project, after the page's earlier blocks (the set-up: run here first when this worker has
+    not run them, reused by the page's later tests when it has)."""
+    run = page_runs(page, index)
+    timings = []
+    while run.done < index:
+        if run.failed:
+            break
+        timings.append(run.run(run.done) + " (set-up)")
+    if run.failed:
+        pytest.fail(f"{run.where(index)} not run: the page's earlier block {run.failed} failed")
+    timings.append(run.run(index))
     print("\n".join(timings))
 
 
@@ -530,3 +645,12 @@ def test_the_docs_commands_runner_finds_and_handles_every_command():
     assert proc.returncode == 1
     assert "docs-test: FAILED at P.md:11 with exit 1" in proc.stdout
     assert "no" not in proc.stdout.split("FAILED")[1]
+    # the clones share their cache with the commands docs/orchestration.md shows a team, and
+    # every block is a test on a lane
+    page = (ROOT / "docs/orchestration.md").read_text()
+    for command in TEAM_CACHE_SETUP:
+        pattern = r"\s+".join(r"\S+" if w == "{cache}" else re.escape(w) for w in command)
+        assert re.search(pattern, page), command
+    ids = [p.id for p in _lane_params()]
+    assert len(ids) == len(set(ids)) == sum(len(b) for _, b in _docs_pages())
+    assert ids[0] == "README.md:12"

@@ -294,6 +294,70 @@ def test_forced_retrain_reproduces_the_model_bit_for_bit(repro, tmp_path):
     assert "up to date" in status, status  # evaluate/export see identical weights: no rerun
 
 
+def _files(project: Path, *rels: str) -> dict[str, bytes]:
+    found = {}
+    for rel in rels:
+        path = project / rel
+        for f in ([path] if path.is_file() else sorted(path.rglob("*"))):
+            if f.is_file():
+                found[str(f.relative_to(project))] = f.read_bytes()
+    return found
+
+
+def test_a_stage_failing_under_repro_puts_back_what_dvc_deleted(repro, tmp_path):
+    """No out is `persist` (DVC keeps no run-cache for a stage with one), so DVC deletes the
+    train stage's outs before its command. The stage then fails on something only the data
+    shows (a collate function that raises) and puts back, from DVC's cache, every out it had
+    (the model, and the metrics and plots git keeps): the workspace is as it was, byte for
+    byte, and the failure is still one line."""
+    project, _ = repro
+    clone = tmp_path / "c"
+    shutil.copytree(project, clone, symlinks=True)
+    outs = ("data/trained", "data/metrics/train.json", "data/plots/train.csv",
+            "data/plots/eval.csv")
+    before = _files(clone, *outs)
+    (clone / "no_batches.py").write_text(
+        "def collate(rows):\n    raise ValueError('no batch today')\n")
+    write_params(clone, {"data.collate_fn": "no_batches:collate"})
+    failed = dvc(clone, "repro", check=False)
+    assert failed.returncode != 0 and ran(failed)[-1] == "train", failed.stdout
+    assert ("[train] put back the previous outputs DVC deleted before the run: "
+            "data/metrics/train.json, data/plots/eval.csv, data/plots/train.csv, "
+            "data/trained") in failed.stdout, failed.stdout
+    errors = [ln for ln in (failed.stdout + failed.stderr).splitlines()
+              if ln.startswith("error: ")]
+    assert len(errors) == 1 and "no batch today" in errors[0], errors
+    assert _files(clone, *outs) == before
+
+
+def test_a_clone_sharing_the_cache_restores_every_stage_from_the_run_cache(repro, tmp_path):
+    """A teammate's clone (no outputs, no dvc.lock: copy_project leaves it out) pointed at the
+    same DVC cache, as docs/orchestration.md shows: `finetune run` with the same code, params
+    and data runs no stage. DVC's run-cache restores each one, the outputs and dvc.lock are
+    the first run's byte for byte, a lineage record left in the clone (which no run here
+    made) is dropped, and the summary says no MLflow run made these outputs here."""
+    from helpers import run_cli
+
+    project, _ = repro
+    teammate = tmp_path / "teammate"
+    git(tmp_path, "clone", "-q", str(project), str(teammate))
+    dvc(teammate, "cache", "dir", "--local", str(project / ".dvc/cache"))
+    dvc(teammate, "config", "--local", "cache.shared", "group")
+    stale = teammate / "data/lineage/train_run.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text('{"mlflow_run_id": "not-this-run"}')
+    restored = run_cli(teammate, "run", check=True)
+    assert ran(restored) == [], restored.stdout
+    assert re.findall(r"Stage '(\w+)' is cached - skipping run", restored.stdout) == [
+        "validate", *STAGES], restored.stdout
+    assert not stale.exists()
+    assert "MLflow run: none in " in restored.stdout, restored.stdout
+    lock = lambda p: yaml.safe_load((p / "dvc.lock").read_text())["stages"]  # noqa: E731
+    assert lock(teammate) == lock(project)
+    outs = ("data/raw", "data/tokenized", "data/trained", "data/eval", "data/export")
+    assert _files(teammate, *outs) == _files(project, *outs)
+
+
 def git(project, *args):
     return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True,
                           check=True).stdout

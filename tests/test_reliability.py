@@ -325,9 +325,10 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 def test_the_same_run_twice_writes_the_same_bytes(tokenized, tmp_path):
-    """DVC hashes data/checkpoints and data/trained and git keeps the metrics and plots, so a
-    rerun of an unchanged checkout must write them byte for byte (checkpoints carried the save
-    time and wall-clock rows: 3369287 vs 3369289 bytes). Two projects in two folders: no
+    """DVC hashes data/trained, git keeps the metrics and plots, and an exact resume is
+    checked against the checkpoints, so a rerun of an unchanged checkout must write them byte
+    for byte (checkpoints carried the save time and wall-clock rows: 3369287 vs 3369289
+    bytes). Two projects in two folders: no
     absolute path either. The timings go to data/logs, outside DVC and git."""
     import json
 

@@ -576,5 +576,5 @@ def test_the_profiler_traces_the_scheduled_steps_and_keeps_earlier_traces(tokeni
     write_params(project, {"logging.profiler.output_dir": "data/checkpoints/traces"})
     ws = Workspace.load(project / "params/default.yaml")
     with pytest.raises(PipelineError, match=r"^logging.profiler.output_dir: .*data/checkpoints/"
-                       r"traces is inside the run's output .*data/checkpoints, which DVC hashes"):
+                       r"traces is inside the run's output .*data/checkpoints, which every run rewrites"):
         check_before_launch(ws.config, run_paths(ws))

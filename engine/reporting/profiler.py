@@ -108,15 +108,15 @@ def traces_dir(cfg: LoggingConfig, root: Path) -> Path:
 def check_traces_dir(cfg: LoggingConfig, root: Path, outputs: tuple[Path, ...]) -> None:
     """Before any process starts (engine.preflight): a folder the traces cannot be written to
     is one line naming the key, not a crash at the first traced step; so is one inside the
-    run's `outputs` (the trained model, the checkpoints), which DVC hashes: traces there would
-    make the trained output differ from run to run, and be replaced with it."""
+    run's `outputs` (the trained model, which DVC hashes, and the checkpoints a resume reads):
+    traces there would make them differ from run to run, and be replaced with them."""
     folder = traces_dir(cfg, root)
     for output in outputs:
         if folder.resolve().is_relative_to(output.resolve()):
             raise PipelineError(
                 f"logging.profiler.output_dir: {folder} is inside the run's output {output}, "
-                "which DVC hashes (the trained model would not reproduce bit for bit); put "
-                "the traces elsewhere (default: logging_dir/profile)")
+                "which every run rewrites (and the trained model would not reproduce bit for "
+                "bit); put the traces elsewhere (default: logging_dir/profile)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()

@@ -24,8 +24,8 @@ NOT_PLOTTED = ("comm_bytes_per_step",)
 EVAL_FIELDS = ["step", "eval_loss"]
 #: logged values that measure the machine (wall clock, throughput, memory), not the run: the
 #: console, MLflow and the JSON lines have them; train.csv and the checkpoints' history leave
-#: them out, so two runs of the same params write the same bytes there (DVC hashes both, and
-#: git tracks train.csv)
+#: them out, so two runs of the same params write the same bytes there (DVC hashes the
+#: trained model's, git tracks train.csv)
 MEASURED = ("tokens_per_second", "memory_rss_mb", "cuda_max_memory_allocated_mb")
 #: the final metrics of that kind (RunPaths.timings_file)
 MEASURED_METRICS = ("train_runtime", "first_step_unix", "train_tokens_per_second",

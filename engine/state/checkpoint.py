@@ -112,7 +112,7 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
         if leader:
             _torch_save(trainer_state, staging / TRAINER)
             files = {p.name: file_sha256(p) for p in sorted(staging.iterdir()) if p.is_file()}
-            # no save time: the same run writes the same bytes (DVC hashes the folder)
+            # no save time: the same run writes the same bytes (reruns compare byte for byte)
             meta = {**meta, "step": step, "files": files}
             meta[META_HASH] = _meta_digest(meta)
             (staging / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
@@ -129,8 +129,8 @@ def save(directory: Path, step: int, dcp_state: dict, trainer_state: dict,
 class _ReproducibleWriter(dcp.FileSystemWriter):
     """DCP's file writer, minus what made the same save differ in bytes: its `.metadata`
     recorded the staging folder's absolute path and a fresh uuid (`storage_meta`:
-    checkpoint_id, save_id). Loading needs neither (it makes its own), and DVC hashes the
-    checkpoint folder, so a rerun of the same params must write the same bytes."""
+    checkpoint_id, save_id). Loading needs neither (it makes its own), and a rerun of the same
+    params must write the same bytes (an exact resume is checked byte for byte)."""
 
     def storage_meta(self):
         return None

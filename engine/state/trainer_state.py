@@ -36,7 +36,7 @@ def save(run: RunView, evaluated: dict) -> Path:
         "scheduler": run.scheduler.state_dict(),
         "scaler": run.scaler.state_dict() if run.scaler else None,
         "strategy": run.strategy.trainer_state(),
-        # without wall-clock values: the same run saves the same bytes (DVC hashes the folder)
+        # without wall-clock values: the same run saves the same bytes (reruns compare equal)
         "history": [without_measured(row) for row in history_rows(run.reporters)],
         "monitor": run.monitor.state_dict(),
         "callbacks": run.reporters.state_dicts() if run.reporters else {},

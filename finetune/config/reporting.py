@@ -36,8 +36,8 @@ class ProfilerConfig(Section):
         None, description="Where the traces go (None: logging_dir/profile): one Chrome/"
         "Perfetto trace (trace-...-rankR.json) and one ops table (ops-...-rankR.txt) per "
         "rank and cycle, named by the steps they cover; an existing file is never "
-        "overwritten. Not inside the trained model's or the checkpoints' folder (DVC hashes "
-        "those).")
+        "overwritten. Not inside the trained model's or the checkpoints' folder (every run "
+        "rewrites those).")
 
     @model_validator(mode="after")
     def _compat(self) -> "ProfilerConfig":
