@@ -69,11 +69,11 @@ test-slow: setup
 # The third step of .ci/run: every command the README and docs/ show in a bash block, run on a
 # fresh clone of the project, one test per block (tests/test_docs.py, marker docs_commands,
 # which `make test` leaves out): a page's blocks run in reading order in one clone on one of two
-# lanes (xdist groups: --dist loadgroup), every clone sharing one DVC cache as a team's do, so
+# lanes (a test class each: --dist loadscope), every clone sharing one DVC cache as a team's do, so
 # what one clone ran, DVC's run-cache restores in another; -rP prints each block's time. Runs
 # the committed tree: commit first.
 test-docs: setup
-	$(PY) -m pytest -m docs_commands -n 2 --dist loadgroup -rP $(PYTEST_ARGS) tests/test_docs.py
+	$(PY) -m pytest -m docs_commands -n 2 --dist loadscope -rP $(PYTEST_ARGS) tests/test_docs.py
 
 # The config fuzzer at length: FUZZ_EXAMPLES draws from the schema (tests/test_config_fuzz.py),
 # seeded by FUZZ_SEED (default: the time; printed, so a failing run can be drawn again).

@@ -424,8 +424,8 @@ def _script(page: str, first: int, lines: list[str]) -> tuple[str, list[str]]:
 #: another clone already made is restored by DVC's run-cache instead of run again
 TEAM_CACHE_SETUP = (("dvc", "cache", "dir", "--local", "{cache}"),
                     ("dvc", "config", "--local", "cache.shared", "group"))
-#: the docs commands run on two lanes (xdist groups, `make test-docs` runs `--dist loadgroup`),
-#: each a list of pages in order; a page's blocks stay on one lane, in reading order, in one
+#: the docs commands run on two lanes (the test classes below, one per xdist worker), each a
+#: list of pages in order; a page's blocks stay on one lane, in reading order, in one
 #: clone. The README page (the default run, the Prefect stack, lm-eval) is about as long as
 #: all the others together
 LANES = (("README.md",),
@@ -557,14 +557,13 @@ def _done_marker(page: str, index: int) -> str:
     return f"done-{page.replace('/', '_')}-{index}"
 
 
-def _lane_params() -> list:
+def _lane_params(lane: int) -> list:
+    """One param per block of the lane's pages, in reading order, with the block as its id."""
     pages = dict(_docs_pages())
-    laned = [p for lane in LANES for p in lane]
+    laned = [p for pages_of_lane in LANES for p in pages_of_lane]
     assert sorted(laned) == sorted(pages), f"put every page on a lane: {set(pages) ^ set(laned)}"
-    return [pytest.param(page, index, id=f"{page}:{pages[page][index][0]}",
-                         marks=pytest.mark.xdist_group(f"docs-lane-{n}"))
-            for n, lane in enumerate(LANES, 1) for page in lane
-            for index in range(len(pages[page]))]
+    return [pytest.param(page, index, id=f"{page}:{pages[page][index][0]}")
+            for page in LANES[lane] for index in range(len(pages[page]))]
 
 
 @pytest.fixture(scope="session")
@@ -600,19 +599,14 @@ def _wait_for_shared_work(page: str, shared: Path, selected: set[str]) -> None:
         return
     other, index = WAITS_FOR[page]
     block_id = f"{other}:{dict(_docs_pages())[other][index][0]}"
-    if not any(f"[{block_id}]" in nodeid for nodeid in selected):  # xdist adds @lane
+    if not any(nodeid.endswith(f"[{block_id}]") for nodeid in selected):
         return
     deadline = time.monotonic() + WAIT_AT_MOST
     while not (shared / _done_marker(other, index)).exists() and time.monotonic() < deadline:
         time.sleep(5)
 
 
-@pytest.mark.docs_commands
-@pytest.mark.parametrize("page, index", _lane_params())
-def test_a_shown_block_runs_on_a_fresh_clone(page, index, page_runs):
-    """Each bash block of the README and docs/, as a reader runs it: on a fresh clone of the
-    project, after the page's earlier blocks (the set-up: run here first when this worker has
-    not run them, reused by the page's later tests when it has)."""
+def _run_block(page: str, index: int, page_runs) -> None:
     run = page_runs(page, index)
     timings = []
     while run.done < index:
@@ -623,6 +617,26 @@ def test_a_shown_block_runs_on_a_fresh_clone(page, index, page_runs):
         pytest.fail(f"{run.where(index)} not run: the page's earlier block {run.failed} failed")
     timings.append(run.run(index))
     print("\n".join(timings))
+
+
+# Each bash block of the README and docs/, as a reader runs it: on a fresh clone of the
+# project, after the page's earlier blocks (the set-up: run here first when this worker has
+# not run them, reused by the page's later tests when it has). One class per lane: `make
+# test-docs` runs `--dist loadscope`, which keeps a class's tests on one worker in order
+# (xdist's loadgroup cannot group under pytest 9: it renames node ids pytest no longer reads).
+
+@pytest.mark.docs_commands
+class TestReadmeLane:
+    @pytest.mark.parametrize("page, index", _lane_params(0))
+    def test_a_shown_block_runs_on_a_fresh_clone(self, page, index, page_runs):
+        _run_block(page, index, page_runs)
+
+
+@pytest.mark.docs_commands
+class TestDocsLane:
+    @pytest.mark.parametrize("page, index", _lane_params(1))
+    def test_a_shown_block_runs_on_a_fresh_clone(self, page, index, page_runs):
+        _run_block(page, index, page_runs)
 
 
 def test_the_docs_commands_runner_finds_and_handles_every_command():
@@ -651,6 +665,6 @@ def test_the_docs_commands_runner_finds_and_handles_every_command():
     for command in TEAM_CACHE_SETUP:
         pattern = r"\s+".join(r"\S+" if w == "{cache}" else re.escape(w) for w in command)
         assert re.search(pattern, page), command
-    ids = [p.id for p in _lane_params()]
+    ids = [p.id for lane in range(len(LANES)) for p in _lane_params(lane)]
     assert len(ids) == len(set(ids)) == sum(len(b) for _, b in _docs_pages())
     assert ids[0] == "README.md:12"
