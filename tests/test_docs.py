@@ -500,6 +500,9 @@ class PageRun:
         env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
                                       if p and Path(p).resolve() != BIN.resolve())
         env.update(DOCS_LOGS=str(self.logs), DOCS_PYTHON=sys.executable)
+        # two lanes share the cores: OpenMP threads that spin while they wait would take the
+        # core the other lane's threads need (tests/conftest.py); the same numbers either way
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if BENCH_DATA.is_dir():  # the benchmarks' inputs (the clone's own default would miss them)
             env["FINETUNE_BENCH_DATA"] = str(BENCH_DATA)
         self.env = env
