@@ -49,22 +49,24 @@ data/sft/gsm8k: | setup
 stack: setup
 	finetune-stack
 
-# Test files run side by side on the cores (pytest-xdist; a whole file per worker, so module
-# fixtures are built once), the longest first (tests/conftest.py LONGEST_FIRST); test runs
-# use one torch thread per process (tests/conftest.py).
+# The inner loop: every test whose runs are one process each (a real torchrun with one rank
+# included). Test files run side by side on the cores (pytest-xdist; a whole file per worker,
+# so module fixtures are built once), the longest first (tests/conftest.py LONGEST_FIRST); test
+# runs use one torch thread per process (tests/conftest.py).
 test: setup
 	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The second step of .ci/run, two real-component runs of minutes that `make test` leaves out:
-# `finetune reproduce` rebuilding a registered model from a fresh clone and the DVC remote
-# (tests/test_reproduce.py, marker clean_room: two whole pipeline runs) and the Prefect stack
-# end to end (tests/test_e2e_prefect.py, marker stack_e2e: a server on loopback, deployment
-# runs, the schedule, a clean stop) and the train stage on a real one-host SLURM cluster
-# (tests/test_slurm.py, marker slurm: needs Debian's slurm-wlm and munge, which .ci/run
-# installs), side by side.
+# The second step of .ci/run: what `make test` leaves out, real components of minutes each.
+# Runs of two or more processes under torchrun (marker distributed: DDP, FSDP2, DiLoCo,
+# pipeline, two nodes on loopback); the whole pipeline through `dvc repro` and the pages a
+# person sees (marker slow: tests/test_pipeline.py); `finetune reproduce` rebuilding a
+# registered model from a fresh clone and the DVC remote (marker clean_room); the Prefect
+# stack end to end (marker stack_e2e: a server on loopback, deployment runs, the schedule, a
+# clean stop); the train stage on a real one-host SLURM cluster (marker slurm: needs Debian's
+# slurm-wlm and munge, which .ci/run installs). Side by side, the longest files first.
 test-slow: setup
-	$(PY) -m pytest -m "clean_room or stack_e2e or slurm" -n 2 --dist loadfile $(PYTEST_ARGS) \
-		tests/test_slurm.py tests/test_reproduce.py tests/test_e2e_prefect.py
+	$(PY) -m pytest -m "slow or distributed or clean_room or stack_e2e or slurm" -n auto \
+		--dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The third step of .ci/run: every command the README and docs/ show in a bash block, run on a
 # fresh clone of the project, one test per block (tests/test_docs.py, marker docs_commands,

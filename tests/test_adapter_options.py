@@ -228,6 +228,7 @@ def test_pissa_niter_resumes_bitwise_from_its_checkpoint(tokenized, tmp_path):
     assert "resumed from" in out
 
 
+@pytest.mark.distributed
 def test_dora_rslora_under_fsdp2_on_two_processes_match_one_and_resume_bitwise(
         tokenized, tmp_path):
     """DoRA + rsLoRA: FSDP2 2 ranks x batch 4 equals one process x batch 8 (fp32), and the

@@ -109,6 +109,7 @@ def _finish(stage: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(stage.args, stage.returncode, out, err)
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_by_sigkill_is_named_with_the_oom_killer(tokenized, tmp_path):
     project = tmp_path / "p"
     shutil.copytree(tokenized, project, symlinks=True)
@@ -123,6 +124,7 @@ def test_a_rank_killed_by_sigkill_is_named_with_the_oom_killer(tokenized, tmp_pa
     assert "Root Cause" in (project / "data/logs/train-failure.log").read_text()
 
 
+@pytest.mark.distributed
 def test_a_hung_rank_times_out_after_ddp_timeout_in_one_line(tokenized, tmp_path):
     project = tmp_path / "p"
     shutil.copytree(tokenized, project, symlinks=True)
@@ -146,6 +148,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("node_rank", [0, 1])
 def test_a_rendezvous_nobody_joins_is_one_line(tokenized, tmp_path, node_rank):
     """node 0 waits for a node that never comes; node 1 finds nobody at the endpoint."""
@@ -238,6 +241,7 @@ def test_a_refused_write_names_the_folder_and_the_fix(tmp_path):
     assert "checkpoint.resume_from_checkpoint: true" in report.message
 
 
+@pytest.mark.distributed
 def test_disk_full_under_ddp_names_the_full_disk_not_dcps_wrapper(tokenized, tmp_path):
     """Two gloo ranks fill a tiny checkpoint filesystem at their first save. DCP raises its
     CheckpointException on every rank, carrying each rank's own error; the line used to be

@@ -144,6 +144,7 @@ def _assert_same_run(a: Path, b: Path) -> None:
     assert_weights_close(adapter(b), adapter(a))
 
 
+@pytest.mark.distributed
 def test_two_processes_and_accumulation_equal_one_batch(prompts, tmp_path):
     """One process x 8 prompts equals DDP on 2 torchrun processes (gloo) x 4 prompts, and
     equals 2 accumulated micro-batches x 4 prompts: each prompt's completions are seeded by

@@ -202,6 +202,7 @@ def test_the_run_starts_at_one_half_and_logs_trls_statistics(kto_run):
     assert [r["step"] for r in evals] == ["2", "4"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_equal_one(labelled, kto_run, tmp_path, strategy):
     """DDP, and FSDP2 with the reference forward through the sharded model (the adapter

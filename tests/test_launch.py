@@ -93,7 +93,7 @@ def _is_job(proc: psutil.Process) -> bool:
     return "engine.worker" in " ".join(_cmdline(proc))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.distributed)])
 def test_killing_the_stage_process_group_stops_every_worker(tokenized, tmp_path, nproc):
     """What a scheduler's cancel, a CI timeout or `kill -- -PGID` does: SIGKILL to the train
     stage's process group mid-training. torchrun starts its workers in sessions of their own;

@@ -17,6 +17,9 @@ from helpers import BIN, PER_STEP_SERIES, ROOT, copy_project, write_params
 
 from tasks.tracking import LINEAGE_TAGS
 
+#: the whole pipeline through `dvc repro`, several times: `make test-slow` runs it
+pytestmark = pytest.mark.slow
+
 STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]
 
 

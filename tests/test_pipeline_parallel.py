@@ -55,6 +55,7 @@ def one_f_one_b(tokenized, tmp_path_factory):
         **PIPE, "distributed.pipeline.schedule": "1F1B"})
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBVZeroBubble"])
 def test_pipeline_trains_like_one_process(tokenized, single, single_double_batch, one_f_one_b,
                                           tmp_path, schedule):
@@ -90,6 +91,7 @@ def test_pipeline_trains_like_one_process(tokenized, single, single_double_batch
         assert f"construct_model_on meta: read {read} stored tensors" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_pipeline_resumes_bitwise_after_sigkill(tokenized, one_f_one_b, tmp_path):
     _, _, stdout = interrupt_then_resume(tokenized, tmp_path, {
         **PIPE, "distributed.pipeline.schedule": "1F1B"}, full=one_f_one_b[0])
@@ -141,6 +143,7 @@ def first_layer_alone(model, stages):
 """
 
 
+@pytest.mark.distributed
 def test_model_splitter_and_the_debug_switches(tokenized, single, tmp_path):
     """distributed.pipeline.model_splitter cuts the stages where it says (training is still
     single-process training); the four debug switches print the split, the schedule's steps

@@ -228,6 +228,7 @@ def ddp_full(tokenized, tmp_path_factory):
         agent.wait()
 
 
+@pytest.mark.distributed
 def test_ddp_one_rank_signalled_stops_all_and_a_restart_resumes_bitwise(ddp_full, tokenized,
                                                                            tmp_path):
     project = tmp_path / "cut"

@@ -371,6 +371,7 @@ def test_an_orpo_run_logs_trls_statistics_and_learns(orpo_run):
 
 @pytest.mark.parametrize("strategy, loss_type", [("ddp", "sigmoid"), ("fsdp2", "sigmoid"),
                                                  ("ddp", "orpo"), ("fsdp2", "orpo")])
+@pytest.mark.distributed
 def test_two_processes_equal_one(pairs, request, tmp_path, strategy, loss_type):
     """DDP, and FSDP2 with the reference forward through the sharded model (the adapter
     disabled), on 2 torchrun processes x 2 pairs equal one process x 4 pairs; orpo (each

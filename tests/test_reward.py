@@ -200,6 +200,7 @@ def test_the_run_logs_trls_statistics_and_trains_the_head(reward_run):
     assert heads and json.loads((trained / "labels.json").read_text()) == ["reward"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_two_processes_equal_one(reward_pairs, equality_run, tmp_path, strategy):
     """DDP, and FSDP2 with the head sharded as the adapter is: 2 torchrun processes x 2 pairs

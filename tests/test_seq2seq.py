@@ -106,6 +106,7 @@ def test_seq2seq_trains_evaluates_and_exports(tokenized_s2s, tmp_path):
     assert ours == [tok.decode(row, skip_special_tokens=True)], (ours, out)
 
 
+@pytest.mark.distributed
 def test_seq2seq_trains_with_ddp_on_two_processes(tokenized_s2s, tmp_path):
     project = tmp_path / "p"
     shutil.copytree(tokenized_s2s, project, symlinks=True)

@@ -31,6 +31,9 @@ from helpers import (
     write_params,
 )
 
+#: every run here has two or more processes: `make test-slow` runs them
+pytestmark = pytest.mark.distributed
+
 TWO = {"distributed.nproc_per_node": 2}
 # SGD without clipping: the DiLoCo H=1 identity is exact only when nothing is nonlinear in the
 # gradient (clipping by the local vs the global norm would differ). Checkpoints every 3 steps:

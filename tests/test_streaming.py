@@ -89,6 +89,7 @@ def test_download_writes_only_the_test_split(streamed):
     assert len(pd.read_parquet(streamed / "data/raw/test.parquet")) == 16  # max_eval_samples
 
 
+@pytest.mark.distributed
 def test_streamed_training_ddp_equals_single_and_differs_from_map_style(streamed, tokenized,
                                                                         tmp_path):
     common = {"training.max_steps": 4, "checkpoint.save_strategy": "no"}
