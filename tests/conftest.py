@@ -11,17 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, copy_project, run_cli
+from helpers import BIN, copy_project, stages_here
 
-#: The longest files (by `--durations` on the 2-core dev CPU), run first: `make test` hands
-#: whole files to the pytest-xdist workers in collection order (--dist loadfile
-#: --no-loadscope-reorder), so no long file starts last and runs alone at the end.
-LONGEST_FIRST = ("test_strategies.py", "test_e2e_prefect.py", "test_pipeline.py",
-                 "test_training.py", "test_failures.py", "test_preference.py", "test_reward.py",
-                 "test_grpo.py", "test_kto.py",
-                 "test_pipeline_parallel.py", "test_reliability.py", "test_launch.py",
-                 "test_streaming.py", "test_harness.py", "test_run_control.py", "test_flows.py",
-                 "test_mixture.py")
+#: The longest files (by `--durations` on the 2-core dev CPU), run first: `make test` and `make
+#: test-slow` hand whole files to the pytest-xdist workers in collection order (--dist loadfile
+#: --no-loadscope-reorder), so no long file starts last and runs alone at the end. One list
+#: for both tiers: a file with no test in a tier is simply not there.
+LONGEST_FIRST = ("test_pipeline.py", "test_strategies.py", "test_e2e_prefect.py",
+                 "test_reproduce.py", "test_training.py", "test_reward.py", "test_preference.py",
+                 "test_pipeline_parallel.py", "test_reliability.py", "test_kto.py",
+                 "test_grpo.py", "test_slurm.py", "test_failures.py", "test_flows.py",
+                 "test_harness.py", "test_launch.py", "test_quantization.py",
+                 "test_run_control.py", "test_streaming.py", "test_methods.py",
+                 "test_grpo_generation.py", "test_loss.py", "test_adapter_options.py",
+                 "test_cli.py", "test_mixture.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -69,10 +72,10 @@ def project(tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenized(tmp_path_factory) -> Path:
-    """A project with download/format/tokenize done once; tests copy it and train."""
+    """A project with download/format/tokenize done once per test process (in-process: no
+    process boundary is under test there); tests copy it and train."""
     project = copy_project(tmp_path_factory.mktemp("tok") / "p", {"logging.logging_steps": 1})
-    for name in ("download", "format", "tokenize"):
-        run_cli(project, "stage", name, check=True)
+    stages_here(project, "download", "format", "tokenize")
     return project
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from helpers import BIN, ROOT, error_line, run_cli
 
 
@@ -45,6 +47,7 @@ def _analytics_daemons() -> list[int]:
     return found
 
 
+@pytest.mark.slow  # the pipeline through `dvc repro` up to a training step: make test-slow
 def test_a_killed_dvc_repro_leaves_no_analytics_process(project, tmp_path):
     """DVC sends usage analytics from a detached daemon it spawns as a command ends, Ctrl-C
     included (offline, that daemon lingers). In a clone of the project, with none of our
