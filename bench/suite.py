@@ -1,7 +1,13 @@
 """The benchmark suite, one command (README "Benchmarks"):
 
     .venv/bin/python bench/suite.py            # everything, ~35 min on 2 cores
-    .venv/bin/python bench/suite.py --quick    # smoke run: 1 model, 1 dataset, 6 steps
+    .venv/bin/python bench/suite.py --quick    # smoke run of every section, ~5 min on 2 cores
+
+--quick checks that every section still runs, not its numbers: stories260K on GSM8K in fp32
+(--precisions to add bf16), 6 steps a row; one tokenize repeat; the default run at 4 steps
+through dvc repro; the single and DDP rows of the strategy table at 2 steps. It is the docs'
+smoke command (tests/test_docs.py runs it), so it stays short: 5:14 on the 2-core Xeon, where
+it took 12:08 with bf16 rows and four 10-step strategy rows.
 
 1. matmul ceiling (fp32, bf16) at each model's shapes; 2. training throughput, ours (padded,
 packed rows, padding-free) vs transformers.Trainer, Alpaca (from FINETUNE_BENCH_DATA, bench/workdir.py) and GSM8K, three
@@ -58,7 +64,8 @@ def check_inputs(sections: list[str], datasets: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run (stories260K, GSM8K, 6 steps)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run of every section (stories260K, GSM8K, fp32, few steps)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per training run")
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS,
                     help="sections to skip: throughput tokenize overheads strategies")
@@ -75,6 +82,7 @@ def main() -> None:
     steps = 6 if args.quick else args.steps
     datasets = ["gsm8k"] if args.quick else (args.datasets or list(DATASETS))
     models = ["stories260K"] if args.quick else (args.models or list(MODELS))
+    precisions = args.precisions or (["fp32"] if args.quick else ["fp32", "bf16"])
     check_inputs([s for s in SECTIONS if s not in args.skip], datasets)
     work = Path(tempfile.mkdtemp(prefix="bench-suite-"))
     out = {"machine": machine(), "steps": steps, "batch": 8}
@@ -92,7 +100,7 @@ def main() -> None:
 
                 cfg = AutoConfig.from_pretrained(model_dirs[model])
                 params = n_params(model_dirs[model])
-                for precision in args.precisions or ("fp32", "bf16"):
+                for precision in precisions:
                     ceiling = matmul_ceiling(cfg.hidden_size, cfg.intermediate_size, precision)
                     rows.append(compare(project, dataset, model, model_dirs[model], precision,
                                         steps, ceiling, params, args.layouts or tuple(LAYOUTS)))
@@ -104,21 +112,21 @@ def main() -> None:
     if "tokenize" not in args.skip:
         project = copy_project(work / "tokenize")
         prepare_data(project, "alpaca", max_len=512)
-        out["tokenize"] = tokenize_throughput(project, repeats=2 if args.quick else 10)
+        out["tokenize"] = tokenize_throughput(project, repeats=1 if args.quick else 10)
         print("\n## Tokenize stage vs bare tokenizer (GPT-2 tokenizer, Alpaca)\n")
         print(markdown_table([out["tokenize"]], list(out["tokenize"])), flush=True)
 
     if "overheads" not in args.skip:
         project = copy_project(work / "pipeline")
         if args.quick:
-            set_params(project, {"training.max_steps": 10, "eval.max_generation_samples": 8})
+            set_params(project, {"training.max_steps": 4, "eval.max_generation_samples": 2})
         out["overheads"] = pipeline_overheads(project)
         print("\n## Pipeline overheads (the default run through dvc repro)\n")
         print(markdown_table([out["overheads"]], list(out["overheads"])), flush=True)
 
     if "strategies" not in args.skip:
-        cmd = [sys.executable, str(ROOT / "bench/strategies.py"), "--steps",
-               "10" if args.quick else "50", "--out", "strategies-suite"]
+        cmd = [sys.executable, str(ROOT / "bench/strategies.py"), "--out", "strategies-suite",
+               *(["--steps", "2", "--only", "single", "ddp"] if args.quick else ["--steps", "50"])]
         subprocess.run(cmd, check=True)
         device = "cpu" if out["machine"]["device"] == "cpu" else "gpu"
         out["strategies"] = json.loads(
@@ -128,7 +136,7 @@ def main() -> None:
     name = f"{args.out}{'-quick' if args.quick else ''}-{device}.json"
     out["selection"] = {"models": models, "datasets": datasets, "skipped": args.skip,
                         "layouts": args.layouts or list(LAYOUTS),
-                        "precisions": args.precisions or ["fp32", "bf16"]}
+                        "precisions": precisions}
     path = ROOT / "bench/results" / name
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\nwrote {path}")
