@@ -310,13 +310,13 @@ def test_the_overview_page_is_the_readme():
     assert (ROOT / "docs/index.md").read_text() == readme.replace("](docs/", "](")
 
 
-# -- every shown command, run in order on a fresh clone (`make test-docs`, .ci/run's 2nd step) --
+# -- every shown command, run in order on a fresh clone (`make test-docs`, .ci/run's 3rd step) --
 
 #: shown commands this test does not run, each with why (the command as shown, its comment off)
 NOT_RUN = {
     "prefect deployment run finetune/default --param overrides='[\"training.max_steps=300\"]' "
     "--watch": "needs the server `make stack` starts; the README's block runs the deployment",
-    "make test": "the first step of .ci/run; this test is its second",
+    "make test": "the first step of .ci/run; this test is its third",
     "make setup && .venv/bin/python bench/suite.py":
         "the whole benchmark suite: ~35 min on 2 cores, and its Alpaca data and GPT-2 "
         "tokenizer are not shipped (the --quick line after it runs where they are)",
