@@ -74,17 +74,13 @@ def check_model(ws: Workspace) -> None:
     weightless skeleton built from config.json on the meta device). The tokenizer is the
     data stages' to load (a chat type's template check loads it here)."""
     cfg = ws.config
-    from engine.modeling.model import load_model_config, refuse_encoder_decoder
+    from engine.kinds import kind_of
+    from engine.modeling.model import load_model_config
 
     if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
         return
     config = load_model_config(cfg.model, ws.root)
-    if not cfg.model_task.encoder_decoder:
-        refuse_encoder_decoder(config, f"model.name_or_path {cfg.model.name_or_path}")
-    elif not getattr(config, "is_encoder_decoder", False):
-        raise PipelineError(f"model.name_or_path {cfg.model.name_or_path}: data.dataset_type "
-                            "seq2seq trains an encoder-decoder model (T5-style); this one is "
-                            "decoder-only: use data.dataset_type completion")
+    kind_of(cfg).check_architecture(config, f"model.name_or_path {cfg.model.name_or_path}")
     check_positions(cfg, config)
     check_vocabulary(ws, config)
     if cfg.peft.use_peft:

@@ -109,7 +109,7 @@ def _tokenize_file(file: Path, datatype, ctx: DataContext, role: str, ws: Worksp
 
     def check(counts: pd.DataFrame) -> None:  # one batch's kept rows, indexed as in the split
         validate_tokenized(counts, data.max_seq_length, where, trainable,
-                           aligned=not datatype.task.encoder_decoder)
+                           aligned=datatype.labels_aligned)
 
     arrow = scratch / f"{role.replace('/', '--')}.arrow"
     totals, seen, first_dropped = _encode_file(file, arrow, fn, {"tok": tok, **kwargs},

@@ -14,8 +14,8 @@ FLOORS = {"finetune": 0, "engine": 1, "tasks": 2, "flows": 3}
 # The engine's rooms, lowest first: a room imports its own modules and lower rooms only. The
 # doors (engine.preflight for the train stage, engine.worker for torchrun, engine.evaluate for
 # the evaluate stage) sit above them all.
-ENGINE_ROOMS = ["process", "reporting", "modeling", "datapath", "objective", "evaluation",
-                "strategies", "state", "recipe"]
+ENGINE_ROOMS = ["process", "reporting", "modeling", "datapath", "objective", "kinds",
+                "evaluation", "strategies", "state", "recipe"]
 ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker", "engine.evaluate"}
 
 
@@ -214,6 +214,42 @@ def test_no_stage_branches_on_a_method_flag():
     assert found == {}
     assert _method_flag_reads("x = cfg.data.task.classifier\nif d.paired: pass\n") == [
         "classifier (line 1)", "paired (line 2)"]
+
+
+#: the model kind's flags: the config's (ModelTask.classifier, .encoder_decoder) and the
+#: loaded model's (transformers' is_encoder_decoder, as an attribute or a getattr name)
+KIND_FLAGS = ("classifier", "encoder_decoder", "is_encoder_decoder")
+#: where a kind flag may be read: the kinds themselves, and the loader's guard against an
+#: encoder-decoder reached by a class named by path (engine.modeling.model, which the kinds'
+#: architecture check calls)
+KIND_FLAG_READERS = ("engine.kinds", "engine.modeling.model")
+
+
+def _kind_flag_reads(source: str) -> list[str]:
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in KIND_FLAGS:
+            hits.append(f"{node.attr} (line {node.lineno})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in KIND_FLAGS):
+            hits.append(f"{node.args[1].value} (line {node.lineno})")
+    return sorted(hits)
+
+
+def test_no_module_outside_the_kinds_reads_a_kind_flag():
+    """The engine and the stages ask the model kind (engine.kinds) what differs by the family
+    of model trained, never a flag: a new family (vision-language) is a kind module and a
+    registry line, not branches through the rooms. The config (finetune/) keeps its own facts
+    for the compatibility rows, which run before any engine code."""
+    found = {module: hits for pkg in ("engine", "tasks", "flows")
+             for p in (ROOT / pkg).rglob("*.py")
+             if not (module := _module(p)).startswith(KIND_FLAG_READERS)
+             and (hits := _kind_flag_reads(p.read_text()))}
+    assert found == {}
+    assert _kind_flag_reads("a = cfg.model_task.encoder_decoder\n"
+                            "b = getattr(config, 'is_encoder_decoder', False)\n") == [
+        "encoder_decoder (line 1)", "is_encoder_decoder (line 2)"]
 
 
 def _run_members_read(module: str) -> set[str]:

@@ -59,8 +59,8 @@ def test_our_loss_equals_the_models_own_loss(tokenized_s2s):
     import datasets
     from transformers import T5ForConditionalGeneration
 
-    from engine.datapath.data import collate_seq2seq, count_targets, model_inputs, take_rows
-    from engine.objective.loss import Seq2SeqLoss
+    from engine.datapath.data import count_targets, model_inputs, take_rows
+    from engine.kinds.seq2seq_lm import Seq2SeqLoss, collate_seq2seq
 
     split = datasets.load_from_disk(str(tokenized_s2s / "data/tokenized/train"))
     rows = take_rows(split, range(4))

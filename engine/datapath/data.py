@@ -14,7 +14,6 @@ from the start of the epoch).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -122,27 +121,6 @@ def collate(rows: list[dict], pad_id: int, multiple: int | None = None
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def collate_seq2seq(rows: list[dict], pad_id: int, start_id: int, multiple: int | None = None
-                    ) -> dict[str, torch.Tensor]:
-    """An encoder-decoder model's batch (finetune.datatypes.base.ModelTask.encoder_decoder):
-    the prompts (input_ids, attention_mask) and the completions (labels, IGNORE_INDEX after
-    each row's end) padded each to their own longest row, and the decoder's inputs: the labels
-    shifted right behind `start_id` (the model's decoder_start_token_id), padding as pad_id,
-    which is what a T5-style model builds from labels itself. The labels are then the
-    decoder's own positions: no next-token shift (`label_shift`)."""
-    batch = collate([{"input_ids": r["input_ids"], "labels": r["input_ids"]} for r in rows],
-                    pad_id, multiple)
-    longest = round_up(max(len(r["labels"]) for r in rows), multiple)
-    labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
-    for i, r in enumerate(rows):
-        labels[i, :len(r["labels"])] = torch.as_tensor(r["labels"])
-    decoder = torch.cat([torch.full((len(rows), 1), start_id, dtype=torch.long),
-                         labels[:, :-1]], dim=1)
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-            "labels": labels, "decoder_input_ids": decoder.masked_fill(decoder == IGNORE_INDEX,
-                                                                        pad_id)}
-
-
 def user_collate(ref: str) -> Callable[[list[dict]], dict]:
     """data.collate_fn: the user's collator, given each example's input_ids and labels."""
     fn = load_object(ref, "data.collate_fn")
@@ -153,17 +131,6 @@ def user_collate(ref: str) -> Callable[[list[dict]], dict]:
         return fn([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
 
     return collate_user
-
-
-def eval_collate(data_cfg, pad_id: int, decoder_start: int | None = None
-                 ) -> Callable[[list[dict]], dict]:
-    """How evaluation batches are built: by the project's data.collate_fn when it names one
-    (so the held-out loss is measured on the batches training saw), else dynamic padding;
-    `decoder_start`: an encoder-decoder model's (collate_seq2seq)."""
-    if decoder_start is not None:
-        return functools.partial(collate_seq2seq, pad_id=pad_id, start_id=decoder_start)
-    ref = data_cfg.user_collate_fn
-    return user_collate(ref) if ref else functools.partial(collate, pad_id=pad_id)
 
 
 def check_collate(collate_fn: Callable[[list[dict]], dict], rows: list[dict], ref: str) -> None:
@@ -187,9 +154,10 @@ def check_collate(collate_fn: Callable[[list[dict]], dict], rows: list[dict], re
 
 def label_shift(batch: dict) -> int:
     """How far a batch's labels sit from the logits that predict them: 1 for a decoder-only
-    model (position t predicts token t+1), 0 for an encoder-decoder batch (collate_seq2seq:
-    the labels are the decoder's own positions)."""
-    return 0 if "decoder_input_ids" in batch else 1
+    model (position t predicts token t+1), 0 for a batch that holds a key a model kind
+    registered as unshifting (an encoder-decoder's decoder_input_ids: its labels are the
+    decoder's own positions; engine.kinds.seq2seq_lm)."""
+    return 0 if any(k in batch for k in UNSHIFTING_INPUTS) else 1
 
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
@@ -322,8 +290,27 @@ def varlen_boundaries(lengths: list[int], bucketed: bool = False) -> dict:
             "max_length_k": longest}
 
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                "max_length_q", "max_length_k", "decoder_input_ids")
+#: what the forward pass takes from a batch: the text inputs and the packed-attention keys,
+#: then what a model kind adds (register_model_inputs: an encoder-decoder's decoder inputs)
+MODEL_INPUTS = ["input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                "max_length_q", "max_length_k"]
+#: the keys model kinds added (what an evaluation forward passes besides the text inputs)
+KIND_INPUTS: list[str] = []
+#: kind keys whose presence means the labels are the model's own positions (label_shift 0)
+UNSHIFTING_INPUTS: list[str] = []
+
+
+def register_model_inputs(keys: tuple[str, ...], unshifting: tuple[str, ...] = ()) -> None:
+    """A model kind's batch keys for the forward pass (engine.kinds: declared on the kind,
+    registered when its class is defined); `unshifting`: those of them whose presence means
+    the labels sit on the model's own positions."""
+    for key in keys:
+        for table in (MODEL_INPUTS, KIND_INPUTS):
+            if key not in table:
+                table.append(key)
+    UNSHIFTING_INPUTS.extend(k for k in unshifting if k not in UNSHIFTING_INPUTS)
+
+
 #: example boundaries: read on the host by the kernels that slice with Python ints (per-example
 #: SDPA, FlexAttention's mask); the flash kernels take them on the device, copied with the batch
 #: (engine.datapath.attention.host_keys says which)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from engine.datapath.data import (
+    KIND_INPUTS,
     IGNORE_INDEX,
     collate,
     count_targets,
@@ -24,10 +25,6 @@ from engine.modeling.adapter import adapter_disabled, has_adapter
 from engine.process.distributed import Dist, all_reduce_sum
 
 
-#: what an encoder-decoder batch gives the forward besides the encoder's inputs
-DECODER_INPUTS = ("decoder_input_ids",)
-
-
 @torch.no_grad()
 def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | None = None,
                   max_batches: int | None = None, autocast_dtype: torch.dtype | None = None,
@@ -36,7 +33,7 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
                   on_batch: Callable[[], None] | None = None, per_row: bool = False) -> dict:
     """Mean next-token loss and perplexity; rank r takes batches r, r+world, ...
 
-    `collate_fn`: builds each batch from its rows (engine.datapath.data.eval_collate: the
+    `collate_fn`: builds each batch from its rows (a model kind's eval_collate, engine.kinds: the
     project's data.collate_fn when set); None: dynamic padding with `pad_id`.
     `lockstep`: every rank runs the same number of forwards (FSDP2 all-gathers inside forward,
     so a rank with one batch fewer would hang the others); the extra ones are not counted.
@@ -71,7 +68,7 @@ def evaluate_loss(model, dataset, batch_size: int, pad_id: int, dist: Dist | Non
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(input_ids=batch["input_ids"],
                            attention_mask=batch.get("attention_mask"),
-                           **{k: batch[k] for k in DECODER_INPUTS if k in batch}).logits
+                           **{k: batch[k] for k in KIND_INPUTS if k in batch}).logits
         if counted:
             tokens += count_targets(batch)
             loss_sum += float(loss_sum_fn(logits, batch["labels"]) if loss_sum_fn

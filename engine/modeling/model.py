@@ -293,20 +293,6 @@ def load_trained(cfg: ModelConfig, peft_cfg: PeftSection, root: Path, trained_di
     return load_base_model(cfg, root, ref=str(trained_dir), labels=labels)
 
 
-def decoder_start(cfg, model) -> int | None:
-    """An encoder-decoder model's decoder_start_token_id, which its batches begin the decoder
-    with (engine.datapath.data.collate_seq2seq); None for every other model task. `cfg`: the
-    FinetuneConfig; `model`: the model, maybe PEFT-wrapped (not strategy-wrapped)."""
-    if not cfg.model_task.encoder_decoder:
-        return None
-    start = getattr(base_model(model).config, "decoder_start_token_id", None)
-    if start is None:
-        raise PipelineError(f"model.name_or_path {cfg.model.name_or_path}: its config has no "
-                            "decoder_start_token_id, which an encoder-decoder model's decoder "
-                            "starts from; set it in config.json")
-    return start
-
-
 def base_model(model):
     """The transformers model inside a PEFT wrapper (the model itself when not wrapped)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

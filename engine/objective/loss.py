@@ -22,7 +22,6 @@ micro-batch.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -84,17 +83,6 @@ class FullLoss:
         return token_loss_sum(output.logits, labels)
 
 
-class Seq2SeqLoss(FullLoss):
-    """An encoder-decoder model's logits are the decoder's positions, one per label: the same
-    summed cross entropy without the next-token shift (what T5's own `labels=` loss sums)."""
-
-    name = "seq2seq"
-    eval_loss_sum = staticmethod(functools.partial(token_loss_sum, shift=0))
-
-    def loss_sum(self, output, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(output.logits, labels, shift=0)
-
-
 class ChunkedLoss:
     """Installed on a model's output layer; see the module docstring."""
 
@@ -152,23 +140,6 @@ class ChunkedLoss:
         return output.logits.reshape(())
 
 
-def class_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross entropy of a sequence classifier: each row's one label (its class id, on
-    the last token; every other position is IGNORE_INDEX, so the row maximum is the id)."""
-    return torch.nn.functional.cross_entropy(logits.float(), labels.max(dim=1).values,
-                                             reduction="sum")
-
-
-class ClassificationLoss(FullLoss):
-    """A sequence classifier's logits are (rows, classes): one target per row."""
-
-    name = "classification"
-    eval_loss_sum = staticmethod(class_loss_sum)
-
-    def loss_sum(self, output, labels: torch.Tensor) -> torch.Tensor:
-        return class_loss_sum(output.logits, labels)
-
-
 class UserLoss(FullLoss):
     """training.compute_loss_func, called as HF's Trainer calls it, fn(outputs, labels,
     num_items_in_batch=...), with num_items_in_batch=1: a function written for HF divides its
@@ -196,20 +167,15 @@ class _Outputs:
 
 
 def build_loss(model, chunk_tokens: int | None, device: torch.device, amp=None,
-               vocab_size: int | None = None, classify: bool = False, user_fn=None,
-               encoder_decoder: bool = False
-               ) -> FullLoss | ChunkedLoss | ClassificationLoss | UserLoss | Seq2SeqLoss:
-    """The loss for `training.loss_chunk_tokens`, checked against the full loss on a probe
-    batch (before any wrapping) so a model that transforms its logits is refused. A
-    classifier (`classify`) has no vocabulary head to chunk; an `encoder_decoder` model's
-    labels are unshifted (Seq2SeqLoss); `user_fn`: training.compute_loss_func on the model's
-    full outputs."""
+               vocab_size: int | None = None, user_fn=None
+               ) -> FullLoss | ChunkedLoss | UserLoss:
+    """A language model's next-token loss for `training.loss_chunk_tokens`, checked against the
+    full loss on a probe batch (before any wrapping) so a model that transforms its logits is
+    refused; `user_fn`: training.compute_loss_func on the model's full outputs. Other model
+    kinds bring their own (engine.kinds: a classifier's per-row loss, an encoder-decoder's
+    unshifted one)."""
     if user_fn is not None:
         return UserLoss(user_fn)
-    if classify:
-        return ClassificationLoss()
-    if encoder_decoder:
-        return Seq2SeqLoss()
     if chunk_tokens is None:
         return FullLoss()
     loss = ChunkedLoss(model, chunk_tokens, device)

@@ -20,23 +20,20 @@ collective). Which of the two happens is the strategy's placement, not a branch 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from engine.datapath.data import collate_seq2seq, user_collate
 from engine.datapath.packing import prepare_batch_layout
 from engine.modeling.adapter import apply_peft
 from engine.modeling.compile import maybe_compile
 from engine.modeling.fused_lora import use_fused_lora
-from engine.modeling.model import (count_parameters, decoder_start, load_base_model,
-                                   resolve_model_ref)
+from engine.kinds import kind_of
+from engine.modeling.model import count_parameters, load_base_model, resolve_model_ref
 from engine.modeling.quantization import convert_to_fp8, prepare_qat
 from engine.modeling.runtime import enable_gradient_checkpointing, use_fast_bf16_cpu_kernels
-from engine.objective.loss import build_loss
 from engine.strategies import build_strategy
 from engine.strategies.base import StoredWeights, Strategy
 from finetune.config import FinetuneConfig
@@ -52,8 +49,8 @@ class BuiltModel:
     trainable: int  # parameters of the whole model, before any rank keeps its part
     total: int
     construction: dict[str, Any] = field(default_factory=dict)  # what meta read
-    #: an encoder-decoder model's decoder_start_token_id (its batches' layout), else None
-    decoder_start: int | None = None
+    #: how evaluation batches are built (the model kind's: engine.kinds)
+    eval_collate: Callable[[list[dict]], dict] | None = None
 
 
 def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | None,
@@ -82,7 +79,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
             "training.fused_lora)")
     # before the wrap, or (sharded on meta) once the wrap's shards are read
     layout_and_loss = placement.when_weights_exist(
-        lambda: _layout_and_loss(cfg, model, strategy, labels, pad_id, d, amp, log))
+        lambda: _layout_and_loss(cfg, model, strategy, pad_id, d, amp, log))
     wrapped = strategy.wrap(model)
     construction = placement.after_wrap()
     collate_fn, loss = layout_and_loss()
@@ -91,22 +88,18 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
             f"stored tensors ({construction['construct_bytes_read'] / 2**20:.2f} MiB) on this "
             "rank")
     return BuiltModel(maybe_compile(wrapped, t), strategy, loss, collate_fn, trainable, total,
-                      construction, decoder_start(cfg, model))
+                      construction, kind_of(cfg).eval_collate(cfg, model, pad_id))
 
 
-def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad_id: int, d,
-                     amp, log):
+def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, pad_id: int, d, amp,
+                     log):
     """The collate function (batch layout, maybe probed) and the loss (probed against the
     full loss), both on the model as it now is."""
     t = cfg.training
     collate_fn = prepare_batch_layout(t, cfg.data.max_seq_length, model, pad_id, d.device,
                                       amp, log)
-    if cfg.data.user_collate_fn:  # a named collator is the layout's own (dynamic_padding)
-        collate_fn = user_collate(cfg.data.user_collate_fn)
-    start = decoder_start(cfg, model)
-    if start is not None:  # the compat table leaves an encoder-decoder no other layout
-        collate_fn = functools.partial(collate_seq2seq, pad_id=pad_id, start_id=start,
-                                       multiple=t.pad_to_multiple_of)
+    kind = kind_of(cfg)  # a named collator, an encoder-decoder's own layout (compat: no other)
+    collate_fn = kind.train_collate(cfg, model, pad_id, collate_fn)
     loss = None
     if t.use_liger_kernel:  # the pipeline and user losses are refused with it (compat)
         from engine.objective.liger import apply_liger
@@ -120,7 +113,5 @@ def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, labels, pad
     else:
         user_fn = (load_object(t.compute_loss_func, "training.compute_loss_func")
                    if t.compute_loss_func else None)
-        loss = strategy.make_loss(lambda: build_loss(model, t.loss_chunk_tokens, d.device, amp,
-                                                     classify=bool(labels), user_fn=user_fn,
-                                                     encoder_decoder=start is not None))
+        loss = strategy.make_loss(lambda: kind.loss(model, cfg, d.device, amp, user_fn))
     return collate_fn, loss

@@ -31,7 +31,6 @@ from engine.datapath.attention import host_keys
 from engine.datapath.data import (
     MODEL_COLUMNS,
     count_targets,
-    eval_collate,
     load_tokenized,
     model_inputs,
     to_device,
@@ -223,8 +222,7 @@ class TrainingRun:
                             self.labels, self.tokenizer.pad_token_id, self.amp, self.log)
         self.model, self.strategy, self.loss = built.model, built.strategy, built.loss
         self.collate_fn, self.construction = built.collate_fn, built.construction
-        self.eval_collate = eval_collate(self.cfg.data, self.tokenizer.pad_token_id,
-                                         built.decoder_start)
+        self.eval_collate = built.eval_collate
         self.trainable, self.total = built.trainable, built.total
 
     def open_train_data(self):

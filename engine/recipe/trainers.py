@@ -12,6 +12,7 @@ key with `register_trainer("my-loop", MyRun)` in a module it imports, or name th
 
 from __future__ import annotations
 
+from engine.kinds import kind_of
 from finetune.imports import load_object
 from finetune.registry import Registry
 
@@ -26,9 +27,6 @@ TRAINERS = Registry("trainer", "training.type", hint="",
                                "grpo": "engine.recipe.grpo.run:GRPORun",
                                "kto": "engine.recipe.kto.run:KTORun",
                                "reward": "engine.recipe.reward.run:RewardRun"})
-#: a method whose room differs by the model it trains: (training.type, the model task's
-#: pipeline tag) -> its run class (SFT of a sequence classifier measures classes, not text)
-BY_TASK = {("sft", "text-classification"): "engine.recipe.classifier.run:ClassifierRun"}
 
 
 def register_trainer(key: str, cls=None):
@@ -45,6 +43,6 @@ def trainer_class(name: str):
 
 def run_class(cfg):
     """The run class that trains `cfg` (a FinetuneConfig): its trainer type's, specialised by
-    the model it trains (BY_TASK)."""
-    ref = BY_TASK.get((cfg.training.type, cfg.model_task.pipeline_tag))
+    the kind of model it trains (engine.kinds: SFT of a classifier measures classes)."""
+    ref = kind_of(cfg).run_classes.get(cfg.training.type)
     return load_object(ref, "training.type") if ref else trainer_class(cfg.training.type)

@@ -1037,7 +1037,7 @@ RULES: list[Rule] = [
         ("training.compute_loss_func", None,
          "its loss is the decoder's unshifted cross entropy", {"training.compute_loss_func": "m:f"}),
         ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
-         "its batches carry the decoder's inputs (engine.datapath.data.collate_seq2seq)",
+         "its batches carry the decoder's inputs (engine.kinds.seq2seq_lm.collate_seq2seq)",
          {"data.collate_fn": "m:f"}),
         ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
          "the pipeline splits a decoder-only stack", {"distributed.strategy": "pipeline",

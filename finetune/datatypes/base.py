@@ -31,7 +31,10 @@ Encoder = Callable[..., dict[str, list]]
 
 @dataclass(frozen=True)
 class ModelTask:
-    """The model a type trains: what loads it, what PEFT adapts, how it is served."""
+    """The model a type trains, as the config sees it: what loads it, what PEFT adapts, how
+    it is served, and the engine's model kind that trains it (engine.kinds: its batches, loss
+    and checks). The two flags are what the config's compatibility rows need before any
+    engine code runs; the engine asks the kind instead."""
 
     auto_class: str
     peft_task_type: str
@@ -41,15 +44,17 @@ class ModelTask:
     classifier: bool
     #: an encoder-decoder model (T5-style): the prompt goes to the encoder and the labels are
     #: the completion alone, the decoder's own positions (no next-token shift), batched with
-    #: their own padding and the decoder's inputs (engine.datapath.data.collate_seq2seq)
+    #: their own padding and the decoder's inputs (engine.kinds.seq2seq_lm)
     encoder_decoder: bool = False
+    #: the engine's model kind (engine.kinds.KINDS: a registered name or 'module:Class')
+    kind: str = "causal_lm"
 
 
 CAUSAL_LM = ModelTask("AutoModelForCausalLM", "CAUSAL_LM", "text-generation", False)
 SEQUENCE_CLASSIFICATION = ModelTask("AutoModelForSequenceClassification", "SEQ_CLS",
-                                    "text-classification", True)
+                                    "text-classification", True, kind="sequence_classifier")
 SEQ_2_SEQ_LM = ModelTask("AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", "text2text-generation", False,
-                         encoder_decoder=True)
+                         encoder_decoder=True, kind="seq2seq_lm")
 
 
 #: what a dataset type's rows can give a method to train on (DatasetType.targets)
@@ -155,6 +160,9 @@ class DatasetType(ABC):
     trainer_hint: ClassVar[str | None] = None
     #: why a tokenized row can have no trainable token (the tokenize stage's drop message)
     untrainable: ClassVar[str] = "prompt fills max_seq_length or completion empty"
+    #: each tokenized row's labels have one entry per input token (the tokenize contract);
+    #: not so where the labels are a decoder's own sequence (seq2seq)
+    labels_aligned: ClassVar[bool] = True
 
     def __init__(self, data):
         self.data = data

@@ -17,6 +17,7 @@ class Seq2SeqType(CompletionType):
     aliases = ()
     task = SEQ_2_SEQ_LM
     untrainable = "completion empty"
+    labels_aligned = False  # the labels are the decoder's own sequence
 
     def check(self) -> None:
         super().check()

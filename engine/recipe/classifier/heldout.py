@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.evaluation.bootstrap import bootstrap_seed, stderrs
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss, predict_classes
-from engine.objective.loss import class_loss_sum
+from engine.kinds.classifier import class_loss_sum
 from finetune.errors import PipelineError
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.datapath.data import eval_collate
 from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.bootstrap import bootstrap_seed, perplexity, ratio_stderr, stderrs
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
-from engine.modeling.model import decoder_start, max_positions
+from engine.kinds import kind_of
+from engine.modeling.model import max_positions
 from engine.modeling.quantization import conversion_blocker, quantized_copy
 from engine.reporting.reporters import work_bar
 from finetune.errors import PipelineError
@@ -31,7 +31,7 @@ def lm_metrics(held: HeldOut, after_loss: Callable[[HeldOut, dict], None] | None
     batch = cfg.training.per_device_eval_batch_size
     args = (held.test, batch, tok.pad_token_id)
     # data.collate_fn's, as in training; an encoder-decoder model's own layout
-    batches = eval_collate(cfg.data, tok.pad_token_id, decoder_start(cfg, held.base))
+    batches = kind_of(cfg).eval_collate(cfg, held.base, tok.pad_token_id)
     t = cfg.training
     loss_batches = -(-len(held.test) // batch)
     gen_batches = 0 if rows is None else -(-len(rows) // batch)
