@@ -124,8 +124,9 @@ def check_dropped(dropped: int, total: int, max_fraction: float, where: str, rea
 
 
 def data_context(ws: Workspace) -> DataContext:
-    """What the types get from a data stage: the root and the tokenizer, loaded on first use
-    (with our own truncation: its length limit is not the stage's)."""
+    """What the types get from a data stage: the root, the tokenizer, loaded on first use
+    (with our own truncation: its length limit is not the stage's), and the model kind's
+    processor around it."""
     from engine.modeling.model import load_tokenizer
 
     def tokenizer():
@@ -133,7 +134,12 @@ def data_context(ws: Workspace) -> DataContext:
         tok.model_max_length = int(1e9)
         return tok
 
-    return DataContext(ws.root, tokenizer)
+    def processor(tok):
+        from engine.kinds import kind_of
+
+        return kind_of(ws.config).processor(tok, ws.config.model, ws.root)
+
+    return DataContext(ws.root, tokenizer, load_processor=processor)
 
 
 def label_map(ws: Workspace, top: DataConfig) -> list[str] | None:

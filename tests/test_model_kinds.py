@@ -143,3 +143,31 @@ def test_the_kinds_answer_as_the_branches_they_replaced():
     assert KINDS.get("causal_lm").run_classes == {} == KINDS.get("seq2seq_lm").run_classes
     assert KINDS.get("seq2seq_lm")().generated_from(7) == 1
     assert KINDS.get("causal_lm")().generated_from(7) == 7
+
+
+def test_a_data_stage_hands_types_the_kinds_processor(tmp_path):
+    """A text kind's processor is the tokenizer itself; a kind with its own (a
+    vision-language model's AutoProcessor) reaches every dataset type through DataContext."""
+    from engine.kinds import KINDS
+    from finetune.workspace import Workspace
+    from helpers import ROOT
+    from tasks.format import data_context
+
+    ws = Workspace.load(ROOT / "params/default.yaml")
+    ctx = data_context(ws)
+    assert ctx.processor is ctx.tokenizer
+
+    class Wrapped:
+        def __init__(self, tok):
+            self.tokenizer = tok
+
+    class WithProcessor(KINDS.get("causal_lm")):
+        def processor(self, tokenizer, model_cfg, root):
+            return Wrapped(tokenizer)
+
+    KINDS.register("causal_lm", WithProcessor)
+    try:
+        ctx = data_context(ws)
+        assert isinstance(ctx.processor, Wrapped) and ctx.processor.tokenizer is ctx.tokenizer
+    finally:
+        KINDS.register("causal_lm", "engine.kinds.causal_lm:CausalLM")

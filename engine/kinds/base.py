@@ -21,6 +21,7 @@ import functools
 from collections.abc import Callable
 
 from engine.datapath.data import collate, register_model_inputs, user_collate
+from engine.modeling.labels import write_labels
 from engine.modeling.model import refuse_encoder_decoder
 from engine.objective.loss import build_loss
 
@@ -52,6 +53,13 @@ class ModelKind:
         named by path: its labels would be laid out for the wrong model)."""
         refuse_encoder_decoder(model_config, source)
 
+    # -- inputs ------------------------------------------------------------------------------
+
+    def processor(self, tokenizer, model_cfg, root):
+        """What the data stages encode inputs with (finetune.datatypes.base.DataContext): a
+        text model's tokenizer; a vision-language kind loads its AutoProcessor around it."""
+        return tokenizer
+
     # -- batches -----------------------------------------------------------------------------
 
     def train_collate(self, cfg, model, pad_id: int, layout: Callable[[list[dict]], dict]
@@ -73,6 +81,15 @@ class ModelKind:
         """The training loss (engine.objective.loss): the user's, else the full or chunked
         next-token cross entropy (probed against the full one)."""
         return build_loss(model, cfg.training.loss_chunk_tokens, device, amp, user_fn=user_fn)
+
+    # -- saved weights -----------------------------------------------------------------------
+
+    def save_beside_weights(self, folder, tokenizer, labels: list[str] | None) -> None:
+        """What a trained folder holds besides the weights, so it loads on its own: the
+        tokenizer (a vision-language kind: its processor) and a head's label map."""
+        tokenizer.save_pretrained(folder)
+        if labels:
+            write_labels(folder, labels)
 
     # -- generation --------------------------------------------------------------------------
 

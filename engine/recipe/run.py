@@ -40,7 +40,8 @@ from engine.datapath.prefetch import Prefetched
 from engine.datapath.stream import ExampleSource
 from engine.modeling.adapter import make_adapter_config_reproducible, make_model_card_reproducible
 from engine.modeling.compile import compile_stats
-from engine.modeling.labels import read_labels, write_labels
+from engine.kinds import kind_of
+from engine.modeling.labels import read_labels
 from engine.modeling.model import load_tokenizer
 from engine.modeling.runtime import (
     activation_offloading,
@@ -645,9 +646,7 @@ class TrainingRun:
             self.strategy.save_pretrained(staging, full)
             make_model_card_reproducible(staging, self.cfg.model, self.paths.project_root)
             self.carry_chat_template()
-            self.tokenizer.save_pretrained(staging)
-            if self.labels:
-                write_labels(staging, self.labels)
+            kind_of(self.cfg).save_beside_weights(staging, self.tokenizer, self.labels)
 
 
     def carry_chat_template(self) -> None:

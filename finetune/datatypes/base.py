@@ -72,13 +72,19 @@ def requires_trainable(targets: str) -> bool:
 @dataclass
 class DataContext:
     """What a stage hands a type: the project root (template and function files), the
-    tokenizer (loaded on first use: most types format without one) and, for a classifier, the
-    class names in id order."""
+    tokenizer (loaded on first use: most types format without one), for a classifier the
+    class names in id order, and the processor the model kind encodes inputs with (a
+    vision-language model's turns images into pixel values; for a text model it is the
+    tokenizer)."""
 
     root: Path
     load_tokenizer: Callable[[], Any]
     labels: list[str] | None = None
+    #: tokenizer -> the model kind's processor (engine.kinds: ModelKind.processor); None: the
+    #: tokenizer is the processor
+    load_processor: Callable[[Any], Any] | None = None
     _tokenizer: Any = field(default=None, repr=False)
+    _processor: Any = field(default=None, repr=False)
     _bos: Any = field(default=False, repr=False)
 
     @property
@@ -86,6 +92,14 @@ class DataContext:
         if self._tokenizer is None:
             self._tokenizer = self.load_tokenizer()
         return self._tokenizer
+
+    @property
+    def processor(self):
+        """Loaded on first use, around the tokenizer."""
+        if self._processor is None:
+            self._processor = (self.load_processor(self.tokenizer) if self.load_processor
+                               else self.tokenizer)
+        return self._processor
 
     @property
     def bos(self) -> int | None:
