@@ -77,10 +77,11 @@ def check_model(ws: Workspace) -> None:
     from engine.kinds import kind_of
     from engine.modeling.model import load_model_config
 
+    kind = kind_of(cfg)  # a project's kind ('module:Class') that does not load: one line
     if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
         return
     config = load_model_config(cfg.model, ws.root)
-    kind_of(cfg).check_architecture(config, f"model.name_or_path {cfg.model.name_or_path}")
+    kind.check_architecture(config, f"model.name_or_path {cfg.model.name_or_path}")
     check_positions(cfg, config)
     check_vocabulary(ws, config)
     if cfg.peft.use_peft:

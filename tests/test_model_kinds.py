@@ -171,3 +171,19 @@ def test_a_data_stage_hands_types_the_kinds_processor(tmp_path):
         assert isinstance(ctx.processor, Wrapped) and ctx.processor.tokenizer is ctx.tokenizer
     finally:
         KINDS.register("causal_lm", "engine.kinds.causal_lm:CausalLM")
+
+
+def test_a_kind_that_does_not_load_is_one_line_at_validate(tmp_path):
+    """A dataset type naming a kind whose module is missing: `finetune validate` says which,
+    exit 2, before any stage runs."""
+    from helpers import error_line, run_cli
+
+    project = copy_project(tmp_path / "p")
+    (project / "toy_kind.py").write_text(TOY_KIND.replace('kind="toy_kind.py:SmoothedLM"',
+                                                          'kind="missing_kind.py:Nothing"'))
+    write_params(project, {"data.dataset_type": "toy_kind.py:SmoothedCompletion"})
+    result = run_cli(project, "validate")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert error_line(result).startswith(
+        "error: data.dataset_type toy_kind.py:SmoothedCompletion: model kind: cannot import "
+        "'missing_kind.py:Nothing'"), error_line(result)
