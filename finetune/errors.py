@@ -7,6 +7,7 @@ corrupt checkpoint skipped) is one `warning:` line on stderr, in the same form (
 """
 
 import logging
+import os
 import sys
 
 #: libraries that log at import what a user cannot act on: torchao's optional kernels built for
@@ -28,6 +29,26 @@ class TransientError(PipelineError):
     """A failure worth retrying (network, hub): orchestrators retry these, not bad input."""
 
     exit_code = 75  # EX_TEMPFAIL
+
+
+#: the environment variables that keep the Hugging Face clients off the network
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def hub_unreachable(key: str, name: str, exc: Exception, instead: str, verb: str = "load",
+                    retry_online: bool = True) -> PipelineError:
+    """The one error for a Hugging Face Hub name (a model, a dataset) that did not load: bad
+    input when the clients are offline (it is not in the local cache), else worth a retry
+    (a TransientError; `retry_online` False where an online failure may as well be a name
+    that does not exist). `instead`: the local alternative, e.g. "point model.name_or_path at
+    a local folder"."""
+    if any(os.environ.get(v) for v in OFFLINE_VARIABLES):
+        why, error = "HF_HUB_OFFLINE is set and it is not in the local cache", PipelineError
+    else:
+        why = f"the Hugging Face Hub could not be reached or has no such repo ({type(exc).__name__})"
+        error = TransientError if retry_online else PipelineError
+    return error(f"{key} '{name}': cannot {verb}: {why}; with network access unset "
+                 f"HF_HUB_OFFLINE, or {instead}")
 
 
 def warn(message: str) -> None:

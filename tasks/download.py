@@ -11,7 +11,6 @@ null, so a bad source fails here, not three stages later.
 from __future__ import annotations
 
 import contextlib
-import os
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -21,7 +20,7 @@ import pandas as pd
 
 from finetune import json_input
 from finetune.config.data import DataConfig
-from finetune.errors import PipelineError, TransientError
+from finetune.errors import PipelineError, hub_unreachable
 from finetune.files import atomic_dir
 from finetune.parquet_batches import BATCH_ROWS, RowGroupWriter, Rows, frames, row_count
 from finetune.workspace import Workspace
@@ -199,17 +198,8 @@ def _load_hub(name: str, subset: str | None) -> dict[str, Rows]:
     try:
         loaded = datasets.load_dataset(name, subset)
     except Exception as exc:  # the hub client raises many types; all mean "not reachable"
-        offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
-        why = (
-            "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set and it is not in the local cache"
-            if offline
-            else f"the Hugging Face Hub could not be reached ({type(exc).__name__})"
-        )
-        error = PipelineError if offline else TransientError
-        raise error(
-            f"data.dataset_name '{name}': cannot load: {why}; connect to the network and unset "
-            "HF_HUB_OFFLINE, or set data.json_file_path to a local file"
-        ) from exc
+        raise hub_unreachable("data.dataset_name", name, exc,
+                              "set data.json_file_path to a local file") from exc
     return {split: Rows(len(ds), partial(_dataset_frames, ds)) for split, ds in loaded.items()}
 
 

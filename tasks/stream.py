@@ -15,7 +15,6 @@ left out on the fly (a stream cannot be counted ahead).
 
 from __future__ import annotations
 
-import os
 import re
 from itertools import islice
 from pathlib import Path
@@ -27,7 +26,7 @@ from finetune import json_input
 from finetune.config.data import DataConfig
 from finetune.config.schema import FinetuneConfig
 from finetune.datatypes import DataContext
-from finetune.errors import PipelineError, TransientError
+from finetune.errors import PipelineError, hub_unreachable
 from finetune.files import file_sha256
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -48,11 +47,8 @@ def open_source(data: DataConfig, root: Path) -> dict[str, Any]:
         try:
             return dict(datasets.load_dataset(data.dataset_name, data.subset, streaming=True))
         except Exception as exc:  # the hub client raises many types; all mean "not reachable"
-            offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
-            error = PipelineError if offline else TransientError
-            raise error(f"data.dataset_name '{data.dataset_name}': cannot stream "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}); connect to "
-                        "the network, or point data.data_files at local files") from exc
+            raise hub_unreachable("data.dataset_name", data.dataset_name, exc,
+                                  "point data.data_files at local files", verb="stream") from exc
     if local is not None and local.is_dir():
         return dict(datasets.load_dataset(str(local), streaming=True))
     out = {}

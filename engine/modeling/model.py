@@ -22,7 +22,7 @@ from engine.modeling.labels import classifier_kwargs, read_labels
 from engine.modeling.vocabulary import grow_vocabulary
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.datatypes.base import SEQ_2_SEQ_LM
-from finetune.errors import PipelineError
+from finetune.errors import PipelineError, hub_unreachable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,19 +36,6 @@ def resolve_model_ref(name: str, root: Path) -> str:
     if name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name or name.count("/") > 1:
         raise PipelineError(f"model.name_or_path: local folder {local} not found")
     return name
-
-
-def _hub_error(ref: str, exc: Exception) -> PipelineError:
-    offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    why = (
-        "HF_HUB_OFFLINE is set and it is not in the local cache"
-        if offline
-        else f"the Hugging Face Hub could not be reached or has no such repo ({type(exc).__name__})"
-    )
-    return PipelineError(
-        f"model.name_or_path '{ref}': cannot load: {why}; with network access unset "
-        "HF_HUB_OFFLINE, or point model.name_or_path at a local folder"
-    )
 
 
 def _from_pretrained(factory: Any, ref: str, cfg: ModelConfig, **kwargs: Any) -> Any:
@@ -65,7 +52,9 @@ def _from_pretrained(factory: Any, ref: str, cfg: ModelConfig, **kwargs: Any) ->
             raise PipelineError(f"{key} {what}: cannot load ({first})") from None
         if isinstance(exc, ValueError):
             raise PipelineError(f"{key} {what}: {str(exc).splitlines()[0]}") from None
-        raise _hub_error(ref, exc) from exc
+        raise hub_unreachable("model.name_or_path", ref, exc,
+                              "point model.name_or_path at a local folder",
+                              retry_online=False) from exc
 
 
 def load_tokenizer(cfg: ModelConfig, root: Path):
