@@ -267,3 +267,29 @@ def test_a_guard_on_a_lower_is_better_harness_metric_fails_when_it_rises():
     rise = judge(cfg, {"eval.loss": 2.0, bpb: 1.0}, {"eval.loss": 1.0, bpb: 1.2})[1]
     fall = judge(cfg, {"eval.loss": 2.0, bpb: 1.0}, {"eval.loss": 1.0, bpb: 0.5})[1]
     assert (rise.verdict, rise.allowed, fall.verdict) == ("fail", "<= +0.1", "pass")
+
+
+@pytest.mark.parametrize("overrides, metric, expected", [
+    ({"training.type": "grpo", "data.dataset_type": "prompt", "registry.gate_metric": "eval.reward"},
+     "eval.reward", False),
+    ({"training.type": "kto", "data.dataset_type": "unpaired_preference"},
+     "eval.reward_margin", False),
+    ({"training.type": "kto", "data.dataset_type": "unpaired_preference"}, "eval.loss", True),
+    ({"training.type": "reward", "data.dataset_type": "preference"}, "eval.loss", True),
+    ({"training.type": "reward", "data.dataset_type": "preference"}, "eval.reward_margin", True),
+    ({"data.dataset_type": "classification", "eval.generation_metrics": []}, "eval.loss", False),
+    ({}, "eval.loss", True),
+])
+def test_a_methods_own_numbers_say_whether_they_carry_a_stderr(overrides, metric, expected):
+    """Method.stderr (finetune.config.methods) decides for a method's own numbers; the
+    dataset's rule for the rest."""
+    import yaml
+
+    from finetune.config.compat import has_stderr
+    from finetune.config.loader import set_keys, validate_raw
+    from helpers import ROOT
+
+    raw = yaml.safe_load((ROOT / "params/default.yaml").read_text())
+    cfg = validate_raw(set_keys(raw, {"registry.register_model": False, **overrides}),
+                       source="p.yaml")
+    assert has_stderr(cfg, metric) is expected

@@ -447,16 +447,22 @@ def has_stderr(c, metric: str) -> bool:
     name): lm-eval does for its tasks' metrics; ours carry a bootstrap one over the held-out
     rows (eval.bootstrap_samples > 0, engine.evaluation.bootstrap) when they are means over
     rows or a token-weighted loss, except: macro-F1 (of the whole set), a classifier's loss,
-    KTO's reward_margin (a difference of two labels' means), GRPO's rewards, and the loss and
-    perplexity under a project's data.collate_fn (its batch rows need not be examples)."""
+    the loss and perplexity under a project's data.collate_fn (its batch rows need not be
+    examples), and what a method says of its own numbers (finetune.config.methods.Method.stderr:
+    GRPO's rewards, KTO's reward_margin, a reward model's pair loss)."""
+    from finetune.config.methods import method_of
+
     if metric.startswith("eval.harness."):
         return True
     if not c.eval.bootstrap_samples:
         return False
-    name, method = metric.removeprefix("eval."), c.training.type
-    if method == "grpo" or name == "macro_f1" or (method == "kto" and name == "reward_margin"):
+    name, method = metric.removeprefix("eval."), method_of(c.training.type)
+    verdict = method.stderr(c, name) if method.stderr else None
+    if verdict is not None:  # the method's own numbers (finetune.config.methods.Method.stderr)
+        return verdict
+    if name == "macro_f1":
         return False
-    if name in ("loss", "perplexity") and method != "reward":
+    if name in ("loss", "perplexity"):
         return not c.data.task.classifier and c.data.user_collate_fn is None
     return True
 

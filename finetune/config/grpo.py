@@ -37,7 +37,8 @@ def reported_metrics(cfg) -> tuple[str, ...]:
 register_method(Method("grpo", accepts=("none",), data_hint=(
     "trains on prompt-only rows (completions are generated during training); set "
     "data.dataset_type: prompt"), metrics=reported_metrics,
-    metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+"))
+    metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+",
+    stderr=lambda cfg, metric: False))  # rewards of sampled completions: no bootstrap here
 
 #: reward functions shipped with the engine, named by string (engine.recipe.grpo.rewards)
 BUILT_IN_REWARDS = ("correctness", "format", "length")

@@ -17,7 +17,9 @@ from finetune.config.section import Field, Section
 #: kto's facts for the config and the stages (its run class: engine.recipe.kto)
 register_method(Method("kto", accepts=("unpaired",), data_hint=(
     "trains on completions labelled desirable or not; set data.dataset_type: "
-    "unpaired_preference (prompt, completion, label: true/false)")))
+    "unpaired_preference (prompt, completion, label: true/false)"),
+    # reward_margin: a difference of the two labels' means, not a mean over rows
+    stderr=lambda cfg, metric: False if metric == "reward_margin" else None))
 
 
 class KTOConfig(Section):

@@ -35,6 +35,10 @@ class Method:
     #: a regex every such metric name matches, so `registry.gate_metric` can name one before
     #: the whole config is known (the config-wide rule then checks the exact name)
     metric_pattern: str | None = None
+    #: (config, metric name without `eval.`) -> whether the evaluate stage reports a standard
+    #: error for it, where this method's numbers decide (None: the dataset's rule, see
+    #: finetune.config.compat.has_stderr); None: the dataset's rule for every metric
+    stderr: Callable[[object, str], bool | None] | None = None
 
     def reported(self, cfg) -> tuple[str, ...]:
         return self.metrics(cfg) if self.metrics else ()

@@ -26,7 +26,9 @@ register_method(Method(
     "reward", accepts=("pairs",), task=SEQUENCE_CLASSIFICATION,
     data_hint=("trains on chosen/rejected pairs; set data.dataset_type: preference (every "
                "source, in a mixture)"),
-    metrics=lambda cfg: HELDOUT_METRICS, metric_pattern=r"preference_accuracy|reward_margin"))
+    metrics=lambda cfg: HELDOUT_METRICS, metric_pattern=r"preference_accuracy|reward_margin",
+    # the pair loss is a mean over pairs: its stderr holds whatever the dataset's rule says
+    stderr=lambda cfg, metric: True if metric in ("loss", "perplexity") else None))
 
 
 class RewardConfig(Section):
