@@ -45,7 +45,8 @@ def hub_unreachable(key: str, name: str, exc: Exception, instead: str, verb: str
     if any(os.environ.get(v) for v in OFFLINE_VARIABLES):
         why, error = "HF_HUB_OFFLINE is set and it is not in the local cache", PipelineError
     else:
-        why = f"the Hugging Face Hub could not be reached or has no such repo ({type(exc).__name__})"
+        why = ("the Hugging Face Hub could not be reached or has no such repo "
+               f"({type(exc).__name__})")
         error = TransientError if retry_online else PipelineError
     return error(f"{key} '{name}': cannot {verb}: {why}; with network access unset "
                  f"HF_HUB_OFFLINE, or {instead}")

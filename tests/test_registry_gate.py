@@ -270,7 +270,8 @@ def test_a_guard_on_a_lower_is_better_harness_metric_fails_when_it_rises():
 
 
 @pytest.mark.parametrize("overrides, metric, expected", [
-    ({"training.type": "grpo", "data.dataset_type": "prompt", "registry.gate_metric": "eval.reward"},
+    ({"training.type": "grpo", "data.dataset_type": "prompt",
+      "registry.gate_metric": "eval.reward"},
      "eval.reward", False),
     ({"training.type": "kto", "data.dataset_type": "unpaired_preference"},
      "eval.reward_margin", False),
