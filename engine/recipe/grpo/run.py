@@ -81,10 +81,11 @@ class GRPORun(TrainingRun):
         self.rewards = load_reward_functions(g.reward_funcs, reward_options(
             self.cfg, self.paths.project_root, self.dist.device))
         t = self.cfg.training
-        #: a prompt's completions share its forward (loss.completion_logps `group`): on one
-        #: process holding the whole model, without activation checkpointing or compile
+        #: a prompt's completions share its forward (loss.completion_logps `group`): where
+        #: the strategy allows it (one process holding the whole model), without activation
+        #: checkpointing or compile
         self.prompt_group = g.num_generations if (
-            self.strategy.name == "single" and not t.gradient_checkpointing
+            self.strategy.shares_prompt_forward() and not t.gradient_checkpointing
             and not t.torch_compile) else 1
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
                                     dtype=torch.float32)
