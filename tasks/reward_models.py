@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.config.grpo import REGISTERED_MODEL, reward_kind
+from finetune.config.model_refs import REGISTERED_MODEL
+from finetune.config.reward_refs import reward_kind
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir
 from finetune.workspace import Workspace

@@ -12,15 +12,15 @@ and its rows of the compatibility table.
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.methods import Method, register_method
+from finetune.config.model_refs import REGISTERED_MODEL
+from finetune.config.reward_refs import BUILT_IN_REWARDS, reward_kind, reward_name
 from finetune.config.section import Field, Section
-
 
 
 def reported_metrics(cfg) -> tuple[str, ...]:
@@ -38,36 +38,6 @@ register_method(Method("grpo", accepts=("none",), data_hint=(
     "trains on prompt-only rows (completions are generated during training); set "
     "data.dataset_type: prompt"), metrics=reported_metrics,
     metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+"))
-
-#: reward functions shipped with the engine, named by string (engine.recipe.grpo.rewards)
-BUILT_IN_REWARDS = ("correctness", "format", "length")
-#: a registered model: `models:/name@alias` or `models:/name/version` (MLflow's URIs)
-REGISTERED_MODEL = re.compile(r"models:/(?P<name>[^/@]+)(@(?P<alias>[^/@]+)|/(?P<version>\d+))")
-
-
-def reward_kind(ref: str) -> Literal["built_in", "registered", "directory", "code"]:
-    """What a `reward_funcs` entry names: a built-in, a registered reward model
-    (`models:/...`), a reward model directory (a path: it has a '/'), or a function
-    ('module:function', 'path/to/file.py:function')."""
-    if ref.startswith("models:/"):
-        return "registered"
-    if ":" in ref:
-        return "code"
-    return "directory" if "/" in ref else "built_in"
-
-
-def reward_name(ref: str) -> str:
-    """An entry's name in the metrics (rewards/<name>/mean, reward_<name>): a built-in's, a
-    function's, a registered model's, a directory's last part (word characters only)."""
-    kind = reward_kind(ref)
-    if kind == "registered":
-        match = REGISTERED_MODEL.fullmatch(ref)
-        name = match["name"] if match else ref
-    elif kind == "directory":
-        name = ref.rstrip("/").rsplit("/", 1)[-1]
-    else:
-        name = ref.rsplit(":", 1)[-1]
-    return re.sub(r"\W", "_", name) or "reward_model"
 
 
 class GRPOConfig(Section):
