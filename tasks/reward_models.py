@@ -1,7 +1,7 @@
 """Reward models named in `grpo.reward_funcs`: checked before anything runs, and registered
 ones (`models:/name@alias`, `models:/name/version`) resolved to their files.
 
-The engine scores with a reward model directory (engine.recipe.grpo.reward_model); a
+The engine scores with a reward model directory (engine.rollout.reward_model); a
 registered model is this pipeline's MLflow registry's, so the stages that score (train,
 evaluate) resolve it here first: the alias to its version, the version's files downloaded once
 to `data/reward_models/v<version>/<name>` (a version's files never change), and the entry
@@ -58,7 +58,7 @@ def _version(ws: Workspace, key: str, ref: str) -> tuple[str, str]:
 def check(ws: Workspace) -> None:
     """`finetune validate`: every reward model directory is a one-output sequence classifier
     with its tokenizer, and every registered one exists (nothing is downloaded)."""
-    from engine.recipe.grpo.reward_model import check_reward_model
+    from engine.rollout.reward_model import check_reward_model
 
     for key, ref in _entries(ws):
         if reward_kind(ref) == "directory":
@@ -70,7 +70,7 @@ def check(ws: Workspace) -> None:
 def resolved(ws: Workspace) -> Workspace:
     """`ws` with each registered reward model replaced by its downloaded directory (relative
     to the project root), every reward model checked; `ws` itself when there is none."""
-    from engine.recipe.grpo.reward_model import check_reward_model
+    from engine.rollout.reward_model import check_reward_model
 
     entries = _entries(ws)
     if not entries:

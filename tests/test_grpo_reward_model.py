@@ -17,6 +17,8 @@ from helpers import ROOT
 from test_grpo import prompts  # noqa: F401 (a fixture: the shrunk GRPO example, prepared)
 
 MODEL = ROOT / "data/models/stories260K"
+#: the config key the rollout's messages name the entries by
+KEY = "grpo.reward_funcs"
 #: renders BOS itself, as many chat templates do (a template that does not is given one as
 #: a token, as the preference type encodes the reward model's training pairs)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
@@ -51,12 +53,14 @@ def reward_dir(tmp_path_factory) -> Path:
 
 
 def _ours(directory: Path, prompts, completions, batch_size=2) -> list[float]:
-    from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions, score
+    from engine.rollout.rewards import RewardOptions, load_reward_functions
+    from engine.rollout.scoring import score
 
-    funcs = load_reward_functions([str(directory)], RewardOptions(batch_size=batch_size))
+    funcs = load_reward_functions([str(directory)], RewardOptions(batch_size=batch_size),
+                                  key=KEY)
     assert [f.name for f in funcs] == [directory.name]
     ids = [[0]] * len(completions)
-    return score(funcs, prompts, completions, ids, {})[:, 0].tolist()
+    return score(funcs, prompts, completions, ids, {}, key=KEY)[:, 0].tolist()
 
 
 def _trls(directory: Path, prompts, completions) -> list[float]:
@@ -88,7 +92,7 @@ def test_string_rows_score_as_trls_on_the_text_the_reward_model_was_trained_on(r
     handed that text; the scores agree, in chunks of 2 with padding in the last."""
     from transformers import AutoTokenizer
 
-    from engine.recipe.grpo.reward_model import RewardModel
+    from engine.rollout.reward_model import RewardModel
 
     tok = AutoTokenizer.from_pretrained(reward_dir)
     rm = RewardModel(reward_dir, "rm", torch.device("cpu"), 2)
@@ -115,12 +119,12 @@ def test_conversational_rows_score_as_trls(reward_dir):
 
 
 def test_what_is_not_a_reward_model_is_one_line_naming_the_entry(reward_dir, tmp_path):
-    from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions
+    from engine.rollout.rewards import RewardOptions, load_reward_functions
     from finetune.errors import PipelineError
 
     def refused(entry: str) -> str:
         with pytest.raises(PipelineError) as exc:
-            load_reward_functions(["format", entry], RewardOptions())
+            load_reward_functions(["format", entry], RewardOptions(), key=KEY)
         assert "\n" not in str(exc.value)
         return str(exc.value)
 

@@ -13,9 +13,10 @@ FLOORS = {"finetune": 0, "engine": 1, "tasks": 2, "flows": 3}
 
 # The engine's rooms, lowest first: a room imports its own modules and lower rooms only. The
 # doors (engine.preflight for the train stage, engine.worker for torchrun, engine.evaluate for
-# the evaluate stage) sit above them all.
+# the evaluate stage) sit above them all. The rollout (generation and rewards) serves the
+# methods' rooms in recipe/ and the evaluate stage, and needs nothing of the strategies.
 ENGINE_ROOMS = ["process", "reporting", "modeling", "datapath", "objective", "evaluation",
-                "strategies", "state", "recipe"]
+                "rollout", "strategies", "state", "recipe"]
 ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker", "engine.evaluate"}
 
 

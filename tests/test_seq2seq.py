@@ -98,7 +98,7 @@ def test_seq2seq_trains_evaluates_and_exports(tokenized_s2s, tmp_path):
     out = exported.generate(input_ids=torch.tensor(ids), max_new_tokens=4, do_sample=False,
                             eos_token_id=tok.eos_token_id)
     assert out.shape[1] <= 5  # the decoder's tokens alone, after its start token
-    from engine.evaluation.generation import greedy_generate
+    from engine.rollout.greedy import greedy_generate
 
     ours = greedy_generate(exported, tok, ids, batch_size=1, max_new_tokens=4)
     row = out[0, 1:].tolist()

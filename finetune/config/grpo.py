@@ -1,6 +1,7 @@
 """The `grpo` section: online RL with reward functions (`training.type: grpo`), with TRL's
-GRPOConfig names and meanings. engine/recipe/grpo/ is its room: the generator, the rewards,
-the group advantages, the clipped loss, the run and its held-out metrics.
+GRPOConfig names and meanings. engine/recipe/grpo/ is its room: the group advantages, the
+clipped loss, the run and its held-out metrics; the generator and the reward functions it uses
+are the rollout's (engine/rollout/), which any method that generates can use.
 
 One difference in meaning, said where it matters: `training.per_device_train_batch_size` counts
 *prompts* here (each gives `num_generations` completions to the micro-batch), where TRL counts

@@ -2,7 +2,7 @@
 or a trained reward model, and the name its metrics carry.
 
 The config validates the entries and reports their metrics with these, and the engine's
-loads them with the same rules, without either naming the
+rollout (engine.rollout.rewards) loads them with the same rules, without either naming the
 method whose section holds the list.
 """
 
@@ -13,7 +13,7 @@ from typing import Literal
 
 from finetune.config.model_refs import REGISTERED_MODEL, model_ref_kind
 
-#: reward functions shipped with the engine, named by string (engine.recipe.grpo.rewards)
+#: reward functions shipped with the engine, named by string (engine.rollout.rewards)
 BUILT_IN_REWARDS = ("correctness", "format", "length")
 
 

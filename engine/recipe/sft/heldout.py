@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import Callable
 
 from engine.datapath.data import eval_collate
-from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.bootstrap import bootstrap_seed, perplexity, ratio_stderr, stderrs
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
 from engine.modeling.model import decoder_start, max_positions
 from engine.modeling.quantization import conversion_blocker, quantized_copy
 from engine.reporting.reporters import work_bar
+from engine.rollout.greedy import encode_prompts, greedy_generate
 from finetune.errors import PipelineError
 
 

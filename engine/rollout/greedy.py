@@ -1,8 +1,10 @@
-"""Batched greedy generation for evaluation: left-padded batches, stop at EOS.
+"""Batched greedy generation for the evaluate stage: left-padded batches, stop at EOS.
 
 Prompts are encoded exactly as the tokenize stage encodes them for training (BOS only if the
 tokenizer adds one, no other special tokens), so the model sees at evaluation the prefix it
-was trained to continue.
+was trained to continue. It runs Hugging Face `generate` (not `LocalGenerator`): its texts are
+what the evaluate stage has always scored, and any model `generate` serves (an
+encoder-decoder too) generates here.
 """
 
 from __future__ import annotations
