@@ -159,7 +159,7 @@ def test_a_registered_reward_model_resolves_to_its_files(prompts, reward_dir, tm
     from finetune.errors import PipelineError
     from finetune.workspace import Workspace
     from helpers import write_params
-    from tasks import reward_models
+    from tasks import model_refs
 
     project = tmp_path / "p"
     shutil.copytree(prompts, project, symlinks=True)
@@ -168,7 +168,7 @@ def test_a_registered_reward_model_resolves_to_its_files(prompts, reward_dir, tm
     version = client.create_model_version("scorer", str(reward_dir)).version
     client.set_registered_model_alias("scorer", "champion", version)
     write_params(project, {"grpo.reward_funcs": ["format", "models:/scorer@champion"]})
-    ws = reward_models.resolved(Workspace.load(project / "params/default.yaml"))
+    ws = model_refs.resolved(Workspace.load(project / "params/default.yaml"))
     assert ws.config.grpo.reward_funcs == ["format", "data/reward_models/v1/scorer"]
     assert (project / "data/reward_models/v1/scorer/config.json").exists()
     assert _ours(project / ws.config.grpo.reward_funcs[1], PROMPTS, COMPLETIONS) == \
@@ -177,7 +177,7 @@ def test_a_registered_reward_model_resolves_to_its_files(prompts, reward_dir, tm
     write_params(project, {"grpo.reward_funcs": ["format", "models:/scorer@nobody"]})
     ws = Workspace.load(project / "params/default.yaml")
     with pytest.raises(PipelineError) as missing:
-        reward_models.check(ws)
+        model_refs.check(ws)
     assert str(missing.value).startswith(
         "grpo.reward_funcs[1] 'models:/scorer@nobody': not in the model registry at sqlite:")
     assert "\n" not in str(missing.value)
@@ -201,13 +201,13 @@ def test_validate_refuses_a_directory_that_is_not_a_reward_model(prompts, tmp_pa
     # a registered model where no registry is yet: one line, and no database made by asking
     from finetune.errors import PipelineError
     from finetune.workspace import Workspace
-    from tasks.checks import check_reward_models
+    from tasks.checks import check_model_refs
 
     assert not (project / "mlflow.db").exists()
     write_params(project, {"grpo.reward_funcs": ["models:/rm/3"],
                            "registry.gate_metric": "eval.reward_rm"})
     with pytest.raises(PipelineError) as missing:
-        check_reward_models(Workspace.load(project / "params/default.yaml"))
+        check_model_refs(Workspace.load(project / "params/default.yaml"))
     assert str(missing.value) == (
         f"grpo.reward_funcs[0] 'models:/rm/3': not in the model registry at "
         f"sqlite:///{project / 'mlflow.db'} (there is no MLflow database yet: register the "

@@ -255,6 +255,16 @@ def test_the_evaluate_stage_enters_the_engine_through_one_door():
     assert engine_deps == {"engine.evaluate"}
 
 
+def test_no_stage_imports_a_method_room():
+    """No module in tasks/ imports engine.recipe.* (lazy imports too): what a stage needs of
+    a method comes through a door (engine.evaluate asks the run class) or from a room that
+    names no method (a reward model's check: engine.rollout), so a new method is not an edit
+    to the stages and no stage depends on one method's room."""
+    found = sorted((mod, dep) for mod, deps in _imports().items() if mod.startswith("tasks")
+                   for dep in deps if dep == "engine.recipe" or dep.startswith("engine.recipe."))
+    assert found == []
+
+
 def _method_flag_reads(source: str) -> list[str]:
     """Reads of the method flags the stages once branched on: `.paired`, `.classifier`."""
     return sorted(f"{node.attr} (line {node.lineno})" for node in ast.walk(ast.parse(source))

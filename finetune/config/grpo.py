@@ -67,7 +67,7 @@ class GRPOConfig(Section):
         description="Penalise tokens already in the prompt or the completion (>1 "
         "discourages repeats; 1: off).")
     reward_funcs: list[str] = Field(
-        ["correctness"], min_length=1, fingerprint=True,
+        ["correctness"], min_length=1, fingerprint=True, model_ref="reward_model",
         description="Reward functions: built-ins by name (correctness: the final answer "
         "equals the reference column's, as the evaluate stage checks it; format: the "
         "completion matches format_regex; length: a soft penalty for long completions), "
@@ -139,12 +139,6 @@ class GRPOConfig(Section):
                 raise ValueError(f"reward_funcs[{i}] '{ref}' is not a registered model's URI: "
                                  "models:/name@alias or models:/name/version")
         return refs
-
-    @property
-    def reward_models(self) -> list[tuple[int, str]]:
-        """(index, entry) of the entries that are reward models (a directory or models:/)."""
-        return [(i, ref) for i, ref in enumerate(self.reward_funcs)
-                if reward_kind(ref) in ("directory", "registered")]
 
     @model_validator(mode="after")
     def _compat(self) -> "GRPOConfig":
