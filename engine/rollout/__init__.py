@@ -12,5 +12,7 @@ name (`key="grpo.reward_funcs"`).
 - `greedy`: the evaluate stage's batched greedy generation (Hugging Face generate);
 - `rewards`: reward functions named in the params (built-ins, user code, reward models),
   `scoring`: their scores for a batch of completions, `reward_model`: a trained reward model
-  as one of them.
+  as one of them;
+- `environment`: what a multi-turn rollout will drive (TRL's `environment_factory` contract):
+  the protocol and an environment's tools; the loop is not written yet.
 """
