@@ -1,4 +1,4 @@
-"""What GRPO's in-process generation costs: `LocalGenerator` (engine/recipe/grpo/generation.py)
+"""What GRPO's in-process generation costs: `LocalGenerator` (engine/rollout/local.py)
 against `model.generate(do_sample=True, num_return_sequences=G)`, the same model, prompts and
 sampling parameters, the same work (B prompts x G generations x T new tokens).
 
@@ -32,7 +32,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from engine.recipe.grpo.generation import LocalGenerator, SamplingParams, left_pad  # noqa: E402
+from engine.rollout.generator import left_pad  # noqa: E402
+from engine.rollout.local import LocalGenerator  # noqa: E402
+from engine.rollout.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The dog",
            "Tom and Sue went to the park. They played", "One day, a big bird",

@@ -25,15 +25,16 @@ def check_without_data(ws: Workspace) -> None:
     check_sources(ws)
     check_harness(ws)
     check_export_formats(ws)
-    check_reward_models(ws)
+    check_model_refs(ws)
 
 
-def check_reward_models(ws: Workspace) -> None:
-    """grpo.reward_funcs: each reward model directory a one-output sequence classifier with its
-    tokenizer, each registered model in the registry (tasks.reward_models)."""
-    from tasks import reward_models
+def check_model_refs(ws: Workspace) -> None:
+    """The trained models the params name (keys marked `model_ref`): each folder holds what its
+    key needs (a reward model: a one-output sequence classifier with its tokenizer), each
+    registered model is in the registry (tasks.model_refs)."""
+    from tasks import model_refs
 
-    reward_models.check(ws)
+    model_refs.check(ws)
 
 
 def check_export_formats(ws: Workspace) -> None:

@@ -30,7 +30,7 @@ from finetune.datatypes import DataContext
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
-from tasks import contamination, reward_models, tracking
+from tasks import contamination, model_refs, tracking
 from tasks.gate import contamination_metrics
 from tasks.harness import chat_tokenizer, check_gate, resolve_tasks
 from tasks.harness import run as run_harness
@@ -49,7 +49,7 @@ def _training_seed(ws: Workspace) -> int:
 
 
 def evaluate(ws: Workspace) -> dict[str, Path]:
-    ws = reward_models.resolved(ws)  # models:/ reward models -> their downloaded files
+    ws = model_refs.resolved(ws)  # models:/ references -> their downloaded files
     cfg = ws.config
     check_evaluation_machine(cfg)
     test_dir = ws.layout.tokenized / "test"

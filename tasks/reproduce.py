@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from typing import Callable
 import yaml
 
 from finetune import numerics
+from finetune.config.model_refs import REGISTERED_MODEL
 from finetune.errors import PipelineError
 from tasks import registry, tracking
 
@@ -42,7 +42,6 @@ REMOTE = "reproduce"
 #: registered weight (the default run's adapters trained with native AVX-512 numerics and with
 #: portable ones differ by 4.5e-6, 1.7e-5 of the largest adapter weight)
 DEFAULT_TOLERANCE = 1e-3
-URI = re.compile(r"models:/(?P<name>[^/@]+)(?:/(?P<version>\d+)|@(?P<alias>[\w\-]+))")
 
 
 class RebuildFailed(PipelineError):
@@ -70,7 +69,7 @@ def resolve(client, uri: str) -> Registered:
     """`models:/NAME/VERSION` or `models:/NAME@ALIAS` -> the version and its records."""
     from mlflow.exceptions import MlflowException
 
-    match = URI.fullmatch(uri)
+    match = REGISTERED_MODEL.fullmatch(uri)
     if not match:
         raise PipelineError(f"'{uri}' is not a registered model URI: use models:/NAME/VERSION "
                             "or models:/NAME@ALIAS")

@@ -18,7 +18,7 @@ from pathlib import Path
 from engine import preflight as preflight_engine
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
-from tasks import reward_models, tracking
+from tasks import model_refs, tracking
 from tasks.launch import run_paths, train_metrics
 from tasks.launchers import launch
 from tasks.wandb_tracking import WandbRun, wandb_module
@@ -42,8 +42,8 @@ def preflight(ws: Workspace) -> None:
 
 
 RESUME_ENV = "FINETUNE_RESUME"
-#: the sample table a method writes beside its curves at logging steps (GRPO's prompts,
-#: completions and rewards: engine.recipe.grpo.run.SAMPLES_FILE), logged to MLflow
+#: the sample table a method that generates writes beside its curves at logging steps (its
+#: prompts, completions and rewards), logged to MLflow
 SAMPLES = "train_samples.jsonl"
 
 
@@ -74,7 +74,7 @@ def train(ws: Workspace) -> dict[str, Path]:
         ws = Workspace(config=cfg, root=ws.root, params_path=ws.params_path)
         print(f"[train] {RESUME_ENV}=1: resuming from the latest checkpoint of this run, "
               "if there is one", flush=True)
-    ws = reward_models.resolved(ws)  # models:/ reward models -> their downloaded files
+    ws = model_refs.resolved(ws)  # models:/ references -> their downloaded files
     if ws.config.checkpoint.resume_from_checkpoint is True:
         preflight_engine.check_world_size(ws.config, ws.layout.checkpoints)
     if ws.config.distributed.node_rank > 0:  # its workers take node 0's seed (engine.recipe.run)

@@ -70,7 +70,7 @@ def test_batched_left_padded_generation_equals_one_by_one():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.evaluation.generation import encode_prompts, greedy_generate
+    from engine.rollout.greedy import encode_prompts, greedy_generate
 
     path = ROOT / "data/models/stories260K"
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

@@ -189,7 +189,9 @@ def test_a_prompts_completions_do_not_depend_on_the_other_prompts_of_the_call():
     per position in the step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.recipe.grpo.generation import LocalGenerator, SamplingParams, left_pad
+    from engine.rollout.generator import left_pad
+    from engine.rollout.local import LocalGenerator
+    from engine.rollout.sampling import SamplingParams
     from engine.recipe.grpo.run import prompt_seeds
     from helpers import ROOT
 

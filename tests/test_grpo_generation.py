@@ -1,4 +1,4 @@
-"""GRPO's in-process generator (engine/recipe/grpo/generation.py) against Hugging Face's
+"""The rollout's in-process generator (engine/rollout/local.py, sampling.py) against Hugging Face's
 `generate` and logits processors (the oracles), on the shipped stories260K.
 
 stories260K never samples its EOS (id 2) in the lengths used here, so the tests that need rows
@@ -11,15 +11,9 @@ import pytest
 import torch
 from helpers import ROOT
 
-from engine.recipe.grpo.generation import (
-    Completions,
-    Generator,
-    LocalGenerator,
-    SamplingParams,
-    left_pad,
-    process_logits,
-    token_presence,
-)
+from engine.rollout.generator import Completions, Generator, left_pad
+from engine.rollout.local import LocalGenerator
+from engine.rollout.sampling import SamplingParams, process_logits, token_presence
 
 MODEL = ROOT / "data/models/stories260K"
 PAD = 0  # the config's pad_token_id; the tokenizer has none

@@ -17,6 +17,8 @@ from helpers import ROOT
 from test_grpo import prompts  # noqa: F401 (a fixture: the shrunk GRPO example, prepared)
 
 MODEL = ROOT / "data/models/stories260K"
+#: the config key the rollout's messages name the entries by
+KEY = "grpo.reward_funcs"
 #: renders BOS itself, as many chat templates do (a template that does not is given one as
 #: a token, as the preference type encodes the reward model's training pairs)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
@@ -51,12 +53,14 @@ def reward_dir(tmp_path_factory) -> Path:
 
 
 def _ours(directory: Path, prompts, completions, batch_size=2) -> list[float]:
-    from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions, score
+    from engine.rollout.rewards import RewardOptions, load_reward_functions
+    from engine.rollout.scoring import score
 
-    funcs = load_reward_functions([str(directory)], RewardOptions(batch_size=batch_size))
+    funcs = load_reward_functions([str(directory)], RewardOptions(batch_size=batch_size),
+                                  key=KEY)
     assert [f.name for f in funcs] == [directory.name]
     ids = [[0]] * len(completions)
-    return score(funcs, prompts, completions, ids, {})[:, 0].tolist()
+    return score(funcs, prompts, completions, ids, {}, key=KEY)[:, 0].tolist()
 
 
 def _trls(directory: Path, prompts, completions) -> list[float]:
@@ -88,7 +92,7 @@ def test_string_rows_score_as_trls_on_the_text_the_reward_model_was_trained_on(r
     handed that text; the scores agree, in chunks of 2 with padding in the last."""
     from transformers import AutoTokenizer
 
-    from engine.recipe.grpo.reward_model import RewardModel
+    from engine.rollout.reward_model import RewardModel
 
     tok = AutoTokenizer.from_pretrained(reward_dir)
     rm = RewardModel(reward_dir, "rm", torch.device("cpu"), 2)
@@ -115,12 +119,12 @@ def test_conversational_rows_score_as_trls(reward_dir):
 
 
 def test_what_is_not_a_reward_model_is_one_line_naming_the_entry(reward_dir, tmp_path):
-    from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions
+    from engine.rollout.rewards import RewardOptions, load_reward_functions
     from finetune.errors import PipelineError
 
     def refused(entry: str) -> str:
         with pytest.raises(PipelineError) as exc:
-            load_reward_functions(["format", entry], RewardOptions())
+            load_reward_functions(["format", entry], RewardOptions(), key=KEY)
         assert "\n" not in str(exc.value)
         return str(exc.value)
 
@@ -155,7 +159,7 @@ def test_a_registered_reward_model_resolves_to_its_files(prompts, reward_dir, tm
     from finetune.errors import PipelineError
     from finetune.workspace import Workspace
     from helpers import write_params
-    from tasks import reward_models
+    from tasks import model_refs
 
     project = tmp_path / "p"
     shutil.copytree(prompts, project, symlinks=True)
@@ -164,7 +168,7 @@ def test_a_registered_reward_model_resolves_to_its_files(prompts, reward_dir, tm
     version = client.create_model_version("scorer", str(reward_dir)).version
     client.set_registered_model_alias("scorer", "champion", version)
     write_params(project, {"grpo.reward_funcs": ["format", "models:/scorer@champion"]})
-    ws = reward_models.resolved(Workspace.load(project / "params/default.yaml"))
+    ws = model_refs.resolved(Workspace.load(project / "params/default.yaml"))
     assert ws.config.grpo.reward_funcs == ["format", "data/reward_models/v1/scorer"]
     assert (project / "data/reward_models/v1/scorer/config.json").exists()
     assert _ours(project / ws.config.grpo.reward_funcs[1], PROMPTS, COMPLETIONS) == \
@@ -173,7 +177,7 @@ def test_a_registered_reward_model_resolves_to_its_files(prompts, reward_dir, tm
     write_params(project, {"grpo.reward_funcs": ["format", "models:/scorer@nobody"]})
     ws = Workspace.load(project / "params/default.yaml")
     with pytest.raises(PipelineError) as missing:
-        reward_models.check(ws)
+        model_refs.check(ws)
     assert str(missing.value).startswith(
         "grpo.reward_funcs[1] 'models:/scorer@nobody': not in the model registry at sqlite:")
     assert "\n" not in str(missing.value)
@@ -197,13 +201,13 @@ def test_validate_refuses_a_directory_that_is_not_a_reward_model(prompts, tmp_pa
     # a registered model where no registry is yet: one line, and no database made by asking
     from finetune.errors import PipelineError
     from finetune.workspace import Workspace
-    from tasks.checks import check_reward_models
+    from tasks.checks import check_model_refs
 
     assert not (project / "mlflow.db").exists()
     write_params(project, {"grpo.reward_funcs": ["models:/rm/3"],
                            "registry.gate_metric": "eval.reward_rm"})
     with pytest.raises(PipelineError) as missing:
-        check_reward_models(Workspace.load(project / "params/default.yaml"))
+        check_model_refs(Workspace.load(project / "params/default.yaml"))
     assert str(missing.value) == (
         f"grpo.reward_funcs[0] 'models:/rm/3': not in the model registry at "
         f"sqlite:///{project / 'mlflow.db'} (there is no MLflow database yet: register the "

@@ -1,9 +1,10 @@
-"""GRPO's reward functions and advantages (engine/recipe/grpo/rewards.py, advantages.py) against
-TRL 1.16, the oracle: reward functions copied from TRL's GRPOTrainer documentation and TRL's own
-built-ins run unchanged, scored as TRL's `_calculate_rewards` scores them (called here on a
-stand-in trainer); the length penalty gives TRL's soft overlong punishment's numbers; the
-advantages and logged statistics are those of TRL's `sum_then_normalize` source lines, run
-here as written. Failures are one line naming grpo.reward_funcs[i]."""
+"""GRPO's reward functions and advantages (engine/rollout/rewards.py, scoring.py,
+engine/recipe/grpo/advantages.py) against TRL 1.16, the oracle: reward functions copied from
+TRL's GRPOTrainer documentation and TRL's own built-ins run unchanged, scored as TRL's
+`_calculate_rewards` scores them (called here on a stand-in trainer); the length penalty gives
+TRL's soft overlong punishment's numbers; the advantages and logged statistics are those of
+TRL's `sum_then_normalize` source lines, run here as written. Failures are one line naming
+grpo.reward_funcs[i]."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ import pytest
 import torch
 
 from engine.recipe.grpo.advantages import group_advantages, nanstd
-from engine.recipe.grpo.rewards import (BUILT_INS, RewardFunction, RewardOptions,
-                                        load_reward_functions, score)
+from engine.rollout import rewards as rollout_rewards
+from engine.rollout import scoring
+from engine.rollout.rewards import BUILT_INS, RewardFunction, RewardOptions
 from finetune.errors import PipelineError
+
+#: the config key GRPO passes the rollout (engine.recipe.grpo.heldout.REWARDS_KEY), which
+#: every message below names
+KEY = "grpo.reward_funcs"
+load_reward_functions = functools.partial(rollout_rewards.load_reward_functions, key=KEY)
+score = functools.partial(scoring.score, key=KEY)
 
 NAN = math.nan
 

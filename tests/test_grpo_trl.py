@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from engine.recipe.grpo.advantages import group_advantages
-from engine.recipe.grpo.generation import Completions
-from engine.recipe.grpo.heldout import score_completions
 from engine.recipe.grpo.loss import TOKEN_STATS, completion_logps, reduce, token_losses, \
     token_stat_sums
-from engine.recipe.grpo.rewards import RewardFunction
+from engine.rollout.generator import Completions
+from engine.rollout.rewards import RewardFunction
+from engine.rollout.scoring import score_completions
 
 trl = pytest.importorskip("trl")
 
@@ -122,7 +122,8 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
     funcs = [RewardFunction("reward_len", reward_len), RewardFunction("reward_vowels",
                                                                       reward_vowels)]
     inputs_json = [json.dumps({"prompt": p}) for p in PROMPTS]
-    per_func, _, _ = score_completions(tok, funcs, inputs_json, done, GROUP)
+    per_func, _, _ = score_completions(tok, funcs, inputs_json, done, GROUP,
+                                       key="grpo.reward_funcs")
     advantages, stats = group_advantages(per_func, torch.tensor([1.0, 0.5]), GROUP, "group")
     torch.testing.assert_close(advantages, out["advantages"], atol=1e-5, rtol=0)
     metrics = trainer._metrics["train"]

@@ -13,9 +13,12 @@ FLOORS = {"finetune": 0, "engine": 1, "tasks": 2, "flows": 3}
 
 # The engine's rooms, lowest first: a room imports its own modules and lower rooms only. The
 # doors (engine.preflight for the train stage, engine.worker for torchrun, engine.evaluate for
-# the evaluate stage) sit above them all.
+# the evaluate stage) sit above them all. A model kind owns its collator and loss (above
+# datapath and objective) and is asked by evaluation and everything above it. The rollout
+# (generation and rewards) serves the methods' rooms in recipe/ and the evaluate stage, and
+# needs nothing of the strategies.
 ENGINE_ROOMS = ["process", "reporting", "modeling", "datapath", "objective", "kinds",
-                "evaluation", "strategies", "state", "recipe"]
+                "evaluation", "rollout", "strategies", "state", "recipe"]
 ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker", "engine.evaluate"}
 
 
@@ -185,6 +188,61 @@ def test_the_strategy_interface_declares_what_is_called_on_it_and_no_flag_is_rea
         assert all(hasattr(klass, m) for m in used), klass
 
 
+def _strategy_name_branches(source: str) -> list[str]:
+    """Comparisons (and `match` statements) on a strategy's name: `strategy.name`,
+    `self.strategy.name`, `built.strategy.name` compared with anything."""
+    def names_a_strategy(node) -> bool:
+        owner = node.value if isinstance(node, ast.Attribute) and node.attr == "name" else None
+        return ((isinstance(owner, ast.Name) and owner.id == "strategy")
+                or (isinstance(owner, ast.Attribute) and owner.attr == "strategy"))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        operands = ((node.left, *node.comparators) if isinstance(node, ast.Compare)
+                    else (node.subject,) if isinstance(node, ast.Match) else ())
+        if any(names_a_strategy(o) for o in operands):
+            found.append(node.lineno)
+    return [f"line {n}" for n in sorted(found)]
+
+
+def test_no_branch_on_a_strategy_name_outside_the_strategies():
+    """What differs by strategy is a member the strategy declares (`Strategy`, overridden
+    where it differs), not a comparison of its name elsewhere: a new strategy then answers
+    for itself instead of falling into another's branch. The name may still be printed."""
+    found = {_module(p): hits for pkg in ("engine", "tasks", "flows")
+             for p in (ROOT / pkg).rglob("*.py") if "strategies" not in p.parts
+             if (hits := _strategy_name_branches(p.read_text()))}
+    assert found == {}
+
+
+def test_the_strategy_name_check_sees_a_branch():
+    """The check above is not vacuous: it flags ==, `in` and `match` on the name, and not a
+    message that prints it nor another object's name."""
+    source = ("if self.strategy.name == 'single': pass\n"
+              "ok = strategy.name in ('ddp', 'fsdp2')\n"
+              "print(f'strategy {self.strategy.name}')\n"
+              "same = model.name == 'x'\n"
+              "match run.strategy.name:\n    case 'diloco': pass\n")
+    assert _strategy_name_branches(source) == ["line 1", "line 2", "line 5"]
+
+
+def test_only_the_single_process_strategy_shares_a_prompt_forward():
+    """GRPO's shared prompt forward, once a branch on `strategy.name == "single"` in its run,
+    is each strategy's declared answer, the same one: the one-process strategy only (DDP and
+    FSDP2 at world size 1 run as it)."""
+    import importlib
+
+    from engine.strategies.base import Strategy
+
+    classes = [Strategy, *(vars(importlib.import_module(f"engine.strategies.{m}"))[c]
+                           for m, c in (("ddp", "DDPStrategy"), ("fsdp2", "FSDP2Strategy"),
+                                        ("diloco", "DiLoCoStrategy"),
+                                        ("pipeline", "PipelineStrategy")))]
+    answers = {k.name: k.shares_prompt_forward(object.__new__(k)) for k in classes}
+    assert answers == {"single": True, "ddp": False, "fsdp2": False, "diloco": False,
+                       "pipeline": False}
+
+
 def test_the_train_stage_enters_the_engine_through_one_door():
     """tasks/train.py reaches the engine through engine.preflight only: a new check before
     launch is added in the engine, not in the stage."""
@@ -197,6 +255,16 @@ def test_the_evaluate_stage_enters_the_engine_through_one_door():
     measures on held-out data is its run class's `heldout_metrics`, not a branch here."""
     engine_deps = {d for d in _imports()["tasks.evaluate"] if d.startswith("engine.")}
     assert engine_deps == {"engine.evaluate"}
+
+
+def test_no_stage_imports_a_method_room():
+    """No module in tasks/ imports engine.recipe.* (lazy imports too): what a stage needs of
+    a method comes through a door (engine.evaluate asks the run class) or from a room that
+    names no method (a reward model's check: engine.rollout), so a new method is not an edit
+    to the stages and no stage depends on one method's room."""
+    found = sorted((mod, dep) for mod, deps in _imports().items() if mod.startswith("tasks")
+                   for dep in deps if dep == "engine.recipe" or dep.startswith("engine.recipe."))
+    assert found == []
 
 
 def _method_flag_reads(source: str) -> list[str]:

@@ -61,7 +61,7 @@ def test_evaluation_batches_move_a_bar_like_training(capsys):
     when the training bar would be drawn (logging.disable_tqdm false), and nothing when not."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.evaluation.generation import encode_prompts, greedy_generate
+    from engine.rollout.greedy import encode_prompts, greedy_generate
     from engine.reporting.reporters import work_bar
 
     path = ROOT / "data/models/stories260K"

@@ -98,9 +98,11 @@ def test_seq2seq_trains_evaluates_and_exports(tokenized_s2s, tmp_path):
     out = exported.generate(input_ids=torch.tensor(ids), max_new_tokens=4, do_sample=False,
                             eos_token_id=tok.eos_token_id)
     assert out.shape[1] <= 5  # the decoder's tokens alone, after its start token
-    from engine.evaluation.generation import greedy_generate
+    from engine.kinds.seq2seq_lm import Seq2SeqLM
+    from engine.rollout.greedy import greedy_generate
 
-    ours = greedy_generate(exported, tok, ids, batch_size=1, max_new_tokens=4)
+    ours = greedy_generate(exported, tok, ids, batch_size=1, max_new_tokens=4,
+                           generated_from=Seq2SeqLM().generated_from)
     row = out[0, 1:].tolist()
     row = row[:row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
     assert ours == [tok.decode(row, skip_special_tokens=True)], (ours, out)

@@ -1,3 +1,4 @@
 """What is measured on held-out rows: the token-weighted loss over all ranks (`heldout`) and
-batched greedy generation for the evaluate stage (`generation`).
+the bootstrap standard errors of the evaluate stage's metrics (`bootstrap`). The evaluate
+stage's greedy generation is the rollout room's (engine.rollout.greedy).
 """

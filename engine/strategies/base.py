@@ -105,6 +105,16 @@ class Strategy:
         (GRPO's rollout): here, when all of them did."""
         return bool(finished.all())
 
+    def shares_prompt_forward(self) -> bool:
+        """Whether a micro-batch may run as two forwards before its one backward: the prefix
+        its rows share once (with a KV cache), then each row's rest against it (GRPO's
+        completions of one prompt: engine.recipe.grpo.loss.completion_logits). Yes here: one
+        process runs the whole, unwrapped model. The other strategies keep one forward per
+        micro-batch: each wraps or splits the model (DDP's gradient hooks, FSDP2's gathers
+        inside each forward, the pipeline's schedule, DiLoCo's inner strategy), and the
+        shared forward was measured and tested on one process only."""
+        return True
+
     def __init__(self, setup: StrategySetup, d: Dist, meter: CommMeter):
         self.setup, self.d, self.meter = setup, d, meter
         self.model: torch.nn.Module | None = None  # what the loop calls forward on

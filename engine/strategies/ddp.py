@@ -13,6 +13,10 @@ from engine.strategies.base import Strategy
 class DDPStrategy(Strategy):
     name = "ddp"
 
+    def shares_prompt_forward(self) -> bool:
+        """One forward per micro-batch (see Strategy.shares_prompt_forward)."""
+        return False
+
     def wrap(self, model):
         c = self.setup.distributed
         self.model = DistributedDataParallel(

@@ -54,6 +54,10 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 class DiLoCoStrategy(Strategy):
     name = "diloco"
 
+    def shares_prompt_forward(self) -> bool:
+        """One forward per micro-batch (see Strategy.shares_prompt_forward)."""
+        return False
+
     def wrap(self, model):
         c = self.setup.distributed.diloco
         self.h = c.inner_steps

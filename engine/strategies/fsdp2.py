@@ -93,6 +93,10 @@ class FSDP2Strategy(Strategy):
     name = "fsdp2"
     eval_lockstep = True
 
+    def shares_prompt_forward(self) -> bool:
+        """One forward per micro-batch (see Strategy.shares_prompt_forward)."""
+        return False
+
     def generation_done(self, finished: torch.Tensor) -> bool:
         """When every rank's rows finished: each forward gathers the sharded weights, a
         collective every rank must join the same number of times, so all ranks stop together

@@ -72,6 +72,10 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     eval_lockstep = True
 
+    def shares_prompt_forward(self) -> bool:
+        """One forward per micro-batch (see Strategy.shares_prompt_forward)."""
+        return False
+
     # -- the (data-parallel x pipeline) layout: rank = replica * pipeline_ranks + pp_rank ---
     @property
     def pipe(self) -> int:

@@ -1,6 +1,7 @@
 """The `grpo` section: online RL with reward functions (`training.type: grpo`), with TRL's
-GRPOConfig names and meanings. engine/recipe/grpo/ is its room: the generator, the rewards,
-the group advantages, the clipped loss, the run and its held-out metrics.
+GRPOConfig names and meanings. engine/recipe/grpo/ is its room: the group advantages, the
+clipped loss, the run and its held-out metrics; the generator and the reward functions it uses
+are the rollout's (engine/rollout/), which any method that generates can use.
 
 One difference in meaning, said where it matters: `training.per_device_train_batch_size` counts
 *prompts* here (each gives `num_generations` completions to the micro-batch), where TRL counts
@@ -12,15 +13,15 @@ and its rows of the compatibility table.
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.methods import Method, register_method
+from finetune.config.model_refs import REGISTERED_MODEL
+from finetune.config.reward_refs import BUILT_IN_REWARDS, reward_kind, reward_name
 from finetune.config.section import Field, Section
-
 
 
 def reported_metrics(cfg) -> tuple[str, ...]:
@@ -39,36 +40,6 @@ register_method(Method("grpo", accepts=("none",), data_hint=(
     "data.dataset_type: prompt"), metrics=reported_metrics,
     metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+",
     stderr=lambda cfg, metric: False))  # rewards of sampled completions: no bootstrap here
-
-#: reward functions shipped with the engine, named by string (engine.recipe.grpo.rewards)
-BUILT_IN_REWARDS = ("correctness", "format", "length")
-#: a registered model: `models:/name@alias` or `models:/name/version` (MLflow's URIs)
-REGISTERED_MODEL = re.compile(r"models:/(?P<name>[^/@]+)(@(?P<alias>[^/@]+)|/(?P<version>\d+))")
-
-
-def reward_kind(ref: str) -> Literal["built_in", "registered", "directory", "code"]:
-    """What a `reward_funcs` entry names: a built-in, a registered reward model
-    (`models:/...`), a reward model directory (a path: it has a '/'), or a function
-    ('module:function', 'path/to/file.py:function')."""
-    if ref.startswith("models:/"):
-        return "registered"
-    if ":" in ref:
-        return "code"
-    return "directory" if "/" in ref else "built_in"
-
-
-def reward_name(ref: str) -> str:
-    """An entry's name in the metrics (rewards/<name>/mean, reward_<name>): a built-in's, a
-    function's, a registered model's, a directory's last part (word characters only)."""
-    kind = reward_kind(ref)
-    if kind == "registered":
-        match = REGISTERED_MODEL.fullmatch(ref)
-        name = match["name"] if match else ref
-    elif kind == "directory":
-        name = ref.rstrip("/").rsplit("/", 1)[-1]
-    else:
-        name = ref.rsplit(":", 1)[-1]
-    return re.sub(r"\W", "_", name) or "reward_model"
 
 
 class GRPOConfig(Section):
@@ -97,7 +68,7 @@ class GRPOConfig(Section):
         description="Penalise tokens already in the prompt or the completion (>1 "
         "discourages repeats; 1: off).")
     reward_funcs: list[str] = Field(
-        ["correctness"], min_length=1, fingerprint=True,
+        ["correctness"], min_length=1, fingerprint=True, model_ref="reward_model",
         description="Reward functions: built-ins by name (correctness: the final answer "
         "equals the reference column's, as the evaluate stage checks it; format: the "
         "completion matches format_regex; length: a soft penalty for long completions), "
@@ -169,12 +140,6 @@ class GRPOConfig(Section):
                 raise ValueError(f"reward_funcs[{i}] '{ref}' is not a registered model's URI: "
                                  "models:/name@alias or models:/name/version")
         return refs
-
-    @property
-    def reward_models(self) -> list[tuple[int, str]]:
-        """(index, entry) of the entries that are reward models (a directory or models:/)."""
-        return [(i, ref) for i, ref in enumerate(self.reward_funcs)
-                if reward_kind(ref) in ("directory", "registered")]
 
     @model_validator(mode="after")
     def _compat(self) -> "GRPOConfig":

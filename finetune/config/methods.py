@@ -39,6 +39,15 @@ class Method:
     #: error for it, where this method's numbers decide (None: the dataset's rule, see
     #: finetune.config.compat.has_stderr); None: the dataset's rule for every metric
     stderr: Callable[[object, str], bool | None] | None = None
+    #: the config sections only this method's runs read; None: the section named as the
+    #: method, if there is one (`grpo` for grpo). What the stages do for a marked key in one
+    #: (a model reference resolved and checked: finetune.config.model_refs) is done in this
+    #: method's runs only, as its run is the only one that loads it
+    sections: tuple[str, ...] | None = None
+
+    @property
+    def own_sections(self) -> tuple[str, ...]:
+        return (self.name,) if self.sections is None else self.sections
 
     def reported(self, cfg) -> tuple[str, ...]:
         return self.metrics(cfg) if self.metrics else ()
@@ -75,6 +84,15 @@ def is_method_metric(name: str) -> bool:
 def register_method(method: Method) -> Method:
     _METHODS[method.name] = method
     return method
+
+
+def reads_section(training_type: str, section: str) -> bool:
+    """Whether a run of `training_type` reads the params' `section`: a section that is a
+    registered method's own (`Method.own_sections`) only that method's runs do (a project's
+    `module:Class` run class, only when its `method` says so); any other section, every run."""
+    if not any(section in m.own_sections for m in _METHODS.values()):
+        return True
+    return section in method_of(training_type).own_sections
 
 
 def method_of(name: str) -> Method:

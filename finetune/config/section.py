@@ -3,9 +3,11 @@ code (`Field(..., fingerprint=True, code_ref=True)`).
 
 A fact is about one key and is declared where the key is, so a new section (a new training
 method's) declares its keys' facts beside their types and meanings: whether the key is in a
-checkpoint's fingerprint (finetune/config/fingerprint.py derives the classification) and
-whether its value is user code the train stage loads before launch (engine/preflight.py walks
-`code_refs`).
+checkpoint's fingerprint (finetune/config/fingerprint.py derives the classification), whether
+its value is user code the train stage loads before launch (engine/preflight.py walks
+`code_refs`), and whether it names trained models the stages resolve and check
+(`model_ref`: finetune/config/model_refs.py walks `model_ref_keys`, tasks/model_refs.py
+resolves).
 """
 
 import functools
@@ -19,11 +21,11 @@ from pydantic.fields import FieldInfo
 from finetune.config import reads
 
 #: the facts `Field` takes (stored in the field's json_schema_extra under these names)
-FACTS = ("fingerprint", "code_ref")
+FACTS = ("fingerprint", "code_ref", "model_ref")
 
 
 def Field(*args: Any, fingerprint: bool | None = None, code_ref: bool | tuple[str, ...] = False,
-          **kwargs: Any) -> Any:
+          model_ref: str | None = None, **kwargs: Any) -> Any:
     """pydantic's Field plus the key's facts:
     - `fingerprint`: True, the key decides a run's trajectory (it is in the config part of a
       checkpoint's fingerprint, so a resume with another value is refused); False, it does not.
@@ -33,10 +35,19 @@ def Field(*args: Any, fingerprint: bool | None = None, code_ref: bool | tuple[st
     - `code_ref`: the value is a 'module:function' reference to user code that must import
       and be callable; the train stage and `finetune validate` load it before launch
       (engine/preflight.py), naming the key in the refusal. A tuple: the key also takes
-      these names of the pipeline's own functions, which are not user code."""
+      these names of the pipeline's own functions, which are not user code.
+    - `model_ref`: the value, or each element of a list value, that names a trained model (a
+      registered `models:/NAME@alias` or `models:/NAME/VERSION`, or a folder:
+      finetune.config.model_refs) names one for this role ("reward_model": what the folder
+      must hold, and the words of the messages); the train and evaluate stages resolve a
+      registered one to its downloaded folder and `finetune validate` checks each
+      (tasks/model_refs.py). An element that names something else (a built-in's name, a
+      function) is not a model reference and is left alone."""
     facts = {"fingerprint": fingerprint} if fingerprint is not None else {}
     if code_ref:
         facts["code_ref"] = list(code_ref) if isinstance(code_ref, tuple) else True
+    if model_ref:
+        facts["model_ref"] = model_ref
     if facts:
         kwargs["json_schema_extra"] = {**(kwargs.get("json_schema_extra") or {}), **facts}
     return pydantic.Field(*args, **kwargs)
@@ -128,6 +139,13 @@ def code_refs(config: BaseModel) -> Iterator[tuple[str, Any]]:
             value = getattr(value, part) if value is not None else None
         builtin = fact(_field_at(type(config), key), "code_ref")
         yield key, None if isinstance(builtin, list) and value in builtin else value
+
+
+@functools.cache
+def model_ref_keys(model: type[BaseModel]) -> tuple[tuple[str, str], ...]:
+    """(dotted key, role) of each field that says model_ref=ROLE."""
+    return tuple((key, fact(field, "model_ref")) for key, field, _ in fields_of(model)
+                 if fact(field, "model_ref"))
 
 
 def _field_at(model: type[BaseModel], dotted: str) -> FieldInfo:

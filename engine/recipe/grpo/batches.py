@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from engine.recipe.grpo.generation import left_pad
+from engine.rollout.generator import left_pad
 
 #: a prompt split's columns the run reads (finetune.datatypes.prompt writes them)
 PROMPT_COLUMNS = ("input_ids", "reward_inputs")

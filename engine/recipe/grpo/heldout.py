@@ -6,70 +6,39 @@ weighted totals (`reward`, `sampled_reward`), and with the correctness reward it
 prompt passes when any of its k completions is correct). In training, the greedy rewards of
 the first eval.eval_batches batches (`eval_reward`).
 
-Scoring is shared with the training rollout (`score_completions`), so a reward means the same
-in training, in evaluation and in the registry gate.
+Scoring is shared with the training rollout (engine.rollout.scoring.score_completions), so a
+reward means the same in training, in evaluation and in the registry gate.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.datapath.data import take_rows
 from engine.evaluation.heldout import Evaluated
-from engine.recipe.grpo.generation import Completions, LocalGenerator, SamplingParams, left_pad
-from engine.recipe.grpo.rewards import RewardOptions, load_reward_functions, score
 from engine.recipe.reference import lockstep_batches
+from engine.rollout.generator import left_pad
+from engine.rollout.local import LocalGenerator, eos_ids
+from engine.rollout.rewards import RewardFunction, load_reward_functions, reward_options
+from engine.rollout.sampling import sampling_params
+from engine.rollout.scoring import score_completions
 
 
-def reward_options(cfg, root: Path = Path("."), device: torch.device | None = None
-                   ) -> RewardOptions:
-    """What the built-in rewards read from the config; a reward model's directory resolves
-    against `root` and loads on `device` (CPU when None)."""
-    g = cfg.grpo
-    return RewardOptions(answer_regex=cfg.eval.answer_regex,
-                         reference_column=g.reference_column, format_regex=g.format_regex,
-                         max_completion_length=g.max_completion_length, root=Path(root),
-                         device=device or torch.device("cpu"),
-                         batch_size=cfg.training.per_device_eval_batch_size)
+#: the config key of GRPO's reward functions, which the rollout's messages name
+REWARDS_KEY = "grpo.reward_funcs"
 
 
-def sampling_params(g, greedy: bool = False) -> SamplingParams:
-    return SamplingParams(max_completion_length=g.max_completion_length,
-                          temperature=0.0 if greedy else g.temperature, top_p=g.top_p,
-                          top_k=g.top_k, repetition_penalty=g.repetition_penalty)
-
-
-def eos_ids(tokenizer, model) -> list[int]:
-    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
-    ids = {tokenizer.eos_token_id}
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
-    return sorted(i for i in ids if i is not None)
-
-
-def score_completions(tokenizer, funcs, reward_inputs: list[str], done: Completions,
-                      repeat: int, trainer_state: Any = None
-                      ) -> tuple[torch.Tensor, list, list[str]]:
-    """([rows * repeat, functions] rewards, the prompts, the completion texts) of `done`, the
-    `repeat` completions of each row (rows' order, TRL's): the reward functions get the prompt
-    (a conversation stays a message list, and its completion is one too), the completion,
-    its token ids and every other column of the row."""
-    rows = [json.loads(r) for r in reward_inputs]
-    prompts = [row["prompt"] for row in rows for _ in range(repeat)]
-    keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
-    columns = {key: [row.get(key) for row in rows for _ in range(repeat)] for key in keys}
-    lengths = done.mask.sum(-1).tolist()
-    completion_ids = [ids[:n] for ids, n in zip(done.ids.tolist(), lengths)]
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": text}] if isinstance(p, list) else text
-                   for text, p in zip(texts, prompts)]
-    rewards = score(funcs, prompts, completions, completion_ids, columns,
-                    trainer_state=trainer_state)
-    return rewards, prompts, texts
+def load_rewards(cfg, root: Path = Path("."), device: torch.device | None = None
+                 ) -> list[RewardFunction]:
+    """grpo.reward_funcs as functions, with what the built-ins read from the config; a reward
+    model's directory resolves against `root` and loads on `device` (CPU when None)."""
+    options = reward_options(cfg.grpo, answer_regex=cfg.eval.answer_regex,
+                             batch_size=cfg.training.per_device_eval_batch_size, root=root,
+                             device=device)
+    return load_reward_functions(cfg.grpo.reward_funcs, options, key=REWARDS_KEY)
 
 
 def _weighted(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -98,11 +67,13 @@ class _Measure:
         ids, mask = ids.to(device), mask.to(device)
         inputs = [r["reward_inputs"] for r in rows]
         done = self.greedy.generate(ids, mask, 1, self.seed + offset)
-        greedy, _, texts = score_completions(self.tok, self.funcs, inputs, done, 1)
+        greedy, _, texts = score_completions(self.tok, self.funcs, inputs, done, 1,
+                                             key=REWARDS_KEY)
         sampled = None
         if k:
             done = self.sampled.generate(ids, mask, k, self.seed + offset)
-            sampled = score_completions(self.tok, self.funcs, inputs, done, k)[0]
+            sampled = score_completions(self.tok, self.funcs, inputs, done, k,
+                                        key=REWARDS_KEY)[0]
         return greedy, texts, sampled
 
 
@@ -136,8 +107,7 @@ def reward_metrics(held, after_loss=None) -> Evaluated:
     k = g.num_generations_eval
     seed = cfg.training.seed or 0
     results, texts = {}, {}
-    funcs = load_reward_functions(g.reward_funcs, reward_options(
-        cfg, held.root, next(held.base.parameters()).device))
+    funcs = load_rewards(cfg, held.root, next(held.base.parameters()).device)
     for name, model in (("base", held.base), ("finetuned", None)):
         model = model if model is not None else held.tuned()
         measure = _Measure(cfg, held.tokenizer, model, seed, funcs)

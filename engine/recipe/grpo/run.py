@@ -4,8 +4,8 @@ SFT run's hooks only (the loop, the strategies and the checkpoints are the SFT r
 - `columns`: a prompt split's token ids and its rows' other columns (`reward_inputs`, JSON);
 - batches: the loader's micro-batches hold prompts, left-padded (engine.recipe.grpo.batches);
 - `prepare_step`: the rollout. Each rank generates `num_generations` completions per prompt
-  of its share with the current weights (engine.recipe.grpo.generation), the reward functions
-  score them (engine.recipe.grpo.rewards), advantages are normalised per group
+  of its share with the current weights (engine.rollout.local), the reward functions score
+  them (engine.rollout.rewards, engine.rollout.scoring), advantages are normalised per group
   (engine.recipe.grpo.advantages), and with `num_iterations` > 1 or `beta` > 0 the
   log-probabilities at generation and of the reference are taken before the first update;
 - `count_targets`: what `grpo.loss_type` averages over (completions, micro-batches or tokens);
@@ -33,14 +33,14 @@ import torch
 from engine.modeling.runtime import activation_offloading
 from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
-from engine.recipe.grpo.generation import LocalGenerator
-from engine.recipe.grpo.heldout import (eos_ids, reward_metrics, reward_options,
-                                        sampling_params, score_completions)
+from engine.recipe.grpo.heldout import REWARDS_KEY, load_rewards, reward_metrics
 from engine.recipe.grpo.loss import (TOKEN_STATS, averaged_over, completion_logps, reduce,
                                      token_losses, token_stat_sums)
-from engine.recipe.grpo.rewards import load_reward_functions
 from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
+from engine.rollout.local import LocalGenerator, eos_ids
+from engine.rollout.sampling import sampling_params
+from engine.rollout.scoring import score_completions
 from finetune.datatypes.encoding import IGNORE_INDEX
 from finetune.errors import PipelineError
 
@@ -78,13 +78,13 @@ class GRPORun(TrainingRun):
             self.strategy.module, sampling_params(g),
             eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
             all_finished=self.strategy.generation_done)
-        self.rewards = load_reward_functions(g.reward_funcs, reward_options(
-            self.cfg, self.paths.project_root, self.dist.device))
+        self.rewards = load_rewards(self.cfg, self.paths.project_root, self.dist.device)
         t = self.cfg.training
-        #: a prompt's completions share its forward (loss.completion_logps `group`): on one
-        #: process holding the whole model, without activation checkpointing or compile
+        #: a prompt's completions share its forward (loss.completion_logps `group`): where
+        #: the strategy allows it (one process holding the whole model), without activation
+        #: checkpointing or compile
         self.prompt_group = g.num_generations if (
-            self.strategy.name == "single" and not t.gradient_checkpointing
+            self.strategy.shares_prompt_forward() and not t.gradient_checkpointing
             and not t.torch_compile) else 1
         self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
                                     dtype=torch.float32)
@@ -186,7 +186,7 @@ class GRPORun(TrainingRun):
         them as the sample table of this rollout."""
         rewards, prompts, texts = score_completions(
             self.tokenizer, self.rewards, batch["reward_inputs"], done,
-            self.cfg.grpo.num_generations, trainer_state=self.state)
+            self.cfg.grpo.num_generations, trainer_state=self.state, key=REWARDS_KEY)
         self.samples += [{"prompt": p if isinstance(p, str) else json.dumps(p),
                          "completion": text,
                          **{f.name: float(v) for f, v in zip(self.rewards, r.tolist())}}

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from engine.evaluation.generation import encode_prompts, greedy_generate
 from engine.evaluation.bootstrap import bootstrap_seed, perplexity, ratio_stderr, stderrs
 from engine.evaluation.heldout import Evaluated, HeldOut, evaluate_loss
 from engine.kinds import kind_of
 from engine.modeling.model import max_positions
 from engine.modeling.quantization import conversion_blocker, quantized_copy
 from engine.reporting.reporters import work_bar
+from engine.rollout.greedy import encode_prompts, greedy_generate
 from finetune.errors import PipelineError
 
 
@@ -113,7 +113,8 @@ def generate(held: HeldOut, model, rows, on_batch: Callable[[], None] | None = N
         )
     prompts = encode_prompts(tok, rows["prompt"].tolist(), room)
     return greedy_generate(model, tok, prompts, held.cfg.training.per_device_eval_batch_size,
-                           ev.generation_max_new_tokens, on_batch=on_batch)
+                           ev.generation_max_new_tokens, on_batch=on_batch,
+                           generated_from=kind_of(held.cfg).generated_from)
 
 
 def samples(rows, generations: dict[str, list[str]], n: int) -> list[dict]:

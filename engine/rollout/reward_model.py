@@ -1,5 +1,6 @@
-"""A trained reward model as one of GRPO's reward functions (`grpo.reward_funcs`: a directory
-path, or a registered model the train and evaluate stages resolved to one: tasks.reward_models).
+"""A trained reward model as one of the reward functions (engine.rollout.rewards; in
+`grpo.reward_funcs`: a directory path, or a registered model the train and evaluate stages
+resolved to one: tasks.model_refs).
 
 The model is a one-output sequence classifier with its tokenizer, what
 `AutoModelForSequenceClassification` loads (an HF directory, or the transformers-flavour folder
@@ -89,7 +90,7 @@ class RewardModel:
 
         if isinstance(prompt, str):
             head, body = token_ids(self.tok, [prompt, str(completion)])  # a string prompt's
-            # completion is a string (engine.recipe.grpo.heldout.score_completions)
+            # completion is a string (engine.rollout.scoring.score_completions)
             tail = [self.tok.eos_token_id]
         else:
             if self.tok.chat_template is None:

@@ -1,33 +1,19 @@
-"""Completions for GRPO: `num_generations` samples per prompt from the policy's current weights.
+"""Completions generated in this process from the policy's current weights (`LocalGenerator`).
 
-`Generator` is the seam between the GRPO run and whatever produces its completions;
 `LocalGenerator` generates in this process with the model being trained (a plain Hugging Face
 causal LM or a peft `PeftModel` around one), batched over every row at once with a KV cache:
-one prefill forward of the repeated prompts, then one forward per new token.
+one prefill forward of the repeated prompts, then one forward per new token, each step's
+scores processed and drawn as Hugging Face `generate` does (engine.rollout.sampling).
 
-Each step's next-token scores go through the processors Hugging Face's `generate` applies, in
-its order and with its semantics (`process_logits`): repetition penalty over the prompt's real
-tokens and the tokens generated so far, temperature, top-k, top-p, min-p; then softmax and
-`torch.multinomial` with a `torch.Generator` on the device seeded by the caller, so the same
-weights, prompts and seed give the same completions bitwise (on one device and software stack;
-on CUDA as far as the model's kernels are deterministic). With one seed for the call and
-unchunked, they are the tokens `model.generate(do_sample=True, num_return_sequences=G)` draws
-after `torch.manual_seed(seed)` (tests/test_grpo_generation.py and bench/grpo_generation.py check
-it on the CPU). With one seed per prompt, each prompt's completions are drawn from its own
-generator: they do not depend on which other prompts share the call (the forwards stay batched;
-only the draw is one `torch.multinomial` per prompt). Temperature 0 is greedy (argmax).
-
-Through a peft LoRA model computing in float32 on the CPU, generation folds each LoRA linear
-layer's adapters into one weight for the call (`merged_lora`: W + B A s, one GEMM where the
-adapter's forward runs three): the policy's distribution up to float rounding (the training
-forward, which the loss differentiates, keeps the unmerged layers); 1.38x (64 new tokens) and
-1.48x (128) faster on stories260K with LoRA r=16 on every linear layer, 16 rows, on the 2-core
-dev CPU. `merge_adapters` (LocalGenerator) turns it on or off elsewhere.
-
-Conventions are TRL's (GRPOTrainer, GRPOConfig): `top_k=0` is no top-k filtering, `min_p=None`
-no min-p; completions of prompt 0 come first (`repeat_interleave` order); the completion mask
-covers the tokens up to and including the first EOS; a completion without EOS within
-`max_completion_length` is clipped.
+The same weights, prompts and seed give the same completions bitwise (on one device and
+software stack; on CUDA as far as the model's kernels are deterministic). With one seed for the
+call and unchunked, they are the tokens `model.generate(do_sample=True,
+num_return_sequences=G)` draws after `torch.manual_seed(seed)` (tests/test_grpo_generation.py
+and bench/grpo_generation.py check it on the CPU). With one seed per prompt, each prompt's
+completions are drawn from its own generator: they do not depend on which other prompts share
+the call (the forwards stay batched; only the draw is one `torch.multinomial` per prompt).
+Through a peft LoRA model in float32 on the CPU the adapters are folded for the call
+(engine.rollout.lora_merge).
 """
 
 from __future__ import annotations
@@ -35,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
+
+from engine.rollout.generator import Completions
+from engine.rollout.lora_merge import merged_lora
+from engine.rollout.sampling import SamplingParams, next_tokens, process_logits, token_presence
 
 #: On an accelerator the decode loop asks "has every row finished?" only every this many new
 #: tokens: the answer is a device-to-host copy that makes the host wait for the queued kernels,
@@ -47,146 +34,6 @@ import torch.nn.functional as F
 #: many extra forwards after the last row finishes (their tokens are pad, masked out). On the
 #: CPU nothing is queued, so it asks every token.
 STOP_CHECK_EVERY = 16
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How completions are sampled; the names, defaults and conventions are TRL GRPOConfig's."""
-
-    max_completion_length: int
-    temperature: float = 1.0          # 0: greedy (argmax), for evaluation
-    top_p: float = 1.0                # 1.0: off
-    top_k: int = 0                    # 0: off (GRPOConfig's default and convention)
-    min_p: float | None = None        # None: off
-    repetition_penalty: float = 1.0   # 1.0: off
-
-    def __post_init__(self):
-        if not isinstance(self.max_completion_length, int) or self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be an integer >= 1, "
-                             f"got {self.max_completion_length!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 is off), got {self.top_k!r}")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p!r}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass
-class Completions:
-    """B * num_generations completions, the num_generations of prompt 0 first.
-
-    T is the longest completion's length (<= max_completion_length), as TRL pads them.
-    """
-
-    ids: torch.Tensor      # [N, T] long: token ids, right-padded with pad_token_id after the end
-    mask: torch.Tensor     # [N, T] long: 1 up to and including the first EOS, 0 after
-    lengths: torch.Tensor  # [N] long: mask.sum(1), the EOS counted
-    clipped: torch.Tensor  # [N] bool: no EOS within max_completion_length (TRL's clipped_ratio)
-
-
-@runtime_checkable
-class Generator(Protocol):
-    """What the GRPO run asks for completions; the seam for other backends.
-
-    `LocalGenerator` generates in this process with the policy's live weights. A later vLLM
-    generator (a `trl vllm-serve` style server, weights pushed to it after each optimizer step)
-    implements the same method: it takes the same left-padded prompts, returns the same
-    `Completions` on the prompts' device, and honours the same `seed` and row order, so the run
-    does not change with the backend. Generators return no log-probabilities: the run computes
-    them with its own forward (its precision, its mode), which is what its loss differentiates.
-    """
-
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                 num_generations: int, seed: int | Sequence[int]) -> Completions:
-        """prompt_ids, prompt_mask: [B, P] LEFT-padded prompts on the model's device. Returns
-        B * num_generations rows, the num_generations completions of prompt 0 first (TRL's
-        repeat_interleave order). The same weights, prompts and seed give the same completions
-        bitwise. `seed`: one for the call, or B, one per prompt: a prompt's completions then
-        depend on its own seed only, not on the other prompts of the call."""
-        ...
-
-
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token id lists -> (ids, mask), both [len(seqs), longest] long, padded on the left."""
-    if not seqs:
-        raise ValueError("left_pad: no sequences")
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        if seq:
-            ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask[row, width - len(seq):] = 1
-    return ids, mask
-
-
-def token_presence(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, vocab_size + 1] bool: which tokens occur among each row's real (mask 1) tokens.
-
-    The repetition penalty's memory. The last column absorbs what is not a penalised token:
-    padding, and ids at or past the output vocabulary (as RepetitionPenaltyLogitsProcessor
-    clamps them); `process_logits` reads the first vocab_size columns.
-    """
-    where = ids.clamp(min=0, max=vocab_size).masked_fill(mask == 0, vocab_size)
-    seen = torch.zeros((ids.shape[0], vocab_size + 1), dtype=torch.bool, device=ids.device)
-    return seen.scatter_(1, where, True)
-
-
-def process_logits(logits: torch.Tensor, params: SamplingParams,
-                   seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token scores [N, V] -> the scores sampling draws from (filtered tokens at -inf).
-
-    Hugging Face generate's processors, in its order and with its arithmetic:
-    RepetitionPenaltyLogitsProcessor (over `seen`, see `token_presence`), then, unless greedy,
-    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, each with
-    min_tokens_to_keep=1. Not in place: `logits` may be the model's output.
-    """
-    scores = logits
-    vocab = scores.shape[-1]
-    if params.repetition_penalty != 1.0:
-        if seen is None:
-            raise ValueError("process_logits: repetition_penalty needs `seen` (token_presence)")
-        rp = params.repetition_penalty
-        penalized = torch.where(scores < 0, scores * rp, scores / rp)
-        scores = torch.where(seen[:, :vocab], penalized, scores)
-    if params.greedy:
-        return scores
-    if params.temperature != 1.0:
-        scores = scores / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(scores, min(params.top_k, vocab)).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= (1 - params.top_p)
-        drop_sorted[..., -1:] = False  # min_tokens_to_keep=1: the most likely token stays
-        drop = drop_sorted.scatter(1, order, drop_sorted)
-        scores = scores.masked_fill(drop, -float("inf"))
-    if params.min_p is not None:
-        probs = scores.softmax(dim=-1)
-        drop = probs < params.min_p * probs.amax(dim=-1, keepdim=True)
-        drop.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
-        scores = scores.masked_fill(drop, -float("inf"))
-    return scores
-
-
-def next_tokens(scores: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """[N, V] processed scores -> [N] token ids: argmax when greedy, else one multinomial draw."""
-    if params.greedy:
-        return scores.argmax(dim=-1)
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -197,66 +44,6 @@ def _accepts_logits_to_keep(model) -> bool:
         return "logits_to_keep" in inspect.signature(base.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _foldable_lora(module) -> bool:
-    """A peft LoRA linear layer whose active adapters fold into its weight exactly as its
-    forward applies them: plain LoRA (no DoRA or other variant, no LoRA bias), adapters
-    enabled and not already merged, over a float nn.Linear held as a plain tensor (not a
-    DTensor shard, not quantized)."""
-    base = getattr(module, "base_layer", None)
-    if not (isinstance(base, torch.nn.Linear) and hasattr(module, "get_delta_weight")
-            and hasattr(module, "lora_A")):
-        return False
-    if module.disable_adapters or module.merged:
-        return False
-    weight = base.weight
-    if type(weight.data) is not torch.Tensor or not weight.is_floating_point() or \
-            weight.is_meta:
-        return False
-    for name in module.active_adapters:
-        if name not in module.lora_A:
-            continue
-        if name in getattr(module, "lora_variant", {}) or module.lora_bias.get(name, False):
-            return False
-        if module.lora_A[name].weight.dtype != weight.dtype:
-            return False
-    return True
-
-
-def _merged_forward(weight: torch.Tensor, bias: torch.Tensor | None):
-    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return F.linear(x, weight, bias)
-
-    return forward
-
-
-@contextlib.contextmanager
-def merged_lora(model):
-    """While inside: every foldable LoRA linear layer of `model` (`_foldable_lora`) computes
-    x (W + sum over its active adapters of peft's get_delta_weight)^T + b, one GEMM. The
-    parameters are not touched (the merged weight is a new tensor, freed on exit) and each
-    layer's own forward is back on exit; yields how many layers were folded. No gradient."""
-    folded = []
-    try:
-        with torch.no_grad():
-            for module in model.modules():
-                if not _foldable_lora(module):
-                    continue
-                base = module.base_layer
-                weight = base.weight.detach().clone()
-                for name in module.active_adapters:
-                    if name in module.lora_A:
-                        weight += module.get_delta_weight(name)
-                folded.append((module, module.__dict__.get("forward")))
-                module.forward = _merged_forward(weight, base.bias)
-        yield len(folded)
-    finally:
-        for module, own in folded:
-            if own is None:
-                del module.forward
-            else:
-                module.forward = own
 
 
 def _compiled(model) -> bool:
@@ -279,7 +66,8 @@ def _sharded(model) -> bool:
 
 
 class LocalGenerator:
-    """Generation in this process with the model's current weights (see `Generator`).
+    """Generation in this process with the model's current weights (a `Generator`:
+    engine.rollout.generator).
 
     `model` is the causal LM being trained, a peft `PeftModel` (LoRA, whose forward passes the
     cache arguments through) or a plain Hugging Face model; unwrapped from DDP. It runs in eval
@@ -298,7 +86,7 @@ class LocalGenerator:
     STOP_CHECK_EVERY tokens elsewhere); it changes the work done, never the completions.
     `all_finished`: see the attribute.
     `merge_adapters`: fold LoRA adapters into their layers' weights for the call
-    (`merged_lora`); None: where it keeps the arithmetic float32 and costs only host memory,
+    (engine.rollout.lora_merge.merged_lora); None: where it keeps the arithmetic float32 and costs only host memory,
     i.e. on the CPU, with float32 weights, outside autocast, not sharded (FSDP2's DTensor
     parameters) and not compiled; True: wherever a layer allows it (also under autocast, where
     the merged weight is cast as the base weight is); False: never.
@@ -461,3 +249,11 @@ def _in_chunk(spans: list[Span], start: int, end: int) -> list[Span]:
     """The spans of rows [start, end), counted from the chunk's first row."""
     return [(max(a, start) - start, min(b, end) - start, g) for a, b, g in spans
             if a < end and b > start]
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(config_eos if isinstance(config_eos, list) else [config_eos])
+    return sorted(i for i in ids if i is not None)

@@ -1,8 +1,10 @@
-"""GRPO's reward functions: the config's `grpo.reward_funcs` list as callables, and the scores
-they give a batch of completions.
+"""Reward functions: a config list of references (`grpo.reward_funcs`) as callables, for any
+method that scores completions (engine.rollout.scoring scores a batch with them).
 
-A reference is a built-in's name (`BUILT_INS`), or user code as `package.module:function` or
-`path/to/file.py:function` (finetune.imports.load_object). Every function is called as TRL
+The caller names the config key (`key="grpo.reward_funcs"`), so every message names the entry
+as the params file does while this module names no method. A reference is a built-in's name
+(`BUILT_INS`), or user code as `package.module:function` or `path/to/file.py:function`
+(finetune.imports.load_object). Every function is called as TRL
 1.16's GRPOTrainer calls a plain reward function (`_calculate_rewards`), so a reward function
 written for TRL runs unchanged: keyword arguments `prompts`, `completions`, `completion_ids`,
 every other column of the rows as a list (not `prompt`, `completion`, `completion_ids`),
@@ -25,32 +27,26 @@ The built-ins (options in `RewardOptions`, which the run fills from the config):
 
 Built-ins read the text of a conversational completion's last assistant message.
 
-An entry may also be a trained reward model (engine.recipe.grpo.reward_model): a directory
+An entry may also be a trained reward model (engine.rollout.reward_model): a directory
 path, loaded once on `RewardOptions.device`; a registered model (`models:/...`) reaches the
-engine already resolved to its downloaded directory (tasks.reward_models).
+engine already resolved to its downloaded directory (tasks.model_refs).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import difflib
 import functools
-import inspect
-import math
-import numbers
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from finetune.config.grpo import reward_kind, reward_name
+from finetune.config.reward_refs import reward_kind, reward_name
 from finetune.datatypes.metrics import extract_answer, is_exact_match
-from finetune.errors import PipelineError, warn
+from finetune.errors import PipelineError
 from finetune.imports import load_object
 
 #: the keyword arguments a reward function gets besides the rows' columns (TRL's names)
@@ -83,6 +79,19 @@ class RewardOptions:
     batch_size: int = 8
 
 
+def reward_options(section, *, answer_regex: str, batch_size: int, root: Path = Path("."),
+                   device: torch.device | None = None) -> RewardOptions:
+    """What the built-ins read, from a config section with the `grpo` section's names
+    (reference_column, format_regex, max_completion_length) and the evaluate stage's
+    `answer_regex`; a reward model's directory resolves against `root`, loads on `device`
+    (CPU when None) and scores `batch_size` completions per forward."""
+    return RewardOptions(answer_regex=answer_regex,
+                         reference_column=section.reference_column,
+                         format_regex=section.format_regex,
+                         max_completion_length=section.max_completion_length, root=Path(root),
+                         device=device or torch.device("cpu"), batch_size=batch_size)
+
+
 @dataclass(frozen=True)
 class RewardFunction:
     name: str  # for metrics (rewards/<name>/mean): a built-in's name, or the function's name
@@ -103,11 +112,11 @@ def completion_text(completion: Any) -> str:
                    if isinstance(m, Mapping) and m.get("role", "assistant") == "assistant"]
         if not replies:
             raise TypeError(f"a conversational completion without an assistant message: "
-                            f"{_show(completion)}")
+                            f"{shown(completion)}")
         message = replies[-1]
     else:
         raise TypeError(f"a completion is a string or a list of messages, not "
-                        f"{_show(completion)}")
+                        f"{shown(completion)}")
     content = message.get("content")
     if content is None:  # a message that only calls a tool
         return ""
@@ -206,49 +215,51 @@ def callable_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def load_reward_functions(refs: list[str], options: RewardOptions) -> list[RewardFunction]:
-    """The config's reward list as functions, in its order. A name used twice is made unique
-    (`name`, `name_2`, ...), in list order."""
+def load_reward_functions(refs: list[str], options: RewardOptions, *, key: str
+                          ) -> list[RewardFunction]:
+    """The config's reward list as functions, in its order; `key`: the list's config key, which
+    each message names with the entry's index (`grpo.reward_funcs[1]`). A name used twice is
+    made unique (`name`, `name_2`, ...), in list order."""
     loaded: list[RewardFunction] = []
     taken: set[str] = set()
     for i, ref in enumerate(refs):
-        key = f"grpo.reward_funcs[{i}]"
+        entry = f"{key}[{i}]"
         if not isinstance(ref, str) or not ref.strip():
-            raise PipelineError(f"{key}: {ref!r} is not a reward function name or a "
+            raise PipelineError(f"{entry}: {ref!r} is not a reward function name or a "
                                 "'package.module:function' reference")
         ref = ref.strip()
         kind = reward_kind(ref)
         if kind == "registered":
-            raise PipelineError(f"{key} '{ref}': a registered model is resolved to its files by "
-                                "the train and evaluate stages (tasks.reward_models); in your "
-                                "own script pass the model's directory")
+            raise PipelineError(f"{entry} '{ref}': a registered model is resolved to its files by "
+                                "the train and evaluate stages (tasks.model_refs); in your own "
+                                "script pass the model's directory")
         if kind == "directory":
-            from engine.recipe.grpo.reward_model import RewardModel, check_reward_model
+            from engine.rollout.reward_model import RewardModel, check_reward_model
 
-            directory = check_reward_model(options.root, ref, key)
+            directory = check_reward_model(options.root, ref, entry)
             fn = RewardModel(directory, reward_name(ref), options.device, options.batch_size)
             name = fn.__name__
         elif ":" in ref:
-            fn = load_object(ref, key)
+            fn = load_object(ref, entry)
             if isinstance(fn, torch.nn.Module):
-                raise PipelineError(f"{key} '{ref}': a model as a reward function is not "
+                raise PipelineError(f"{entry} '{ref}': a model as a reward function is not "
                                     "supported as an object; name its saved directory (a "
                                     "path with a '/'), or a function that returns rewards")
             if not callable(fn):
-                raise PipelineError(f"{key} '{ref}': {type(fn).__name__} object is not "
+                raise PipelineError(f"{entry} '{ref}': {type(fn).__name__} object is not "
                                     "callable; name a reward function")
             name = callable_name(fn)
         elif ref in BUILT_INS:
             try:
                 fn = BUILT_INS[ref](options)
             except PipelineError as exc:
-                raise PipelineError(f"{key} '{ref}': {exc}") from None
+                raise PipelineError(f"{entry} '{ref}': {exc}") from None
             name = ref
         else:
             close = difflib.get_close_matches(ref, BUILT_INS, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise PipelineError(
-                f"{key} '{ref}': no such built-in reward function{hint} (built-ins: "
+                f"{entry} '{ref}': no such built-in reward function{hint} (built-ins: "
                 f"{', '.join(sorted(BUILT_INS))}; or name your own as 'package.module:function' "
                 "or 'path/to/file.py:function', or a reward model's directory as a path with a "
                 "'/')")
@@ -261,134 +272,8 @@ def load_reward_functions(refs: list[str], options: RewardOptions) -> list[Rewar
     return loaded
 
 
-# -- scoring ----------------------------------------------------------------------------------
-
-def _nothing(*args, **kwargs) -> None:
-    return None
-
-
-def score(funcs: list[RewardFunction], prompts: list, completions: list,
-          completion_ids: list[list[int]], columns: dict[str, list], trainer_state=None, *,
-          log_extra: Callable[[str, list], None] | None = None,
-          log_metric: Callable[[str, float], None] | None = None) -> torch.Tensor:
-    """Each function's rewards for each completion: [N, len(funcs)] float32 on the CPU, NaN
-    where a function returned None. `columns`: the rows' other columns (lists of N);
-    `trainer_state`: what TRL passes as `trainer_state` (a TrainerState, or any object with
-    global_step / max_steps / epoch); `log_extra` / `log_metric`: TRL's logging callables,
-    no-ops when not given. Functions run in order, then the async ones together."""
-    n = len(completions)
-    if len(prompts) != n or len(completion_ids) != n:
-        raise ValueError(f"score: {len(prompts)} prompts, {n} completions and "
-                         f"{len(completion_ids)} completion_ids must be as many")
-    kwargs: dict[str, Any] = {}
-    for column, values in columns.items():
-        if column in NOT_PASSED:
-            continue
-        if column in ARGUMENTS or column == "environments":
-            raise PipelineError(f"the rows' column '{column}' has the name of an argument TRL "
-                                "passes a reward function; rename the column")
-        if len(values) != n:
-            raise ValueError(f"score: column '{column}' has {len(values)} values for "
-                             f"{n} completions")
-        kwargs[column] = list(values)
-    kwargs.update(trainer_state=trainer_state, log_extra=log_extra or _nothing,
-                  log_metric=log_metric or _nothing)
-
-    outputs: list[Any] = [None] * len(funcs)
-    pending: dict[int, Any] = {}  # index -> coroutine
-    try:
-        for i, func in enumerate(funcs):
-            try:
-                out = func.fn(prompts=prompts, completions=completions,
-                              completion_ids=completion_ids, **kwargs)
-            except Exception as exc:
-                raise _failed(i, func, n, exc) from None
-            if inspect.isawaitable(out):
-                pending[i] = out
-            else:
-                outputs[i] = out
-    except BaseException:
-        for coroutine in pending.values():
-            if inspect.iscoroutine(coroutine):
-                coroutine.close()  # not awaited: no "never awaited" warning
-        raise
-    if pending:
-        for i, result in _await_all(pending).items():
-            if isinstance(result, BaseException):
-                raise _failed(i, funcs[i], n, result) from None
-            outputs[i] = result
-
-    table = [_rewards(out, n, f"grpo.reward_funcs[{i}] '{func.name}'")
-             for i, (func, out) in enumerate(zip(funcs, outputs))]
-    rewards = torch.tensor(table, dtype=torch.float32).reshape(len(funcs), n).T.contiguous()
-    if funcs and n:
-        unscored = torch.isnan(rewards).all(dim=1)
-        if unscored.any():
-            rows = unscored.nonzero().flatten().tolist()
-            warn(f"grpo: every reward function returned None for {len(rows)} of {n} "
-                 f"completions (first: completion {rows[0]}); they are not scored and get "
-                 "advantage 0")
-    return rewards
-
-
-def _failed(i: int, func: RewardFunction, n: int, exc: BaseException) -> PipelineError:
-    label = f"grpo.reward_funcs[{i}] '{func.name}'"
-    if isinstance(exc, PipelineError):  # a built-in's own explanation
-        return PipelineError(f"{label}: {exc}")
-    return PipelineError(f"{label} failed on {n} completions: {type(exc).__name__}: {exc}")
-
-
-def _await_all(pending: dict[int, Any]) -> dict[int, Any]:
-    """index -> result or raised exception, the awaitables run together (asyncio.gather)."""
-    async def gather() -> dict[int, Any]:
-        results = await asyncio.gather(*pending.values(), return_exceptions=True)
-        return dict(zip(pending, results))
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:  # no loop in this thread: the usual case
-        return asyncio.run(gather())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside a loop
-        return pool.submit(asyncio.run, gather()).result()
-
-
-def _rewards(out: Any, n: int, label: str) -> list[float]:
-    """One function's return value as n floats (None -> NaN), or one line saying what is
-    wrong with it."""
-    if isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim == 1:
-        out = out.tolist()
-    if isinstance(out, (str, bytes, Mapping, torch.Tensor, np.ndarray)) or not isinstance(
-            out, Iterable):
-        raise PipelineError(f"{label} returned {_show(out)}, not a list of rewards (one number "
-                            "per completion, None where it does not apply)")
-    values = list(out)
-    if len(values) != n:
-        raise PipelineError(f"{label} returned {len(values)} rewards for {n} completions (one "
-                            "number per completion, None where it does not apply)")
-    rewards = []
-    for j, value in enumerate(values):
-        if value is None:
-            rewards.append(math.nan)
-        elif isinstance(value, numbers.Real):
-            rewards.append(float(value))
-        elif _real_scalar(value):
-            rewards.append(float(value))
-        else:
-            raise PipelineError(f"{label} returned {_show(value)} for completion {j}: a reward "
-                                "is a number, or None where it does not apply")
-    return rewards
-
-
-def _real_scalar(value: Any) -> bool:
-    """A 0-d tensor or array, or a numpy scalar, of a real (or bool) type."""
-    if isinstance(value, torch.Tensor):
-        return value.ndim == 0 and not value.is_complex()
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.ndim == 0 and value.dtype.kind in "biuf"
-    return False
-
-
-def _show(value: Any, width: int = 60) -> str:
+def shown(value: Any, width: int = 60) -> str:
+    """A value as a message shows it: its type and its (shortened) repr."""
     text = repr(value)
     text = text if len(text) <= width else text[:width - 3] + "..."
     return f"{type(value).__name__} {text}"

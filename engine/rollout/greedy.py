@@ -1,8 +1,10 @@
-"""Batched greedy generation for evaluation: left-padded batches, stop at EOS.
+"""Batched greedy generation for the evaluate stage: left-padded batches, stop at EOS.
 
 Prompts are encoded exactly as the tokenize stage encodes them for training (BOS only if the
 tokenizer adds one, no other special tokens), so the model sees at evaluation the prefix it
-was trained to continue.
+was trained to continue. It runs Hugging Face `generate` (not `LocalGenerator`): its texts are
+what the evaluate stage has always scored, and any model `generate` serves (an
+encoder-decoder too) generates here.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int | None) -> li
 @torch.no_grad()
 def greedy_generate(model, tok, prompts: list[list[int]], batch_size: int,
                     max_new_tokens: int, device: torch.device | None = None,
-                    on_batch: Callable[[], None] | None = None) -> list[str]:
+                    on_batch: Callable[[], None] | None = None,
+                    generated_from: Callable[[int], int] | None = None) -> list[str]:
     """Greedy continuations (decoded, special tokens dropped), one per prompt, in order.
-    `on_batch()`: called after each batch (a progress bar)."""
+    `on_batch()`: called after each batch (a progress bar). `generated_from(prompt width)`:
+    where the new tokens start in `generate`'s output, the model kind's answer
+    (engine.kinds: ModelKind.generated_from); None: after the prompt (a decoder-only model)."""
     from transformers import GenerationConfig
 
     device = device or next(model.parameters()).device
@@ -53,9 +58,7 @@ def greedy_generate(model, tok, prompts: list[list[int]], batch_size: int,
             mask[row, width - len(p):] = 1
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              generation_config=config)
-        # a decoder-only output repeats the prompt; an encoder-decoder's is the decoder's
-        # alone, after its start token
-        cut = 1 if getattr(model.config, "is_encoder_decoder", False) else width
+        cut = generated_from(width) if generated_from else width
         for row in out[:, cut:].tolist():
             if eos in row:
                 row = row[: row.index(eos)]

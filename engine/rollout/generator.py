@@ -1,0 +1,67 @@
+"""The seam between a method's rollout and whatever produces its completions.
+
+`Generator` is what a run asks for completions and `Completions` what it gets back, so the
+run does not change with the backend: `engine.rollout.local.LocalGenerator` generates in the
+training process with the live weights; a vLLM server (weights pushed after each optimizer
+step) would implement the same method. Conventions are TRL's (GRPOTrainer): completions of
+prompt 0 come first (`repeat_interleave` order); the completion mask covers the tokens up to
+and including the first EOS; a completion without EOS within `max_completion_length` is
+clipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Completions:
+    """B * num_generations completions, the num_generations of prompt 0 first.
+
+    T is the longest completion's length (<= max_completion_length), as TRL pads them.
+    """
+
+    ids: torch.Tensor      # [N, T] long: token ids, right-padded with pad_token_id after the end
+    mask: torch.Tensor     # [N, T] long: 1 up to and including the first EOS, 0 after
+    lengths: torch.Tensor  # [N] long: mask.sum(1), the EOS counted
+    clipped: torch.Tensor  # [N] bool: no EOS within max_completion_length (TRL's clipped_ratio)
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What a run asks for completions (GRPO's rollout today); the seam for other backends.
+
+    `LocalGenerator` generates in this process with the policy's live weights. A later vLLM
+    generator (a `trl vllm-serve` style server, weights pushed to it after each optimizer step)
+    implements the same method: it takes the same left-padded prompts, returns the same
+    `Completions` on the prompts' device, and honours the same `seed` and row order, so the run
+    does not change with the backend. Generators return no log-probabilities: the run computes
+    them with its own forward (its precision, its mode), which is what its loss differentiates.
+    """
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 num_generations: int, seed: int | Sequence[int]) -> Completions:
+        """prompt_ids, prompt_mask: [B, P] LEFT-padded prompts on the model's device. Returns
+        B * num_generations rows, the num_generations completions of prompt 0 first (TRL's
+        repeat_interleave order). The same weights, prompts and seed give the same completions
+        bitwise. `seed`: one for the call, or B, one per prompt: a prompt's completions then
+        depend on its own seed only, not on the other prompts of the call."""
+        ...
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (ids, mask), both [len(seqs), longest] long, padded on the left."""
+    if not seqs:
+        raise ValueError("left_pad: no sequences")
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        if seq:
+            ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids, mask
