@@ -418,3 +418,34 @@ def logged_column(project, name: str, file: str = "train.csv") -> list[float]:
 PER_STEP_SERIES = {"loss", "learning_rate", "grad_norm", "tokens_per_second",
                    "num_input_tokens_seen", "memory_rss_mb", "epoch", "comm_bytes_per_step",
                    "eval_loss"}
+
+
+def product_changes(project: Path) -> list[str]:
+    """`git status --porcelain` lines of a project copy outside what the pipeline writes (its
+    data, MLflow store and DVC files): what a test's own files changed in the product."""
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
+                             cwd=project, capture_output=True, text=True, check=True).stdout
+    return sorted(line for line in changed.splitlines()
+                  if not line[3:].startswith(("data/", "mlflow", "dvc", ".dvc", "dvc.lock")))
+
+
+def plugin_run(folder: Path, file: str, source: str, params: dict) -> Path:
+    """A project copy with one plug-in file of its own (a method, a model kind) and the params
+    naming it, run through all six stages in-process (stages_here)."""
+    project = copy_project(folder / "p")
+    (project / file).write_text(source)
+    write_params(project, {"logging.logging_steps": 1, "eval.max_generation_samples": 2,
+                           **params})
+    stages_here(project, "download", "format", "tokenize", "train", "evaluate", "export")
+    return project
+
+
+def sft_first_step_loss(trained: Path, folder: Path) -> float:
+    """Plain SFT's first logged loss on the rows `trained` tokenized (its data stages copied):
+    what a plug-in's own objective is compared with."""
+    sft = copy_project(folder / "sft")
+    write_params(sft, {"training.max_steps": 1, "logging.logging_steps": 1})
+    for stage in ("data/raw", "data/formatted", "data/tokenized"):
+        subprocess.run(["cp", "-r", str(trained / stage), str(sft / stage)], check=True)
+    stages_here(sft, "train")
+    return logged_column(sft, "loss")[0]

@@ -5,10 +5,9 @@ held-out metric, trains through all six stages without an edit to any product fi
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from helpers import copy_project, logged_column, stages_here, write_params
+from helpers import logged_column, plugin_run, product_changes, sft_first_step_loss
 
 # The whole method, as a project would write it: nothing else in the project changes.
 TOY_METHOD = '''
@@ -77,13 +76,8 @@ class PerExampleRun(TrainingRun):
 
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
-    project = copy_project(tmp_path_factory.mktemp("toy") / "p")
-    (project / "toy_method.py").write_text(TOY_METHOD)
-    write_params(project, {"training.type": "toy_method.py:PerExampleRun",
-                           "training.max_steps": 8, "logging.logging_steps": 1,
-                           "eval.max_generation_samples": 2})
-    stages_here(project, "download", "format", "tokenize", "train", "evaluate", "export")
-    return project
+    return plugin_run(tmp_path_factory.mktemp("toy"), "toy_method.py", TOY_METHOD,
+                      {"training.type": "toy_method.py:PerExampleRun", "training.max_steps": 8})
 
 
 def test_a_method_in_one_file_trains_through_all_six_stages(toy_run):
@@ -99,23 +93,15 @@ def test_a_method_in_one_file_trains_through_all_six_stages(toy_run):
     assert (toy_run / "data/export/adapter_config.json").exists() or (
         toy_run / "data/export/config.json").exists()
     # nothing but the method's file (and the params naming it) was added to the project
-    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
-                             cwd=toy_run, capture_output=True, text=True, check=True).stdout
-    product = [line for line in changed.splitlines()
-               if not line[3:].startswith(("data/", "mlflow", "dvc", ".dvc", "dvc.lock"))]
-    assert sorted(product) == sorted([" M params/default.yaml", "?? toy_method.py"]), product
+    assert product_changes(toy_run) == sorted(
+        [" M params/default.yaml", "?? toy_method.py"])
 
 
 def test_the_per_example_objective_is_not_sfts(toy_run, tmp_path):
     """The loss the toy run logged is its own: SFT's token-weighted loss on the same first
     step differs (examples of different lengths weigh differently)."""
-    sft = copy_project(tmp_path / "sft")
-    write_params(sft, {"training.max_steps": 1, "logging.logging_steps": 1})
-    for stage in ("data/raw", "data/formatted", "data/tokenized"):
-        subprocess.run(["cp", "-r", str(toy_run / stage), str(sft / stage)], check=True)
-    stages_here(sft, "train")
-    assert logged_column(sft, "loss")[0] != pytest.approx(logged_column(toy_run, "loss")[0],
-                                                         abs=1e-6)
+    assert sft_first_step_loss(toy_run, tmp_path) != pytest.approx(
+        logged_column(toy_run, "loss")[0], abs=1e-6)
 
 
 def _config(overrides: dict):

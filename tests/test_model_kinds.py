@@ -7,11 +7,11 @@ they replaced did."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
-from helpers import copy_project, logged_column, stages_here, write_params
+from helpers import (copy_project, logged_column, plugin_run, product_changes,
+                     sft_first_step_loss, write_params)
 
 # The kind and the dataset type that trains it, as a project would write them.
 TOY_KIND = '''
@@ -57,13 +57,9 @@ class SmoothedCompletion(CompletionType):
 
 @pytest.fixture(scope="module")
 def toy_kind_run(tmp_path_factory):
-    project = copy_project(tmp_path_factory.mktemp("kind") / "p")
-    (project / "toy_kind.py").write_text(TOY_KIND)
-    write_params(project, {"data.dataset_type": "toy_kind.py:SmoothedCompletion",
-                           "training.max_steps": 6, "logging.logging_steps": 1,
-                           "eval.max_generation_samples": 2})
-    stages_here(project, "download", "format", "tokenize", "train", "evaluate", "export")
-    return project
+    return plugin_run(tmp_path_factory.mktemp("kind"), "toy_kind.py", TOY_KIND,
+                      {"data.dataset_type": "toy_kind.py:SmoothedCompletion",
+                       "training.max_steps": 6})
 
 
 def test_a_model_kind_in_one_file_trains_through_all_six_stages(toy_kind_run):
@@ -73,22 +69,15 @@ def test_a_model_kind_in_one_file_trains_through_all_six_stages(toy_kind_run):
     assert evaluation["finetuned"]["loss"] < evaluation["base"]["loss"], evaluation
     assert (toy_kind_run / "data/export/adapter_config.json").exists() or (
         toy_kind_run / "data/export/config.json").exists()
-    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
-                             cwd=toy_kind_run, capture_output=True, text=True, check=True).stdout
-    product = [line for line in changed.splitlines()
-               if not line[3:].startswith(("data/", "mlflow", "dvc", ".dvc", "dvc.lock"))]
-    assert sorted(product) == sorted([" M params/default.yaml", "?? toy_kind.py"]), product
+    assert product_changes(toy_kind_run) == sorted(
+        [" M params/default.yaml", "?? toy_kind.py"])
 
 
 def test_the_toy_kinds_loss_is_its_own(toy_kind_run, tmp_path):
     """The logged first-step loss is the smoothed one: plain SFT on the same rows and the same
     first step logs a different number."""
-    sft = copy_project(tmp_path / "sft")
-    write_params(sft, {"training.max_steps": 1, "logging.logging_steps": 1})
-    for stage in ("data/raw", "data/formatted", "data/tokenized"):
-        subprocess.run(["cp", "-r", str(toy_kind_run / stage), str(sft / stage)], check=True)
-    stages_here(sft, "train")
-    plain, smoothed = logged_column(sft, "loss")[0], logged_column(toy_kind_run, "loss")[0]
+    plain, smoothed = sft_first_step_loss(toy_kind_run, tmp_path), logged_column(toy_kind_run,
+                                                                                  "loss")[0]
     assert smoothed > plain + 1e-3, (smoothed, plain)  # smoothing adds the uniform term
 
 
