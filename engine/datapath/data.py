@@ -291,10 +291,11 @@ def varlen_boundaries(lengths: list[int], bucketed: bool = False) -> dict:
 
 
 #: what the forward pass takes from a batch: the text inputs and the packed-attention keys,
-#: then what a model kind adds (register_model_inputs: an encoder-decoder's decoder inputs)
-MODEL_INPUTS = ["input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-                "max_length_q", "max_length_k"]
-#: the keys model kinds added (what an evaluation forward passes besides the text inputs)
+#: then what a model kind adds (KIND_INPUTS)
+TEXT_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+               "max_length_q", "max_length_k")
+#: the keys model kinds added (register_model_inputs: an encoder-decoder's decoder inputs):
+#: also what an evaluation forward passes besides the text inputs
 KIND_INPUTS: list[str] = []
 #: kind keys whose presence means the labels are the model's own positions (label_shift 0)
 UNSHIFTING_INPUTS: list[str] = []
@@ -304,10 +305,7 @@ def register_model_inputs(keys: tuple[str, ...], unshifting: tuple[str, ...] = (
     """A model kind's batch keys for the forward pass (engine.kinds: declared on the kind,
     registered when its class is defined); `unshifting`: those of them whose presence means
     the labels sit on the model's own positions."""
-    for key in keys:
-        for table in (MODEL_INPUTS, KIND_INPUTS):
-            if key not in table:
-                table.append(key)
+    KIND_INPUTS.extend(k for k in keys if k not in KIND_INPUTS)
     UNSHIFTING_INPUTS.extend(k for k in unshifting if k not in UNSHIFTING_INPUTS)
 
 
@@ -328,4 +326,4 @@ def to_device(batch: dict, device: torch.device, host_keys: tuple[str, ...] = BO
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What the forward pass takes from a (padded or packed) batch."""
-    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    return {k: batch[k] for keys in (TEXT_INPUTS, KIND_INPUTS) for k in keys if k in batch}

@@ -55,7 +55,7 @@ class BuiltModel:
 
 def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | None,
                 pad_id: int, amp: torch.dtype | None, log: Callable[[str], None]) -> BuiltModel:
-    t = cfg.training
+    t, kind = cfg.training, kind_of(cfg)
     base = load_base_model(cfg.model, root, labels=labels, construct=t.construct_model_on,
                            device=d.device, log=log)
     enable_gradient_checkpointing(base, t, log)
@@ -79,7 +79,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
             "training.fused_lora)")
     # before the wrap, or (sharded on meta) once the wrap's shards are read
     layout_and_loss = placement.when_weights_exist(
-        lambda: _layout_and_loss(cfg, model, strategy, pad_id, d, amp, log))
+        lambda: _layout_and_loss(cfg, kind, model, strategy, pad_id, d, amp, log))
     wrapped = strategy.wrap(model)
     construction = placement.after_wrap()
     collate_fn, loss = layout_and_loss()
@@ -88,17 +88,17 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
             f"stored tensors ({construction['construct_bytes_read'] / 2**20:.2f} MiB) on this "
             "rank")
     return BuiltModel(maybe_compile(wrapped, t), strategy, loss, collate_fn, trainable, total,
-                      construction, kind_of(cfg).eval_collate(cfg, model, pad_id))
+                      construction, kind.eval_collate(cfg, model, pad_id))
 
 
-def _layout_and_loss(cfg: FinetuneConfig, model, strategy: Strategy, pad_id: int, d, amp,
-                     log):
+def _layout_and_loss(cfg: FinetuneConfig, kind, model, strategy: Strategy, pad_id: int, d,
+                     amp, log):
     """The collate function (batch layout, maybe probed) and the loss (probed against the
     full loss), both on the model as it now is."""
     t = cfg.training
     collate_fn = prepare_batch_layout(t, cfg.data.max_seq_length, model, pad_id, d.device,
                                       amp, log)
-    kind = kind_of(cfg)  # a named collator, an encoder-decoder's own layout (compat: no other)
+    # a named collator, an encoder-decoder's own layout (compat: no other): the kind's
     collate_fn = kind.train_collate(cfg, model, pad_id, collate_fn)
     loss = None
     if t.use_liger_kernel:  # the pipeline and user losses are refused with it (compat)
