@@ -116,3 +116,18 @@ def test_strategy_optimizers_name_diloco_outer_optimizer_before_any_strategy_exi
             "inner_steps": 2, "diloco_loops": 2, "outer_optimizer": "Adam"}}})
     assert strategy_optimizers(diloco.distributed) == [
         ("Adam", "distributed.diloco.outer_optimizer")]
+
+
+def test_every_strategy_the_config_accepts_is_one_registry_line():
+    """`distributed.strategy`'s values are the STRATEGIES registry's names, each naming a
+    Strategy subclass whose `name` is that value (a new strategy: one module and one line)."""
+    from typing import get_args
+
+    from engine.strategies import STRATEGIES
+    from finetune.config.distributed import DistributedConfig
+
+    accepted = get_args(DistributedConfig.model_fields["strategy"].annotation)
+    assert sorted(accepted) == sorted(STRATEGIES.names())
+    for name in accepted:
+        cls = STRATEGIES.get(name)
+        assert issubclass(cls, Strategy) and cls.name == name, (name, cls)

@@ -12,12 +12,25 @@ from typing import TYPE_CHECKING
 
 from finetune.config.distributed import DistributedConfig
 from finetune.errors import PipelineError
+from finetune.registry import Registry
 
 if TYPE_CHECKING:
     from engine.process.comm import CommMeter
     from engine.process.distributed import Dist
     from engine.strategies.base import Strategy
     from finetune.config import FinetuneConfig
+
+
+#: `distributed.strategy` (as `distributed.resolved_strategy` gives it) -> its class, imported
+#: on first lookup; a new strategy is one module in this package and one line here
+STRATEGIES: Registry[type[Strategy]] = Registry(
+    "strategy", "distributed.strategy", base="engine.strategies.base:Strategy", built_ins={
+        "single": "engine.strategies.base:Strategy",
+        "ddp": "engine.strategies.ddp:DDPStrategy",
+        "fsdp2": "engine.strategies.fsdp2:FSDP2Strategy",
+        "diloco": "engine.strategies.diloco:DiLoCoStrategy",
+        "pipeline": "engine.strategies.pipeline:PipelineStrategy",
+    })
 
 
 def __getattr__(name: str):
@@ -54,7 +67,7 @@ def check_strategy_optimizers(dist: DistributedConfig) -> None:
 def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
     """The strategy that runs: `distributed.resolved_strategy` (DDP and FSDP2 with one
     process are single-device), for the world size the job was launched with."""
-    from engine.strategies.base import Strategy, StrategySetup
+    from engine.strategies.base import StrategySetup
 
     dist = cfg.distributed
     if d.world_size != dist.world_size:
@@ -66,20 +79,4 @@ def build_strategy(cfg: FinetuneConfig, d: Dist, meter: CommMeter) -> Strategy:
     if name != dist.strategy and d.is_main:
         print(f"[train] strategy {dist.strategy} with world size 1: training single-device",
               flush=True)
-    if name == "diloco":
-        from engine.strategies.diloco import DiLoCoStrategy
-
-        return DiLoCoStrategy(setup, d, meter)
-    if name == "ddp":
-        from engine.strategies.ddp import DDPStrategy
-
-        return DDPStrategy(setup, d, meter)
-    if name == "pipeline":
-        from engine.strategies.pipeline import PipelineStrategy
-
-        return PipelineStrategy(setup, d, meter)
-    if name == "fsdp2":
-        from engine.strategies.fsdp2 import FSDP2Strategy
-
-        return FSDP2Strategy(setup, d, meter)
-    return Strategy(setup, d, meter)
+    return STRATEGIES.get(name)(setup, d, meter)
