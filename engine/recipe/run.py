@@ -60,7 +60,7 @@ from engine.recipe.model_setup import build_model
 from engine.recipe.sft.heldout import lm_metrics
 from engine.recipe.trainers import register_trainer, run_class, trainer_class  # noqa: F401
 from engine.reporting.callbacks import TrainerControl
-from engine.reporting.monitor import Monitor, due
+from engine.reporting.monitor import Monitor, plan_after_step
 from engine.reporting.profiler import StepProfiler
 from engine.reporting.progress import Progress
 from engine.reporting.readback import Readback
@@ -492,43 +492,43 @@ class TrainingRun:
             each.on_log(state, logs)
 
     def maybe_evaluate_and_save(self) -> bool:
-        """Evaluate and checkpoint when due; True when early stopping ends the run here."""
-        step, c, e = self.progress.step, self.cfg.checkpoint, self.cfg.eval
+        """Evaluate and checkpoint when due (the step's StepPlan); True when early stopping or
+        a callback ends the run here."""
+        step = self.progress.step
         epoch_end = self.progress.at_epoch_end(self.epoch_len)
         last = step == self.max_steps
-        save_now = due(c.effective_save_strategy, c.save_steps, step, epoch_end, last)
-        on_save = e.eval_on_save  # read every step: dvc.yaml's completeness test sees it
-        eval_now = due(e.effective_eval_strategy, e.eval_steps, step, epoch_end, last) and (
-            e.eval_delay <= (self.progress.epoch + int(epoch_end) if e.eval_strategy == "epoch"
-                             else step))
         if epoch_end and self.reporters:
             self.reporters.on_epoch_end(self.state)
-        asked_stop, asked_save, asked_eval = self.control_requests()
-        save_now, eval_now = save_now or asked_save, eval_now or asked_eval
+        asked = self.control_requests()
         # the last step just finishes; before it, every rank learns whether any got the signal
         signalled = not last and self.stop_signal is not None and self.stop_signal.agreed()
-        evaluated, path = {}, None
-        if eval_now or save_now or asked_stop or self.monitor.should_stop or signalled:
-            self.emit_logged(wait=True)  # a checkpoint's history holds every row so far
-        if self.eval_data is not None and e.evaluates_in_training and (
-                eval_now or (save_now and on_save)):
-            evaluated = self.evaluate()
-        stop = (self.monitor.should_stop or asked_stop) and not last
-        if save_now or (stop and c.effective_save_strategy != "no"):
-            path = trainer_state.save(self, evaluated)
-            if self.reporters:
-                self.reporters.on_save(self.state, path)
+        plan = plan_after_step(
+            self.cfg.checkpoint, self.cfg.eval, step=step, epoch=self.progress.epoch,
+            epoch_end=epoch_end, last=last, asked=asked, early_stop=self.monitor.should_stop,
+            signalled=signalled,
+            can_evaluate=self.eval_data is not None and self.cfg.eval.evaluates_in_training)
+        if plan.flush:
+            self.emit_logged(wait=True)
+        evaluated = self.evaluate() if plan.evaluate else {}
+        stop = plan.stops(self.monitor.should_stop)
+        path = trainer_state.save(self, evaluated) if plan.saves(stop) else None
+        if path is not None and self.reporters:
+            self.reporters.on_save(self.state, path)
         if signalled and not stop:  # a stop that ends the run anyway finishes it
             self.stop_on_signal(path, evaluated)
-        if stop and asked_stop:
+        if stop:
+            self.log_stop(step, by_callback=plan.asked_stop)
+        return stop
+
+    def log_stop(self, step: int, by_callback: bool) -> None:
+        if by_callback:
             self.log(f"[train] stopping at step {step}: a callback set "
                      "control.should_training_stop")
-        elif stop:
-            m = self.monitor
-            self.log(f"[train] early stopping at step {step}: {m.metric} has not improved by "
-                     f"more than {m.threshold:g} for {m.bad_evals} evaluations (best "
-                     f"{m.best:.6g} at step {m.best_step})")
-        return stop
+            return
+        m = self.monitor
+        self.log(f"[train] early stopping at step {step}: {m.metric} has not improved by "
+                 f"more than {m.threshold:g} for {m.bad_evals} evaluations (best "
+                 f"{m.best:.6g} at step {m.best_step})")
 
     def stop_on_signal(self, path, evaluated: dict) -> None:
         """The scheduler's signal: a checkpoint at this step (the one due here, else one

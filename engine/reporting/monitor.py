@@ -23,6 +23,51 @@ def due(strategy: str, every: int, step: int, epoch_end: bool, last: bool) -> bo
     return epoch_end if strategy == "epoch" else step % every == 0
 
 
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the loop does after an optimizer step, decided from the step's facts before any
+    of it runs (`plan_after_step`), so the loop's method only carries it out in order: hand
+    the logged rows on, evaluate, save, stop. Only stopping waits for the evaluation (early
+    stopping reads the monitor as this step's evaluation leaves it): `stops` and `saves`."""
+
+    flush: bool  # hand every logged row on first: a checkpoint's history holds them all
+    evaluate: bool
+    save_due: bool  # the save strategy's, or a callback's
+    asked_stop: bool  # a callback set control.should_training_stop
+    last: bool
+    save_strategy: str  # checkpoint.effective_save_strategy
+
+    def stops(self, early_stop: bool) -> bool:
+        """Does the run end here? Early stopping or a callback; the last step ends anyway."""
+        return (early_stop or self.asked_stop) and not self.last
+
+    def saves(self, stop: bool) -> bool:
+        """A checkpoint now: when due, and at a stop unless checkpoints are off."""
+        return self.save_due or (stop and self.save_strategy != "no")
+
+
+def plan_after_step(checkpoint, ev, *, step: int, epoch: int, epoch_end: bool, last: bool,
+                    asked: tuple[bool, bool, bool], early_stop: bool, signalled: bool,
+                    can_evaluate: bool) -> StepPlan:
+    """The plan for `step` from the `checkpoint` and `eval` sections and what happened:
+    `epoch` (epochs completed before this step's end), `asked` (stop, save, evaluate as the
+    callbacks asked), `early_stop` (the monitor before this step's evaluation), `signalled`
+    (a scheduler's stop signal reached a rank), `can_evaluate` (held-out data, and eval runs
+    during training)."""
+    asked_stop, asked_save, asked_eval = asked
+    on_save = ev.eval_on_save  # read every step: dvc.yaml's completeness test sees it
+    save_due = due(checkpoint.effective_save_strategy, checkpoint.save_steps, step, epoch_end,
+                   last) or asked_save
+    eval_due = (due(ev.effective_eval_strategy, ev.eval_steps, step, epoch_end, last) and (
+        ev.eval_delay <= (epoch + int(epoch_end) if ev.eval_strategy == "epoch" else step))
+    ) or asked_eval
+    return StepPlan(
+        flush=eval_due or save_due or asked_stop or early_stop or signalled,
+        evaluate=can_evaluate and (eval_due or (save_due and on_save)),
+        save_due=save_due, asked_stop=asked_stop, last=last,
+        save_strategy=checkpoint.effective_save_strategy)
+
 @dataclass
 class Monitor:
     metric: str | None = None
