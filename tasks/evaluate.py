@@ -139,7 +139,7 @@ def _write(ws: Workspace, metrics: dict, samples: list[dict], harness: dict | No
 def mlflow_metrics(metrics: dict) -> dict[str, float]:
     """The metrics file's numbers as the training's MLflow run (and so the promotion gate)
     names them: the fine-tuned model's `eval.<metric>` (its stderr `eval.<metric>_stderr`,
-    which is where finetune.config.outputs.stderr_key looks), the base's `eval.base_<metric>`,
+    which is where finetune.config.registry.stderr_key looks), the base's `eval.base_<metric>`,
     the quantized model's `eval.quantized_<metric>`, the contamination check's fractions."""
     flat = {f"eval.{k}": v for k, v in metrics["finetuned"].items()}
     flat.update({f"eval.base_{k}": v for k, v in metrics["base"].items()})

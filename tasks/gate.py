@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from finetune.config.outputs import RegistryConfig, higher_wins, stderr_key
+from finetune.config.registry import RegistryConfig, higher_wins, stderr_key
 
 PASS, FAIL = "pass", "fail"
 

@@ -15,7 +15,7 @@ from importlib.metadata import version as installed_version
 from pathlib import Path
 from typing import Any
 
-from finetune.config.outputs import RegistryConfig, stderr_key
+from finetune.config.registry import RegistryConfig, stderr_key
 from finetune.errors import PipelineError
 from finetune.files import file_sha256
 from tasks import gate
@@ -104,55 +104,74 @@ def promote(client, name: str, version: str, value: float | None,
                            "kept as candidate")
         decision.champion_version = str(champion.version) if champion else None
         return decision
-    candidate = {k: float(v) for k, v in (metrics or {}).items()
-                 if k in _gated_metrics(cfg)
-                 or (cfg.max_contamination is not None and gate.is_contamination(k))}
-    candidate[metric] = float(value)
+    candidate = _candidate_values(cfg, value, metrics or {})
     for key, number in candidate.items():
         client.set_model_version_tag(name, version, gate_tag(key), repr(number))
     if champion is None:
-        rows = gate.judge(cfg, {}, candidate)
-        contaminated = [r for r in rows if r.role == "contamination" and r.verdict != gate.PASS]
-        decision.promoted = not contaminated
-        decision.reason = "first model: no champion yet" + "".join(
-            f"; refused: {r.metric} ({r.why})" for r in contaminated)
-        decision.table = [r.as_dict() for r in rows]
-        for row in decision.table:
-            if row["role"] != "contamination":
-                row["verdict"], row["why"] = "first model", ""
+        _judge_first(decision, cfg, candidate)
     else:
-        decision.champion_version = str(champion.version)
-        champ_values = {key: v for key in _gated_metrics(cfg)
-                        if (v := _metric_of(client, champion, key)) is not None}
-        champ = champ_values.get(metric)
-        decision.champion_value = champ
-        rows = gate.judge(cfg, champ_values, candidate)
-        decision.table = [r.as_dict() for r in rows]
-        if champ is None:
-            decision.reason = (f"champion v{champion.version} has no {metric}; kept it (move the "
-                               f"'{cfg.champion_alias}' alias by hand to override)")
-        else:
-            gain = value - champ if cfg.higher_wins else champ - value
-            direction = "higher" if cfg.higher_wins else "lower"
-            beats = rows[0].verdict == gate.PASS
-            failed = [r for r in rows[1:] if r.verdict != gate.PASS]
-            decision.promoted = beats and not failed
-            verdict = "beats" if beats else "does not beat"
-            minimum = (f"{cfg.min_improvement:g}" if not cfg.min_improvement_stderr
-                       else f"{rows[0].allowed}{'; ' + rows[0].why if rows[0].why else ''}")
-            decision.reason = (f"{metric} {value:.6g} {verdict} champion v{champion.version}'s "
-                               f"{champ:.6g} ({direction} is better, improvement {gain:+.6g}, "
-                               f"minimum {minimum})")
-            guards = [r for r in failed if r.role == "guard"]
-            if guards:
-                decision.reason += "; guard failed: " + ", ".join(
-                    f"{r.metric} ({r.why})" for r in guards)
-            decision.reason += "".join(f"; refused: {r.metric} ({r.why})"
-                                       for r in failed if r.role == "contamination")
+        _judge_against(decision, cfg, candidate, champion, client)
     if decision.promoted:
         _crown(client, name, version, cfg, champion)
     _record(client, name, version, decision, cfg)
     return decision
+
+
+def _candidate_values(cfg: RegistryConfig, value: float,
+                      metrics: dict[str, float]) -> dict[str, float]:
+    """The candidate's numbers the gate reads: its gate metric, guards, their standard errors
+    and, when contamination is gated, its contamination metrics."""
+    candidate = {k: float(v) for k, v in metrics.items()
+                 if k in _gated_metrics(cfg)
+                 or (cfg.max_contamination is not None and gate.is_contamination(k))}
+    candidate[cfg.gate_metric] = float(value)
+    return candidate
+
+
+def _judge_first(decision: Decision, cfg: RegistryConfig, candidate: dict[str, float]) -> None:
+    """No champion yet: the first model takes the alias unless contamination refuses it."""
+    rows = gate.judge(cfg, {}, candidate)
+    contaminated = [r for r in rows if r.role == "contamination" and r.verdict != gate.PASS]
+    decision.promoted = not contaminated
+    decision.reason = "first model: no champion yet" + "".join(
+        f"; refused: {r.metric} ({r.why})" for r in contaminated)
+    decision.table = [r.as_dict() for r in rows]
+    for row in decision.table:
+        if row["role"] != "contamination":
+            row["verdict"], row["why"] = "first model", ""
+
+
+def _judge_against(decision: Decision, cfg: RegistryConfig, candidate: dict[str, float],
+                   champion, client) -> None:
+    """The candidate against the champion's recorded numbers: it must beat the gate metric by
+    the minimum improvement and pass every guard and contamination row."""
+    metric, value = cfg.gate_metric, candidate[cfg.gate_metric]
+    decision.champion_version = str(champion.version)
+    champ_values = {key: v for key in _gated_metrics(cfg)
+                    if (v := _metric_of(client, champion, key)) is not None}
+    champ = decision.champion_value = champ_values.get(metric)
+    rows = gate.judge(cfg, champ_values, candidate)
+    decision.table = [r.as_dict() for r in rows]
+    if champ is None:
+        decision.reason = (f"champion v{champion.version} has no {metric}; kept it (move the "
+                           f"'{cfg.champion_alias}' alias by hand to override)")
+        return
+    gain = value - champ if cfg.higher_wins else champ - value
+    direction = "higher" if cfg.higher_wins else "lower"
+    beats = rows[0].verdict == gate.PASS
+    failed = [r for r in rows[1:] if r.verdict != gate.PASS]
+    decision.promoted = beats and not failed
+    verdict = "beats" if beats else "does not beat"
+    minimum = (f"{cfg.min_improvement:g}" if not cfg.min_improvement_stderr
+               else f"{rows[0].allowed}{'; ' + rows[0].why if rows[0].why else ''}")
+    decision.reason = (f"{metric} {value:.6g} {verdict} champion v{champion.version}'s "
+                       f"{champ:.6g} ({direction} is better, improvement {gain:+.6g}, "
+                       f"minimum {minimum})")
+    guards = [r for r in failed if r.role == "guard"]
+    if guards:
+        decision.reason += "; guard failed: " + ", ".join(f"{r.metric} ({r.why})" for r in guards)
+    decision.reason += "".join(f"; refused: {r.metric} ({r.why})"
+                               for r in failed if r.role == "contamination")
 
 
 def _crown(client, name: str, version: str, cfg: RegistryConfig, champion) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.evaluation.bootstrap import mean_stderr, perplexity, ratio_stderr, stderrs
-from finetune.config.outputs import RegistryConfig
+from finetune.config.registry import RegistryConfig
 from finetune.datatypes.metrics import exact_match, exact_match_rows, generation_metrics
 from helpers import ROOT
 

@@ -200,7 +200,7 @@ def test_tools_come_from_the_row_else_the_dataset(tmp_path):
 
 
 def test_every_turn_that_calls_tools_is_an_evaluation_sample(tmp_path):
-    from finetune.config.outputs import EvalConfig
+    from finetune.config.evaluation import EvalConfig
     from tasks.format import format_split
 
     data = _data(tmp_path, tools=[CALC])

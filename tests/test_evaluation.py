@@ -6,7 +6,7 @@ import pytest
 from helpers import ROOT
 
 from finetune.config import FinetuneConfig
-from finetune.config.outputs import RegistryConfig
+from finetune.config.registry import RegistryConfig
 
 GSM8K = r"####\s*(.+)"
 

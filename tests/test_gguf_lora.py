@@ -369,7 +369,7 @@ def test_export_gguf_is_listed_once_and_only_with_the_gguf_format():
     (tests/test_compat.py runs its example)."""
     from pydantic import ValidationError
 
-    from finetune.config.outputs import ExportConfig
+    from finetune.config.export import ExportConfig
 
     assert ExportConfig().gguf == [] and "gguf" in ExportConfig().formats
     with pytest.raises(ValidationError, match="'f16' is listed twice"):

@@ -99,7 +99,7 @@ def test_the_gate_promotes_or_holds_on_a_harness_metric(evaluated, tmp_path):
     from helpers import write_params
     from mlflow import MlflowClient
 
-    from finetune.config.outputs import RegistryConfig
+    from finetune.config.registry import RegistryConfig
     from finetune.workspace import Workspace
     from tasks.export import _gate_value
     from tasks.registry import promote

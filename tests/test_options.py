@@ -10,7 +10,7 @@ import torch
 from helpers import BASE, ROOT, logged_column, losses, train_here, train_metrics
 
 from finetune.config.data import DataConfig
-from finetune.config.outputs import EvalConfig
+from finetune.config.evaluation import EvalConfig
 from finetune.config.schema import FinetuneConfig
 from finetune.errors import PipelineError
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from finetune.config.loader import validate_raw
-from finetune.config.outputs import RegistryConfig
+from finetune.config.registry import RegistryConfig
 from finetune.errors import PipelineError
 from helpers import ROOT, error_line, run_cli
 

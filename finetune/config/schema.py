@@ -16,12 +16,14 @@ from finetune.config import compat, deepspeed, fingerprint, reads
 from finetune.config.checkpoint import CheckpointConfig
 from finetune.config.data import DataConfig
 from finetune.config.distributed import DistributedConfig
-from finetune.config.model import ModelConfig, PeftSection
-from finetune.config.optim import OptimizerConfig, SchedulerConfig
-from finetune.config.outputs import EvalConfig, ExportConfig, RegistryConfig
+from finetune.config.evaluation import EvalConfig
+from finetune.config.export import ExportConfig
 from finetune.config.grpo import GRPOConfig
 from finetune.config.kto import KTOConfig
+from finetune.config.model import ModelConfig, PeftSection
+from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.config.preference import DPOConfig
+from finetune.config.registry import RegistryConfig
 from finetune.config.reporting import LoggingConfig
 from finetune.config.reward import RewardConfig
 from finetune.config.section import Field, Section
