@@ -39,12 +39,11 @@ def check_model_refs(ws: Workspace) -> None:
 
 def check_export_formats(ws: Workspace) -> None:
     """export.formats: every name is an exporter's (tasks.exporters, which the export stage
-    runs); export.gguf: every type is one the GGUF exporter encodes, in which the model's
-    architecture and tensors can be written."""
-    from tasks.exporters import gguf, resolve
+    runs), and each exporter's own check of its keys (export.gguf: every type is one the GGUF
+    exporter encodes, in which the model's architecture and tensors can be written)."""
+    from tasks import exporters
 
-    resolve(ws.config.export.formats)
-    gguf.check_before_training(ws)
+    exporters.check(ws, ws.config.export.formats)
 
 
 def check_harness(ws: Workspace) -> None:

@@ -25,7 +25,8 @@ from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
 from finetune.workspace import Workspace
 from tasks import gate, registry, tracking
-from tasks.exporters import ExportContext, gguf, preflight, resolve
+from tasks.exporters import ExportContext, preflight, resolve
+from tasks.exporters import tags as format_tags
 from tasks.exporters.card import model_card
 
 
@@ -49,18 +50,18 @@ def export(ws: Workspace) -> dict[str, Path]:
         ctx = ExportContext(ws, model, tok, metrics, lineage, run_id, staging,
                             tuple(cfg.export.formats))
         preflight(ctx)
-        for write in exporters:
-            write(ctx)
+        for exporter in exporters:
+            exporter.write(ctx)
         (staging / "README.md").write_text(model_card(ctx))  # last: it lists what they wrote
     record = {"registered": False, "reason": "registry.register_model is false"}
-    gguf_tags = gguf.tags(gguf.entries(ws.layout.export))  # the GGUF files' types and sha256
+    written = format_tags(cfg.export.formats, ws.layout.export)  # e.g. the GGUF files' sha256
     if run_id:
         tracking.log_lineage(ws, run_id, lineage)
-        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), **gguf_tags})
+        tracking.set_tags(ws, run_id, {"export_path": str(ws.layout.export), **written})
         tracking.client(ws).log_artifact(run_id, str(ws.layout.export / "README.md"), "export")
         if cfg.registry.register_model:
             record = _register(ws, run_id, ctx.servable, tok, gate_value, metrics,
-                               lineage, gguf_tags)
+                               lineage, written)
         tracking.finish_run(ws, run_id)
     elif cfg.registry.register_model:
         record = {"registered": False, "reason": f"no MLflow run in {ws.layout.train_run}"}
@@ -77,7 +78,7 @@ def _gate_value(ws: Workspace, metrics: dict) -> float | None:
 
 
 def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
-              metrics: dict, lineage: dict[str, str], gguf_tags: dict[str, str]) -> dict:
+              metrics: dict, lineage: dict[str, str], written: dict[str, str]) -> dict:
     cfg = ws.config
     fallback = cfg.logging.experiment_name  # read either way: dvc.yaml must list it
     name = cfg.registry.registered_model_name or fallback
@@ -89,7 +90,7 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
     # the version's lineage is its run's lineage.json; its page shows the summary; the weight
     # files' sha256 are what `finetune reproduce` checks a rebuild against
     registry.tag_version(client, name, version,
-                         {**tracking.lineage_summary(lineage), **gguf_tags,
+                         {**tracking.lineage_summary(lineage), **written,
                           **registry.weight_tags(ws.layout.export)})
     # the guards' metrics and the standard errors, keyed as the training's MLflow run has them
     finetuned = {f"eval.{k}": v for k, v in (metrics.get("finetuned") or {}).items()}

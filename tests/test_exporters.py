@@ -67,20 +67,45 @@ def test_an_unknown_format_is_one_line_before_any_work(trained, tmp_path):
 
 
 def test_a_new_format_is_one_registry_line(trained, tmp_path, monkeypatch):
-    """A toy exporter: one line in the registry and export.formats can list it. It runs after
-    hf whatever the list's order (it reads the config.json hf wrote), with the context's
-    models and run, and its file ships in the export folder."""
-    from tasks.exporters import EXPORTERS, ExportContext, resolve
+    """A toy exporter: one class and one line in the registry, and export.formats can list
+    it. It runs after hf whatever the list's order (it reads the config.json hf wrote), with
+    the context's models and run; its file ships in the export folder, its card section is in
+    the model card and its tags are the run's."""
+    from tasks.exporters import EXPORTERS, Exporter, ExportContext, resolve
 
-    def toy(ctx: ExportContext) -> Path:
-        model_type = json.loads((ctx.staging / "config.json").read_text())["model_type"]
-        out = ctx.staging / "toy.txt"
-        out.write_text(f"{model_type} {type(ctx.hf_model).__name__} {ctx.formats}\n")
-        return out
+    class Toy(Exporter):
+        name = "toy"
+
+        def write(self, ctx: ExportContext) -> Path:
+            model_type = json.loads((ctx.staging / "config.json").read_text())["model_type"]
+            out = ctx.staging / "toy.txt"
+            out.write_text(f"{model_type} {type(ctx.hf_model).__name__} {ctx.formats}\n")
+            return out
+
+        def card_section(self, ctx, export_dir) -> str:
+            return f"\n## Toy\nIn `{export_dir}/toy.txt`.\n"
+
+        def tags(self, export_dir) -> dict[str, str]:
+            return {"toy.bytes": str((export_dir / "toy.txt").stat().st_size)}
 
     with pytest.raises(PipelineError, match="unknown format 'toy'"):
         resolve(["toy", "hf"])
-    monkeypatch.setitem(EXPORTERS, "toy", toy)
+    monkeypatch.setitem(EXPORTERS, "toy", Toy())
     export = export_copy(trained, tmp_path / "toy", {"export.formats": ["toy", "hf"]})
     assert (export / "toy.txt").read_text() == "llama LlamaForCausalLM ('toy', 'hf')\n"
+    assert "\n## Toy\nIn `data/export/toy.txt`.\n" in (export / "README.md").read_text()
     assert files(export) == sorted(HF_FILES + ["toy.txt"])
+    from tasks.exporters import tags
+
+    assert tags(["toy", "hf"], export) == {"toy.bytes": "37"}
+
+
+def test_the_default_format_list_is_the_registrys():
+    """export.formats' default (finetune.config.export.EXPORT_FORMATS: the config cannot
+    import the stages) names every registered exporter, in the order they are written, and
+    each exporter's name is its registry key."""
+    from finetune.config.export import EXPORT_FORMATS
+    from tasks.exporters import EXPORTERS
+
+    assert EXPORT_FORMATS == tuple(EXPORTERS)
+    assert all(exporter.name == name for name, exporter in EXPORTERS.items())

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from finetune.config import FinetuneConfig
+from tasks.exporters.base import Exporter
 from tasks.exporters.context import ExportContext
 
 ADAPTER_DIR = "adapter"
@@ -24,3 +25,23 @@ def write(ctx: ExportContext) -> Path | None:
         return None
     # the train stage's folder as it is: adapter weights and config, the tokenizer, its card
     return Path(shutil.copytree(ctx.ws.layout.trained, ctx.staging / ADAPTER_DIR))
+
+
+class AdapterExporter(Exporter):
+    name = "adapter"
+
+    def write(self, ctx: ExportContext) -> Path | None:
+        return write(ctx)
+
+    def card_section(self, ctx: ExportContext, export_dir: Path) -> str:
+        """How to load the adapter alone, where it was written."""
+        if not applies(ctx.config):
+            return ""
+        auto = ctx.config.model_task.auto_class.removeprefix("Auto")
+        return f"""
+The adapter alone (for users who keep the base model) is in `{ADAPTER_DIR}/`:
+```python
+from peft import AutoPeft{auto}
+model = AutoPeft{auto}.from_pretrained("{export_dir}/{ADAPTER_DIR}")
+```
+"""

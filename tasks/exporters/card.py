@@ -11,8 +11,8 @@ import yaml
 
 from engine.modeling.model import resolve_model_ref
 from finetune.config import FinetuneConfig
-from finetune.config.outputs import EXPORT_FORMATS
-from tasks.exporters import adapter, gguf
+from finetune.config.export import EXPORT_FORMATS
+from tasks.exporters import resolve
 from tasks.exporters.context import ExportContext
 
 #: the params the model card records: what made the model and its export. dvc.yaml lists each
@@ -41,16 +41,8 @@ def model_card(ctx: ExportContext) -> str:
     source = cfg.data.dataset_name or cfg.data.json_file_path or cfg.data.data_files
     export_dir = ws.layout.export.relative_to(ws.root)
     auto, tag = cfg.model_task.auto_class, cfg.model_task.pipeline_tag
-    section = ""
-    if "adapter" in ctx.formats and adapter.applies(cfg):
-        section = f"""
-The adapter alone (for users who keep the base model) is in `{adapter.ADAPTER_DIR}/`:
-```python
-from peft import AutoPeft{auto.removeprefix("Auto")}
-model = AutoPeft{auto.removeprefix("Auto")}.from_pretrained("{export_dir}/{adapter.ADAPTER_DIR}")
-```
-"""
-    section += _gguf_section(ctx, export_dir)
+    # each listed format's part, in the order they are written (tasks/exporters)
+    section = "".join(e.card_section(ctx, export_dir) for e in resolve(ctx.formats))
     return f"""---
 library_name: transformers
 base_model: {cfg.model.name_or_path}
@@ -81,40 +73,6 @@ tokenizer = AutoTokenizer.from_pretrained("{export_dir}")
 ```yaml
 {yaml.safe_dump(_card_params(cfg), sort_keys=False)}```
 """
-
-
-def _gguf_section(ctx: ExportContext, export_dir: Path) -> str:
-    """The GGUF files (tasks/exporters/gguf) with their sha256, and how to run them; '' when
-    none were written."""
-    written = gguf.entries(ctx.staging)
-    if not written:
-        return ""
-    folder = f"{export_dir.as_posix()}/{gguf.GGUF_DIR}"
-    rows = "\n".join(f"| `{e['file']}` | {'LoRA adapter, ' if e['kind'] == 'lora' else ''}"
-                     f"{e['type']} | {e['size']} | `{e['sha256']}` |" for e in written)
-    model = next(e["file"] for e in written if e["kind"] == "model")
-    lora = next((e["file"] for e in written if e["kind"] == "lora"), None)
-    name, run = gguf.model_name(ctx.config), gguf.runner(ctx.config)
-    with_lora = "" if lora is None else f"""
-The adapter alone applies to a GGUF of the base model (`BASE.gguf`, yours):
-```bash
-{run} -m BASE.gguf --lora {folder}/{lora} -p "..." -n 32
-```
-"""
-    return f"""
-## GGUF (llama.cpp, Ollama)
-Files for llama.cpp and Ollama in `{gguf.GGUF_DIR}/` (the merged model in each type, listed in
-`{gguf.GGUF_DIR}/{gguf.MANIFEST}`; docs/gguf.md of the project that wrote them):
-
-| file | type | bytes | sha256 |
-|---|---|---|---|
-{rows}
-
-```bash
-{run} -m {folder}/{model} -p "..." -n 32
-ollama create {name} -f {folder}/{gguf.MODELFILE} && ollama run {name}
-```
-{with_lora}"""
 
 
 def _card_params(cfg: FinetuneConfig) -> dict:

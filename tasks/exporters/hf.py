@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.modeling.labels import read_labels, write_labels
+from tasks.exporters.base import Exporter
 from tasks.exporters.context import ExportContext
 
 
@@ -27,3 +28,10 @@ def write(ctx: ExportContext) -> Path:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(staging)
     return staging
+
+
+class HFExporter(Exporter):
+    name = "hf"
+
+    def write(self, ctx: ExportContext) -> Path:
+        return write(ctx)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.modeling.quantization import check_convertible, quantized_copy, save_quantized
+from tasks.exporters.base import Exporter
 from tasks.exporters.context import ExportContext
 
 QUANTIZED_DIR = "quantized"
@@ -25,3 +26,10 @@ def write(ctx: ExportContext) -> Path | None:
                    skipped)
     del quantized
     return ctx.staging / QUANTIZED_DIR
+
+
+class QuantizedExporter(Exporter):
+    name = "quantized"
+
+    def write(self, ctx: ExportContext) -> Path | None:
+        return write(ctx)

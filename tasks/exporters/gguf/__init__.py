@@ -24,6 +24,7 @@ from finetune.config import FinetuneConfig
 from finetune.config.section import did_you_mean
 from finetune.errors import PipelineError
 from finetune.files import file_sha256, write_json_atomic
+from tasks.exporters.base import Exporter
 from tasks.exporters.context import ExportContext
 from tasks.exporters.gguf import quants
 
@@ -202,3 +203,55 @@ def tags(written: list[dict]) -> dict[str, str]:
         prefix = "gguf." if e["kind"] == "model" else "gguf.lora."
         out[f"{prefix}{e['type']}.sha256"] = e["sha256"]
     return out
+
+
+def card_section(ctx: ExportContext, export_dir: Path) -> str:
+    """The GGUF files with their sha256, and how to run them; '' when none were written."""
+    written = entries(ctx.staging)
+    if not written:
+        return ""
+    folder = f"{export_dir.as_posix()}/{GGUF_DIR}"
+    rows = "\n".join(f"| `{e['file']}` | {'LoRA adapter, ' if e['kind'] == 'lora' else ''}"
+                     f"{e['type']} | {e['size']} | `{e['sha256']}` |" for e in written)
+    model = next(e["file"] for e in written if e["kind"] == "model")
+    lora = next((e["file"] for e in written if e["kind"] == "lora"), None)
+    name, run = model_name(ctx.config), runner(ctx.config)
+    with_lora = "" if lora is None else f"""
+The adapter alone applies to a GGUF of the base model (`BASE.gguf`, yours):
+```bash
+{run} -m BASE.gguf --lora {folder}/{lora} -p "..." -n 32
+```
+"""
+    return f"""
+## GGUF (llama.cpp, Ollama)
+Files for llama.cpp and Ollama in `{GGUF_DIR}/` (the merged model in each type, listed in
+`{GGUF_DIR}/{MANIFEST}`; docs/gguf.md of the project that wrote them):
+
+| file | type | bytes | sha256 |
+|---|---|---|---|
+{rows}
+
+```bash
+{run} -m {folder}/{model} -p "..." -n 32
+ollama create {name} -f {folder}/{MODELFILE} && ollama run {name}
+```
+{with_lora}"""
+
+
+class GGUFExporter(Exporter):
+    name = "gguf"
+
+    def check(self, ws) -> None:
+        check_before_training(ws)
+
+    def preflight(self, ctx: ExportContext) -> None:
+        preflight(ctx)
+
+    def write(self, ctx: ExportContext) -> Path | None:
+        return write(ctx)
+
+    def card_section(self, ctx: ExportContext, export_dir: Path) -> str:
+        return card_section(ctx, export_dir)
+
+    def tags(self, export_dir: Path) -> dict[str, str]:
+        return tags(entries(export_dir))
