@@ -21,6 +21,18 @@ from finetune.config.section import code_refs
 from finetune.errors import PipelineError
 from finetune.imports import load_object
 
+#: a `model_ref` role (finetune.config.model_refs) -> the engine's check that a folder holds
+#: such a model: (project root, the folder, its entry for the message) -> the folder, or one
+#: line naming the entry. Imported when asked, so the role's room loads only for its runs
+MODEL_FOLDER_CHECKS = {"reward_model": "engine.rollout.reward_model:check_reward_model"}
+
+
+def check_model_folder(role: str, root: Path, ref: str, entry: str) -> Path:
+    """The folder a `model_ref` key names holds what its role needs (MODEL_FOLDER_CHECKS):
+    `finetune validate` and the stages that load it ask here (tasks.model_refs)."""
+    return load_object(MODEL_FOLDER_CHECKS[role], entry)(root, ref, entry)
+
+
 #: model classes that need no check (transformers has them)
 TRANSFORMERS_CLASSES = ("AutoModelForCausalLM", "AutoModelForSequenceClassification")
 

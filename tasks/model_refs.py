@@ -12,13 +12,13 @@ run's checkpoint, not this one's.
 
 Nothing here names a key or a method: the references are found by their fields' mark
 (finetune.config.model_refs.model_refs, which also leaves out a method's own section in another
-method's run), and what a folder must hold is its role's check (`CHECKS`), the engine's own.
+method's run), and what a folder must hold is its role's check, the engine's own
+(engine.preflight.MODEL_FOLDER_CHECKS).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
 
 from finetune.config.model_refs import REGISTERED_MODEL, ModelRef, model_refs, replaced
 from finetune.errors import PipelineError
@@ -26,15 +26,12 @@ from finetune.files import atomic_dir
 from finetune.workspace import Workspace
 
 
-def _check_reward_model(root: Path, ref: str, key: str) -> Path:
-    from engine.rollout.reward_model import check_reward_model  # torch: only when asked
+def _check_folder(role: str, root: Path, ref: str, entry: str) -> Path:
+    """The engine's check of a folder for `role` (engine.preflight: the door the stages'
+    checks go through; torch is imported only when a run names such a model)."""
+    from engine.preflight import check_model_folder
 
-    return check_reward_model(root, ref, key)
-
-
-#: a model_ref role -> the engine's check that a folder holds such a model: (project root, the
-#: reference, its entry for the message) -> the folder, or one line naming the entry
-CHECKS: dict[str, Callable[[Path, str, str], Path]] = {"reward_model": _check_reward_model}
+    return check_model_folder(role, root, ref, entry)
 
 
 def downloads(role: str) -> Path:
@@ -72,7 +69,7 @@ def check(ws: Workspace) -> None:
     and every registered model exists (nothing is downloaded)."""
     for ref in model_refs(ws.config):
         if ref.kind == "folder":
-            CHECKS[ref.role](ws.root, ref.ref, ref.entry)
+            _check_folder(ref.role, ws.root, ref.ref, ref.entry)
         else:
             _version(ws, ref)
 
@@ -94,7 +91,7 @@ def resolved(ws: Workspace) -> Workspace:
             print(f"[{ref.role}] {ref.entry} '{ref.ref}': version {version}, files in {local}",
                   flush=True)
             folder = local_refs[ref] = local.as_posix()
-        CHECKS[ref.role](ws.root, folder, ref.entry)
+        _check_folder(ref.role, ws.root, folder, ref.entry)
     return Workspace(config=replaced(ws.config, local_refs), root=ws.root,
                      params_path=ws.params_path)
 

@@ -256,7 +256,7 @@ def log_data_inputs(ws: Workspace, run_id: str, tokenized: Path, stats: dict) ->
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
 
-    from engine.state.fingerprint import data_hash
+    from finetune.hashing import data_hash
 
     dvc_md5 = dvc_out_hashes(ws.root).get(f"dvc_out.{tokenized.relative_to(ws.root)}")
     splits = sorted(p for p in tokenized.iterdir() if p.is_dir()) if tokenized.is_dir() else []

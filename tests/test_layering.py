@@ -257,6 +257,41 @@ def test_the_evaluate_stage_enters_the_engine_through_one_door():
     assert engine_deps == {"engine.evaluate"}
 
 
+def _engine_reached(stage: str) -> dict[str, list[str]]:
+    """The engine modules a stage module reaches, directly or through other tasks modules
+    (lazy imports too): module -> the chain of tasks modules that leads to it."""
+    graph, reached, seen = _imports(), {}, {stage}
+    todo = [(stage, [stage])]
+    while todo:
+        module, chain = todo.pop()
+        for dep in sorted(graph[module]):
+            if dep.split(".")[0] == "engine":
+                reached.setdefault(dep, chain)
+            elif dep.startswith("tasks") and dep not in seen:
+                seen.add(dep)
+                todo.append((dep, chain + [dep]))
+    return reached
+
+
+def test_the_evaluate_stage_reaches_the_engine_through_doors_only():
+    """Transitively too: the tasks modules the evaluate stage uses (model references, MLflow
+    tracking, the harness, the gate) reach the engine through its doors, so a change behind
+    a door is not a change to what the stage imports. (A content hash is finetune.hashing's,
+    the fingerprint's and the tracking's both; a model folder's check is engine.preflight's.)"""
+    reached = _engine_reached("tasks.evaluate")
+    assert "engine.evaluate" in reached
+    assert {m: c for m, c in reached.items() if m not in ENGINE_DOORS} == {}
+
+
+def test_the_transitive_door_check_sees_a_side_entrance():
+    """The check above finds a room reached only through another tasks module: validate
+    does (tasks.checks -> tasks.exporters -> tasks.exporters.quantized ->
+    engine.modeling.quantization), which is not yet behind a door."""
+    reached = _engine_reached("tasks.checks")
+    assert reached["engine.modeling.quantization"] == [
+        "tasks.checks", "tasks.exporters", "tasks.exporters.quantized"]
+
+
 def test_no_stage_imports_a_method_room():
     """No module in tasks/ imports engine.recipe.* (lazy imports too): what a stage needs of
     a method comes through a door (engine.evaluate asks the run class) or from a room that

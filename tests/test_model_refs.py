@@ -52,9 +52,9 @@ def test_a_methods_own_section_counts_in_its_runs_only():
 
 
 def test_every_role_has_the_engines_check():
-    from tasks.model_refs import CHECKS
+    from engine.preflight import MODEL_FOLDER_CHECKS
 
-    assert {role for _, role in model_ref_keys(FinetuneConfig)} <= set(CHECKS)
+    assert {role for _, role in model_ref_keys(FinetuneConfig)} <= set(MODEL_FOLDER_CHECKS)
 
 
 @pytest.mark.parametrize("index,entry", [(None, "k.x"), (2, "k.x[2]")])

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ from finetune.config.fingerprint import (
     batch_split,
     config_part,
 )
-from finetune.files import file_sha256, write_json_atomic
+from finetune.hashing import HashCache, data_hash_with
 
 MODEL_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -57,10 +56,10 @@ def of_run(cfg: FinetuneConfig, paths: RunPaths) -> dict[str, Any]:
 def compute(cfg: FinetuneConfig, train_identity: Path | None, model_ref: str) -> dict[str, Any]:
     """The fingerprint of a run about to start. `train_identity`: the tokenized train split
     (a folder) or the stream manifest (a file); `model_ref`: the resolved model path or hub id."""
-    cache = _HashCache.open()
+    cache = HashCache.open()
     try:
         return {"config": config_part(cfg), "batch": batch_split(cfg),
-                "train_data": _data_hash(train_identity, cache),
+                "train_data": data_hash_with(train_identity, cache),
                 "base_model": _model_hash(model_ref, cfg.model.revision, cache)}
     finally:
         cache.close()
@@ -136,29 +135,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def data_hash(identity: Path | None) -> str | None:
-    """The content hash the fingerprint records for a tokenized split (a folder) or a stream
-    manifest (a file), through the same cache of file hashes (a split the run's fingerprint
-    hashed is not read again)."""
-    cache = _HashCache.open()
-    try:
-        return _data_hash(identity, cache)
-    finally:
-        cache.close()
-
-
-def _data_hash(identity: Path | None, cache: "_HashCache") -> str | None:
-    if identity is None or not identity.exists():
-        return None
-    files = [identity] if identity.is_file() else sorted(identity.rglob("*.arrow"))
-    h = hashlib.sha256()
-    for path in files:
-        h.update(f"{path.relative_to(identity) if identity.is_dir() else path.name}\0".encode())
-        h.update(cache.sha256(path).encode())
-    return h.hexdigest()
-
-
-def _model_hash(ref: str, revision: str | None, cache: "_HashCache") -> str:
+def _model_hash(ref: str, revision: str | None, cache: "HashCache") -> str:
     local = Path(ref)
     if local.is_dir():
         files = sorted(p for p in local.iterdir() if p.is_file() and (
@@ -179,39 +156,3 @@ def _hub_commit(repo: str, revision: str | None) -> str | None:
     except Exception:  # noqa: BLE001 - no cache entry or no hub library: name it by revision
         return None
     return Path(found).parent.name if isinstance(found, str) else None
-
-
-class _HashCache:
-    """SHA-256 of files keyed by (path, size, mtime_ns, inode), kept across runs."""
-
-    LIMIT = 4096
-
-    def __init__(self, file: Path, entries: dict[str, str]):
-        self.file, self.entries, self.dirty = file, entries, False
-
-    @classmethod
-    def open(cls) -> "_HashCache":
-        root = os.environ.get("FINETUNE_CACHE_DIR") or Path.home() / ".cache" / "finetune"
-        file = Path(root) / "sha256.json"
-        try:
-            entries = json.loads(file.read_text())
-        except (OSError, ValueError):
-            entries = {}
-        return cls(file, entries if isinstance(entries, dict) else {})
-
-    def sha256(self, path: Path) -> str:
-        st = path.stat()
-        key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-        if key not in self.entries:
-            self.entries[key] = file_sha256(path)
-            self.dirty = True
-            for stale in list(self.entries)[:-self.LIMIT]:  # oldest first
-                del self.entries[stale]
-        return self.entries[key]
-
-    def close(self) -> None:
-        if self.dirty:
-            try:
-                write_json_atomic(self.file, self.entries)
-            except OSError:  # a read-only home: hashing again next time is the only cost
-                pass
