@@ -1,7 +1,7 @@
 """`Exporter`: one export format's whole lifecycle, so `finetune validate`, the export stage and
 the model card ask every format the same questions and name none of them.
 
-A format overrides what it does; every other member does nothing:
+A format must define `write`; every other member does nothing unless it overrides it:
 
 - `check(ws)`: what the params and the base model's config alone can refuse, at validate time
   (before any stage runs). Asked of every registered format, listed or not: each checks its
@@ -15,12 +15,13 @@ A format overrides what it does; every other member does nothing:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 from tasks.exporters.context import ExportContext
 
 
-class Exporter:
+class Exporter(ABC):
     name: str = ""
 
     def check(self, ws) -> None:
@@ -29,8 +30,9 @@ class Exporter:
     def preflight(self, ctx: ExportContext) -> None:
         """In the export stage, before any format writes: one line for what it refuses."""
 
+    @abstractmethod
     def write(self, ctx: ExportContext) -> Path | None:
-        raise NotImplementedError(f"exporter '{self.name}' writes nothing")
+        """Its files under `ctx.staging`: what it wrote, or None where it does not apply."""
 
     def card_section(self, ctx: ExportContext, export_dir: Path) -> str:
         """Markdown for the model card ('' for none); `export_dir` as the card names it."""
