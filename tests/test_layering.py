@@ -319,6 +319,39 @@ def test_no_stage_branches_on_a_method_flag():
         "classifier (line 1)", "paired (line 2)"]
 
 
+def _method_names_in(source: str, names: set[str]) -> list[str]:
+    """Where `source` names a method: a string (docstrings aside) that is one of `names`, or a
+    read of an attribute so named (a method's own section: `c.grpo`)."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    hits = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and node.value in names and id(node) not in docstrings):
+            hits.append(f"'{node.value}' (line {node.lineno})")
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            hits.append(f".{node.attr} (line {node.lineno})")
+    return sorted(hits)
+
+
+def test_the_compatibility_table_names_no_method():
+    """finetune/config/compat.py is every method's table, so it names none of them, nor their
+    own sections: a method's rows are declared beside its section (`add_rows`), what differs
+    by method is asked of its facts (finetune.config.methods.Method: `stderr`, `task`,
+    `refusal`), so a new method is not an edit to the table."""
+    from finetune.config.methods import method_names, method_of
+
+    names = {n for name in method_names() for n in (name, *method_of(name).own_sections)}
+    assert {"sft", "dpo", "grpo"} <= names
+    source = (ROOT / "finetune/config/compat.py").read_text()
+    assert _method_names_in(source, names) == []
+    assert _method_names_in('"""dpo"""\nx = {"training.type": "dpo"}\nif c.grpo.beta: pass\n',
+                            names) == ["'dpo' (line 2)", ".grpo (line 3)"]
+
+
 #: the model kind's flags: the config's (ModelTask.classifier, .encoder_decoder) and the
 #: loaded model's (transformers' is_encoder_decoder, as an attribute or a getattr name)
 KIND_FLAGS = ("classifier", "encoder_decoder", "is_encoder_decoder")

@@ -177,8 +177,8 @@ def model_class(name: str):
 def refuse_encoder_decoder(model_config, source: str) -> None:
     """An encoder-decoder model (T5-style) reached by a path the config rows cannot see (a
     folder's config.json, model.model_init, a 'module:Class'): refused before anything trains
-    on the wrong label layout (finetune.config.compat.ENCODER_DECODER_WHY)."""
-    from finetune.config.compat import ENCODER_DECODER_WHY
+    on the wrong label layout (finetune.datatypes.base.ENCODER_DECODER_WHY)."""
+    from finetune.datatypes.base import ENCODER_DECODER_WHY
 
     if getattr(model_config, "is_encoder_decoder", False):
         kind = getattr(model_config, "model_type", None) or type(model_config).__name__

@@ -12,11 +12,14 @@ Each section's validator runs its scope's rows (`check(section, scope)`), so a s
 error names the keys relative to the section the loader names. The params reference's
 "applies to" column (docs/reference.md) and tests/test_compat.py (one example per row that must
 be refused) derive from the rows.
-Adding an option that depends on another is one row here, nothing elsewhere; or, for a
-section's rows, one row beside the section, registered with `add_rows` (the `dpo` section's
-own, in finetune/config/preference.py), so a new method's section brings its rows with it.
-Rules among one dataset type's own keys live with the type (finetune/datatypes), which is one
-module by design.
+The rows that belong to one thing are declared beside it and join the table when its module
+is imported: a section's with `add_rows` (peft's in finetune/config/model.py, the pipeline's in
+finetune/config/pipeline.py, each method's beside its section), a model kind's as data on its
+`ModelTask` (`refuses`: finetune/datatypes/base.py; a row each, `_kind_rows`), the one between
+the method and the data at the config's root (finetune/config/schema.py). So a new method,
+section or model kind brings its rows with it, and this file names none of them
+(tests/test_layering.py). Rules among one dataset type's own keys live with the type
+(finetune/datatypes), which is one module by design.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from finetune.datatypes.base import MODEL_TASKS
 
 #: the contexts sections are checked in, in the order the table lists them
 SCOPES = ("model", "scheduler", "training", "distributed.fsdp", "distributed.diloco",
@@ -242,37 +247,21 @@ META = When("training.construct_model_on meta",
             lambda c: c.training.construct_model_on == "meta")
 STREAMING = When("data.streaming", lambda c: c.data.streaming)
 STORED = When("data.streaming: true", lambda c: c.data.streaming)
-CLASSIFIER = When("a classification dataset", lambda c: c.data.task.classifier)
-ENCODER_DECODER = When("an encoder-decoder model (data.dataset_type seq2seq)",
-                       lambda c: c.model_task.encoder_decoder)
 DILOCO = When("distributed.strategy diloco", lambda c: c.distributed.strategy == "diloco")
 SINGLE = When("distributed.strategy single", lambda c: c.distributed.strategy == "single")
 PACKED = When("training.packing or training.padding_free",
               lambda c: c.training.packing or c.training.padding_free)
 NO_NOMINAL_EPOCH = When("data.streaming without training.epoch_train_steps",
                         lambda c: c.data.streaming and c.training.epoch_train_steps is None)
-ZERO_BUBBLE_PIPELINE = When(
-    "a zero-bubble pipeline schedule", lambda c: c.distributed.strategy == "pipeline"
-    and c.distributed.pipeline.zero_bubble)
 EVALUATING = When("in-training evaluation (eval.eval_strategy steps or epoch)",
                   lambda c: c.eval.effective_eval_strategy != "no")
 METRIC = When("checkpoint.metric_for_best_model (e.g. eval_loss)",
               lambda c: c.checkpoint.metric_for_best_model is not None)
 CUDA = When("a CUDA GPU", lambda m: m.device.type == "cuda")
-IA3 = When("peft.peft_type IA3", lambda c: c.peft.use_peft and c.peft.peft_type == "IA3")
-IA3_EXAMPLE = {"peft.peft_type": "IA3", "peft.target_modules": ["k_proj", "down_proj"],
-               "peft.feedforward_modules": ["down_proj"]}
 QUANTIZED = When("model.load_in_4bit or model.load_in_8bit",
                  lambda c: c.model.load_in_4bit or c.model.load_in_8bit)
-PARAMETER_TARGETS = When("peft.target_parameters", lambda c: bool(c.peft.target_parameters))
 
 
-def _init_kind(c) -> str | None:
-    """The base-rewriting LoRA initialisation a config uses (pissa_niter_N is pissa)."""
-    init = c.peft.init_lora_weights
-    if not (c.peft.use_peft and c.peft.peft_type == "LORA" and isinstance(init, str)):
-        return None
-    return "pissa" if init.startswith("pissa") else init
 
 
 def _fp8_gpu(m) -> bool:
@@ -289,23 +278,18 @@ def _in(name: str, test) -> When:
     return When(name, test)
 
 
+def _kind_rows(task) -> list[Rule]:
+    """A model kind's refusals (finetune.datatypes.base.ModelTask.refuses, declared beside
+    the kind): one row each, where the dataset trains that kind."""
+    where = When(task.described, lambda c, task=task: c.data.task == task)
+    return [Refuse("config", key, where, why, used=used, example={**task.selected_by, **extra})
+            for key, used, why, extra in task.refuses]
+
+
 # -- messages of the arithmetic rows ---------------------------------------------------------
 
-#: why an encoder-decoder model needs the seq2seq type, for the model loader's refusal
-ENCODER_DECODER_WHY = (
-    "an encoder-decoder (T5-style) model reads the prompt in its encoder and takes the "
-    "completion alone as labels, unshifted; it trains with data.dataset_type seq2seq "
-    "(AutoModelForSeq2SeqLM, peft.task_type SEQ_2_SEQ_LM), and a decoder-only model with the "
-    "other types")
 
 
-def _pairs_and_trainer(c) -> str | None:
-    """Each source's rows are ones the trainer type trains on (finetune.config.methods: preference
-    pairs train with dpo, and dpo trains on nothing else)."""
-    from finetune.config.methods import method_of
-
-    method = method_of(c.training.type)
-    return next(filter(None, (method.refusal(d.datatype) for _, d in c.data.parts())), None)
 
 
 def _global_batch(c) -> str | None:
@@ -357,44 +341,10 @@ def _local_start(d) -> str | None:
     return None
 
 
-def _pipeline_batches(c) -> str | None:
-    if c.distributed.strategy != "pipeline":
-        return None
-    n = c.distributed.pipeline.microbatches(c.distributed.world_size)
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
-        if getattr(c.training, key) % n:
-            return (f"training.{key} {getattr(c.training, key)} does not divide into "
-                    f"distributed.pipeline n_microbatches {n}")
-    return None
 
 
-def _pipeline_ranks(d) -> str | None:
-    if d.strategy != "pipeline":
-        return None
-    world = d.world_size
-    if world == 1:
-        return ("strategy pipeline splits the model over processes; with nproc_per_node x "
-                "nnodes = 1 there is nothing to split (use single, or set nproc_per_node >= 2)")
-    dp = (d.pipeline.data_parallel_size if d.pipeline else 1)
-    if world % dp or world // dp < 2:
-        return (f"pipeline.data_parallel_size {dp} must divide the world size {world} and "
-                "leave at least 2 ranks per pipeline")
-    return None
 
 
-def _stage_layout(p) -> str | None:
-    per_rank, style = p.resolved_stages_per_rank, p.resolved_stage_type
-    if p.one_stage_per_rank and per_rank != 1:
-        return (f"schedule {p.schedule} runs one stage per rank; stages_per_rank {per_rank} "
-                "needs Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble")
-    if not p.one_stage_per_rank and per_rank < 2:
-        return (f"schedule {p.schedule} runs several stages per rank; set stages_per_rank >= 2 "
-                "(or use GPipe / 1F1B)")
-    if style == "v" and per_rank != 2:
-        return f"pp_stage_type v places exactly 2 stages on each rank (got stages_per_rank {per_rank})"
-    if p.schedule == "ZBVZeroBubble" and style != "v":
-        return "schedule ZBVZeroBubble needs pp_stage_type v"
-    return None
 
 
 def _model_task(c) -> str | None:
@@ -736,10 +686,6 @@ RULES: list[Rule] = [
                    "distributed.diloco.diloco_loops": 2, "eval.eval_strategy": "no",
                    "checkpoint.save_strategy": "no",
                    "distributed.diloco.local_sgd_start_step": 300}),
-    Agree("distributed.pipeline", ("schedule", "stages_per_rank", "pp_stage_type"),
-          _stage_layout, example={"distributed.strategy": "pipeline",
-                                  "distributed.nproc_per_node": 2,
-                                  "distributed.pipeline.stages_per_rank": 2}),
     # distributed
     Agree("distributed", ("strategy", "nproc_per_node", "nnodes"), lambda d: (
         f"strategy 'single' runs one process but nproc_per_node x nnodes = {d.world_size}; use "
@@ -766,8 +712,6 @@ RULES: list[Rule] = [
                               "distributed.diloco.diloco_loops": 2,
                               "distributed.diloco.fsdp_group_size": 2,
                               "eval.eval_steps": 75, "checkpoint.save_steps": 75}),
-    Agree("distributed", ("strategy", "pipeline.data_parallel_size"), _pipeline_ranks,
-          example={"distributed.strategy": "pipeline"}),
     *(Refuse("distributed", name, When(f"a strategy other than {owner}",
                                         lambda d, owner=owner, name=name: d.strategy != owner
                                         and not (name == "fsdp" and d.diloco is not None
@@ -875,55 +819,11 @@ RULES: list[Rule] = [
            "that function decides each batch's width; round it up there, or use "
            "collate_fn: dynamic_padding, which applies pad_to_multiple_of",
            example={"data.collate_fn": "m:f", "training.pad_to_multiple_of": 8}),
-    Agree("config", ("training.type", "data.dataset_type"), _pairs_and_trainer,
-          example={"training.type": "dpo"}),
     Refuse("config", "checkpoint.save_on_each_node", FSDP,
            "each node would hold the whole training state, which FSDP2 shards across the "
            "nodes; keep the checkpoint folder on storage all nodes share, or use ddp",
            example={"checkpoint.save_on_each_node": True, "distributed.strategy": "fsdp2",
                     "distributed.nproc_per_node": 2}),
-    Agree("config", ("training.per_device_train_batch_size", "distributed.pipeline"),
-          _pipeline_batches, example={"distributed.strategy": "pipeline",
-                                      "distributed.nproc_per_node": 2,
-                                      "training.per_device_train_batch_size": 3}),
-    *(Refuse("config", key, PIPELINE, why, used=used, example={
-        "distributed.strategy": "pipeline", "distributed.nproc_per_node": 2, **extra})
-      for key, used, why, extra in (
-        ("training.dataloader_drop_last", lambda c: not c.training.dataloader_drop_last,
-         "every pipeline step needs whole batches", {"training.dataloader_drop_last": False}),
-        ("training.mixed_precision", lambda c: c.training.mixed_precision == "fp16",
-         "fp16's loss scaling does not run through the pipeline schedules; use bf16",
-         {"training.mixed_precision": "fp16"}),
-        ("training.packing", None, "stages pass fixed-shape activations",
-         {"training.packing": True}),
-        ("training.padding_free", None, "stages pass fixed-shape activations",
-         {"training.padding_free": True}),
-        ("data.collate_fn", None, "the pipeline pads every batch to data.max_seq_length itself",
-         {"data.collate_fn": "m:f"}),
-        ("data.dataset_type", lambda c: c.data.task.classifier,
-         "the stages are a causal LM's decoder layers and head",
-         {"data.dataset_type": "classification", "data.prompt_template": None,
-          "data.completion_template": None, "eval.generation_metrics": []}),
-        ("data.streaming", None, "not supported with pipeline stages yet",
-         {"data.streaming": True}),
-        ("training.compute_loss_func", None, "the last stage computes the loss from the "
-         "hidden states in chunks (training.loss_chunk_tokens); a loss of full logits does "
-         "not run there", {"training.compute_loss_func": "m:f"}),
-        ("training.use_liger_kernel", None, "the last stage computes its own chunked loss; "
-         "Liger's fused loss is not wired into the stages", {"training.use_liger_kernel": True}),
-        ("training.torch_compile_mode",
-         lambda c: c.training.torch_compile and c.training.torch_compile_mode == "max-autotune",
-         "max-autotune captures CUDA graphs, which replay stale gradients across a schedule's "
-         "micro-batches (as under gradient accumulation); use max-autotune-no-cudagraphs",
-         {"training.torch_compile": True, "training.torch_compile_mode": "max-autotune"}),
-        ("training.fused_loss_factory", None, "the last stage computes its own chunked "
-         "loss; a fused loss is not wired into the stages", {"training.fused_loss_factory": "m:f"}),
-    )),
-    Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
-           "zero-bubble schedules split the backward, which compiled stages cannot",
-           example={"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2,
-                    "distributed.pipeline.schedule": "ZBVZeroBubble",
-                    "training.torch_compile": True}),
     *(Refuse("config", key, META, why + "; use construct_model_on: default or device",
              used=used, example={"training.construct_model_on": "meta", **extra})
       for key, used, why, extra in (
@@ -998,135 +898,7 @@ RULES: list[Rule] = [
            used=lambda c: c.registry.max_contamination is not None, example={"registry.max_contamination": 0.01, "eval.contamination_ngram": None}),
     Agree("config", ("registry.gate_metric", "eval.generation_metrics"), _gate_computed,
           example={"registry.gate_metric": "eval.exact_match", "eval.generation_metrics": []}),
-    *(Refuse("config", key, CLASSIFIER, why, used=used, example={
-        "data.dataset_type": "classification", "data.prompt_template": None,
-        "data.completion_template": None, "eval.generation_metrics": [], **extra})
-      for key, used, why, extra in (
-        ("training.packing", None, "its sequence classifier reads one labelled text a row",
-         {"training.packing": True}),
-        ("training.padding_free", None, "its sequence classifier reads one labelled text a row",
-         {"training.padding_free": True}),
-        ("training.use_liger_kernel", None,
-         "Liger's fused loss is for a vocabulary head; a classifier's head has classes",
-         {"training.use_liger_kernel": True}),
-        ("training.fused_loss_factory", None,
-         "a fused loss is for a vocabulary head; a classifier's head has classes",
-         {"training.fused_loss_factory": "m:f"}),
-        ("eval.generation_metrics", None,
-         "a classifier does not generate; it reports accuracy and macro_f1",
-         {"eval.generation_metrics": ["rouge"]}),
-        ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
-         "lm-eval scores a language model's text; a classifier's head has classes",
-         {"eval.harness.tasks": ["arc_easy"]}),
-        ("training.loss_chunk_tokens",
-         lambda c: c.training.loss_chunk_tokens not in (
-             None, type(c.training).model_fields["loss_chunk_tokens"].default),
-         "it chunks a vocabulary head, which a classifier has none of; remove it",
-         {"training.loss_chunk_tokens": 1024}),
-    )),
-    *(Refuse("config", key, ENCODER_DECODER, why, used=used, example={
-        "data.dataset_type": "seq2seq", "registry.register_model": False, **extra})
-      for key, used, why, extra in (
-        ("registry.register_model", None,
-         "MLflow logs a transformers pipeline, and transformers 5 has none for an "
-         "encoder-decoder model (text2text-generation was removed); set it to false (the "
-         "export folder is still written)", {"registry.register_model": True}),
-        ("training.packing", None, "its prompts and completions are batched apart, one a row",
-         {"training.packing": True}),
-        ("training.padding_free", None,
-         "its prompts and completions are batched apart, one a row",
-         {"training.padding_free": True}),
-        ("training.use_liger_kernel", None,
-         "Liger's fused loss is wired for decoder-only models", {"training.use_liger_kernel": True}),
-        ("training.fused_loss_factory", None,
-         "a fused loss is probed on a decoder-only forward", {"training.fused_loss_factory": "m:f"}),
-        ("training.compute_loss_func", None,
-         "its loss is the decoder's unshifted cross entropy", {"training.compute_loss_func": "m:f"}),
-        ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
-         "its batches carry the decoder's inputs (engine.kinds.seq2seq_lm.collate_seq2seq)",
-         {"data.collate_fn": "m:f"}),
-        ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
-         "the pipeline splits a decoder-only stack", {"distributed.strategy": "pipeline",
-                                                      "distributed.nproc_per_node": 2}),
-        ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
-         "lm-eval's tasks here score decoder-only models", {"eval.harness.tasks": ["arc_easy"]}),
-        ("training.loss_chunk_tokens",
-         lambda c: c.training.loss_chunk_tokens not in (
-             None, type(c.training).model_fields["loss_chunk_tokens"].default),
-         "its loss is the decoder's full cross entropy; remove it",
-         {"training.loss_chunk_tokens": 1024}),
-    )),
-    # peft's adapter options (finetune/config/model.py PeftSection)
-    *(Refuse("config", f"peft.{key}", IA3,
-             "it is a LoRA option; peft's IA3Config has none; use peft.peft_type LORA",
-             used=used, example={**IA3_EXAMPLE, f"peft.{key}": value})
-      for key, used, value in (
-        ("use_dora", None, True), ("use_rslora", None, True),
-        ("init_lora_weights", lambda c: c.peft.init_lora_weights is not True, "gaussian"),
-        ("layers_to_transform", lambda c: c.peft.layers_to_transform is not None, 1),
-        ("rank_pattern", None, {"q_proj": 2}),
-        ("alpha_pattern", None, {"q_proj": 2.0}),
-        ("target_parameters", None, ["mlp.experts.down_proj"]))),
-    Refuse("config", "peft.layers_to_transform",
-           When("peft.target_modules a string ('all-linear' or a regex)",
-                lambda c: isinstance(c.peft.target_modules, str)),
-           "peft picks layers among named modules only; list them (e.g. [q_proj, v_proj])",
-           used=lambda c: c.peft.layers_to_transform is not None,
-           example={"peft.layers_to_transform": [0]}),
-    Needs("config", "peft.layers_pattern",
-          When("peft.layers_to_transform", lambda c: c.peft.layers_to_transform is not None),
-          "it names the layer list that layers_to_transform indexes",
-          example={"peft.layers_pattern": "layers", "peft.target_modules": ["q_proj"]}),
-    *(Refuse("config", "peft.init_lora_weights", where, why,
-             used=lambda c, kinds=kinds: _init_kind(c) in kinds,
-             example={"peft.init_lora_weights": value, **extra})
-      for kinds, value, where, why, extra in (
-        (("pissa",), "pissa", QUANTIZED,
-         "peft converts PiSSA to an adapter of the original base exactly only over float "
-         "weights (Quant(W_res) + AB != Quant(W) + dW); load the base unquantized",
-         {"model.load_in_4bit": True}),
-        (("olora",), "olora", QUANTIZED,
-         "peft's OLoRA decomposes float weights only; load the base unquantized",
-         {"model.load_in_4bit": True}),
-        (("pissa", "olora"), "pissa", META,
-         "it rewrites the base weights when the adapter is made, and on meta they are read "
-         "after it; use construct_model_on: default or device", {
-             "training.construct_model_on": "meta"}),
-        (("pissa", "olora"), "olora", PIPELINE,
-         "the pipeline writes each stage's adapter weights itself, past peft's conversion "
-         "of the adapter to the original base", {"distributed.strategy": "pipeline",
-                                                 "distributed.nproc_per_node": 2}),
-        *(((("pissa", "olora"), "olora", where,
-            "peft converts the adapter to one of the original base (path_initial_model_for_"
-            f"weight_conversion) from lora_A and lora_B alone: {lost} would be lost", extra))
-          for where, lost, extra in (
-            (When("peft.use_dora", lambda c: c.peft.use_dora), "DoRA's magnitudes",
-             {"peft.use_dora": True}),
-            (When("peft.bias all or lora_only", lambda c: c.peft.bias != "none"),
-             "the trained biases", {"peft.bias": "lora_only"}),
-            (When("peft.modules_to_save or a classification dataset",
-                  lambda c: bool(c.peft.modules_to_save) or c.data.task.classifier),
-             "the modules trained in full", {"peft.modules_to_save": ["lm_head"]}))),
-        (("pissa", "olora"), "pissa", PARAMETER_TARGETS,
-         "a parameter target (peft's ParamWrapper) has no weight matrix to decompose",
-         {"peft.target_parameters": ["model.layers.0.mlp.down_proj.weight"]}),
-    )),
-    Refuse("config", "peft.use_rslora",
-           When("peft.rank_pattern or peft.alpha_pattern with init_lora_weights pissa or olora",
-                lambda c: bool(c.peft.rank_pattern or c.peft.alpha_pattern)
-                and _init_kind(c) in ("pissa", "olora")),
-           "peft cannot convert that adapter to one of the original base "
-           "(save_pretrained's path_initial_model_for_weight_conversion)",
-           example={"peft.use_rslora": True, "peft.init_lora_weights": "pissa",
-                    "peft.rank_pattern": {"q_proj": 4}}),
-    *(Refuse("config", key, PARAMETER_TARGETS,
-             f"peft's ParamWrapper (LoRA on a parameter) does not work with {said}",
-             used=used, example={"peft.target_parameters": ["model.layers.0.mlp.down_proj.weight"],
-                                 **extra})
-      for key, used, said, extra in (
-        ("peft.use_dora", None, "DoRA", {"peft.use_dora": True}),
-        ("peft.lora_dropout", None, "lora_dropout != 0", {"peft.lora_dropout": 0.1}),
-    )),
+    *(row for task in MODEL_TASKS for row in _kind_rows(task)),
     Needs("config", "checkpoint.preserve_n_best", METRIC,
           "it keeps the best checkpoints by that metric",
           example={"checkpoint.preserve_n_best": 2}),

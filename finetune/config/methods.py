@@ -81,6 +81,11 @@ def is_method_metric(name: str) -> bool:
                for m in _METHODS.values())
 
 
+def method_names() -> list[str]:
+    """The registered methods' names (`training.type` values), in registration order."""
+    return list(_METHODS)
+
+
 def register_method(method: Method) -> Method:
     _METHODS[method.name] = method
     return method
@@ -113,3 +118,4 @@ def method_of(name: str) -> Method:
 
 
 register_method(Method("sft"))
+

@@ -120,3 +120,104 @@ class PipelineConfig(Section):
 
     def microbatches(self, world_size: int) -> int:
         return self.n_microbatches or self.stages(world_size)
+
+
+# -- the pipeline's rows of the compatibility table (finetune/config/compat.py), beside it ---
+
+ZERO_BUBBLE_PIPELINE = compat.When(
+    "a zero-bubble pipeline schedule", lambda c: c.distributed.strategy == "pipeline"
+    and c.distributed.pipeline.zero_bubble)
+
+
+def _pipeline_batches(c) -> str | None:
+    if c.distributed.strategy != "pipeline":
+        return None
+    n = c.distributed.pipeline.microbatches(c.distributed.world_size)
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size"):
+        if getattr(c.training, key) % n:
+            return (f"training.{key} {getattr(c.training, key)} does not divide into "
+                    f"distributed.pipeline n_microbatches {n}")
+    return None
+
+
+def _pipeline_ranks(d) -> str | None:
+    if d.strategy != "pipeline":
+        return None
+    world = d.world_size
+    if world == 1:
+        return ("strategy pipeline splits the model over processes; with nproc_per_node x "
+                "nnodes = 1 there is nothing to split (use single, or set nproc_per_node >= 2)")
+    dp = (d.pipeline.data_parallel_size if d.pipeline else 1)
+    if world % dp or world // dp < 2:
+        return (f"pipeline.data_parallel_size {dp} must divide the world size {world} and "
+                "leave at least 2 ranks per pipeline")
+    return None
+
+
+def _stage_layout(p) -> str | None:
+    per_rank, style = p.resolved_stages_per_rank, p.resolved_stage_type
+    if p.one_stage_per_rank and per_rank != 1:
+        return (f"schedule {p.schedule} runs one stage per rank; stages_per_rank {per_rank} "
+                "needs Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble")
+    if not p.one_stage_per_rank and per_rank < 2:
+        return (f"schedule {p.schedule} runs several stages per rank; set stages_per_rank >= 2 "
+                "(or use GPipe / 1F1B)")
+    if style == "v" and per_rank != 2:
+        return f"pp_stage_type v places exactly 2 stages on each rank (got stages_per_rank {per_rank})"
+    if p.schedule == "ZBVZeroBubble" and style != "v":
+        return "schedule ZBVZeroBubble needs pp_stage_type v"
+    return None
+
+
+compat.add_rows("distributed.pipeline", [
+    compat.Agree("distributed.pipeline", ("schedule", "stages_per_rank", "pp_stage_type"),
+          _stage_layout, example={"distributed.strategy": "pipeline",
+                                  "distributed.nproc_per_node": 2,
+                                  "distributed.pipeline.stages_per_rank": 2}),
+    compat.Agree("config", ("training.per_device_train_batch_size", "distributed.pipeline"),
+          _pipeline_batches, example={"distributed.strategy": "pipeline",
+                                      "distributed.nproc_per_node": 2,
+                                      "training.per_device_train_batch_size": 3}),
+    *(compat.Refuse("config", key, compat.PIPELINE, why, used=used, example={
+        "distributed.strategy": "pipeline", "distributed.nproc_per_node": 2, **extra})
+      for key, used, why, extra in (
+        ("training.dataloader_drop_last", lambda c: not c.training.dataloader_drop_last,
+         "every pipeline step needs whole batches", {"training.dataloader_drop_last": False}),
+        ("training.mixed_precision", lambda c: c.training.mixed_precision == "fp16",
+         "fp16's loss scaling does not run through the pipeline schedules; use bf16",
+         {"training.mixed_precision": "fp16"}),
+        ("training.packing", None, "stages pass fixed-shape activations",
+         {"training.packing": True}),
+        ("training.padding_free", None, "stages pass fixed-shape activations",
+         {"training.padding_free": True}),
+        ("data.collate_fn", None, "the pipeline pads every batch to data.max_seq_length itself",
+         {"data.collate_fn": "m:f"}),
+        ("data.dataset_type", lambda c: c.data.task.classifier,
+         "the stages are a causal LM's decoder layers and head",
+         {"data.dataset_type": "classification", "data.prompt_template": None,
+          "data.completion_template": None, "eval.generation_metrics": []}),
+        ("data.streaming", None, "not supported with pipeline stages yet",
+         {"data.streaming": True}),
+        ("training.compute_loss_func", None, "the last stage computes the loss from the "
+         "hidden states in chunks (training.loss_chunk_tokens); a loss of full logits does "
+         "not run there", {"training.compute_loss_func": "m:f"}),
+        ("training.use_liger_kernel", None, "the last stage computes its own chunked loss; "
+         "Liger's fused loss is not wired into the stages", {"training.use_liger_kernel": True}),
+        ("training.torch_compile_mode",
+         lambda c: c.training.torch_compile and c.training.torch_compile_mode == "max-autotune",
+         "max-autotune captures CUDA graphs, which replay stale gradients across a schedule's "
+         "micro-batches (as under gradient accumulation); use max-autotune-no-cudagraphs",
+         {"training.torch_compile": True, "training.torch_compile_mode": "max-autotune"}),
+        ("training.fused_loss_factory", None, "the last stage computes its own chunked "
+         "loss; a fused loss is not wired into the stages", {"training.fused_loss_factory": "m:f"}),
+    )),
+    compat.Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
+           "zero-bubble schedules split the backward, which compiled stages cannot",
+           example={"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2,
+                    "distributed.pipeline.schedule": "ZBVZeroBubble",
+                    "training.torch_compile": True}),
+])
+compat.add_rows("distributed", [
+    compat.Agree("distributed", ("strategy", "pipeline.data_parallel_size"), _pipeline_ranks,
+          example={"distributed.strategy": "pipeline"}),
+])

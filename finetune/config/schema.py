@@ -20,6 +20,7 @@ from finetune.config.evaluation import EvalConfig
 from finetune.config.export import ExportConfig
 from finetune.config.grpo import GRPOConfig
 from finetune.config.kto import KTOConfig
+from finetune.config.methods import method_of
 from finetune.config.model import ModelConfig, PeftSection
 from finetune.config.optim import OptimizerConfig, SchedulerConfig
 from finetune.config.preference import DPOConfig
@@ -125,3 +126,19 @@ class FinetuneConfig(Section):
 
 reads.register_root(FinetuneConfig)
 fingerprint.register_root(FinetuneConfig)  # which keys count, from the fields' facts
+
+
+# -- the row between the method and the data (finetune/config/compat.py), at the root --------
+
+
+def _pairs_and_trainer(c) -> str | None:
+    """Each source's rows are ones the trainer type trains on (finetune.config.methods: preference
+    pairs train with dpo, and dpo trains on nothing else)."""
+    method = method_of(c.training.type)
+    return next(filter(None, (method.refusal(d.datatype) for _, d in c.data.parts())), None)
+
+
+compat.add_rows("config", [
+    compat.Agree("config", ("training.type", "data.dataset_type"), _pairs_and_trainer,
+                 example={"training.type": "dpo"}),
+])

@@ -48,13 +48,96 @@ class ModelTask:
     encoder_decoder: bool = False
     #: the engine's model kind (engine.kinds.KINDS: a registered name or 'module:Class')
     kind: str = "causal_lm"
+    #: its rows of the config's compatibility table, declared here beside the kind
+    #: (finetune.config.compat makes one row of each, checked where the dataset trains this
+    #: kind): (the key refused, when it counts as set (None: set at all), why, what an example
+    #: params file sets besides `selected_by`)
+    refuses: tuple = field(default=(), compare=False)
+    #: how those rows name the kind ("an encoder-decoder model (...)")
+    described: str = ""
+    #: the keys a params file sets to train this kind, for the rows' examples
+    selected_by: dict = field(default_factory=dict, compare=False)
 
 
 CAUSAL_LM = ModelTask("AutoModelForCausalLM", "CAUSAL_LM", "text-generation", False)
-SEQUENCE_CLASSIFICATION = ModelTask("AutoModelForSequenceClassification", "SEQ_CLS",
-                                    "text-classification", True, kind="sequence_classifier")
-SEQ_2_SEQ_LM = ModelTask("AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", "text2text-generation", False,
-                         encoder_decoder=True, kind="seq2seq_lm")
+
+#: settings a sequence classifier does not combine with (ModelTask.refuses)
+_CLASSIFIER_REFUSES = (
+    ("training.packing", None, "its sequence classifier reads one labelled text a row",
+     {"training.packing": True}),
+    ("training.padding_free", None, "its sequence classifier reads one labelled text a row",
+     {"training.padding_free": True}),
+    ("training.use_liger_kernel", None,
+     "Liger's fused loss is for a vocabulary head; a classifier's head has classes",
+     {"training.use_liger_kernel": True}),
+    ("training.fused_loss_factory", None,
+     "a fused loss is for a vocabulary head; a classifier's head has classes",
+     {"training.fused_loss_factory": "m:f"}),
+    ("eval.generation_metrics", None,
+     "a classifier does not generate; it reports accuracy and macro_f1",
+     {"eval.generation_metrics": ["rouge"]}),
+    ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
+     "lm-eval scores a language model's text; a classifier's head has classes",
+     {"eval.harness.tasks": ["arc_easy"]}),
+    ("training.loss_chunk_tokens",
+     lambda c: c.training.loss_chunk_tokens not in (
+         None, type(c.training).model_fields["loss_chunk_tokens"].default),
+     "it chunks a vocabulary head, which a classifier has none of; remove it",
+     {"training.loss_chunk_tokens": 1024}),
+)
+SEQUENCE_CLASSIFICATION = ModelTask(
+    "AutoModelForSequenceClassification", "SEQ_CLS", "text-classification", True,
+    kind="sequence_classifier", refuses=_CLASSIFIER_REFUSES,
+    described="a classification dataset",
+    selected_by={"data.dataset_type": "classification", "data.prompt_template": None,
+                 "data.completion_template": None, "eval.generation_metrics": []})
+
+#: settings an encoder-decoder model does not combine with (ModelTask.refuses)
+_ENCODER_DECODER_REFUSES = (
+    ("registry.register_model", None,
+     "MLflow logs a transformers pipeline, and transformers 5 has none for an "
+     "encoder-decoder model (text2text-generation was removed); set it to false (the "
+     "export folder is still written)", {"registry.register_model": True}),
+    ("training.packing", None, "its prompts and completions are batched apart, one a row",
+     {"training.packing": True}),
+    ("training.padding_free", None,
+     "its prompts and completions are batched apart, one a row",
+     {"training.padding_free": True}),
+    ("training.use_liger_kernel", None,
+     "Liger's fused loss is wired for decoder-only models", {"training.use_liger_kernel": True}),
+    ("training.fused_loss_factory", None,
+     "a fused loss is probed on a decoder-only forward", {"training.fused_loss_factory": "m:f"}),
+    ("training.compute_loss_func", None,
+     "its loss is the decoder's unshifted cross entropy", {"training.compute_loss_func": "m:f"}),
+    ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
+     "its batches carry the decoder's inputs (engine.kinds.seq2seq_lm.collate_seq2seq)",
+     {"data.collate_fn": "m:f"}),
+    ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+     "the pipeline splits a decoder-only stack", {"distributed.strategy": "pipeline",
+                                                  "distributed.nproc_per_node": 2}),
+    ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
+     "lm-eval's tasks here score decoder-only models", {"eval.harness.tasks": ["arc_easy"]}),
+    ("training.loss_chunk_tokens",
+     lambda c: c.training.loss_chunk_tokens not in (
+         None, type(c.training).model_fields["loss_chunk_tokens"].default),
+     "its loss is the decoder's full cross entropy; remove it",
+     {"training.loss_chunk_tokens": 1024}),
+)
+SEQ_2_SEQ_LM = ModelTask(
+    "AutoModelForSeq2SeqLM", "SEQ_2_SEQ_LM", "text2text-generation", False,
+    encoder_decoder=True, kind="seq2seq_lm", refuses=_ENCODER_DECODER_REFUSES,
+    described="an encoder-decoder model (data.dataset_type seq2seq)",
+    selected_by={"data.dataset_type": "seq2seq", "registry.register_model": False})
+
+#: the model kinds a dataset type can train, whose rows the compatibility table holds
+MODEL_TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, SEQ_2_SEQ_LM)
+
+#: why an encoder-decoder model needs the seq2seq type, for the model loader's refusal
+ENCODER_DECODER_WHY = (
+    "an encoder-decoder (T5-style) model reads the prompt in its encoder and takes the "
+    "completion alone as labels, unshifted; it trains with data.dataset_type seq2seq "
+    "(AutoModelForSeq2SeqLM, peft.task_type SEQ_2_SEQ_LM), and a decoder-only model with the "
+    "other types")
 
 
 #: what a dataset type's rows can give a method to train on (DatasetType.targets)
