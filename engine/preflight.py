@@ -1,9 +1,11 @@
-"""The train stage's one door into the engine: what is checked before torchrun's workers may
-write, and what a run's start is decided by (which checkpoint it continues, with which seed).
+"""The validate and train stages' door into the engine: what is checked before torchrun's
+workers may write, and what a run's start is decided by (which checkpoint it continues, with
+which seed).
 
 tasks/train.py imports this module and no other engine module, so a new "check before launch"
 is added here, next to the engine code it checks, not in the stage; `finetune validate`
-(tasks/checks.py) runs the same user-code and machine checks. Every decision here is the one the
+(tasks/checks.py) runs the same user-code and machine checks, and its checks of the model
+(from config.json alone) and of the resume target, here too. Every decision here is the one the
 worker takes again (engine.state.trainer_state.plan_start, resume_candidate): one rule, asked twice,
 so a refusal comes before any process writes.
 """
@@ -90,6 +92,84 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
         from engine.modeling.quantization import check_low_precision
 
         check_low_precision(cfg, device)
+
+
+def check_model(cfg: FinetuneConfig, root: Path) -> None:
+    """`finetune validate`'s model checks, from config.json alone: the model kind's
+    architecture check, data.max_seq_length within its positions, a tokenizer of its own
+    within its embeddings, and the adapter's target modules (names matched as peft matches
+    them, on a weightless skeleton built on the meta device)."""
+    from engine.kinds import kind_of
+    from engine.modeling.model import load_model_config
+
+    kind = kind_of(cfg)  # a project's kind ('module:Class') that does not load: one line
+    if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
+        return
+    config = load_model_config(cfg.model, root)
+    kind.check_architecture(config, f"model.name_or_path {cfg.model.name_or_path}")
+    check_positions(cfg, config)
+    check_vocabulary(cfg, root, config)
+    if cfg.peft.use_peft:
+        _check_targets(cfg, config)
+
+
+def check_positions(cfg, model_config) -> None:
+    """data.max_seq_length within the model's positions (max_position_embeddings)."""
+    limit = (getattr(model_config, "max_position_embeddings", None)
+             or getattr(model_config, "n_positions", None))
+    if limit and cfg.data.max_seq_length > limit:
+        raise PipelineError(
+            f"data.max_seq_length {cfg.data.max_seq_length} exceeds the model's "
+            f"max_position_embeddings {limit}; set data.max_seq_length <= {limit}")
+
+
+def check_vocabulary(cfg: FinetuneConfig, root: Path, model_config) -> None:
+    """A tokenizer other than the model's (model.tokenizer_name_or_path) with more tokens than
+    the model has embedding rows trained into an IndexError at the first unknown id. The
+    embeddings grow only with model.added_tokens or special_tokens (to the tokenizer's
+    length: engine.modeling.vocabulary), so without them such a tokenizer is refused here."""
+    model = cfg.model
+    rows = getattr(model_config, "vocab_size", None)
+    if not model.tokenizer_name_or_path or not rows or model.added_tokens or model.special_tokens:
+        return
+    from engine.modeling.model import load_tokenizer
+
+    size = len(load_tokenizer(model, root))
+    if size > rows:
+        raise PipelineError(
+            f"model.tokenizer_name_or_path '{model.tokenizer_name_or_path}' has {size} tokens "
+            f"but the model '{model.name_or_path}' has {rows} embedding rows (vocab_size): ids "
+            f"from {rows} on have no embedding; use the model's own tokenizer "
+            "(model.tokenizer_name_or_path: null), or name the new tokens in "
+            "model.added_tokens so the embeddings grow to the tokenizer's size")
+
+
+def _check_targets(cfg: FinetuneConfig, model_config) -> None:
+    from engine.modeling.adapter import check_target_modules, check_target_parameters
+    from engine.modeling.model import model_class
+
+    klass = model_class(cfg.model.auto_class_name)
+    if not hasattr(klass, "from_config"):  # a project's own class: built its own way
+        return
+    if cfg.data.targets == "labels":  # a class head of any size: only module names matter
+        model_config.num_labels = len(cfg.data.labels or ()) or 2
+    with torch.device("meta"):
+        skeleton = klass.from_config(model_config)
+    check_target_modules(skeleton, cfg.peft.target_modules)
+    check_target_parameters(skeleton, cfg.peft.target_parameters)
+
+
+def check_resume_target(cfg: FinetuneConfig, root: Path, checkpoints: Path) -> None:
+    """`finetune validate`'s resume check: a named checkpoint exists whole, and this strategy
+    and world size can continue it with its global batch; with resume_from_checkpoint: true,
+    the newest one in `checkpoints` (meta.json alone, no file hashing)."""
+    from engine.state.trainer_state import resumable_path
+
+    mode = cfg.checkpoint.resume_from_checkpoint
+    if isinstance(mode, str) and mode != "auto":
+        check_global_batch(cfg, *resumable_path(mode, root, cfg.distributed))
+    elif mode is True:
+        check_world_size(cfg, checkpoints)
 
 
 def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:

@@ -69,87 +69,23 @@ def user_code_and_machine(ws: Workspace, device) -> None:
 
 
 def check_model(ws: Workspace) -> None:
-    """The model folder (or hub id, offline) has a config; data.max_seq_length fits its
-    positions; the adapter's target modules exist (names matched as peft matches them, on a
-    weightless skeleton built from config.json on the meta device). The tokenizer is the
-    data stages' to load (a chat type's template check loads it here)."""
-    cfg = ws.config
-    from engine.kinds import kind_of
-    from engine.modeling.model import load_model_config
+    """The model folder (or hub id, offline) has a config of the kind the dataset trains;
+    data.max_seq_length fits its positions; a tokenizer of its own fits its embeddings; the
+    adapter's target modules exist (engine.preflight.check_model: a weightless skeleton on the
+    meta device). The tokenizer is the data stages' to load (a chat type's template check
+    loads it here)."""
+    from engine.preflight import check_model as check
 
-    kind = kind_of(cfg)  # a project's kind ('module:Class') that does not load: one line
-    if cfg.model.model_init:  # a factory builds the model: nothing to read before it runs
-        return
-    config = load_model_config(cfg.model, ws.root)
-    kind.check_architecture(config, f"model.name_or_path {cfg.model.name_or_path}")
-    check_positions(cfg, config)
-    check_vocabulary(ws, config)
-    if cfg.peft.use_peft:
-        _check_targets(ws, config)
-
-
-def check_positions(cfg, model_config) -> None:
-    """data.max_seq_length within the model's positions (max_position_embeddings)."""
-    limit = (getattr(model_config, "max_position_embeddings", None)
-             or getattr(model_config, "n_positions", None))
-    if limit and cfg.data.max_seq_length > limit:
-        raise PipelineError(
-            f"data.max_seq_length {cfg.data.max_seq_length} exceeds the model's "
-            f"max_position_embeddings {limit}; set data.max_seq_length <= {limit}")
-
-
-def check_vocabulary(ws: Workspace, model_config) -> None:
-    """A tokenizer other than the model's (model.tokenizer_name_or_path) with more tokens than
-    the model has embedding rows trained into an IndexError at the first unknown id. The
-    embeddings grow only with model.added_tokens or special_tokens (to the tokenizer's
-    length: engine.modeling.vocabulary), so without them such a tokenizer is refused here."""
-    cfg = ws.config.model
-    rows = getattr(model_config, "vocab_size", None)
-    if not cfg.tokenizer_name_or_path or not rows or cfg.added_tokens or cfg.special_tokens:
-        return
-    from engine.modeling.model import load_tokenizer
-
-    size = len(load_tokenizer(cfg, ws.root))
-    if size > rows:
-        raise PipelineError(
-            f"model.tokenizer_name_or_path '{cfg.tokenizer_name_or_path}' has {size} tokens "
-            f"but the model '{cfg.name_or_path}' has {rows} embedding rows (vocab_size): ids "
-            f"from {rows} on have no embedding; use the model's own tokenizer "
-            "(model.tokenizer_name_or_path: null), or name the new tokens in "
-            "model.added_tokens so the embeddings grow to the tokenizer's size")
-
-
-def _check_targets(ws: Workspace, model_config) -> None:
-    import torch
-
-    from engine.modeling.adapter import check_target_modules, check_target_parameters
-    from engine.modeling.model import model_class
-
-    cfg = ws.config
-    klass = model_class(cfg.model.auto_class_name)
-    if not hasattr(klass, "from_config"):  # a project's own class: built its own way
-        return
-    if cfg.data.targets == "labels":  # a class head of any size: only module names matter
-        model_config.num_labels = len(cfg.data.labels or ()) or 2
-    with torch.device("meta"):
-        skeleton = klass.from_config(model_config)
-    check_target_modules(skeleton, cfg.peft.target_modules)
-    check_target_parameters(skeleton, cfg.peft.target_parameters)
+    check(ws.config, ws.root)
 
 
 def check_resume_target(ws: Workspace) -> None:
     """A named checkpoint exists whole, and this strategy and world size can continue it with
     its global batch; with resume_from_checkpoint: true, the newest one (meta.json alone, no
-    file hashing)."""
-    from engine.state.trainer_state import resumable_path
+    file hashing: engine.preflight.check_resume_target)."""
+    from engine.preflight import check_resume_target as check
 
-    mode = ws.config.checkpoint.resume_from_checkpoint
-    if isinstance(mode, str) and mode != "auto":
-        from engine.preflight import check_global_batch
-
-        check_global_batch(ws.config, *resumable_path(mode, ws.root, ws.config.distributed))
-    elif mode is True:
-        check_world_size(ws)
+    check(ws.config, ws.root, ws.layout.checkpoints)
 
 
 def check_sources(ws: Workspace) -> None:
@@ -183,11 +119,3 @@ def check_sources(ws: Workspace) -> None:
                     f"{label} split '{split}': column '{missing[0]}' that "
                     f"data.dataset_type {data.dataset_type} reads is missing (columns: "
                     f"{', '.join(map(str, first))})")
-
-
-def check_world_size(ws: Workspace) -> None:
-    """Before any process starts: a resume of the newest checkpoint that this strategy and
-    world size cannot continue is refused from its meta.json alone (engine.preflight)."""
-    from engine.preflight import check_world_size as check
-
-    check(ws.config, ws.layout.checkpoints)

@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.modeling.model import load_tokenizer, load_trained
-from engine.process.distributed import choose_device
+from engine.export import choose_device, load_tokenizer, load_trained
 from finetune.config.compat import check_machine
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic

@@ -38,7 +38,7 @@ def format_prompts(ws: Workspace) -> dict[str, Path]:
     with atomic_dir(ws.layout.formatted) as staging:
         ctx.labels = label_map(ws, top)
         if ctx.labels is not None:
-            from engine.modeling.labels import write_labels
+            from engine.prepare import write_labels
 
             out["labels"] = ws.layout.formatted / write_labels(staging, ctx.labels).name
         for name, data in top.parts():
@@ -127,7 +127,7 @@ def data_context(ws: Workspace) -> DataContext:
     """What the types get from a data stage: the root, the tokenizer, loaded on first use
     (with our own truncation: its length limit is not the stage's), and the model kind's
     processor around it."""
-    from engine.modeling.model import load_tokenizer
+    from engine.prepare import load_tokenizer
 
     def tokenizer():
         tok = load_tokenizer(ws.config.model, ws.root)
@@ -135,7 +135,7 @@ def data_context(ws: Workspace) -> DataContext:
         return tok
 
     def processor(tok):
-        from engine.kinds import kind_of
+        from engine.prepare import kind_of
 
         return kind_of(ws.config).processor(tok, ws.config.model, ws.root)
 

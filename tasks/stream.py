@@ -217,7 +217,7 @@ def open_train_stream(cfg: FinetuneConfig, root: Path) -> Callable[[int], Iterat
     """The trainer's example source: `epoch -> iterator of {input_ids, labels}`.
 
     Called by the torchrun worker (named in the job file), once per rank."""
-    from engine.modeling.model import load_tokenizer
+    from engine.prepare import load_tokenizer
 
     def tokenizer():
         tok = load_tokenizer(cfg.model, root)

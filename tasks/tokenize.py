@@ -22,8 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from engine.modeling.labels import read_labels, write_labels
-from engine.modeling.model import max_positions
+from engine.prepare import max_positions, read_labels, write_labels
 from finetune.datatypes import DataContext
 from finetune.datatypes.base import requires_trainable
 from finetune.errors import PipelineError

@@ -12,14 +12,16 @@ from helpers import ROOT
 FLOORS = {"finetune": 0, "engine": 1, "tasks": 2, "flows": 3}
 
 # The engine's rooms, lowest first: a room imports its own modules and lower rooms only. The
-# doors (engine.preflight for the train stage, engine.worker for torchrun, engine.evaluate for
-# the evaluate stage) sit above them all. A model kind owns its collator and loss (above
+# doors (engine.preflight for the validate and train stages, engine.worker for torchrun,
+# engine.prepare for the data stages, engine.evaluate for the evaluate stage, engine.export for
+# the export stage) sit above them all. A model kind owns its collator and loss (above
 # datapath and objective) and is asked by evaluation and everything above it. The rollout
 # (generation and rewards) serves the methods' rooms in recipe/ and the evaluate stage, and
 # needs nothing of the strategies.
 ENGINE_ROOMS = ["process", "reporting", "modeling", "datapath", "objective", "kinds",
                 "evaluation", "rollout", "strategies", "state", "recipe"]
-ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker", "engine.evaluate"}
+ENGINE_DOORS = {"engine", "engine.preflight", "engine.worker", "engine.prepare",
+                "engine.evaluate", "engine.export"}
 
 
 def _module(path: Path) -> str:
@@ -257,10 +259,11 @@ def test_the_evaluate_stage_enters_the_engine_through_one_door():
     assert engine_deps == {"engine.evaluate"}
 
 
-def _engine_reached(stage: str) -> dict[str, list[str]]:
+def _engine_reached(stage: str, graph: dict[str, set[str]] | None = None
+                    ) -> dict[str, list[str]]:
     """The engine modules a stage module reaches, directly or through other tasks modules
     (lazy imports too): module -> the chain of tasks modules that leads to it."""
-    graph, reached, seen = _imports(), {}, {stage}
+    graph, reached, seen = graph or _imports(), {}, {stage}
     todo = [(stage, [stage])]
     while todo:
         module, chain = todo.pop()
@@ -273,23 +276,37 @@ def _engine_reached(stage: str) -> dict[str, list[str]]:
     return reached
 
 
+def _side_entrances(stage: str, graph: dict[str, set[str]] | None = None) -> dict:
+    return {m: c for m, c in _engine_reached(stage, graph).items() if m not in ENGINE_DOORS}
+
+
 def test_the_evaluate_stage_reaches_the_engine_through_doors_only():
     """Transitively too: the tasks modules the evaluate stage uses (model references, MLflow
     tracking, the harness, the gate) reach the engine through its doors, so a change behind
     a door is not a change to what the stage imports. (A content hash is finetune.hashing's,
     the fingerprint's and the tracking's both; a model folder's check is engine.preflight's.)"""
-    reached = _engine_reached("tasks.evaluate")
-    assert "engine.evaluate" in reached
-    assert {m: c for m, c in reached.items() if m not in ENGINE_DOORS} == {}
+    assert "engine.evaluate" in _engine_reached("tasks.evaluate")
+    assert _side_entrances("tasks.evaluate") == {}
+
+
+def test_the_validate_stage_reaches_the_engine_through_doors_only():
+    """`finetune validate` (tasks.checks) asks engine.preflight for the model, resume and
+    machine checks, and runs the other stages' own checks (the data sources through the data
+    stages' modules, each export format's through the exporters): those reach the engine
+    through their stages' doors (engine.prepare, engine.export), transitively."""
+    reached = _engine_reached("tasks.checks")
+    assert {"engine.preflight", "engine.prepare", "engine.export"} <= set(reached)
+    assert _side_entrances("tasks.checks") == {}
 
 
 def test_the_transitive_door_check_sees_a_side_entrance():
-    """The check above finds a room reached only through another tasks module: validate
-    does (tasks.checks -> tasks.exporters -> tasks.exporters.quantized ->
-    engine.modeling.quantization), which is not yet behind a door."""
-    reached = _engine_reached("tasks.checks")
-    assert reached["engine.modeling.quantization"] == [
-        "tasks.checks", "tasks.exporters", "tasks.exporters.quantized"]
+    """The checks above find a room reached only through another tasks module, as validate
+    once reached engine.modeling.quantization through the exporters."""
+    graph = {"tasks.checks": {"tasks.exporters", "engine.preflight"},
+             "tasks.exporters": {"tasks.exporters.quantized"},
+             "tasks.exporters.quantized": {"engine.modeling.quantization", "finetune.errors"}}
+    assert _side_entrances("tasks.checks", graph) == {"engine.modeling.quantization": [
+        "tasks.checks", "tasks.exporters", "tasks.exporters.quantized"]}
 
 
 def test_no_stage_imports_a_method_room():

@@ -262,8 +262,6 @@ QUANTIZED = When("model.load_in_4bit or model.load_in_8bit",
                  lambda c: c.model.load_in_4bit or c.model.load_in_8bit)
 
 
-
-
 def _fp8_gpu(m) -> bool:
     import torch
 
@@ -287,9 +285,6 @@ def _kind_rows(task) -> list[Rule]:
 
 
 # -- messages of the arithmetic rows ---------------------------------------------------------
-
-
-
 
 
 def _global_batch(c) -> str | None:
@@ -341,20 +336,12 @@ def _local_start(d) -> str | None:
     return None
 
 
-
-
-
-
-
-
 def _model_task(c) -> str | None:
     """A model class or peft task set by hand must be the model task's (it derives them): the
     trainer type's when it names one (finetune.config.methods), else the dataset type's."""
     from finetune.config.methods import method_of
-    from finetune.datatypes.base import CAUSAL_LM, SEQ_2_SEQ_LM, SEQUENCE_CLASSIFICATION
-
     task = c.model_task
-    tasks = {CAUSAL_LM, SEQUENCE_CLASSIFICATION, SEQ_2_SEQ_LM, task}
+    tasks = {*MODEL_TASKS, task}
     decided_by = (f"training.type {c.training.type}" if method_of(c.training.type).task
                   else f"data.dataset_type {c.data.dataset_type}")
     for section, key, wanted, known in (
@@ -841,10 +828,6 @@ RULES: list[Rule] = [
         ("model.added_tokens", lambda c: bool(c.model.added_tokens or c.model.special_tokens),
          "new embedding rows are the mean of the stored ones",
          {"model.added_tokens": ["<extra>"]}),
-        ("data.dataset_type", lambda c: c.data.task.classifier,
-         "a new classification head is initialised, not read",
-         {"data.dataset_type": "classification", "data.prompt_template": None,
-          "data.completion_template": None, "eval.generation_metrics": []}),
         ("training.qat_recipe", None, "QAT swaps the layers being built",
          {"training.qat_recipe": "int8-dynamic-act-int4-weight"}),
         ("distributed.diloco.fsdp_group_size",

@@ -192,10 +192,6 @@ compat.add_rows("distributed.pipeline", [
          {"training.padding_free": True}),
         ("data.collate_fn", None, "the pipeline pads every batch to data.max_seq_length itself",
          {"data.collate_fn": "m:f"}),
-        ("data.dataset_type", lambda c: c.data.task.classifier,
-         "the stages are a causal LM's decoder layers and head",
-         {"data.dataset_type": "classification", "data.prompt_template": None,
-          "data.completion_template": None, "eval.generation_metrics": []}),
         ("data.streaming", None, "not supported with pipeline stages yet",
          {"data.streaming": True}),
         ("training.compute_loss_func", None, "the last stage computes the loss from the "

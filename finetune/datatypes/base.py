@@ -84,6 +84,12 @@ _CLASSIFIER_REFUSES = (
          None, type(c.training).model_fields["loss_chunk_tokens"].default),
      "it chunks a vocabulary head, which a classifier has none of; remove it",
      {"training.loss_chunk_tokens": 1024}),
+    ("training.construct_model_on", lambda c: c.training.construct_model_on == "meta",
+     "a new classification head is initialised, not read; use construct_model_on: default "
+     "or device", {"training.construct_model_on": "meta"}),
+    ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+     "the pipeline's stages are a causal LM's decoder layers and head",
+     {"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2}),
 )
 SEQUENCE_CLASSIFICATION = ModelTask(
     "AutoModelForSequenceClassification", "SEQ_CLS", "text-classification", True,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.modeling.model import resolve_model_ref
+from engine.export import resolve_model_ref
 from finetune.config import FinetuneConfig
 from finetune.config.export import EXPORT_FORMATS
 from tasks.exporters import resolve

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.modeling.labels import read_labels, write_labels
+from engine.export import read_labels, write_labels
 from tasks.exporters.base import Exporter
 from tasks.exporters.context import ExportContext
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.modeling.quantization import check_convertible, quantized_copy, save_quantized
+from engine.export import check_convertible, quantized_copy, save_quantized
 from tasks.exporters.base import Exporter
 from tasks.exporters.context import ExportContext
 

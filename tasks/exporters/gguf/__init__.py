@@ -105,7 +105,7 @@ def check_before_training(ws) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.modeling.model import load_model_config
+    from engine.export import load_model_config
 
     config = load_model_config(cfg.model, ws.root)
     with torch.device("meta"):

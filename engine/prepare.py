@@ -1,0 +1,17 @@
+"""The data stages' door into the engine (format, tokenize, the train stage's stream): the
+tokenizer and the model kind's processor around it, the model's positions, and the class-name
+file a classifier's rows are numbered by.
+
+tasks/ modules that prepare rows import this module and no other engine module
+(tests/test_layering.py), so where the engine keeps these (engine.modeling, engine.kinds,
+engine.datapath) can change without an edit to a stage, and `finetune validate`, which runs the
+data stages' checks, reaches the engine through doors only.
+"""
+
+from __future__ import annotations
+
+from engine.kinds import kind_of
+from engine.modeling.labels import read_labels, write_labels
+from engine.modeling.model import load_tokenizer, max_positions
+
+__all__ = ["kind_of", "load_tokenizer", "max_positions", "read_labels", "write_labels"]
