@@ -54,40 +54,16 @@ def _project_files() -> list[str]:
     return [f for f in out if f and not f.startswith(skip) and (ROOT / f).is_file()]
 
 
-def copy_project(dest: Path, overrides: dict | None = None, *,
-                 tracking_store: bool = True) -> Path:
-    """Tracked project files -> `dest`, as a fresh git repo with the params shrunk, and (unless
-    `tracking_store` is False: a test of what happens before there is one) an empty MLflow
-    store of its own (`mlflow.db`, gitignored) copied from `empty_tracking_store()`."""
+def copy_project(dest: Path, overrides: dict | None = None) -> Path:
+    """Tracked project files -> `dest`, as a fresh git repo with the params shrunk."""
     for rel in _project_files():
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, target)
     write_params(dest, {**TINY, **(overrides or {})})
-    if tracking_store:
-        shutil.copy2(empty_tracking_store(), dest / "mlflow.db")
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "init"]):
         subprocess.run(cmd, cwd=dest, check=True, capture_output=True)
     return dest
-
-
-def empty_tracking_store() -> Path:
-    """An MLflow SQLite store as MLflow creates it on first use (every migration applied,
-    nothing logged), made by MLflow once per machine and MLflow version and copied into each
-    test project: a new store costs its first process about 2 s of CPU (tables created and
-    alembic's ~60 migrations walked), which ~100 test projects would otherwise each pay. Made
-    in a temporary file and renamed, so test processes side by side never see half of one."""
-    import mlflow
-    from mlflow import MlflowClient
-
-    cache = Path(os.environ.get("FINETUNE_CACHE_DIR") or Path.home() / ".cache/finetune")
-    store = cache / f"mlflow-{mlflow.__version__}-empty.db"
-    if not store.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = cache / f".{store.name}.{os.getpid()}"
-        MlflowClient(f"sqlite:///{partial}").search_experiments()
-        os.replace(partial, store)
-    return store
 
 
 def write_params(project: Path, overrides: dict, name: str = "params/default.yaml") -> Path:

@@ -199,7 +199,6 @@ def test_validate_refuses_a_directory_that_is_not_a_reward_model(prompts, tmp_pa
         "['LlamaForCausalLM']"), proc.stderr
 
     # a registered model where no registry is yet: one line, and no database made by asking
-    (project / "mlflow.db").unlink()  # the empty store copy_project gives every test project
     from finetune.errors import PipelineError
     from finetune.workspace import Workspace
     from tasks.checks import check_model_refs
