@@ -16,9 +16,10 @@ Where a call runs: `sandbox="none"` (the default) in this process, on a helper t
 timeout returns at once (a hung call's thread is left to finish on its own, as a daemon: Python
 cannot stop a thread); `sandbox="subprocess"`: in a child forked for the call, with a CPU-time
 limit (RLIMIT_CPU) and a memory one (RLIMIT_AS: `memory_mb` beyond what the fork starts with),
-killed at the timeout: for tools that run model-written code. A coroutine function is awaited. The schema the chat template renders is
-transformers' `get_json_schema` of the function (its type hints and Google-style docstring), as
-TRL builds it; a function it cannot describe is refused in one line naming the params key.
+killed at the timeout: for tools that run model-written code. A coroutine function is awaited.
+The schema the chat template renders is transformers' `get_json_schema` of the function (its
+type hints and Google-style docstring), as TRL builds it; a function it cannot describe is
+refused in one line naming the params key.
 """
 
 from __future__ import annotations

@@ -118,4 +118,3 @@ def method_of(name: str) -> Method:
 
 
 register_method(Method("sft"))
-

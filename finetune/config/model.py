@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import AliasChoices, field_validator, model_validator
 
 from finetune.config import compat
+from finetune.config.compat import META, PIPELINE, QUANTIZED, Needs, Refuse, When, add_rows
 from finetune.config.section import Field, Section
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -222,10 +223,10 @@ class PeftSection(Section):
 
 # -- peft's rows of the compatibility table (finetune/config/compat.py), beside its section --
 
-IA3 = compat.When("peft.peft_type IA3", lambda c: c.peft.use_peft and c.peft.peft_type == "IA3")
+IA3 = When("peft.peft_type IA3", lambda c: c.peft.use_peft and c.peft.peft_type == "IA3")
 IA3_EXAMPLE = {"peft.peft_type": "IA3", "peft.target_modules": ["k_proj", "down_proj"],
                "peft.feedforward_modules": ["down_proj"]}
-PARAMETER_TARGETS = compat.When("peft.target_parameters", lambda c: bool(c.peft.target_parameters))
+PARAMETER_TARGETS = When("peft.target_parameters", lambda c: bool(c.peft.target_parameters))
 
 
 def _init_kind(c) -> str | None:
@@ -236,8 +237,8 @@ def _init_kind(c) -> str | None:
     return "pissa" if init.startswith("pissa") else init
 
 
-compat.add_rows("peft", [
-    *(compat.Refuse("config", f"peft.{key}", IA3,
+add_rows("peft", [
+    *(Refuse("config", f"peft.{key}", IA3,
              "it is a LoRA option; peft's IA3Config has none; use peft.peft_type LORA",
              used=used, example={**IA3_EXAMPLE, f"peft.{key}": value})
       for key, used, value in (
@@ -247,32 +248,32 @@ compat.add_rows("peft", [
         ("rank_pattern", None, {"q_proj": 2}),
         ("alpha_pattern", None, {"q_proj": 2.0}),
         ("target_parameters", None, ["mlp.experts.down_proj"]))),
-    compat.Refuse("config", "peft.layers_to_transform",
-           compat.When("peft.target_modules a string ('all-linear' or a regex)",
+    Refuse("config", "peft.layers_to_transform",
+           When("peft.target_modules a string ('all-linear' or a regex)",
                 lambda c: isinstance(c.peft.target_modules, str)),
            "peft picks layers among named modules only; list them (e.g. [q_proj, v_proj])",
            used=lambda c: c.peft.layers_to_transform is not None,
            example={"peft.layers_to_transform": [0]}),
-    compat.Needs("config", "peft.layers_pattern",
-          compat.When("peft.layers_to_transform", lambda c: c.peft.layers_to_transform is not None),
+    Needs("config", "peft.layers_pattern",
+          When("peft.layers_to_transform", lambda c: c.peft.layers_to_transform is not None),
           "it names the layer list that layers_to_transform indexes",
           example={"peft.layers_pattern": "layers", "peft.target_modules": ["q_proj"]}),
-    *(compat.Refuse("config", "peft.init_lora_weights", where, why,
+    *(Refuse("config", "peft.init_lora_weights", where, why,
              used=lambda c, kinds=kinds: _init_kind(c) in kinds,
              example={"peft.init_lora_weights": value, **extra})
       for kinds, value, where, why, extra in (
-        (("pissa",), "pissa", compat.QUANTIZED,
+        (("pissa",), "pissa", QUANTIZED,
          "peft converts PiSSA to an adapter of the original base exactly only over float "
          "weights (Quant(W_res) + AB != Quant(W) + dW); load the base unquantized",
          {"model.load_in_4bit": True}),
-        (("olora",), "olora", compat.QUANTIZED,
+        (("olora",), "olora", QUANTIZED,
          "peft's OLoRA decomposes float weights only; load the base unquantized",
          {"model.load_in_4bit": True}),
-        (("pissa", "olora"), "pissa", compat.META,
+        (("pissa", "olora"), "pissa", META,
          "it rewrites the base weights when the adapter is made, and on meta they are read "
          "after it; use construct_model_on: default or device", {
              "training.construct_model_on": "meta"}),
-        (("pissa", "olora"), "olora", compat.PIPELINE,
+        (("pissa", "olora"), "olora", PIPELINE,
          "the pipeline writes each stage's adapter weights itself, past peft's conversion "
          "of the adapter to the original base", {"distributed.strategy": "pipeline",
                                                  "distributed.nproc_per_node": 2}),
@@ -280,26 +281,26 @@ compat.add_rows("peft", [
             "peft converts the adapter to one of the original base (path_initial_model_for_"
             f"weight_conversion) from lora_A and lora_B alone: {lost} would be lost", extra))
           for where, lost, extra in (
-            (compat.When("peft.use_dora", lambda c: c.peft.use_dora), "DoRA's magnitudes",
+            (When("peft.use_dora", lambda c: c.peft.use_dora), "DoRA's magnitudes",
              {"peft.use_dora": True}),
-            (compat.When("peft.bias all or lora_only", lambda c: c.peft.bias != "none"),
+            (When("peft.bias all or lora_only", lambda c: c.peft.bias != "none"),
              "the trained biases", {"peft.bias": "lora_only"}),
-            (compat.When("peft.modules_to_save or a classification dataset",
+            (When("peft.modules_to_save or a classification dataset",
                   lambda c: bool(c.peft.modules_to_save) or c.data.task.classifier),
              "the modules trained in full", {"peft.modules_to_save": ["lm_head"]}))),
         (("pissa", "olora"), "pissa", PARAMETER_TARGETS,
          "a parameter target (peft's ParamWrapper) has no weight matrix to decompose",
          {"peft.target_parameters": ["model.layers.0.mlp.down_proj.weight"]}),
     )),
-    compat.Refuse("config", "peft.use_rslora",
-           compat.When("peft.rank_pattern or peft.alpha_pattern with init_lora_weights pissa or olora",
+    Refuse("config", "peft.use_rslora",
+           When("peft.rank_pattern or peft.alpha_pattern with init_lora_weights pissa or olora",
                 lambda c: bool(c.peft.rank_pattern or c.peft.alpha_pattern)
                 and _init_kind(c) in ("pissa", "olora")),
            "peft cannot convert that adapter to one of the original base "
            "(save_pretrained's path_initial_model_for_weight_conversion)",
            example={"peft.use_rslora": True, "peft.init_lora_weights": "pissa",
                     "peft.rank_pattern": {"q_proj": 4}}),
-    *(compat.Refuse("config", key, PARAMETER_TARGETS,
+    *(Refuse("config", key, PARAMETER_TARGETS,
              f"peft's ParamWrapper (LoRA on a parameter) does not work with {said}",
              used=used, example={"peft.target_parameters": ["model.layers.0.mlp.down_proj.weight"],
                                  **extra})

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import model_validator
 
 from finetune.config import compat
+from finetune.config.compat import PIPELINE, Agree, Refuse, When, add_rows
 from finetune.config.section import Field, Section
 
 #: schedules with one stage per rank; the others run several (PipelineScheduleMulti)
@@ -124,7 +125,7 @@ class PipelineConfig(Section):
 
 # -- the pipeline's rows of the compatibility table (finetune/config/compat.py), beside it ---
 
-ZERO_BUBBLE_PIPELINE = compat.When(
+ZERO_BUBBLE_PIPELINE = When(
     "a zero-bubble pipeline schedule", lambda c: c.distributed.strategy == "pipeline"
     and c.distributed.pipeline.zero_bubble)
 
@@ -169,16 +170,16 @@ def _stage_layout(p) -> str | None:
     return None
 
 
-compat.add_rows("distributed.pipeline", [
-    compat.Agree("distributed.pipeline", ("schedule", "stages_per_rank", "pp_stage_type"),
+add_rows("distributed.pipeline", [
+    Agree("distributed.pipeline", ("schedule", "stages_per_rank", "pp_stage_type"),
           _stage_layout, example={"distributed.strategy": "pipeline",
                                   "distributed.nproc_per_node": 2,
                                   "distributed.pipeline.stages_per_rank": 2}),
-    compat.Agree("config", ("training.per_device_train_batch_size", "distributed.pipeline"),
+    Agree("config", ("training.per_device_train_batch_size", "distributed.pipeline"),
           _pipeline_batches, example={"distributed.strategy": "pipeline",
                                       "distributed.nproc_per_node": 2,
                                       "training.per_device_train_batch_size": 3}),
-    *(compat.Refuse("config", key, compat.PIPELINE, why, used=used, example={
+    *(Refuse("config", key, PIPELINE, why, used=used, example={
         "distributed.strategy": "pipeline", "distributed.nproc_per_node": 2, **extra})
       for key, used, why, extra in (
         ("training.dataloader_drop_last", lambda c: not c.training.dataloader_drop_last,
@@ -207,13 +208,13 @@ compat.add_rows("distributed.pipeline", [
         ("training.fused_loss_factory", None, "the last stage computes its own chunked "
          "loss; a fused loss is not wired into the stages", {"training.fused_loss_factory": "m:f"}),
     )),
-    compat.Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
+    Refuse("config", "training.torch_compile", ZERO_BUBBLE_PIPELINE,
            "zero-bubble schedules split the backward, which compiled stages cannot",
            example={"distributed.strategy": "pipeline", "distributed.nproc_per_node": 2,
                     "distributed.pipeline.schedule": "ZBVZeroBubble",
                     "training.torch_compile": True}),
 ])
-compat.add_rows("distributed", [
-    compat.Agree("distributed", ("strategy", "pipeline.data_parallel_size"), _pipeline_ranks,
+add_rows("distributed", [
+    Agree("distributed", ("strategy", "pipeline.data_parallel_size"), _pipeline_ranks,
           example={"distributed.strategy": "pipeline"}),
 ])
