@@ -34,6 +34,7 @@ import argparse
 import csv
 import json
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -48,9 +49,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 SHAPE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
          "num_attention_heads": 16, "num_key_value_heads": 16,
          "max_position_embeddings": 2048, "tie_word_embeddings": False}
+#: the 1B-class rows' model: Llama 3.2 1B's shape (16 layers x 2048 hidden, 32 query and 8
+#: key/value heads, tied embeddings) with the tokenizer's vocabulary (~1.08B with GPT-2's)
+SHAPE_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8,
+            "max_position_embeddings": 4096, "tie_word_embeddings": True}
+SHAPES = {"0.41B": SHAPE, "1B": SHAPE_1B}
 #: --smoke's model: the same code paths in seconds on a CPU
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                "num_attention_heads": 4, "num_key_value_heads": 4}
+SMOKE_SHAPES = {"0.41B": SMOKE_SHAPE, "1B": {**SMOKE_SHAPE, "num_key_value_heads": 2}}
 #: steps before the first window (allocator warm-up, kernel planning, compilation and the
 #: recompile that makes the bucketed dimensions dynamic, seen at steps 6-11 on an H100)
 WARMUP = 10
@@ -86,6 +94,17 @@ def our_rows() -> dict[str, dict]:
         "kind": "ours", "long": "packed", "overrides": {
             **LAYOUT["packing"], **COMPILE, **whole,
             "training.per_device_train_batch_size": 128}}
+    # the 1B-class rows (SHAPE_1B): Alpaca packed into 2048-token rows, full fine-tuning and
+    # LoRA (r 16 on every linear layer), bf16 autocast, regional compile
+    lora = {"peft.use_peft": True, "peft.r": 16, "peft.lora_alpha": 32,
+            "peft.target_modules": "all-linear"}
+    for tuned, extra in (("full", {}), ("LoRA", lora)):
+        rows[f"ours 1B {LONG}-token rows, packed Alpaca + compile, {tuned}"] = {
+            "kind": "ours", "long": "packed", "shape": "1B", "overrides": {
+                **LAYOUT["packing"], **COMPILE, **extra,
+                "training.per_device_train_batch_size": 128},
+            # LoRA computes no weight gradients of the base: 4 x params FLOPs a token, not 6
+            "flops_per_param": 4 if extra else 6}
     rows["ours padding_free + compile (CUDA graphs)"] = {"kind": "ours", "overrides": {
         **LAYOUT["padding_free"], **COMPILE, "training.torch_compile_mode": "reduce-overhead"}}
     for liger in (False, True):
@@ -254,7 +273,8 @@ def table(record: dict) -> str:
         if "DPO" in name:
             continue
         if not per or "tokens_per_s" not in per[0]:
-            lines.append(f"| {name} | failed | | | | | | | {r.get('error', '')[-200:]!r} |")
+            said = "skipped" if r.get("error", "").startswith("skipped") else "failed"
+            lines.append(f"| {name} | {said} | | | | | | | {r.get('error', '')[-200:]!r} |")
             continue
         ratios, dloss = [], []
         for s in per:
@@ -318,7 +338,7 @@ def boundaries(window: int, warmup: int = WARMUP) -> list[int]:
 def our_overrides(spec: dict, args, model: Path, steps: int) -> dict:
     """Our engine's settings for a row: the bench's common ones, then the row's own."""
     return {
-        "model.name_or_path": str(model), "peft.use_peft": False,
+        "model.name_or_path": str(model / spec.get("shape", "0.41B")), "peft.use_peft": False,
         "training.mixed_precision": "bf16", "training.max_steps": steps,
         "training.per_device_train_batch_size": args.batch, "training.max_grad_norm": 1.0,
         "optimizer.learning_rate": 1e-3, "optimizer.weight_decay": 0.0,
@@ -359,6 +379,24 @@ def traced(traces: Path, log: str) -> dict:
     return {"ops_table": ops[0].read_text(), "trace": str(sorted(traces.glob("trace-*"))[0])}
 
 
+def summarise_traces(traces: dict[str, Path], out: Path) -> None:
+    """--profile: the traced rows side by side (bench/trace_summary.py) in
+    out/profile-summary.md (and .json), and each trace gzipped beside it."""
+    import gzip
+
+    from trace_summary import load, summarise, table
+
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = {name: summarise(load(path)) for name, path in traces.items()}
+    (out / "profile-summary.md").write_text(table(summaries) + "\n")
+    (out / "profile-summary.json").write_text(json.dumps(summaries, indent=1))
+    for name, path in traces.items():
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-")
+        with open(path, "rb") as src, gzip.open(out / f"trace-{slug[:60]}.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    print(f"profile summary: {out / 'profile-summary.md'}", flush=True)
+
+
 def run_ours(name: str, spec: dict, args, model: Path, train: Path, work: Path) -> dict:
     from engine_smoke import launch
 
@@ -396,7 +434,7 @@ def run_hf(name: str, spec: dict, args, model: Path, train: Path, work: Path) ->
     steps = WARMUP + 1 + PROFILED if args.profile else WARMUP + 3 * args.window
     timer = work / "marks.jsonl"
     traces = work / "profile"
-    job = {"train": str(train), "model": str(model), "threads": 8, "seed": 42,
+    job = {"train": str(train), "model": str(model / spec.get("shape", "0.41B")), "threads": 8, "seed": 42,
            "precision": "bf16", "batch": args.batch, "steps": steps, "learning_rate": 1e-3,
            "weight_decay": 0.0, "warmup_steps": 2, "output_dir": str(work / "out"),
            "device": args.device, "order": our_order(len(datasets.load_from_disk(str(train))),
@@ -473,9 +511,12 @@ def main() -> None:
     device = "cpu smoke" if args.smoke else torch.cuda.get_device_name()
     peak = 1.0 if args.smoke else matmul_ceiling()
     args.work.mkdir(parents=True, exist_ok=True)
-    model = args.work / "model"
-    n_params = build_model(args.data / "tokenizer", model,
-                           {**SHAPE, **SMOKE_SHAPE} if args.smoke else SHAPE)
+    model = args.work / "model"  # one folder per shape the chosen rows train
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    params = {shape: build_model(args.data / "tokenizer", model / shape,
+                                 {**SHAPE, **shapes[shape]} if args.smoke else shapes[shape])
+              for shape in dict.fromkeys(ROWS[r].get("shape", "0.41B") for r in chosen)}
+    n_params = params.get("0.41B") or next(iter(params.values()))
     if not args.smoke:
         torch.cuda.empty_cache()
     alpaca = args.data / "alpaca-train"
@@ -483,6 +524,7 @@ def main() -> None:
     long = long_rows(alpaca, args.work / "long-rows", 8 * steps)
     grouped = grouped_split(alpaca, args.work / "alpaca-grouped", args.batch, steps)
     results: dict[str, dict] = {}
+    traced_rows: dict[str, Path] = {}
     for name in chosen:
         spec = ROWS[name]
         if time.perf_counter() - started > args.budget:
@@ -497,10 +539,14 @@ def main() -> None:
         r = results[name] = runner(name, spec, args, model, train, work)
         if "ops_table" in r:
             print(f"{name}: trace {r['trace']}\n{r['ops_table']}", flush=True)
+            traced_rows[name] = Path(r["trace"])
+            summarise_traces(traced_rows, args.out)  # after every row: a cut call keeps it
             continue
         if "windows" in r:
             r["tokens_per_s"] = statistics.median(r["windows"])
-            r["mfu"] = 6 * n_params * r["tokens_per_s"] / (peak * 1e12)
+            r["params"] = params[spec.get("shape", "0.41B")]
+            r["mfu"] = (spec.get("flops_per_param", 6) * r["params"] * r["tokens_per_s"]
+                        / (peak * 1e12))
         r["wall_s"] = round(time.perf_counter() - t0, 1)
         shown = (f"{r['tokens_per_s']:,.0f} useful tok/s (windows "
                  f"{', '.join(f'{w:,.0f}' for w in r['windows'])}), final loss "

@@ -98,7 +98,7 @@ def test_gpu_record_merges_starts_into_ranges_and_folds_dpo_rows():
                                      "TRL DPOTrainer": {**row(40.0, 0.6), "pairs_per_s": 4.0}}, 2)
     table = gpu.table(second)
     assert "| ours padding_free | 150 to 260 | 1.30x to 1.50x |" in table
-    assert "| +0.00% to +1.00% |" in table and "| TRL SFTTrainer padding_free | failed |" in table
+    assert "| +0.00% to +1.00% |" in table and "| TRL SFTTrainer padding_free | skipped |" in table
     assert "| ours DPO | 5.0 | 50 | 1.25x |" in table
     try:
         gpu.merge_starts({"device": "Y", "starts": 1, "results": {}}, second)
@@ -106,6 +106,38 @@ def test_gpu_record_merges_starts_into_ranges_and_folds_dpo_rows():
         assert "is not this device" in str(exc)
     else:
         raise AssertionError("a record of another device was merged")
+
+
+def test_trace_summary_counts_each_step_once_and_splits_host_from_gpu_time():
+    """bench/trace_summary.py on a two-step synthetic trace: the profiler's GPU twin of each
+    step mark is not a third step, overlapping kernels are busy once, a kernel launched under
+    Optimizer.step is the optimizer's whatever its name, and a gap over 5 us is idle time."""
+    summary = _bench_module("trace_summary")
+
+    def x(cat, name, ts, dur, corr=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {} if corr is None else {"correlation": corr}}
+
+    events = [x("user_annotation", "ProfilerStep#1", 0, 100),
+              x("user_annotation", "ProfilerStep#2", 100, 100),
+              x("gpu_user_annotation", "ProfilerStep#1", 5, 90),
+              x("user_annotation", "Optimizer.step#AdamW.step", 150, 20),
+              x("cuda_runtime", "cudaLaunchKernel", 1, 1, 1),
+              x("cuda_runtime", "cudaLaunchKernel", 2, 1, 2),
+              x("cuda_runtime", "cudaLaunchKernel", 160, 1, 3),
+              x("cuda_runtime", "cudaStreamSynchronize", 180, 8),
+              x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", 181, 1),
+              x("kernel", "sm90_xmma_gemm_bf16", 10, 20, 1),
+              x("kernel", "pytorch_flash::flash_fwd_kernel", 25, 10, 2),
+              x("kernel", "triton_poi_fused_add", 170, 10, 3)]
+    s = summary.summarise(events)
+    assert s["steps"] == 2 and s["host_wall_ms"] == 0.1  # 200 us over two steps
+    assert s["gpu_busy_ms"] == 0.0175  # 10-35 and 170-180: 35 us over two steps
+    assert s["kernels"] == 1.5 and s["launch_calls"] == 1.5 and s["host_syncs"] == 0.5
+    assert s["dtoh_copies"] == 0.5 and s["gaps_over_5us"] == 0.5 and s["gap_ms"] == 0.0675
+    assert s["family_ms"] == {"GEMM": 0.01, "attention": 0.005, "optimizer": 0.005}
+    table = summary.table({"a": s})
+    assert "| GPU busy / host wall | 18% |" in table and "| kernel time: GEMM (ms) | 0.01 |" in table
 
 
 def test_fused_lora_bench_times_both_variants_and_refuses_a_missing_gpu():
