@@ -14,5 +14,7 @@ name (`key="grpo.reward_funcs"`).
   `scoring`: their scores for a batch of completions, `reward_model`: a trained reward model
   as one of them;
 - `environment`: what a multi-turn rollout will drive (TRL's `environment_factory` contract):
-  the protocol and an environment's tools; the loop is not written yet.
+  the protocol and an environment's tools; `tools`: running a call as TRL does (timeout,
+  sandbox, counts); `multi_turn`: the loop (`ToolLoop`, a `Generator` over another that runs
+  the calls between turns), not yet reached from a config key.
 """

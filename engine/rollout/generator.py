@@ -29,6 +29,10 @@ class Completions:
     mask: torch.Tensor     # [N, T] long: 1 up to and including the first EOS, 0 after
     lengths: torch.Tensor  # [N] long: mask.sum(1), the EOS counted
     clipped: torch.Tensor  # [N] bool: no EOS within max_completion_length (TRL's clipped_ratio)
+    #: [N, T] long, or None (every masked token): 1 on the tokens the model generated, 0 on
+    #: those it did not write (a multi-turn episode's tool results: engine.rollout.multi_turn),
+    #: which the loss must not train on; TRL's tool_mask
+    trained: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -223,7 +223,7 @@ class GRPORun(TrainingRun):
         repeat = g.num_generations
         prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
-        mask = done.mask
+        mask = done.mask if done.trained is None else done.mask * done.trained
         if g.mask_truncated_completions:
             mask = mask * (~done.clipped).unsqueeze(1).to(mask.dtype)
         return {"input_ids": torch.cat([prompt_ids, done.ids], dim=1),
