@@ -152,3 +152,26 @@ def test_the_docs_table_names_every_json_key_the_module_maps():
     text = (ROOT / "docs/distributed.md").read_text()
     missing = [k for k in deepspeed._TOP if f"`{k}" not in text]
     assert missing == []
+
+
+def test_false_turns_it_off_and_a_value_that_is_no_file_or_mapping_is_one_line(
+        tmp_path, capsys, monkeypatch):
+    """The seeds document `deepspeed_config: false` as off: validate accepts it (as null), and
+    true or 0 are one line naming the key, exit 2, not an internal error."""
+    cfg = validate_raw({"data": DATA, "training": {"deepspeed_config": False}})
+    assert cfg.training.deepspeed_config is None
+    project = copy_project(tmp_path / "p")
+    monkeypatch.chdir(project)
+    params = project / "params/default.yaml"
+    raw = yaml.safe_load(params.read_text())
+    for value, shown in ((False, None), (True, "true"), (0, "0")):
+        raw["training"]["deepspeed_config"] = value
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+        code = main(["validate"])
+        err = capsys.readouterr().err.strip().splitlines()
+        if shown is None:
+            assert code == 0, err
+            continue
+        assert code == 2 and err == [
+            f"error: params/default.yaml: training.deepspeed_config: {shown} is neither a "
+            "DeepSpeed JSON file's path nor its mapping; false or null turns it off"], err

@@ -94,6 +94,13 @@ def apply(raw: dict, root: Path | None = None) -> dict:
     source = training.get("deepspeed_config") if isinstance(training, dict) else None
     if source is None:
         return raw
+    if source is False:  # the seeds' documented "off", as HF's deepspeed=None
+        merged = copy.deepcopy(raw)
+        merged["training"]["deepspeed_config"] = None
+        return merged
+    if not isinstance(source, (str, dict)):
+        raise ValueError(f"{KEY}: {json.dumps(source)} is neither a DeepSpeed JSON file's path "
+                         "nor its mapping; false or null turns it off")
     ds, where = load(source, root)
     merged = copy.deepcopy(raw)
     clashes = []
