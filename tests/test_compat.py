@@ -128,3 +128,14 @@ def test_a_section_declares_its_own_rows_beside_it():
     with pytest.raises(ValueError, match="another section's scope"):
         compat.add_rows("dpo", [stray])
     assert stray not in compat.RULES
+
+
+def test_the_gate_is_checked_only_when_the_run_registers():
+    """A GRPO run that registers nothing is not refused for the gate metric it would use
+    (eval.loss by default, which GRPO does not report); a registering one still is."""
+    grpo = {"training.type": "grpo", "data.dataset_type": "prompt"}
+    _validate({**grpo, "registry.register_model": False})
+    _validate({**grpo, "registry.register_model": False,
+               "registry.guard_metrics": [{"metric": "eval.loss", "max_drop": 0.1}]})
+    with pytest.raises(PipelineError, match="registry.gate_metric"):
+        _validate(grpo)

@@ -355,6 +355,9 @@ def _model_task(c) -> str | None:
 
 
 def _gate_reported(c) -> str | None:
+    """The gate decides a registration: a run that registers nothing has no gate to check."""
+    if not c.registry.register_model:
+        return None
     return _reported(c, c.registry.gate_metric, "registry.gate_metric")
 
 
@@ -414,6 +417,8 @@ def _guards(c) -> str | None:
     """Each registry.guard_metrics entry: one allowance, a stderr for stderr units, and a
     harness metric only with harness tasks; min_improvement_stderr needs a stderr too."""
     r = c.registry
+    if not r.register_model:  # they decide a registration, and there is none
+        return None
     if r.min_improvement_stderr and not has_stderr(c, r.gate_metric):
         return (f"registry.min_improvement_stderr: {r.gate_metric} reports no standard error "
                 f"({_why_no_stderr(c)}); use registry.min_improvement")
