@@ -14,4 +14,14 @@ from engine.kinds import kind_of
 from engine.modeling.labels import read_labels, write_labels
 from engine.modeling.model import load_tokenizer, max_positions
 
-__all__ = ["kind_of", "load_tokenizer", "max_positions", "read_labels", "write_labels"]
+__all__ = ["kind_of", "load_tokenizer", "max_positions", "read_labels", "tool_schemas",
+           "write_labels"]
+
+
+def tool_schemas(refs: list[str], key: str) -> list[dict]:
+    """The chat-template schemas of the tool functions `refs` ('module:function', named in the
+    params under `key`), in order: what a prompt offers the model (engine.rollout.tools)."""
+    from engine.rollout.tools import load_tools, tool_schema
+
+    return [tool_schema(function, f"{key}[{i}]")
+            for i, function in enumerate(load_tools(refs, key).values())]

@@ -139,7 +139,23 @@ def data_context(ws: Workspace) -> DataContext:
 
         return kind_of(ws.config).processor(tok, ws.config.model, ws.root)
 
-    return DataContext(ws.root, tokenizer, load_processor=processor)
+    return DataContext(ws.root, tokenizer, load_processor=processor,
+                       tools=method_tool_schemas(ws.config))
+
+
+def method_tool_schemas(cfg) -> list[dict] | None:
+    """The schemas of the tools the method's rollouts call (grpo.tools), rendered into the
+    prompts as TRL renders its `tools=`; None when the method names none."""
+    from finetune.config.methods import method_of
+
+    refs = method_of(cfg.training.type).prompt_tools
+    refs = refs(cfg) if refs else None
+    if not refs:
+        return None
+    from engine.prepare import tool_schemas
+
+    key = next(f"{s}.tools" for s in method_of(cfg.training.type).own_sections)
+    return tool_schemas(refs, key)
 
 
 def label_map(ws: Workspace, top: DataConfig) -> list[str] | None:

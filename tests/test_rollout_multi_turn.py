@@ -150,7 +150,7 @@ def test_an_episode_is_the_turns_and_the_tool_results_between_them_untrained():
         assert pieces(tok, done, row) == [(1, f"{CALL}<|im_end|>"), (0, tok.decode(suffix)),
                                           (1, "It is 5.<|im_end|>")]
     assert done.mask.sum().item() == done.lengths.sum().item() and not done.clipped.any()
-    assert (loop.calls, loop.failures) == (2, 0)
+    assert done.tool_calls.tolist() == [1, 1] and done.tool_failures.tolist() == [0, 0]
     # the second turn: one completion per row, each row seeded by its prompt, index and turn
     assert inner.seeds == [[11], [turn_seed(11, 0, 1), turn_seed(11, 1, 1)]]
 
@@ -167,7 +167,7 @@ def test_calls_stop_at_the_iteration_limit_and_failures_are_counted():
         assert [p[0] for p in pieces(tok, done, row)] == [1, 0, 1, 0, 1]  # 3 turns, 2 results
     assert len(inner.seeds) == 3
     assert "Tool nope not found." in pieces(tok, done, 1)[1][1]
-    assert (loop.calls, loop.failures) == (4, 2)
+    assert done.tool_calls.tolist() == [2, 2] and done.tool_failures.tolist() == [0, 2]
 
 
 def test_results_that_would_pass_the_length_end_the_episode_as_it_was():
@@ -182,7 +182,7 @@ def test_results_that_would_pass_the_length_end_the_episode_as_it_was():
                         tools={"echo": echo, "add": add})
     assert pieces(tok, done, 0) == [(1, f"{call}<|im_end|>")]  # rolled back, not cut
     assert [p[0] for p in pieces(tok, done, 1)] == [1, 0, 1]
-    assert loop.calls == 2  # the dropped result's call still ran, as TRL counts it
+    assert done.tool_calls.tolist() == [1, 1]  # the dropped result's call ran: TRL counts it
 
 
 def test_the_last_turn_is_cut_to_the_length_left_and_counts_as_clipped():

@@ -80,6 +80,10 @@ def test_validate_refuses_what_a_later_stage_would(project, capsys, monkeypatch,
     assert code == 2 and says in line, line
 
 
+#: the code_ref fields that hold a list of references
+LIST_REFS = {"grpo.tools"}
+
+
 @pytest.mark.parametrize("key", code_ref_keys(FinetuneConfig))
 def test_validate_loads_every_code_reference_the_fields_mark(project, capsys, monkeypatch, key):
     """Each key whose field says code_ref=True (engine/preflight.py walks them) must name
@@ -87,9 +91,11 @@ def test_validate_loads_every_code_reference_the_fields_mark(project, capsys, mo
     # a key of a strategy's section is read with that strategy only
     extra = (["++distributed.strategy=pipeline", "++distributed.nproc_per_node=2"]
              if key.startswith("distributed.pipeline.") else [])
-    code, line = validate(project, capsys, monkeypatch, f"++{key}=finetune.config.compat:SCOPES",
-                          *extra)
-    assert code == 2 and line == f"error: {key}: 'finetune.config.compat:SCOPES' is not a " \
+    listed = key in LIST_REFS  # a list of references: the item is named by its index
+    value = "[finetune.config.compat:SCOPES]" if listed else "finetune.config.compat:SCOPES"
+    code, line = validate(project, capsys, monkeypatch, f"++{key}={value}", *extra)
+    named = f"{key}[0]" if listed else key
+    assert code == 2 and line == f"error: {named}: 'finetune.config.compat:SCOPES' is not a " \
         "function", line
 
 

@@ -16,5 +16,5 @@ name (`key="grpo.reward_funcs"`).
 - `environment`: what a multi-turn rollout will drive (TRL's `environment_factory` contract):
   the protocol and an environment's tools; `tools`: running a call as TRL does (timeout,
   sandbox, counts); `multi_turn`: the loop (`ToolLoop`, a `Generator` over another that runs
-  the calls between turns), not yet reached from a config key.
+  the calls between turns), which GRPO's run uses with `grpo.tools`.
 """

@@ -33,6 +33,10 @@ class Completions:
     #: those it did not write (a multi-turn episode's tool results: engine.rollout.multi_turn),
     #: which the loss must not train on; TRL's tool_mask
     trained: torch.Tensor | None = None
+    #: [N] long each, or None (no tools): the tool calls each completion made, and how many
+    #: of them failed (engine.rollout.multi_turn)
+    tool_calls: torch.Tensor | None = None
+    tool_failures: torch.Tensor | None = None
 
 
 @runtime_checkable

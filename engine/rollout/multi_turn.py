@@ -76,22 +76,22 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | N
 
 class ToolLoop:
     """A `Generator` over `inner` whose completions are whole tool-calling episodes (see the
-    module docstring). `runners` (per `generate` call) holds one `ToolRunner` per completion
-    row, B * num_generations of them in row order; `calls` and `failures` count the last call's
-    tool calls (TRL's tools/call_frequency and tools/failure_frequency are these over the
-    completions)."""
+    module docstring). Each completion row's calls run through its `ToolRunner`: `runners`
+    (per `generate` call) holds one per row, B * num_generations of them in row order (an
+    environment's bound methods), else `runner` (stateless tools) serves every row. The
+    `Completions` count each row's calls and failed calls (TRL's tools/call_frequency is calls
+    over completions, tools/failure_frequency failures over calls)."""
 
     def __init__(self, inner: Generator, tokenizer, max_iterations: int | None,
                  max_completion_length: int, max_positions: int | None = None,
-                 chat_template: str | None = None):
-        self.inner, self.tokenizer = inner, tokenizer
+                 chat_template: str | None = None, runner: ToolRunner | None = None):
+        self.inner, self.tokenizer, self.runner = inner, tokenizer, runner
         self.max_iterations = max_iterations
         self.max_completion_length = max_completion_length
         self.max_positions = max_positions
         self.chat_template = chat_template
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
             tokenizer.eos_token_id)
-        self.calls = self.failures = 0
 
     def calls_in(self, ids: list[int]) -> list[dict]:
         return parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -99,9 +99,12 @@ class ToolLoop:
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  num_generations: int, seed: int | Sequence[int],
-                 runners: Sequence[ToolRunner] = ()) -> Completions:
+                 runners: Sequence[ToolRunner] | None = None) -> Completions:
         first = self.inner.generate(prompt_ids, prompt_mask, num_generations, seed)
         rows = first.ids.shape[0]
+        if runners is None and self.runner is not None:
+            runners = [self.runner] * rows
+        runners = runners or ()
         if len(runners) != rows:
             raise ValueError(f"ToolLoop: {len(runners)} tool runners for {rows} completions")
         seeds = ([int(seed)] * prompt_ids.shape[0] if isinstance(seed, int)
@@ -111,16 +114,16 @@ class ToolLoop:
         lengths, clipped = first.lengths.tolist(), first.clipped.tolist()
         episodes = [first.ids[i, :lengths[i]].tolist() for i in range(rows)]
         trained = [[1] * len(e) for e in episodes]
-        last = list(episodes)  # each row's latest turn
-        calls_before = [r.calls for r in runners]
-        failures_before = [r.failures for r in runners]
-        pending = {i: c for i in range(rows) if (c := self.calls_in(last[i]))}
+        calls, failures = [0] * rows, [0] * rows
+        pending = {i: c for i in range(rows) if (c := self.calls_in(episodes[i]))}
         turn = 0
         while pending and (self.max_iterations is None or turn < self.max_iterations):
             turn += 1
             going, suffixes = [], []
-            for i, calls in pending.items():
-                results = [runners[i](call) for call in calls]
+            for i, asked in pending.items():
+                results = [runners[i](call) for call in asked]
+                calls[i] += len(results)
+                failures[i] += sum(r.failed for r in results)
                 suffix = tool_suffix_ids(self.tokenizer, [
                     {"role": "tool", "name": r.name, "content": r.content} for r in results],
                     self.chat_template)
@@ -148,11 +151,12 @@ class ToolLoop:
                 episodes[i] += suffix + new
                 trained[i] += [0] * len(suffix) + [1] * len(new)
                 clipped[i] = bool(more_clipped[k] or cut)
-                if new and (calls := self.calls_in(new)):
-                    pending[i] = calls
-        self.calls = sum(r.calls - b for r, b in zip(runners, calls_before))
-        self.failures = sum(r.failures - b for r, b in zip(runners, failures_before))
-        return self._completions(episodes, trained, clipped, first.ids.device)
+                if new and (asked := self.calls_in(new)):
+                    pending[i] = asked
+        done = self._completions(episodes, trained, clipped, first.ids.device)
+        done.tool_calls = torch.tensor(calls, device=first.ids.device)
+        done.tool_failures = torch.tensor(failures, device=first.ids.device)
+        return done
 
     def _completions(self, episodes: list[list[int]], trained: list[list[int]],
                      clipped: list[bool], device: torch.device) -> Completions:

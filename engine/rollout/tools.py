@@ -55,6 +55,25 @@ def tool_schema(function: Callable, where: str) -> dict:
                             "it, as transformers' get_json_schema reads them)") from None
 
 
+def load_tools(refs: list[str], key: str) -> dict[str, Callable]:
+    """name -> function for each 'module:function' (or 'path/file.py:function') of `refs`, the
+    params' `key`; one line naming `key[i]` for one that is not a function, or whose name an
+    earlier one has (the model calls a tool by its name)."""
+    from finetune.imports import load_object
+
+    tools: dict[str, Callable] = {}
+    for i, ref in enumerate(refs):
+        function = load_object(ref, f"{key}[{i}]")
+        if not callable(function):
+            raise PipelineError(f"{key}[{i}]: '{ref}' is not a function")
+        name = getattr(function, "__name__", ref)
+        if name in tools:
+            raise PipelineError(f"{key}[{i}]: '{ref}' is named {name} as an earlier tool is; "
+                                "the model calls a tool by its name: rename one")
+        tools[name] = function
+    return tools
+
+
 @dataclass(frozen=True)
 class ToolResult:
     """One call's `tool` message: the tool's name, the content the model reads, and whether

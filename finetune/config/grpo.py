@@ -39,7 +39,8 @@ register_method(Method("grpo", accepts=("none",), data_hint=(
     "trains on prompt-only rows (completions are generated during training); set "
     "data.dataset_type: prompt"), metrics=reported_metrics,
     metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+",
-    stderr=lambda cfg, metric: False))  # rewards of sampled completions: no bootstrap here
+    stderr=lambda cfg, metric: False,  # rewards of sampled completions: no bootstrap here
+    prompt_tools=lambda cfg: cfg.grpo.tools))
 
 
 class GRPOConfig(Section):
@@ -122,6 +123,28 @@ class GRPOConfig(Section):
     format_regex: str = Field(
         r"####\s*-?[\d,]*\.?\d+", fingerprint=True,
         description="The format reward: 1 when the completion matches this regex, else 0.")
+    tools: list[str] = Field(
+        [], fingerprint=True, code_ref=True,
+        description="Tools the model may call during a rollout (TRL's GRPOTrainer tools=): "
+        "'module:function' or 'path/to/file.py:function', each with a type hint on every "
+        "argument and a Google-style docstring (transformers' get_json_schema makes the "
+        "schema the format stage renders into the prompts). A completion's calls run, their "
+        "results are appended as tool messages (not trained on) and the model continues, "
+        "until a turn calls none, max_tool_calling_iterations, or max_completion_length "
+        "tokens for the whole episode.")
+    max_tool_calling_iterations: int | None = Field(
+        None, ge=1, fingerprint=True,
+        description="Most rounds of tool calls per completion (TRL's name; null: until a turn "
+        "calls no tool or the episode reaches max_completion_length).")
+    tool_timeout: float | None = Field(
+        None, gt=0, fingerprint=True,
+        description="Seconds a tool call may run; one still running is answered with TRL's "
+        "error text and counted as a failure (null: no limit).")
+    tool_sandbox: Literal["none", "subprocess"] = Field(
+        "none", fingerprint=True,
+        description="Where a tool call runs: none (in the training process, on a helper "
+        "thread), or subprocess (a child with CPU-time and memory limits, killed at "
+        "tool_timeout: for tools that run model-written code).")
     num_generations_eval: int = Field(
         4, ge=1, fingerprint=False,
         description="The evaluate stage's k: pass@k over k completions sampled per held-out "
@@ -191,5 +214,34 @@ ROWS: list[compat.Rule] = [
          {"training.fused_loss_factory": "m:f"}),
         ("training.group_by_length", None, "prompts are drawn in seeded order; their "
          "completions' lengths are not known in advance", {"training.group_by_length": True}))),
+    compat.Refuse("config", "data.tools", compat.When(
+        "grpo.tools", lambda c: c.training.type == "grpo" and bool(c.grpo.tools)),
+        "the prompts offer grpo.tools' functions (their schemas, as TRL renders tools=); "
+        "tools the rollout cannot run would be offered otherwise: set one", example={
+            "training.type": "grpo", "data.dataset_type": "prompt",
+            "registry.gate_metric": "eval.reward", "grpo.tools": ["m:f"],
+            "data.prompt_template": None,
+            "data.tools": [{"name": "f", "parameters": {"type": "object", "properties": {}}}]}),
+    compat.Refuse("config", "grpo.tools", compat.When(
+        "sharded weights (distributed.strategy fsdp2, or diloco with fsdp_group_size > 1)",
+        lambda c: c.distributed.strategy == "fsdp2" or (
+            c.distributed.strategy == "diloco" and c.distributed.diloco is not None
+            and c.distributed.diloco.fsdp_group_size > 1)),
+        "every generation forward gathers the shards, so every rank must run as many turns "
+        "as the rank that calls tools longest, which the tool loop does not do yet; use "
+        "distributed.strategy ddp or single",
+        used=lambda c: c.training.type == "grpo" and bool(c.grpo.tools), example={
+            "training.type": "grpo", "data.dataset_type": "prompt",
+            "registry.gate_metric": "eval.reward", "grpo.tools": ["m:f"],
+            "data.prompt_template": None, "distributed.strategy": "fsdp2",
+            "distributed.nproc_per_node": 2}),
+    compat.Refuse("config", "grpo.tools", compat.When(
+        "data.prompt_template or data.prompt_func (a string prompt)",
+        lambda c: c.data.prompt_template is not None or bool(c.data.prompt_func)),
+        "the chat template renders the tools' schemas into a conversation prompt, which a "
+        "templated string prompt is not; give the rows a conversational 'prompt' column",
+        used=lambda c: c.training.type == "grpo" and bool(c.grpo.tools), example={
+            "training.type": "grpo", "data.dataset_type": "prompt",
+            "registry.gate_metric": "eval.reward", "grpo.tools": ["m:f"]}),
 ]
 compat.add_rows("grpo", ROWS)

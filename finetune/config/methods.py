@@ -44,6 +44,10 @@ class Method:
     #: (a model reference resolved and checked: finetune.config.model_refs) is done in this
     #: method's runs only, as its run is the only one that loads it
     sections: tuple[str, ...] | None = None
+    #: config -> the 'module:function' tools the method's rollouts call, whose schemas the
+    #: format stage renders into the prompts where data.tools names none (GRPO's grpo.tools,
+    #: as TRL renders its `tools=`); None: the prompts' tools are data.tools only
+    prompt_tools: Callable[[object], list[str]] | None = None
 
     @property
     def own_sections(self) -> tuple[str, ...]:

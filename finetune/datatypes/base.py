@@ -172,6 +172,9 @@ class DataContext:
     #: tokenizer -> the model kind's processor (engine.kinds: ModelKind.processor); None: the
     #: tokenizer is the processor
     load_processor: Callable[[Any], Any] | None = None
+    #: the tools the method's rollouts call (finetune.config.methods: prompt_tools), as the
+    #: schemas rendered into prompts that name no tools of their own; None: none
+    tools: list[dict] | None = None
     _tokenizer: Any = field(default=None, repr=False)
     _processor: Any = field(default=None, repr=False)
     _bos: Any = field(default=False, repr=False)

@@ -158,10 +158,12 @@ def calls_of(message: dict) -> list[dict]:
             for c in message.get("tool_calls", ())]
 
 
-def row_tools(frame, data, split: str, root: Path) -> list[list[dict]]:
+def row_tools(frame, data, split: str, root: Path, method_tools: list[dict] | None = None
+              ) -> list[list[dict]]:
     """Each row's tools: its tools column (`data.tools_field`, else `tools` when the split
-    has one) where not null, else `data.tools`."""
-    shared = dataset_tools(data, root)
+    has one) where not null, else `data.tools`, else the method's (`method_tools`: the
+    functions a rollout calls, DataContext.tools)."""
+    shared = dataset_tools(data, root) or list(method_tools or [])
     column = data.tools_field
     if column and column not in frame.columns:
         raise PipelineError(f"data.tools_field '{column}' is not a column of split '{split}' "

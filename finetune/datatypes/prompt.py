@@ -96,7 +96,8 @@ class PromptType(DatasetType):
             fns["prompt"] = builder(self.data, "prompt")
         texts = render_rows(frame, fns, split, first_row)
         chat = _Conversations(self.data, ctx)
-        tools = None if self.templated else row_tools(frame, self.data, split, ctx.root)
+        tools = None if self.templated else row_tools(frame, self.data, split, ctx.root,
+                                                      ctx.tools)
         out: dict[str, list] = {"prompt": [], "completion": [], REWARD_INPUTS: []}
         reasons: dict[int, str] = {}
         for offset, row in enumerate(frame.to_dict("records")):

@@ -8,6 +8,8 @@ SFT run's hooks only (the loop, the strategies and the checkpoints are the SFT r
   them (engine.rollout.rewards, engine.rollout.scoring), advantages are normalised per group
   (engine.recipe.grpo.advantages), and with `num_iterations` > 1 or `beta` > 0 the
   log-probabilities at generation and of the reference are taken before the first update;
+  with `grpo.tools` each completion is a tool-calling episode (engine.rollout.multi_turn:
+  the tool results are in it, not trained on), and TRL's tool statistics are logged;
 - `count_targets`: what `grpo.loss_type` averages over (completions, micro-batches or tokens);
 - `micro_step`: the clipped objective plus the KL term (engine.recipe.grpo.loss);
 - `window_metrics`: TRL's logged statistics, and the step's generation and scoring times;
@@ -46,6 +48,9 @@ from finetune.errors import PipelineError
 
 #: per-step statistics, each step's value weighted by its targets in the logging window
 TIMES = ("time/generation", "time/scoring")
+#: per-step statistics of a run with grpo.tools (TRL's names: calls per completion, failed
+#: calls per call)
+TOOL_STATS = ("tools/call_frequency", "tools/failure_frequency")
 #: where a run writes its sample table (prompt, completion, rewards) at every logging step
 SAMPLES_FILE = "train_samples.jsonl"
 
@@ -78,6 +83,8 @@ class GRPORun(TrainingRun):
             self.strategy.module, sampling_params(g),
             eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
             all_finished=self.strategy.generation_done)
+        if g.tools:  # multi-turn: the completions are episodes of turns and tool results
+            self.generator = self.tool_loop(self.generator)
         self.rewards = load_rewards(self.cfg, self.paths.project_root, self.dist.device)
         t = self.cfg.training
         #: a prompt's completions share its forward (loss.completion_logps `group`): where
@@ -91,7 +98,8 @@ class GRPORun(TrainingRun):
         self.step_names = ("reward", "reward_std", "frac_reward_zero_std",
                            *(f"rewards/{f.name}/{s}" for f in self.rewards
                              for s in ("mean", "std")),
-                           "completions/mean_length", "completions/clipped_ratio", *TIMES)
+                           "completions/mean_length", "completions/clipped_ratio",
+                           *(TOOL_STATS if g.tools else ()), *TIMES)
         device = self.dist.device
         self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
         self.token_sums = torch.zeros(len(TOKEN_STATS) + 1, dtype=torch.float64, device=device)
@@ -99,6 +107,20 @@ class GRPORun(TrainingRun):
         self.samples: list[dict] = []
         self.samples_started = False  # SAMPLES_FILE not written by this run yet
         self.scored_at: float | None = None
+
+    def tool_loop(self, generator):
+        """`generator` inside the tool-calling loop (engine.rollout.multi_turn): grpo.tools
+        run by one runner (they are stateless), with the episode's length and the model's
+        positions as its limits."""
+        from engine.modeling.model import max_positions
+        from engine.rollout.multi_turn import ToolLoop
+        from engine.rollout.tools import ToolRunner, load_tools
+
+        g = self.cfg.grpo
+        runner = ToolRunner(load_tools(g.tools, "grpo.tools"), g.tool_timeout, g.tool_sandbox)
+        return ToolLoop(generator, self.tokenizer, g.max_tool_calling_iterations,
+                        g.max_completion_length,
+                        max_positions(self.cfg.model, self.paths.project_root), runner=runner)
 
     def check_positions(self) -> None:
         """A prompt plus its completion must fit the model's positions: one line if not."""
@@ -156,7 +178,11 @@ class GRPORun(TrainingRun):
                    for _, p_ids, p_mask, done in generated]
         lengths = torch.cat([done.mask.sum(-1) for *_, done in generated])
         clipped = torch.cat([done.clipped for *_, done in generated])
-        advantages, stats = self.advantages(per_func, torch.stack([lengths, clipped], 1))
+        columns = [lengths, clipped]
+        if g.tools:
+            columns += [torch.cat([done.tool_calls for *_, done in generated]),
+                        torch.cat([done.tool_failures for *_, done in generated])]
+        advantages, stats = self.advantages(per_func, torch.stack(columns, 1))
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
             self.add_logps(module, batch)
@@ -170,7 +196,8 @@ class GRPORun(TrainingRun):
                             dtype=torch.float64, device=device)
         values = torch.cat([torch.stack([*self.reward_stats(stats),
                                          stats["completions/mean_length"],
-                                         stats["completions/clipped_ratio"]]), host])
+                                         stats["completions/clipped_ratio"],
+                                         *(stats[n] for n in TOOL_STATS if g.tools)]), host])
         self.step_sums += values * step_targets
         return batches
 
@@ -198,7 +225,8 @@ class GRPORun(TrainingRun):
         """Group-normalised advantages of this rank's completions, and the step's statistics
         over every rank's completions (TRL gathers them): the rewards of every rank are
         gathered (`scale_rewards: batch` takes their std over the whole step), with
-        `completions`, each completion's [length, clipped], for the length statistics. Every
+        `completions`, each completion's [length, clipped] (with tools, then its calls and
+        failed calls), for the length and tool statistics. Every
         rank then logs the step's values (a mean of the ranks' means, each weighted by its
         targets, would not be the mean over the step's completions)."""
         g, d = self.cfg.grpo, self.dist
@@ -215,6 +243,11 @@ class GRPORun(TrainingRun):
                                       g.num_generations, g.scale_rewards)
         stats["completions/mean_length"] = everyone[:, funcs].double().mean()
         stats["completions/clipped_ratio"] = everyone[:, funcs + 1].double().mean()
+        if everyone.shape[1] > funcs + 2:  # tool calls and failures (TRL's definitions)
+            calls = everyone[:, funcs + 2].double().sum()
+            stats["tools/call_frequency"] = calls / everyone.shape[0]
+            stats["tools/failure_frequency"] = (everyone[:, funcs + 3].double().sum()
+                                                / calls.clamp_min(1.0))
         n = local.shape[0]
         return adv[d.rank * n:(d.rank + 1) * n], stats
 
