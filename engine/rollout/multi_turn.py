@@ -109,10 +109,11 @@ class ToolLoop:
             raise ValueError(f"ToolLoop: {len(runners)} tool runners for {rows} completions")
         seeds = ([int(seed)] * prompt_ids.shape[0] if isinstance(seed, int)
                  else [int(s) for s in seed])
-        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(),
-                                                                  prompt_mask.cpu())]
+        # the host's copies, each read back once: the loop's work on them is per row
+        prompts = [[t for t, m in zip(ids, mask) if m]
+                   for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
         lengths, clipped = first.lengths.tolist(), first.clipped.tolist()
-        episodes = [first.ids[i, :lengths[i]].tolist() for i in range(rows)]
+        episodes = [ids[:n] for ids, n in zip(first.ids.tolist(), lengths)]
         trained = [[1] * len(e) for e in episodes]
         calls, failures = [0] * rows, [0] * rows
         pending = {i: c for i in range(rows) if (c := self.calls_in(episodes[i]))}
@@ -142,10 +143,11 @@ class ToolLoop:
                 [turn_seed(seeds[i // num_generations], i % num_generations, turn)
                  for i in going])
             more_lengths, more_clipped = more.lengths.tolist(), more.clipped.tolist()
+            more_ids = more.ids.tolist()
             pending = {}
             for k, (i, suffix) in enumerate(zip(going, suffixes)):
                 room = self.max_completion_length - len(episodes[i]) - len(suffix)
-                new = more.ids[k, :more_lengths[k]].tolist()
+                new = more_ids[k][:more_lengths[k]]
                 cut = len(new) > room
                 new = new[:room]
                 episodes[i] += suffix + new
