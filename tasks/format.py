@@ -140,7 +140,7 @@ def data_context(ws: Workspace) -> DataContext:
         return kind_of(ws.config).processor(tok, ws.config.model, ws.root)
 
     return DataContext(ws.root, tokenizer, load_processor=processor,
-                       tools=method_tool_schemas(ws.config))
+                       load_tools=lambda: method_tool_schemas(ws.config))
 
 
 def method_tool_schemas(cfg) -> list[dict] | None:

@@ -172,12 +172,21 @@ class DataContext:
     #: tokenizer -> the model kind's processor (engine.kinds: ModelKind.processor); None: the
     #: tokenizer is the processor
     load_processor: Callable[[Any], Any] | None = None
-    #: the tools the method's rollouts call (finetune.config.methods: prompt_tools), as the
-    #: schemas rendered into prompts that name no tools of their own; None: none
-    tools: list[dict] | None = None
+    #: -> the tools the method's rollouts call (finetune.config.methods: prompt_tools), as
+    #: the schemas rendered into prompts that name no tools of their own (None: none); asked
+    #: only by a type that renders prompts, so other stages and types never read the keys
+    load_tools: Callable[[], list[dict] | None] | None = None
+    _tools: Any = field(default=False, repr=False)
     _tokenizer: Any = field(default=None, repr=False)
     _processor: Any = field(default=None, repr=False)
     _bos: Any = field(default=False, repr=False)
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """Loaded on first use."""
+        if self._tools is False:
+            self._tools = self.load_tools() if self.load_tools else None
+        return self._tools
 
     @property
     def tokenizer(self):

@@ -74,6 +74,7 @@ class PromptType(DatasetType):
         if self.data.chat_template:
             chat_template(self.data, ctx.tokenizer, ctx.root)  # a template file: read here
         dataset_tools(self.data, ctx.root)
+        ctx.tools  # the method's tools (grpo.tools): each loads and has a schema, or one line
 
     def required_columns(self) -> list[str]:
         d = self.data
