@@ -16,7 +16,7 @@ export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run sft-base test test-slow test-docs fuzz stack clean-outputs
+.PHONY: setup run sft-base test test-slow test-docs test-slow-docs fuzz stack clean-outputs
 
 # The `dvc plots show` page template with Vega inlined, so the page draws offline
 # (flows/plots_page.py; needs npm once; without it DVC's page loads Vega from its CDN).
@@ -76,6 +76,15 @@ test-slow: setup
 # the committed tree: commit first.
 test-docs: setup
 	$(PY) -m pytest -m docs_commands -n 2 --dist loadscope -rP $(PYTEST_ARGS) tests/test_docs.py
+
+# .ci/run's last step: `make test-slow` and `make test-docs` as one session on the two cores,
+# the long units first (tests/conftest.py LONGEST_FIRST): one step's tail and the docs lane's
+# wait for the README's `make run` fill with the other's work instead of a core idling (the
+# two apart: 19:32 + 14:45 on the 2-core Xeon). --dist loadscope keeps a slow file (no test
+# class) on one worker, as loadfile does, and a docs lane (a class) on one worker in order.
+test-slow-docs: setup
+	$(PY) -m pytest -m "slow or distributed or clean_room or stack_e2e or slurm or docs_commands" \
+		-n 2 --dist loadscope --no-loadscope-reorder -rP $(PYTEST_ARGS)
 
 # The config fuzzer at length: FUZZ_EXAMPLES draws from the schema (tests/test_config_fuzz.py),
 # seeded by FUZZ_SEED (default: the time; printed, so a failing run can be drawn again).

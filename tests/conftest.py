@@ -13,24 +13,38 @@ import pytest
 
 from helpers import BIN, copy_project, stages_here
 
-#: The longest files (by `--durations` on the 2-core dev CPU), run first: `make test` and `make
-#: test-slow` hand whole files to the pytest-xdist workers in collection order (--dist loadfile
-#: --no-loadscope-reorder), so no long file starts last and runs alone at the end. One list
-#: for both tiers: a file with no test in a tier is simply not there.
-LONGEST_FIRST = ("test_pipeline.py", "test_strategies.py", "test_e2e_prefect.py",
+#: The longest work units first (by `--durations` on the 2-core dev CPU): a file, or one test
+#: class of a file (`file::Class`, the docs lanes). `make test`, `make test-slow` and `make
+#: test-slow-docs` hand whole units to the pytest-xdist workers in this order (--dist loadfile
+#: or loadscope, --no-loadscope-reorder), so no long unit starts last and runs alone at the
+#: end. One list for every tier: a unit with no test in a tier is simply not there. In the
+#: session of .ci/run's last step (test-slow-docs: `make test-slow` and `make test-docs` in
+#: one session) the README's lane goes first and docs/'s after test_pipeline.py: the docs
+#: lane's DPO and GRPO examples start from the README's `make run`, which by then DVC's
+#: run-cache restores instead of the docs lane waiting for it (tests/test_docs.py WAITS_FOR).
+LONGEST_FIRST = ("test_docs.py::TestReadmeLane", "test_pipeline.py", "test_docs.py::TestDocsLane",
+                 "test_strategies.py", "test_slurm.py", "test_e2e_prefect.py",
                  "test_reproduce.py", "test_training.py", "test_reward.py", "test_preference.py",
                  "test_pipeline_parallel.py", "test_reliability.py", "test_kto.py",
-                 "test_grpo.py", "test_slurm.py", "test_failures.py", "test_flows.py",
+                 "test_grpo.py", "test_failures.py", "test_flows.py",
                  "test_harness.py", "test_launch.py", "test_quantization.py",
                  "test_run_control.py", "test_streaming.py", "test_methods.py",
                  "test_grpo_generation.py", "test_loss.py", "test_adapter_options.py",
                  "test_cli.py", "test_mixture.py")
 
 
-def pytest_collection_modifyitems(items):
-    """Reorder files only (a stable sort keeps each file's own order)."""
+def _unit_rank(item) -> int:
+    """The place of the item's unit in LONGEST_FIRST (its class's entry before its file's)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+    names = [item.path.name]
+    if getattr(item, "cls", None) is not None:
+        names.insert(0, f"{item.path.name}::{item.cls.__name__}")
+    return min((rank[n] for n in names if n in rank), default=len(LONGEST_FIRST))
+
+
+def pytest_collection_modifyitems(items):
+    """Reorder whole units only (a stable sort keeps each unit's own order)."""
+    items.sort(key=_unit_rank)
 
 
 @pytest.fixture(autouse=True, scope="session")

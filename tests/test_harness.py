@@ -221,3 +221,30 @@ def test_apply_chat_template_uses_the_trained_tokenizers_template(tmp_path):
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(tmp_path / "chat")
     assert chat_tokenizer(tmp_path / "chat").chat_template == tok.chat_template
+
+
+def test_the_harness_example_evaluates_the_default_runs_training():
+    """params/harness-gsm8k.yaml is the default run plus the harness: every params key the
+    stages up to train list in dvc.yaml resolves as the default's, so after `make run` DVC
+    keeps the trained model and only evaluate and export run (the example had drifted: native
+    CPU numerics and its own MLflow experiment retrained the model, 145 s of 254)."""
+    import yaml
+    from finetune.config.loader import load_config
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    keys = []
+    for name in ("validate", "download", "format", "tokenize", "train"):
+        for entry in stages[name].get("params", []):
+            for listed in (entry.values() if isinstance(entry, dict) else [[entry]]):
+                keys += listed
+    default = load_config(ROOT / "params/default.yaml").model_dump()
+    harness = load_config(ROOT / "params/harness-gsm8k.yaml").model_dump()
+
+    def value(config: dict, key: str):
+        for part in key.split("."):
+            config = config[part]
+        return config
+
+    assert len(keys) > 20, keys
+    differ = [k for k in keys if value(default, k) != value(harness, k)]
+    assert differ == [], differ
