@@ -92,9 +92,13 @@ def test_gsm8k_rows_keep_their_answer_for_the_rewards_and_train_no_token(tok, ct
         assert enc["labels"][i] == [IGNORE_INDEX] * len(enc["input_ids"][i])
     assert enc["n_trainable"] == [0] * 4 and enc["truncated"] == [False] * 4
     assert enc["reward_inputs"] == rows.reward_inputs.tolist()
-    # a prompt longer than max_seq_length keeps its first tokens, flagged like any type's row
+    # a prompt longer than max_seq_length keeps its BOS and its end (the question's last words
+    # and what the model continues from), flagged like any type's row
     short = fn(rows.to_dict("list"), tok=tok, **{**kwargs, "max_len": 5})
-    assert short["input_ids"][0] == enc["input_ids"][0][:5] and all(short["truncated"])
+    for whole, kept in zip(enc["input_ids"], short["input_ids"]):
+        assert kept == [1, *whole[-4:]], (kept, whole)
+    assert all(short["truncated"]) and short["n_trainable"] == [0] * 4
+    assert short["labels"][0] == [IGNORE_INDEX] * 5
 
 
 def test_a_prompt_column_of_strings_is_trls_layout(ctx, tmp_path):

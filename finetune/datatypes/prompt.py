@@ -9,8 +9,10 @@ template (`chat_template`, else the tokenizer's) renders with its generation pro
 
 No token is trained (`targets = "none"`): a tokenized row is the prompt's tokens (BOS as the
 other types add it), every label IGNORE_INDEX. A prompt longer than `max_seq_length` keeps its
-first `max_seq_length` tokens as every type's rows do, and is flagged `truncated` (counted in
-tokenize.json): the method decides what to do with one.
+BOS and its last tokens (`keep_prompt_end`), and is flagged `truncated` (counted in
+tokenize.json): the end is the question and the chat template's generation prompt, which the
+model continues from; cut there (as the other types cut their rows, at the end), it would
+continue the user's text instead of answering (TRL's max_prompt_length kept the end too).
 
 The reward functions (TRL's `f(prompts, completions, **columns)`) need the rest of the row (a
 GSM8K `answer`): each formatted and tokenized row carries `reward_inputs`, a JSON object (sorted
@@ -242,14 +244,26 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-able")
 
 
+def keep_prompt_end(ids: list[int], bos: int | None, max_len: int) -> list[int]:
+    """`ids` (BOS first where `bos` is not None) cut to `max_len` tokens from the left: BOS and
+    the last tokens, where the prompt's question and generation prompt are."""
+    if len(ids) <= max_len:
+        return ids
+    if bos is None or max_len < 2:
+        return ids[len(ids) - max_len:]
+    return [bos] + ids[len(ids) - max_len + 1:]
+
+
 def encode_prompts(batch: dict[str, list], tok, bos: int | None, max_len: int
                    ) -> dict[str, list]:
     """The tokenize map function: each prompt's tokens (BOS first where the tokenizer adds
-    one), no label trained, truncated to `max_len` like every type's rows; the reward inputs
-    passed through."""
+    one), no label trained, its end kept when longer than `max_len` (`keep_prompt_end`,
+    flagged truncated); the reward inputs passed through."""
     out = empty_encoding()
     for ids in token_ids(tok, list(batch["prompt"])):
         head = ([bos] if bos is not None else []) + ids
-        add_row(out, head, [IGNORE_INDEX] * len(head), max_len)
+        kept = keep_prompt_end(head, bos, max_len)
+        add_row(out, kept, [IGNORE_INDEX] * len(kept), max_len)
+        out["truncated"][-1] = len(head) > max_len
     out[REWARD_INPUTS] = list(batch[REWARD_INPUTS])
     return out
