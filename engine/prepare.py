@@ -14,8 +14,8 @@ from engine.kinds import kind_of
 from engine.modeling.labels import read_labels, write_labels
 from engine.modeling.model import load_tokenizer, max_positions
 
-__all__ = ["kind_of", "load_tokenizer", "max_positions", "read_labels", "tool_schemas",
-           "write_labels"]
+__all__ = ["kind_of", "load_tokenizer", "max_positions", "read_labels", "rollout_tool_schemas",
+           "tool_schemas", "write_labels"]
 
 
 def tool_schemas(refs: list[str], key: str) -> list[dict]:
@@ -25,3 +25,19 @@ def tool_schemas(refs: list[str], key: str) -> list[dict]:
 
     return [tool_schema(function, f"{key}[{i}]")
             for i, function in enumerate(load_tools(refs, key).values())]
+
+
+def rollout_tool_schemas(refs: list[str], environments: str | dict[str, str] | None,
+                         section: str) -> list[dict] | dict[str, list[dict]] | None:
+    """What a method's prompts offer the model: the schemas of its tool functions
+    (`SECTION.tools`) and, with `SECTION.environment_factory`, its environment's methods after
+    them (engine.rollout.environment), as one list for every row, or per environment name for a
+    mapping (each row's `environment` column chooses); None when it names neither."""
+    if not environments:
+        return tool_schemas(refs, f"{section}.tools") if refs else None
+    from engine.rollout.environment import load_environments
+    from engine.rollout.tools import load_tools
+
+    functions = load_tools(refs or [], f"{section}.tools")
+    loaded = load_environments(environments, f"{section}.environment_factory", functions)
+    return loaded.schemas if loaded.named else loaded.schemas[None]

@@ -143,19 +143,21 @@ def data_context(ws: Workspace) -> DataContext:
                        load_tools=lambda: method_tool_schemas(ws.config))
 
 
-def method_tool_schemas(cfg) -> list[dict] | None:
-    """The schemas of the tools the method's rollouts call (grpo.tools), rendered into the
-    prompts as TRL renders its `tools=`; None when the method names none."""
+def method_tool_schemas(cfg) -> list[dict] | dict[str, list[dict]] | None:
+    """The schemas of the tools the method's rollouts call (grpo.tools, and the methods of
+    grpo.environment_factory's environments), rendered into the prompts as TRL renders its
+    `tools=`: one list for every row, or one per environment name (each row's `environment`
+    column chooses); None when the method names none."""
     from finetune.config.methods import method_of
 
-    refs = method_of(cfg.training.type).prompt_tools
-    refs = refs(cfg) if refs else None
-    if not refs:
+    method = method_of(cfg.training.type)
+    refs = method.prompt_tools(cfg) if method.prompt_tools else None
+    environments = method.prompt_environments(cfg) if method.prompt_environments else None
+    if not refs and not environments:
         return None
-    from engine.prepare import tool_schemas
+    from engine.prepare import rollout_tool_schemas
 
-    key = next(f"{s}.tools" for s in method_of(cfg.training.type).own_sections)
-    return tool_schemas(refs, key)
+    return rollout_tool_schemas(refs or [], environments, method.own_sections[0])
 
 
 def label_map(ws: Workspace, top: DataConfig) -> list[str] | None:

@@ -13,8 +13,10 @@ name (`key="grpo.reward_funcs"`).
 - `rewards`: reward functions named in the params (built-ins, user code, reward models),
   `scoring`: their scores for a batch of completions, `reward_model`: a trained reward model
   as one of them;
-- `environment`: what a multi-turn rollout will drive (TRL's `environment_factory` contract):
-  the protocol and an environment's tools; `tools`: running a call as TRL does (timeout,
-  sandbox, counts); `multi_turn`: the loop (`ToolLoop`, a `Generator` over another that runs
-  the calls between turns), which GRPO's run uses with `grpo.tools`.
+- `environment`: what a multi-turn rollout drives (TRL's `environment_factory` contract): the
+  protocol, an environment's tools, the instance pool; `tools`: running a call as TRL does
+  (timeout, sandbox, counts); `multi_turn`: the loop (`ToolLoop`, a `Generator` over another
+  that runs the calls between turns); `episodes`: prompt rows made into rollouts, plain, with
+  tools, or each in its own environment instance, which GRPO's run and its held-out numbers
+  use alike.
 """

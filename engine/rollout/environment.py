@@ -18,10 +18,13 @@ The contract, TRL's:
   class). The reward functions get the rollouts' environments too, as `environments=` (why a
   row column may not be called that: engine.rollout.scoring).
 
-Nothing drives an environment yet: GRPO's rollout is one completion per prompt
-(engine.rollout.local). The contract and what the loop will read of an environment are fixed
-here first, so the loop is written against them and tested with TRL's own reading of a class
-(tests/test_rollout_environment.py).
+What drives them: `grpo.environment_factory` (a 'module:Class', or a mapping of names to
+them with a per-row `environment` column choosing one, as TRL's dict factory does) is loaded by
+`load_environments`, which makes one probe instance of each to read its tools (their schemas
+are what the format stage renders into the prompts) and whether it owns a reward; an
+`EnvironmentPool` hands each rollout of a batch an instance of its row's environment (made
+once, reset before every rollout, as TRL pools them); engine.rollout.episodes runs the
+episodes and engine.rollout.scoring passes the instances to the reward functions.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from finetune.datatypes.chat import ENVIRONMENT_COLUMN
 from finetune.errors import PipelineError
 
 #: the methods an environment may define that are not tools (TRL's names)
@@ -59,3 +63,126 @@ def tool_methods(environment: object) -> dict[str, Callable]:
                             "reset(**row) method (called before each rollout)")
     return {name: getattr(environment, name) for name in functions
             if name not in NOT_TOOLS and not name.startswith("_")}
+
+
+class Environments:
+    """The factories of grpo.environment_factory (`load_environments`): `factories` maps a
+    name to its factory (the one factory of a single class under None), `tools` each name to
+    its tool methods' schemas (in name order, after the stateless tools' where there are some),
+    `reward_classes` the classes that own a reward (`get_reward`), each once."""
+
+    def __init__(self, factories: dict[str | None, Callable], schemas: dict[str | None, list],
+                 reward_classes: list[type], key: str):
+        self.factories, self.schemas, self.key = factories, schemas, key
+        self.reward_classes = reward_classes
+
+    @property
+    def named(self) -> bool:
+        """A mapping: each row's `environment` column chooses one."""
+        return None not in self.factories
+
+    def name_of(self, row: dict, where: str) -> str | None:
+        """The environment a row's rollouts use (None for the single one); one line naming
+        `where` for a row whose column is missing or names none of them."""
+        if not self.named:
+            return None
+        name = row.get(ENVIRONMENT_COLUMN)
+        if name not in self.factories:
+            known = ", ".join(map(str, self.factories))
+            what = ("has no 'environment' column" if ENVIRONMENT_COLUMN not in row
+                    else f"names environment {name!r}")
+            raise PipelineError(f"{where} {what}; {self.key} is a mapping, so each row names "
+                                f"one of its environments: {known}")
+        return name
+
+    def pool(self) -> EnvironmentPool:
+        return EnvironmentPool(self.factories)
+
+
+class EnvironmentPool:
+    """Instances made once and reused: each batch (`draw`) hands every rollout its own
+    instance of its environment, making more only when a batch needs more of one at a time
+    than earlier batches did (TRL's pool)."""
+
+    def __init__(self, factories: dict[str | None, Callable]):
+        self.factories = factories
+        self.instances: dict[str | None, list] = {name: [] for name in factories}
+
+    def draw(self, names: list[str | None]) -> list:
+        """One instance per entry of `names` (a rollout's environment), none shared."""
+        used: dict[str | None, int] = {}
+        out = []
+        for name in names:
+            have = self.instances[name]
+            k = used.get(name, 0)
+            if k == len(have):
+                have.append(self.factories[name]())
+            used[name] = k + 1
+            out.append(have[k])
+        return out
+
+
+def load_environments(spec: str | dict[str, str] | None, key: str,
+                      functions: dict[str, Callable] | None = None) -> Environments | None:
+    """grpo.environment_factory loaded: each 'module:Class' (or callable without arguments)
+    imported and called once to read its tools (`tool_methods`) and their schemas (after
+    `functions`' schemas, the stateless tools every rollout has); one line naming the entry
+    (`key`, or `key.NAME` in a mapping) for one that does not load, makes no environment, or
+    has a method the chat template cannot describe. None when `spec` is empty."""
+    from engine.rollout.tools import tool_schema
+    from finetune.imports import load_object
+
+    if not spec:
+        return None
+    entries = {None: spec} if isinstance(spec, str) else dict(spec)
+    tools_key = f"{key.rsplit('.', 1)[0]}.tools"
+    shared = [tool_schema(f, f"{tools_key}[{i}]") for i, f in enumerate((functions or {}).values())]
+    factories, schemas, rewards = {}, {}, []
+    for name, ref in entries.items():
+        where = key if name is None else f"{key}.{name}"
+        factory = load_object(ref, where)
+        if not callable(factory):
+            raise PipelineError(f"{where}: '{ref}' is not a class")
+        try:
+            probe = factory()
+        except Exception as exc:
+            raise PipelineError(f"{where}: {ref}() failed: {type(exc).__name__}: {exc}") from None
+        try:
+            methods = tool_methods(probe)
+        except PipelineError as exc:
+            raise PipelineError(f"{where}: {exc}") from None
+        clash = sorted(set(methods) & set(functions or {}))
+        if clash:
+            raise PipelineError(f"{where}: its tool {clash[0]} has the name of one of "
+                                f"{tools_key}; the model calls a tool by its name: rename one")
+        factories[name] = factory
+        schemas[name] = shared + [tool_schema(m, f"{where} ({type(probe).__qualname__})")
+                                  for m in methods.values()]
+        klass = type(probe)
+        if callable(getattr(klass, "get_reward", None)) and klass not in rewards:
+            rewards.append(klass)
+    return Environments(factories, schemas, rewards, key)
+
+
+def environment_reward(klass: type) -> Callable:
+    """The reward function of an environment class that owns its reward: each rollout's
+    `get_reward()` where the rollout's environment is exactly `klass` (TRL's exact-type
+    match), else None; awaited where `get_reward` is async."""
+
+    if inspect.iscoroutinefunction(klass.get_reward):
+        async def reward(environments=None, **kwargs):
+            return [await e.get_reward() if type(e) is klass else None
+                    for e in _given(environments, klass)]
+    else:
+        def reward(environments=None, **kwargs):
+            return [e.get_reward() if type(e) is klass else None
+                    for e in _given(environments, klass)]
+    reward.__name__ = klass.__name__
+    return reward
+
+
+def _given(environments, klass: type) -> list:
+    if environments is None:
+        raise PipelineError(f"{klass.__name__}.get_reward needs the rollouts' environments, "
+                            "which only an environment rollout passes")
+    return environments

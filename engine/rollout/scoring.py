@@ -33,14 +33,17 @@ def _nothing(*args, **kwargs) -> None:
 def score(funcs: list[RewardFunction], prompts: list, completions: list,
           completion_ids: list[list[int]], columns: dict[str, list], trainer_state=None, *,
           key: str, log_extra: Callable[[str, list], None] | None = None,
-          log_metric: Callable[[str, float], None] | None = None) -> torch.Tensor:
+          log_metric: Callable[[str, float], None] | None = None,
+          environments: list | None = None) -> torch.Tensor:
     """Each function's rewards for each completion: [N, len(funcs)] float32 on the CPU, NaN
     where a function returned None. `key`: the config key the functions came from, which a
     failure names with the function's index (`grpo.reward_funcs[1] 'name'`; the warning about
     unscored completions names its section, `grpo`). `columns`: the rows' other columns
     (lists of N); `trainer_state`: what TRL passes as `trainer_state` (a TrainerState, or any
     object with global_step / max_steps / epoch); `log_extra` / `log_metric`: TRL's logging
-    callables, no-ops when not given. Functions run in order, then the async ones together."""
+    callables, no-ops when not given; `environments`: each completion's environment instance,
+    passed as TRL passes it (`environments=`) where the rollout had them. Functions run in
+    order, then the async ones together."""
     n = len(completions)
     if len(prompts) != n or len(completion_ids) != n:
         raise ValueError(f"score: {len(prompts)} prompts, {n} completions and "
@@ -58,6 +61,8 @@ def score(funcs: list[RewardFunction], prompts: list, completions: list,
         kwargs[column] = list(values)
     kwargs.update(trainer_state=trainer_state, log_extra=log_extra or _nothing,
                   log_metric=log_metric or _nothing)
+    if environments is not None:
+        kwargs["environments"] = list(environments)
 
     outputs: list[Any] = [None] * len(funcs)
     pending: dict[int, Any] = {}  # index -> coroutine
@@ -156,14 +161,18 @@ def _real_scalar(value: Any) -> bool:
 
 
 def score_completions(tokenizer, funcs, reward_inputs: list[str], done: Completions,
-                      repeat: int, trainer_state: Any = None, *, key: str
+                      repeat: int, trainer_state: Any = None, *, key: str,
+                      prompts: list | None = None, environments: list | None = None
                       ) -> tuple[torch.Tensor, list, list[str]]:
     """([rows * repeat, functions] rewards, the prompts, the completion texts) of `done`, the
     `repeat` completions of each row (rows' order, TRL's): the reward functions get the prompt
     (a conversation stays a message list, and its completion is one too), the completion,
-    its token ids and every other column of the row. `key`: as `score`'s."""
+    its token ids and every other column of the row. `key`: as `score`'s; `prompts`: each
+    completion's prompt where it is not its row's (an environment's observation added:
+    engine.rollout.episodes); `environments`: as `score`'s."""
     rows = [json.loads(r) for r in reward_inputs]
-    prompts = [row["prompt"] for row in rows for _ in range(repeat)]
+    if prompts is None:
+        prompts = [row["prompt"] for row in rows for _ in range(repeat)]
     keys = dict.fromkeys(k for row in rows for k in row if k != "prompt")
     columns = {column: [row.get(column) for row in rows for _ in range(repeat)]
                for column in keys}
@@ -173,5 +182,5 @@ def score_completions(tokenizer, funcs, reward_inputs: list[str], done: Completi
     completions = [[{"role": "assistant", "content": text}] if isinstance(p, list) else text
                    for text, p in zip(texts, prompts)]
     rewards = score(funcs, prompts, completions, completion_ids, columns,
-                    trainer_state=trainer_state, key=key)
+                    trainer_state=trainer_state, key=key, environments=environments)
     return rewards, prompts, texts

@@ -40,7 +40,8 @@ register_method(Method("grpo", accepts=("none",), data_hint=(
     "data.dataset_type: prompt"), metrics=reported_metrics,
     metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+",
     stderr=lambda cfg, metric: False,  # rewards of sampled completions: no bootstrap here
-    prompt_tools=lambda cfg: cfg.grpo.tools))
+    prompt_tools=lambda cfg: cfg.grpo.tools,
+    prompt_environments=lambda cfg: cfg.grpo.environment_factory))
 
 
 class GRPOConfig(Section):
@@ -132,6 +133,15 @@ class GRPOConfig(Section):
         "results are appended as tool messages (not trained on) and the model continues, "
         "until a turn calls none, max_tool_calling_iterations, or max_completion_length "
         "tokens for the whole episode.")
+    environment_factory: str | dict[str, str] | None = Field(
+        None, fingerprint=True, code_ref=True,
+        description="An environment each rollout acts in (TRL's GRPOTrainer "
+        "environment_factory=): 'module:Class' (or 'path/to/file.py:Class'), or a mapping "
+        "{name: 'module:Class'} with a per-row 'environment' column choosing one. One instance "
+        "per rollout; reset(**row) before it, returning None or text appended to the prompt's "
+        "last user message; its public methods are the model's tools (beside grpo.tools); an "
+        "optional get_reward() scores the rollout (a reward named after the class, weight 1). "
+        "Reward functions receive the instances as environments=.")
     max_tool_calling_iterations: int | None = Field(
         None, ge=1, fingerprint=True,
         description="Most rounds of tool calls per completion (TRL's name; null: until a turn "
@@ -179,6 +189,45 @@ class GRPOConfig(Section):
 
 
 GRPO = compat.When("training.type grpo", lambda c: c.training.type == "grpo")
+
+
+def _environment_rows() -> list:
+    """What an environment rollout cannot run with (grpo.environment_factory), as for tools:
+    its methods are tools rendered into a conversational prompt, and they change the
+    instance's state, which a call run in a child process would lose."""
+    used = lambda c: c.training.type == "grpo" and bool(c.grpo.environment_factory)  # noqa: E731
+    base = {"training.type": "grpo", "data.dataset_type": "prompt",
+            "registry.gate_metric": "eval.reward", "grpo.environment_factory": "m:Env",
+            "data.prompt_template": None}
+    return [
+        compat.Refuse("config", "data.tools", compat.When(
+            "grpo.environment_factory", used),
+            "the prompts offer the environment's methods (their schemas, as TRL renders "
+            "them); tools the rollout cannot run would be offered otherwise: set one",
+            example={**base, "data.tools": [
+                {"name": "f", "parameters": {"type": "object", "properties": {}}}]}),
+        compat.Refuse("config", "grpo.environment_factory", compat.When(
+            "sharded weights (distributed.strategy fsdp2, or diloco with fsdp_group_size > 1)",
+            lambda c: c.distributed.strategy == "fsdp2" or (
+                c.distributed.strategy == "diloco" and c.distributed.diloco is not None
+                and c.distributed.diloco.fsdp_group_size > 1)),
+            "every generation forward gathers the shards, so every rank must run as many "
+            "turns as the rank that calls tools longest, which the tool loop does not do yet; "
+            "use distributed.strategy ddp or single", used=used,
+            example={**base, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2}),
+        compat.Refuse("config", "grpo.environment_factory", compat.When(
+            "data.prompt_template or data.prompt_func (a string prompt)",
+            lambda c: c.data.prompt_template is not None or bool(c.data.prompt_func)),
+            "reset's text is appended to the prompt's last user message and the chat template "
+            "renders the environment's tools, so the rows need a conversational 'prompt' "
+            "column", used=used, example={**base, "data.prompt_template": "Q: {question}"}),
+        compat.Refuse("config", "grpo.environment_factory", compat.When(
+            "grpo.tool_sandbox subprocess", lambda c: c.grpo.tool_sandbox == "subprocess"),
+            "an environment's methods change its state, which a call run in a child process "
+            "would lose; run its calls in the worker (tool_sandbox: none) and give code-running "
+            "tools their own limits", used=used,
+            example={**base, "grpo.tool_sandbox": "subprocess"}),
+    ]
 
 
 def _one_weight_per_function(g: GRPOConfig) -> str | None:
@@ -243,5 +292,6 @@ ROWS: list[compat.Rule] = [
         used=lambda c: c.training.type == "grpo" and bool(c.grpo.tools), example={
             "training.type": "grpo", "data.dataset_type": "prompt",
             "registry.gate_metric": "eval.reward", "grpo.tools": ["m:f"]}),
+    *_environment_rows(),
 ]
 compat.add_rows("grpo", ROWS)

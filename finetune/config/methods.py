@@ -48,6 +48,10 @@ class Method:
     #: format stage renders into the prompts where data.tools names none (GRPO's grpo.tools,
     #: as TRL renders its `tools=`); None: the prompts' tools are data.tools only
     prompt_tools: Callable[[object], list[str]] | None = None
+    #: config -> the environments the method's rollouts act in ('module:Class', or a mapping
+    #: of names to them chosen by each row's `environment` column), whose methods are tools
+    #: too (GRPO's grpo.environment_factory, TRL's environment_factory=); None: none
+    prompt_environments: Callable[[object], str | dict[str, str] | None] | None = None
 
     @property
     def own_sections(self) -> tuple[str, ...]:

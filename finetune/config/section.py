@@ -132,7 +132,8 @@ def code_ref_keys(model: type[BaseModel]) -> tuple[str, ...]:
 def code_refs(config: BaseModel) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of each code_ref field of `config` (None inside an absent optional
     sub-section, and for a name of the pipeline's own the field takes; a list field's items as
-    `key[i]`); only those keys are read, so a stage's recorded reads stay its own."""
+    `key[i]`, a mapping's as `key.NAME`); only those keys are read, so a stage's recorded
+    reads stay its own."""
     for key in code_ref_keys(type(config)):
         value: Any = config
         for part in key.split("."):
@@ -141,6 +142,10 @@ def code_refs(config: BaseModel) -> Iterator[tuple[str, Any]]:
         if isinstance(value, list):  # a list of references (grpo.tools): each by its index
             for i, item in enumerate(value):
                 yield f"{key}[{i}]", item
+            continue
+        if isinstance(value, dict):  # named references (grpo.environment_factory): by name
+            for name, item in value.items():
+                yield f"{key}.{name}", item
             continue
         yield key, None if isinstance(builtin, list) and value in builtin else value
 

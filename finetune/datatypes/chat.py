@@ -158,24 +158,53 @@ def calls_of(message: dict) -> list[dict]:
             for c in message.get("tool_calls", ())]
 
 
-def row_tools(frame, data, split: str, root: Path, method_tools: list[dict] | None = None
-              ) -> list[list[dict]]:
+#: the row column that names a row's environment when the method's environments are a mapping
+#: (grpo.environment_factory as {name: class}; TRL's name)
+ENVIRONMENT_COLUMN = "environment"
+
+
+def row_tools(frame, data, split: str, root: Path,
+              method_tools: list[dict] | dict[str, list[dict]] | None = None,
+              first_row: int = 0) -> list[list[dict]]:
     """Each row's tools: its tools column (`data.tools_field`, else `tools` when the split
     has one) where not null, else `data.tools`, else the method's (`method_tools`: the
-    functions a rollout calls, DataContext.tools)."""
-    shared = dataset_tools(data, root) or list(method_tools or [])
+    functions a rollout calls, DataContext.tools; per environment name when the method's
+    environments are a mapping, chosen by the row's `environment` column: a row naming none of
+    them is one line). `first_row`: the number of the frame's first row in its split."""
+    if isinstance(method_tools, dict):
+        shared = per_row_environment_tools(frame, method_tools, split, first_row)
+    else:
+        shared = [dataset_tools(data, root) or list(method_tools or [])] * len(frame)
     column = data.tools_field
     if column and column not in frame.columns:
         raise PipelineError(f"data.tools_field '{column}' is not a column of split '{split}' "
                             f"(columns: {', '.join(map(str, frame.columns))})")
     column = column or ("tools" if "tools" in frame.columns else None)
     if column is None:
-        return [shared] * len(frame)
+        return shared
     out = []
     for i, value in enumerate(frame[column].tolist()):
         missing = value is None or (isinstance(value, float) and value != value)
-        out.append(shared if missing else
-                   tool_schemas(value, f"split '{split}' row {i} column '{column}'"))
+        out.append(shared[i] if missing else tool_schemas(
+            value, f"split '{split}' row {first_row + i} column '{column}'"))
+    return out
+
+
+def per_row_environment_tools(frame, by_name: dict[str, list[dict]], split: str,
+                              first_row: int = 0) -> list[list[dict]]:
+    """The tools of each row's environment, named by its `environment` column."""
+    known = ", ".join(map(str, by_name))
+    if ENVIRONMENT_COLUMN not in frame.columns:
+        raise PipelineError(f"split '{split}' has no '{ENVIRONMENT_COLUMN}' column; "
+                            "grpo.environment_factory is a mapping, so each row names one of "
+                            f"its environments ({known})")
+    out = []
+    for i, name in enumerate(frame[ENVIRONMENT_COLUMN].tolist()):
+        if not isinstance(name, str) or name not in by_name:
+            raise PipelineError(f"split '{split}' row {first_row + i} column "
+                                f"'{ENVIRONMENT_COLUMN}': {name!r} is none of "
+                                f"grpo.environment_factory's environments ({known})")
+        out.append(by_name[name])
     return out
 
 

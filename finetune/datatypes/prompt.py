@@ -100,7 +100,7 @@ class PromptType(DatasetType):
         texts = render_rows(frame, fns, split, first_row)
         chat = _Conversations(self.data, ctx)
         tools = None if self.templated else row_tools(frame, self.data, split, ctx.root,
-                                                      ctx.tools)
+                                                      ctx.tools, first_row)
         out: dict[str, list] = {"prompt": [], "completion": [], REWARD_INPUTS: []}
         reasons: dict[int, str] = {}
         for offset, row in enumerate(frame.to_dict("records")):
@@ -145,6 +145,23 @@ class PromptType(DatasetType):
         return [{"input_ids": ids, "labels": labels, REWARD_INPUTS: inputs}
                 for ids, labels, inputs in zip(enc["input_ids"], enc["labels"],
                                                enc[REWARD_INPUTS])]
+
+    def prompt_encoder(self, ctx: DataContext):
+        """prompt (a conversation), tools -> its ids as the format and tokenize stages make
+        them: the rollout's rendering of a prompt an environment's first observation changed
+        (engine.rollout.episodes)."""
+        chat = _Conversations(self.data, ctx)
+
+        def encode(prompt: list[dict], tools: list[dict] | None) -> list[int]:
+            text, _ = chat.prompt(prompt, "an environment's prompt", tools)
+            if not isinstance(text, str) or not text.strip():
+                why = text.why if isinstance(text, Fault) else "it is empty"
+                raise PipelineError(f"an environment's prompt cannot be rendered: {why}")
+            head = ([ctx.bos] if ctx.bos is not None else []) + token_ids(ctx.tokenizer,
+                                                                          [text])[0]
+            return keep_prompt_end(head, ctx.bos, self.data.max_seq_length)
+
+        return encode
 
     def serving_chat_template(self, tok, root) -> str | None:
         return chat_template(self.data, tok, root) if self.data.chat_template else None

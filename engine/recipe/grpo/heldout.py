@@ -25,20 +25,25 @@ from engine.rollout.local import LocalGenerator, eos_ids
 from engine.rollout.rewards import RewardFunction, load_reward_functions, reward_options
 from engine.rollout.sampling import sampling_params
 from engine.rollout.scoring import score_completions
+from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 
 
 #: the config key of GRPO's reward functions, which the rollout's messages name
 REWARDS_KEY = "grpo.reward_funcs"
 
 
-def load_rewards(cfg, root: Path = Path("."), device: torch.device | None = None
-                 ) -> list[RewardFunction]:
+def load_rewards(cfg, root: Path = Path("."), device: torch.device | None = None,
+                 environments=None) -> list[RewardFunction]:
     """grpo.reward_funcs as functions, with what the built-ins read from the config; a reward
-    model's directory resolves against `root` and loads on `device` (CPU when None)."""
+    model's directory resolves against `root` and loads on `device` (CPU when None); then a
+    function per environment class of `environments` that owns its reward (TRL's order)."""
+    from engine.recipe.grpo.rollouts import environment_rewards
+
     options = reward_options(cfg.grpo, answer_regex=cfg.eval.answer_regex,
                              batch_size=cfg.training.per_device_eval_batch_size, root=root,
                              device=device)
-    return load_reward_functions(cfg.grpo.reward_funcs, options, key=REWARDS_KEY)
+    return (load_reward_functions(cfg.grpo.reward_funcs, options, key=REWARDS_KEY)
+            + environment_rewards(environments))
 
 
 def _weighted(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -46,19 +51,22 @@ def _weighted(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 class _Measure:
-    """Greedy and sampled completions of held-out prompts, scored."""
+    """Greedy and sampled completions of held-out prompts, scored: episodes as in training
+    (engine.recipe.grpo.rollouts: with tools or environments, the tool loop runs here too)."""
 
-    def __init__(self, cfg, tokenizer, model, seed: int, funcs, all_finished=None):
+    def __init__(self, cfg, tokenizer, model, seed: int, funcs, all_finished=None,
+                 root: Path = Path("."), environments=None):
         g = cfg.grpo
         self.cfg, self.tok, self.model, self.seed = cfg, tokenizer, model, seed
         self.funcs = funcs  # loaded once per run or stage (a reward model is a model)
-        self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.funcs))
+        self.weights = torch.tensor(reward_weights(cfg, len(self.funcs)))
         self.names = [f.name for f in self.funcs]
         eos, pad = eos_ids(tokenizer, model), tokenizer.pad_token_id
-        self.greedy = LocalGenerator(model, sampling_params(g, greedy=True), eos, pad,
-                                     all_finished=all_finished)
-        self.sampled = LocalGenerator(model, sampling_params(g), eos, pad,
-                                      all_finished=all_finished)
+        self.greedy = make_episodes(cfg, tokenizer, LocalGenerator(
+            model, sampling_params(g, greedy=True), eos, pad, all_finished=all_finished),
+            root, environments)
+        self.sampled = make_episodes(cfg, tokenizer, LocalGenerator(
+            model, sampling_params(g), eos, pad, all_finished=all_finished), root, environments)
 
     def batch(self, rows: list[dict], k: int | None, offset: int):
         """(greedy rewards [b, F], greedy texts, sampled rewards [b * k, F] or None)."""
@@ -66,14 +74,17 @@ class _Measure:
         ids, mask = left_pad([r["input_ids"] for r in rows], self.tok.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         inputs = [r["reward_inputs"] for r in rows]
-        done = self.greedy.generate(ids, mask, 1, self.seed + offset)
-        greedy, _, texts = score_completions(self.tok, self.funcs, inputs, done, 1,
-                                             key=REWARDS_KEY)
+        seeds = self.seed + offset  # the call's (an environment run: each row's, from it)
+        rolled = self.greedy.generate(ids, mask, inputs, 1, seeds)
+        greedy, _, texts = score_completions(self.tok, self.funcs, inputs, rolled.done, 1,
+                                             key=REWARDS_KEY, prompts=rolled.prompts,
+                                             environments=rolled.environments)
         sampled = None
         if k:
-            done = self.sampled.generate(ids, mask, k, self.seed + offset)
-            sampled = score_completions(self.tok, self.funcs, inputs, done, k,
-                                        key=REWARDS_KEY)[0]
+            rolled = self.sampled.generate(ids, mask, inputs, k, seeds)
+            sampled = score_completions(self.tok, self.funcs, inputs, rolled.done, k,
+                                        key=REWARDS_KEY, prompts=rolled.prompts,
+                                        environments=rolled.environments)[0]
         return greedy, texts, sampled
 
 
@@ -107,10 +118,12 @@ def reward_metrics(held, after_loss=None) -> Evaluated:
     k = g.num_generations_eval
     seed = cfg.training.seed or 0
     results, texts = {}, {}
-    funcs = load_rewards(cfg, held.root, next(held.base.parameters()).device)
+    environments = load_grpo_environments(cfg)
+    funcs = load_rewards(cfg, held.root, next(held.base.parameters()).device, environments)
     for name, model in (("base", held.base), ("finetuned", None)):
         model = model if model is not None else held.tuned()
-        measure = _Measure(cfg, held.tokenizer, model, seed, funcs)
+        measure = _Measure(cfg, held.tokenizer, model, seed, funcs, root=held.root,
+                           environments=environments)
         greedy, sampled, generated = [], [], []
         with torch.no_grad():
             for start in range(0, n, size):
@@ -143,7 +156,8 @@ def greedy_rewards(run, dataset) -> dict[str, float]:
     cfg, d = run.cfg, run.dist
     module = run.strategy.module
     measure = _Measure(cfg, run.tokenizer, module, cfg.training.seed or 0, run.rewards,
-                       all_finished=run.strategy.generation_done)
+                       all_finished=run.strategy.generation_done,
+                       root=run.paths.project_root, environments=run.episodes.environments)
     size, limit = cfg.training.per_device_eval_batch_size, cfg.eval.eval_batches
     funcs = len(measure.funcs)
     sums = torch.zeros(2 + 2 * funcs, dtype=torch.float64, device=d.device)

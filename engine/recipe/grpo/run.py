@@ -8,8 +8,10 @@ SFT run's hooks only (the loop, the strategies and the checkpoints are the SFT r
   them (engine.rollout.rewards, engine.rollout.scoring), advantages are normalised per group
   (engine.recipe.grpo.advantages), and with `num_iterations` > 1 or `beta` > 0 the
   log-probabilities at generation and of the reference are taken before the first update;
-  with `grpo.tools` each completion is a tool-calling episode (engine.rollout.multi_turn:
-  the tool results are in it, not trained on), and TRL's tool statistics are logged;
+  with `grpo.tools` or `grpo.environment_factory` each completion is a tool-calling episode
+  (engine.rollout.episodes, engine.recipe.grpo.rollouts: the tool results are in it, not
+  trained on; an environment per rollout, reset with its row), and TRL's tool statistics are
+  logged;
 - `count_targets`: what `grpo.loss_type` averages over (completions, micro-batches or tokens);
 - `micro_step`: the clipped objective plus the KL term (engine.recipe.grpo.loss);
 - `window_metrics`: TRL's logged statistics, and the step's generation and scoring times;
@@ -36,6 +38,7 @@ from engine.modeling.runtime import activation_offloading
 from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
 from engine.recipe.grpo.heldout import REWARDS_KEY, load_rewards, reward_metrics
+from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.grpo.loss import (TOKEN_STATS, averaged_over, completion_logps, reduce,
                                      token_losses, token_stat_sums)
 from engine.recipe.reference import Reference
@@ -79,27 +82,32 @@ class GRPORun(TrainingRun):
             self.log("[train] grpo.beta > 0 with peft.use_peft false: the reference is a "
                      "frozen copy of the base model, a second model's memory on every rank")
         self.reference = Reference.of(self) if g.uses_reference else None
-        self.generator = LocalGenerator(
+        generator = LocalGenerator(
             self.strategy.module, sampling_params(g),
             eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
             all_finished=self.strategy.generation_done)
-        if g.tools:  # multi-turn: the completions are episodes of turns and tool results
-            self.generator = self.tool_loop(self.generator)
-        self.rewards = load_rewards(self.cfg, self.paths.project_root, self.dist.device)
+        # multi-turn with grpo.tools or grpo.environment_factory: the completions are episodes
+        # of turns and tool results (engine.recipe.grpo.rollouts)
+        environments = load_grpo_environments(self.cfg)
+        self.episodes = make_episodes(self.cfg, self.tokenizer, generator,
+                                      self.paths.project_root, environments)
+        self.rewards = load_rewards(self.cfg, self.paths.project_root, self.dist.device,
+                                    environments)
         t = self.cfg.training
         #: a prompt's completions share its forward (loss.completion_logps `group`): where
         #: the strategy allows it (one process holding the whole model), without activation
         #: checkpointing or compile
         self.prompt_group = g.num_generations if (
             self.strategy.shares_prompt_forward() and not t.gradient_checkpointing
-            and not t.torch_compile) else 1
-        self.weights = torch.tensor(g.reward_weights or [1.0] * len(self.rewards),
+            and not t.torch_compile and environments is None) else 1  # an observation makes
+        # a rollout's prompt its own
+        self.weights = torch.tensor(reward_weights(self.cfg, len(self.rewards)),
                                     dtype=torch.float32)
         self.step_names = ("reward", "reward_std", "frac_reward_zero_std",
                            *(f"rewards/{f.name}/{s}" for f in self.rewards
                              for s in ("mean", "std")),
                            "completions/mean_length", "completions/clipped_ratio",
-                           *(TOOL_STATS if g.tools else ()), *TIMES)
+                           *(TOOL_STATS if self.episodes.counts_tools else ()), *TIMES)
         device = self.dist.device
         self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
         self.token_sums = torch.zeros(len(TOKEN_STATS) + 1, dtype=torch.float64, device=device)
@@ -107,20 +115,6 @@ class GRPORun(TrainingRun):
         self.samples: list[dict] = []
         self.samples_started = False  # SAMPLES_FILE not written by this run yet
         self.scored_at: float | None = None
-
-    def tool_loop(self, generator):
-        """`generator` inside the tool-calling loop (engine.rollout.multi_turn): grpo.tools
-        run by one runner (they are stateless), with the episode's length and the model's
-        positions as its limits."""
-        from engine.modeling.model import max_positions
-        from engine.rollout.multi_turn import ToolLoop
-        from engine.rollout.tools import ToolRunner, load_tools
-
-        g = self.cfg.grpo
-        runner = ToolRunner(load_tools(g.tools, "grpo.tools"), g.tool_timeout, g.tool_sandbox)
-        return ToolLoop(generator, self.tokenizer, g.max_tool_calling_iterations,
-                        g.max_completion_length,
-                        max_positions(self.cfg.model, self.paths.project_root), runner=runner)
 
     def check_positions(self) -> None:
         """A prompt plus its completion must fit the model's positions: one line if not."""
@@ -170,18 +164,21 @@ class GRPORun(TrainingRun):
             seeds = prompt_seeds(t.seed, self.progress.step, (i * d.world_size + d.rank) * size,
                                  prompt_ids.shape[0])
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-                done = self.generator.generate(prompt_ids, prompt_mask, g.num_generations, seeds)
-            generated.append((batch, prompt_ids, prompt_mask, done))
+                rolled = self.episodes.generate(prompt_ids, prompt_mask, batch["reward_inputs"],
+                                                g.num_generations, seeds)
+            generated.append((batch, *rolled.forward_prompts(prompt_ids, prompt_mask,
+                                                             g.num_generations), rolled))
         generated_at = time.perf_counter()
-        per_func = torch.cat([self.score(batch, done) for batch, _, _, done in generated])
-        batches = [self.completion_batch(p_ids, p_mask, done)
-                   for _, p_ids, p_mask, done in generated]
-        lengths = torch.cat([done.mask.sum(-1) for *_, done in generated])
-        clipped = torch.cat([done.clipped for *_, done in generated])
+        per_func = torch.cat([self.score(batch, rolled) for batch, _, _, rolled in generated])
+        batches = [self.completion_batch(p_ids, p_mask, rolled.done)
+                   for _, p_ids, p_mask, rolled in generated]
+        dones = [rolled.done for *_, rolled in generated]
+        lengths = torch.cat([done.mask.sum(-1) for done in dones])
+        clipped = torch.cat([done.clipped for done in dones])
         columns = [lengths, clipped]
-        if g.tools:
-            columns += [torch.cat([done.tool_calls for *_, done in generated]),
-                        torch.cat([done.tool_failures for *_, done in generated])]
+        if self.episodes.counts_tools:
+            columns += [torch.cat([done.tool_calls for done in dones]),
+                        torch.cat([done.tool_failures for done in dones])]
         advantages, stats = self.advantages(per_func, torch.stack(columns, 1))
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
@@ -197,7 +194,8 @@ class GRPORun(TrainingRun):
         values = torch.cat([torch.stack([*self.reward_stats(stats),
                                          stats["completions/mean_length"],
                                          stats["completions/clipped_ratio"],
-                                         *(stats[n] for n in TOOL_STATS if g.tools)]), host])
+                                         *(stats[n] for n in TOOL_STATS
+                                           if self.episodes.counts_tools)]), host])
         self.step_sums += values * step_targets
         return batches
 
@@ -208,12 +206,13 @@ class GRPORun(TrainingRun):
             names += [f"rewards/{i}/mean", f"rewards/{i}/std"]
         return torch.stack([stats[n].to(self.dist.device).double() for n in names]).unbind(0)
 
-    def score(self, batch: dict, done) -> torch.Tensor:
-        """[B * num_generations, functions] rewards of one micro-batch's completions; keeps
+    def score(self, batch: dict, rolled) -> torch.Tensor:
+        """[B * num_generations, functions] rewards of one micro-batch's rollouts; keeps
         them as the sample table of this rollout."""
         rewards, prompts, texts = score_completions(
-            self.tokenizer, self.rewards, batch["reward_inputs"], done,
-            self.cfg.grpo.num_generations, trainer_state=self.state, key=REWARDS_KEY)
+            self.tokenizer, self.rewards, batch["reward_inputs"], rolled.done,
+            self.cfg.grpo.num_generations, trainer_state=self.state, key=REWARDS_KEY,
+            prompts=rolled.prompts, environments=rolled.environments)
         self.samples += [{"prompt": p if isinstance(p, str) else json.dumps(p),
                          "completion": text,
                          **{f.name: float(v) for f, v in zip(self.rewards, r.tolist())}}
@@ -252,10 +251,9 @@ class GRPORun(TrainingRun):
         return adv[d.rank * n:(d.rank + 1) * n], stats
 
     def completion_batch(self, prompt_ids, prompt_mask, done) -> dict:
+        """The training rows of B * G rollouts: `prompt_ids` / `prompt_mask` are each
+        rollout's prompt ([B * G, P], Rollouts.forward_prompts)."""
         g = self.cfg.grpo
-        repeat = g.num_generations
-        prompt_ids = prompt_ids.repeat_interleave(repeat, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(repeat, dim=0)
         mask = done.mask if done.trained is None else done.mask * done.trained
         if g.mask_truncated_completions:
             mask = mask * (~done.clipped).unsqueeze(1).to(mask.dtype)

@@ -1,0 +1,76 @@
+"""How GRPO's config becomes its episodes (engine.rollout.episodes), for the training rollout
+and the held-out evaluation alike: grpo.tools and grpo.environment_factory put the generator
+in the tool loop (grpo.max_tool_calling_iterations, max_completion_length, the model's
+positions), an environment's prompts are rendered again by the dataset type that rendered them
+first, and an environment that owns its reward adds a reward function named after its class
+(weight 1, after grpo.reward_funcs' own weights), as TRL's GRPOTrainer adds it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.rollout.environment import Environments, environment_reward, load_environments
+from engine.rollout.episodes import Episodes
+from engine.rollout.rewards import RewardFunction
+
+ENVIRONMENTS_KEY = "grpo.environment_factory"
+
+
+def load_grpo_environments(cfg) -> Environments | None:
+    """grpo.environment_factory loaded (one probe instance of each class), or None."""
+    g = cfg.grpo
+    if not g.environment_factory:
+        return None
+    from engine.rollout.tools import load_tools
+
+    return load_environments(g.environment_factory, ENVIRONMENTS_KEY,
+                             load_tools(g.tools, "grpo.tools"))
+
+
+def environment_rewards(environments: Environments | None) -> list[RewardFunction]:
+    """A reward function per environment class that owns its reward (`get_reward`)."""
+    if environments is None:
+        return []
+    return [RewardFunction(klass.__name__, environment_reward(klass))
+            for klass in environments.reward_classes]
+
+
+def reward_weights(cfg, count: int) -> list[float]:
+    """grpo.reward_weights (all 1 when null) for grpo.reward_funcs, then 1 for each of the
+    `count - len(reward_funcs)` environment rewards after them."""
+    g = cfg.grpo
+    own = list(g.reward_weights or [1.0] * len(g.reward_funcs))
+    return own + [1.0] * (count - len(own))
+
+
+def make_episodes(cfg, tokenizer, generator, root: Path,
+                  environments: Environments | None = None) -> Episodes:
+    """The episodes of `generator`'s completions under GRPO's config (see the module
+    docstring)."""
+    g = cfg.grpo
+    if not g.tools and environments is None:
+        return Episodes(generator)
+    from engine.modeling.model import max_positions
+    from engine.rollout.multi_turn import ToolLoop
+    from engine.rollout.tools import ToolRunner, load_tools
+
+    tools = load_tools(g.tools, "grpo.tools")
+    runner = ToolRunner(tools, g.tool_timeout, g.tool_sandbox) if environments is None else None
+    loop = ToolLoop(generator, tokenizer, g.max_tool_calling_iterations,
+                    g.max_completion_length, max_positions(cfg.model, root), runner=runner)
+    render = None
+    if environments is not None:
+        from finetune.datatypes.base import DataContext
+        from finetune.datatypes.registry import type_class
+
+        from finetune.errors import PipelineError
+
+        datatype = type_class(cfg.data.dataset_type)(cfg.data)
+        if not hasattr(datatype, "prompt_encoder"):
+            raise PipelineError(f"{ENVIRONMENTS_KEY}: data.dataset_type "
+                                f"{cfg.data.dataset_type} has no prompt_encoder to render a "
+                                "prompt an environment's reset changed; use dataset_type prompt")
+        render = datatype.prompt_encoder(DataContext(root, lambda: tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+        tokenizer.eos_token_id)
+    return Episodes(generator, loop, environments, tools, g.tool_timeout, render, pad)
