@@ -189,6 +189,15 @@ class GRPOConfig(Section):
 
 
 GRPO = compat.When("training.type grpo", lambda c: c.training.type == "grpo")
+#: what a multi-turn rollout (tools, environments) cannot run under yet, and why
+SHARDED = compat.When(
+    "sharded weights (distributed.strategy fsdp2, or diloco with fsdp_group_size > 1)",
+    lambda c: c.distributed.strategy == "fsdp2" or (
+        c.distributed.strategy == "diloco" and c.distributed.diloco is not None
+        and c.distributed.diloco.fsdp_group_size > 1))
+SHARDED_WHY = ("every generation forward gathers the shards, so every rank must run as many "
+               "turns as the rank that calls tools longest, which the tool loop does not do "
+               "yet; use distributed.strategy ddp or single")
 
 
 def _environment_rows() -> list:
@@ -206,14 +215,7 @@ def _environment_rows() -> list:
             "them); tools the rollout cannot run would be offered otherwise: set one",
             example={**base, "data.tools": [
                 {"name": "f", "parameters": {"type": "object", "properties": {}}}]}),
-        compat.Refuse("config", "grpo.environment_factory", compat.When(
-            "sharded weights (distributed.strategy fsdp2, or diloco with fsdp_group_size > 1)",
-            lambda c: c.distributed.strategy == "fsdp2" or (
-                c.distributed.strategy == "diloco" and c.distributed.diloco is not None
-                and c.distributed.diloco.fsdp_group_size > 1)),
-            "every generation forward gathers the shards, so every rank must run as many "
-            "turns as the rank that calls tools longest, which the tool loop does not do yet; "
-            "use distributed.strategy ddp or single", used=used,
+        compat.Refuse("config", "grpo.environment_factory", SHARDED, SHARDED_WHY, used=used,
             example={**base, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2}),
         compat.Refuse("config", "grpo.environment_factory", compat.When(
             "data.prompt_template or data.prompt_func (a string prompt)",
@@ -271,14 +273,7 @@ ROWS: list[compat.Rule] = [
             "registry.gate_metric": "eval.reward", "grpo.tools": ["m:f"],
             "data.prompt_template": None,
             "data.tools": [{"name": "f", "parameters": {"type": "object", "properties": {}}}]}),
-    compat.Refuse("config", "grpo.tools", compat.When(
-        "sharded weights (distributed.strategy fsdp2, or diloco with fsdp_group_size > 1)",
-        lambda c: c.distributed.strategy == "fsdp2" or (
-            c.distributed.strategy == "diloco" and c.distributed.diloco is not None
-            and c.distributed.diloco.fsdp_group_size > 1)),
-        "every generation forward gathers the shards, so every rank must run as many turns "
-        "as the rank that calls tools longest, which the tool loop does not do yet; use "
-        "distributed.strategy ddp or single",
+    compat.Refuse("config", "grpo.tools", SHARDED, SHARDED_WHY,
         used=lambda c: c.training.type == "grpo" and bool(c.grpo.tools), example={
             "training.type": "grpo", "data.dataset_type": "prompt",
             "registry.gate_metric": "eval.reward", "grpo.tools": ["m:f"],
