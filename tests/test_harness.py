@@ -225,9 +225,8 @@ def test_apply_chat_template_uses_the_trained_tokenizers_template(tmp_path):
 
 def test_the_harness_example_evaluates_the_default_runs_training():
     """params/harness-gsm8k.yaml is the default run plus the harness: every params key the
-    stages up to train list in dvc.yaml resolves as the default's, so after `make run` DVC
-    keeps the trained model and only evaluate and export run (the example had drifted: native
-    CPU numerics and its own MLflow experiment retrained the model, 145 s of 254)."""
+    stages up to train list in dvc.yaml resolves as the default's, so it trains the default
+    run's model (the example had drifted to native CPU numerics: another model)."""
     import yaml
     from finetune.config.loader import load_config
 
