@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import copy_project, stages_here, train_in_place, write_params
-from test_grpo_tools import CALL, rigged_model
+from test_grpo_tools import CALL, RIGGED_GRPO, rigged_model
 
 from finetune.errors import PipelineError
 
@@ -69,21 +69,10 @@ def tickets(completions, environments, ticket, **kwargs):
 
 def _project(tmp_path: Path, factory, rows_env=None) -> Path:
     project = copy_project(tmp_path / "p", {
-        "model.name_or_path": "data/models/rigged", "model.dtype": "float32",
-        "peft.use_peft": False, "training.type": "grpo", "data.dataset_type": "prompt",
-        "data.data_files": {"train": "data/source/calc/train.jsonl",
-                            "test": "data/source/calc/test.jsonl"},
-        "data.prompt_template": None, "data.completion_template": None,
-        "data.max_train_samples": 4, "data.max_eval_samples": 2, "data.max_seq_length": 1024,
-        "grpo.environment_factory": factory, "grpo.max_tool_calling_iterations": 2,
-        "grpo.num_generations": 2, "grpo.max_completion_length": 64,
+        **RIGGED_GRPO, "grpo.environment_factory": factory,
         "grpo.reward_funcs": ["preprocess/env_reward.py:tickets"],
-        "grpo.num_generations_eval": 2,
-        "training.max_steps": 2, "training.per_device_train_batch_size": 2,
-        "training.per_device_eval_batch_size": 2,
-        "logging.logging_steps": 1, "eval.eval_strategy": "no",
-        "eval.max_generation_samples": 2,
-        "checkpoint.save_strategy": "no", "registry.gate_metric": "eval.reward"})
+        "grpo.num_generations_eval": 2, "training.per_device_eval_batch_size": 2,
+        "eval.max_generation_samples": 2})
     rigged_model(project / "data/models/rigged")
     (project / "preprocess/calc_env.py").write_text(ENV)
     (project / "preprocess/env_reward.py").write_text(REWARD)

@@ -64,20 +64,26 @@ def rigged_model(dest: Path):
     return tok
 
 
+#: a two-step GRPO run of the rigged model on data/source/calc (conversational prompts), two
+#: rounds of tool calls at most; tests/test_grpo_environments.py runs it too
+RIGGED_GRPO = {
+    "model.name_or_path": "data/models/rigged", "model.dtype": "float32",
+    "peft.use_peft": False, "training.type": "grpo", "data.dataset_type": "prompt",
+    "data.data_files": {"train": "data/source/calc/train.jsonl",
+                        "test": "data/source/calc/test.jsonl"},
+    "data.prompt_template": None, "data.completion_template": None,
+    "data.max_train_samples": 4, "data.max_eval_samples": 2, "data.max_seq_length": 1024,
+    "grpo.max_tool_calling_iterations": 2,
+    "grpo.num_generations": 2, "grpo.max_completion_length": 64,
+    "training.max_steps": 2, "training.per_device_train_batch_size": 2,
+    "logging.logging_steps": 1, "eval.eval_strategy": "no",
+    "checkpoint.save_strategy": "no", "registry.gate_metric": "eval.reward"}
+
+
 def test_a_run_with_tools_calls_them_between_turns_and_logs_trls_statistics(tmp_path):
     project = copy_project(tmp_path / "p", {
-        "model.name_or_path": "data/models/rigged", "model.dtype": "float32",
-        "peft.use_peft": False, "training.type": "grpo", "data.dataset_type": "prompt",
-        "data.data_files": {"train": "data/source/calc/train.jsonl",
-                            "test": "data/source/calc/test.jsonl"},
-        "data.prompt_template": None, "data.completion_template": None,
-        "data.max_train_samples": 4, "data.max_eval_samples": 2, "data.max_seq_length": 1024,
-        "grpo.tools": ["preprocess/calc.py:add"], "grpo.max_tool_calling_iterations": 2,
-        "grpo.num_generations": 2, "grpo.max_completion_length": 64,
-        "grpo.reward_funcs": ["format"], "grpo.format_regex": "5",
-        "training.max_steps": 2, "training.per_device_train_batch_size": 2,
-        "logging.logging_steps": 1, "eval.eval_strategy": "no",
-        "checkpoint.save_strategy": "no", "registry.gate_metric": "eval.reward"})
+        **RIGGED_GRPO, "grpo.tools": ["preprocess/calc.py:add"],
+        "grpo.reward_funcs": ["format"], "grpo.format_regex": "5"})
     tok = rigged_model(project / "data/models/rigged")
     (project / "preprocess/calc.py").write_text(CALC)
     source = project / "data/source/calc"

@@ -67,9 +67,10 @@ def tool_methods(environment: object) -> dict[str, Callable]:
 
 class Environments:
     """The factories of grpo.environment_factory (`load_environments`): `factories` maps a
-    name to its factory (the one factory of a single class under None), `tools` each name to
-    its tool methods' schemas (in name order, after the stateless tools' where there are some),
-    `reward_classes` the classes that own a reward (`get_reward`), each once."""
+    name to its factory (the one factory of a single class under None), `schemas` each name
+    to its tools' schemas (the stateless tools' first, then its methods' in name order),
+    `reward_classes` the classes that own a reward (`get_reward`), each once; `key` is the
+    params entry its messages name."""
 
     def __init__(self, factories: dict[str | None, Callable], schemas: dict[str | None, list],
                  reward_classes: list[type], key: str):

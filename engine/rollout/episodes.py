@@ -82,13 +82,11 @@ class Episodes:
     def __init__(self, generator: Generator, loop: ToolLoop | None = None,
                  environments: Environments | None = None,
                  tools: dict[str, Callable] | None = None, tool_timeout: float | None = None,
-                 render: Callable[[list[dict], list[dict]], list[int]] | None = None,
-                 pad_id: int = 0):
+                 render: Callable[[list[dict], list[dict]], list[int]] | None = None):
         if environments is not None and (loop is None or render is None):
             raise ValueError("Episodes: an environment run needs the tool loop and render")
         self.generator, self.loop, self.environments = generator, loop, environments
         self.tools, self.tool_timeout, self.render = dict(tools or {}), tool_timeout, render
-        self.pad_id = pad_id
         self.pool = environments.pool() if environments is not None else None
 
     @property
@@ -138,7 +136,7 @@ class Episodes:
             prompt = with_observation(prompt, observation)
             prompts.append(prompt)
             ids.append(self.render(prompt, envs.schemas[name]))
-        ids_t, mask_t = left_pad(ids, self.pad_id)
+        ids_t, mask_t = left_pad(ids, self.loop.pad_id)
         ids_t, mask_t = ids_t.to(prompt_ids.device), mask_t.to(prompt_ids.device)
         runners = [ToolRunner({**self.tools, **tool_methods(instance)}, self.tool_timeout)
                    for instance in instances]

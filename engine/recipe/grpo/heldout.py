@@ -19,13 +19,14 @@ import torch
 
 from engine.datapath.data import take_rows
 from engine.evaluation.heldout import Evaluated
+from engine.recipe.grpo.rollouts import (environment_rewards, load_grpo_environments,
+                                         make_episodes, reward_weights)
 from engine.recipe.reference import lockstep_batches
 from engine.rollout.generator import left_pad
 from engine.rollout.local import LocalGenerator, eos_ids
 from engine.rollout.rewards import RewardFunction, load_reward_functions, reward_options
 from engine.rollout.sampling import sampling_params
 from engine.rollout.scoring import score_completions
-from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 
 
 #: the config key of GRPO's reward functions, which the rollout's messages name
@@ -37,8 +38,6 @@ def load_rewards(cfg, root: Path = Path("."), device: torch.device | None = None
     """grpo.reward_funcs as functions, with what the built-ins read from the config; a reward
     model's directory resolves against `root` and loads on `device` (CPU when None); then a
     function per environment class of `environments` that owns its reward (TRL's order)."""
-    from engine.recipe.grpo.rollouts import environment_rewards
-
     options = reward_options(cfg.grpo, answer_regex=cfg.eval.answer_regex,
                              batch_size=cfg.training.per_device_eval_batch_size, root=root,
                              device=device)
@@ -74,14 +73,14 @@ class _Measure:
         ids, mask = left_pad([r["input_ids"] for r in rows], self.tok.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         inputs = [r["reward_inputs"] for r in rows]
-        seeds = self.seed + offset  # the call's (an environment run: each row's, from it)
-        rolled = self.greedy.generate(ids, mask, inputs, 1, seeds)
+        seed = self.seed + offset  # the call's (an environment run derives each row's)
+        rolled = self.greedy.generate(ids, mask, inputs, 1, seed)
         greedy, _, texts = score_completions(self.tok, self.funcs, inputs, rolled.done, 1,
                                              key=REWARDS_KEY, prompts=rolled.prompts,
                                              environments=rolled.environments)
         sampled = None
         if k:
-            rolled = self.sampled.generate(ids, mask, inputs, k, seeds)
+            rolled = self.sampled.generate(ids, mask, inputs, k, seed)
             sampled = score_completions(self.tok, self.funcs, inputs, rolled.done, k,
                                         key=REWARDS_KEY, prompts=rolled.prompts,
                                         environments=rolled.environments)[0]

@@ -62,7 +62,6 @@ def make_episodes(cfg, tokenizer, generator, root: Path,
     if environments is not None:
         from finetune.datatypes.base import DataContext
         from finetune.datatypes.registry import type_class
-
         from finetune.errors import PipelineError
 
         datatype = type_class(cfg.data.dataset_type)(cfg.data)
@@ -71,6 +70,4 @@ def make_episodes(cfg, tokenizer, generator, root: Path,
                                 f"{cfg.data.dataset_type} has no prompt_encoder to render a "
                                 "prompt an environment's reset changed; use dataset_type prompt")
         render = datatype.prompt_encoder(DataContext(root, lambda: tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        tokenizer.eos_token_id)
-    return Episodes(generator, loop, environments, tools, g.tool_timeout, render, pad)
+    return Episodes(generator, loop, environments, tools, g.tool_timeout, render)

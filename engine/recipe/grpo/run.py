@@ -38,9 +38,9 @@ from engine.modeling.runtime import activation_offloading
 from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
 from engine.recipe.grpo.heldout import REWARDS_KEY, load_rewards, reward_metrics
-from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.grpo.loss import (TOKEN_STATS, averaged_over, completion_logps, reduce,
                                      token_losses, token_stat_sums)
+from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
 from engine.rollout.local import LocalGenerator, eos_ids
@@ -96,11 +96,11 @@ class GRPORun(TrainingRun):
         t = self.cfg.training
         #: a prompt's completions share its forward (loss.completion_logps `group`): where
         #: the strategy allows it (one process holding the whole model), without activation
-        #: checkpointing or compile
+        #: checkpointing or compile, and without environments (reset's text makes each
+        #: rollout's prompt its own)
         self.prompt_group = g.num_generations if (
             self.strategy.shares_prompt_forward() and not t.gradient_checkpointing
-            and not t.torch_compile and environments is None) else 1  # an observation makes
-        # a rollout's prompt its own
+            and not t.torch_compile and environments is None) else 1
         self.weights = torch.tensor(reward_weights(self.cfg, len(self.rewards)),
                                     dtype=torch.float32)
         self.step_names = ("reward", "reward_std", "frac_reward_zero_std",
