@@ -46,6 +46,17 @@ def project_root() -> Path:
 def load_object(ref: str, key: str) -> Any:
     """'package.module:name' -> the object it names; a failure is one line naming `key`."""
     module_name, _, attr = ref.partition(":")
+    module = module_of(ref, key)
+    if not hasattr(module, attr):
+        raise PipelineError(
+            f"{key}: cannot import '{ref}' (module '{module_name}' has no attribute '{attr}')")
+    return getattr(module, attr)
+
+
+def module_of(ref: str, key: str):
+    """The module a 'package.module:name' reference names, imported (a file's loaded once);
+    a failure is one line naming `key`."""
+    module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise PipelineError(f"{key}: '{ref}' must look like 'package.module:name' or "
                             "'path/to/file:name'")
@@ -59,10 +70,7 @@ def load_object(ref: str, key: str) -> Any:
     except Exception as exc:  # the user's file failed while it ran
         raise PipelineError(f"{key}: '{ref}' failed to load: {type(exc).__name__}: {exc}"
                             ) from None
-    if not hasattr(module, attr):
-        raise PipelineError(
-            f"{key}: cannot import '{ref}' (module '{module_name}' has no attribute '{attr}')")
-    return getattr(module, attr)
+    return module
 
 
 def _from_file(name: str):

@@ -27,6 +27,7 @@ from finetune import numerics
 from finetune.config import config_fingerprint
 from finetune.config.section import flatten as dotted
 from finetune.files import file_sha256
+from finetune.user_code import code_hashes
 from finetune.workspace import Workspace
 
 
@@ -145,6 +146,8 @@ def lineage(ws: Workspace) -> dict[str, str]:
         # the CPU numerics it trained with and the CPU (what bitwise reproduction needs)
         **numerics.settings(numerics.plan(ws.config)),
         **data_hashes(ws.layout.raw),
+        # the files of the tools, environments and reward functions the params name
+        **{f"code_sha256.{key}": h for key, h in code_hashes(ws.config).items()},
         **dvc_lock_hashes(ws.root),
         **dvc_out_hashes(ws.root),
     }

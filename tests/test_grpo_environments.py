@@ -20,6 +20,9 @@ from test_grpo_tools import CALL, RIGGED_GRPO, rigged_model
 from finetune.errors import PipelineError
 
 ENV = '''
+import random
+
+
 class Calculator:
     """A calculator whose running total is the rollout's state."""
 
@@ -48,6 +51,17 @@ class Quiet(Calculator):
     def reset(self, **row):
         self.total = 0
         return None
+
+
+class Dice(Calculator):
+    """Draws from its own generator, seeded per rollout (reset's seed=)."""
+
+    def reset(self, seed, **row):
+        self.total, self.ticket, self.rng = 0, row["ticket"], random.Random(seed)
+        return f" [roll {self.rng.randint(1, 1000)}]"
+
+    def get_reward(self) -> float:
+        return self.total + self.rng.random()
 
 
 class NoReset:
@@ -87,7 +101,8 @@ def _project(tmp_path: Path, factory, rows_env=None) -> Path:
     return project
 
 
-def test_each_rollout_acts_in_its_own_environment_through_training_and_evaluation(tmp_path):
+def test_each_rollout_acts_in_its_own_environment_through_training_and_evaluation(
+        tmp_path, monkeypatch):
     project = _project(tmp_path, "preprocess/calc_env.py:Calculator")
     stages_here(project, "download", "format", "tokenize")
     import pandas as pd
@@ -114,6 +129,7 @@ def test_each_rollout_acts_in_its_own_environment_through_training_and_evaluatio
         prompt = json.loads(sample["prompt"])
         assert prompt[-1]["content"].endswith("]") and "[ticket train-" in prompt[-1]["content"]
         assert sample["completion"].count(CALL) == 3, sample["completion"]
+        assert (sample["tool_calls"], sample["tool_failures"]) == (2, 0)  # the third unrun
 
     stages_here(project, "evaluate")  # the held-out rollouts act in environments too
     metrics = json.loads((project / "data/metrics/eval.json").read_text())
@@ -121,6 +137,19 @@ def test_each_rollout_acts_in_its_own_environment_through_training_and_evaluatio
     assert "reward_Calculator" in flat and "reward_tickets" in flat, metrics
     found = [v for k, v in _leaves(metrics) if k.endswith("reward_Calculator")]
     assert found and all(v == 10.0 for v in found), metrics
+
+    # the run's lineage names the files of the environment and the reward function it ran
+    import hashlib
+
+    from finetune.workspace import Workspace
+    from tasks.tracking import lineage
+
+    monkeypatch.chdir(project)
+    traced = lineage(Workspace.load(project / "params/default.yaml"))
+    for key, file in (("grpo.environment_factory", "calc_env.py"),
+                      ("grpo.reward_funcs[0]", "env_reward.py")):
+        expected = hashlib.sha256((project / "preprocess" / file).read_bytes()).hexdigest()
+        assert traced[f"code_sha256.{key}"] == expected, key
 
 
 def _leaves(tree, prefix=""):
@@ -178,11 +207,84 @@ def test_validate_names_an_environment_that_cannot_be_one(tmp_path, monkeypatch)
         ("preprocess/calc_env.py:Nowhere", "grpo.environment_factory"),
         ({"a": "preprocess/calc_env.py:Calculator", "b": "preprocess/calc_env.py:NoReset"},
          "grpo.environment_factory.b: NoReset is not an environment"),
+        (None, "params/default.yaml: grpo: reward_funcs is empty and there is no "
+         "environment_factory"),
     ]:
-        write_params(project, {"grpo.environment_factory": factory})
+        write_params(project, {"grpo.environment_factory": factory,
+                               **({} if factory else {"grpo.reward_funcs": []})})
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = cli.main(["validate"])
         errors = [ln for ln in err.getvalue().splitlines() if ln.startswith("error: ")]
         assert code == 2 and len(errors) == 1, (code, err.getvalue())
         assert errors[0].startswith(f"error: {says}"), errors[0]
+
+
+#: a seeded environment's run, with LoRA (the comparisons read the adapter) and checkpoints
+DICE = {"grpo.environment_factory": "preprocess/calc_env.py:Dice", "peft.use_peft": True,
+        "grpo.reward_funcs": [],  # the environment owns the reward (TRL allows none besides)
+        "training.max_steps": 4, "checkpoint.save_strategy": "steps",
+        "checkpoint.save_steps": 2}
+
+
+def _samples(project: Path) -> list[dict]:
+    return [json.loads(line) for line in
+            (project / "data/plots/train_samples.jsonl").read_text().splitlines()]
+
+
+def _rolls(project: Path) -> list[str]:
+    return [json.loads(s["prompt"])[-1]["content"].rsplit("[roll ", 1)[1] for s in
+            _samples(project)]
+
+
+@pytest.fixture(scope="module")
+def dice(tmp_path_factory) -> Path:
+    """A tokenized project of the seeded environment (reset(seed, **row): its observation
+    and its reward are draws from random.Random(seed))."""
+    project = _project(tmp_path_factory.mktemp("dice"), DICE["grpo.environment_factory"])
+    write_params(project, DICE)
+    stages_here(project, "download", "format", "tokenize")
+    return project
+
+
+def test_a_seeded_environment_run_resumes_bitwise_with_its_samples(dice, tmp_path):
+    """Each rollout's environment gets a seed of (seed, step, the row's global position, the
+    rollout's index in its group): the rolls differ between rollouts and steps, and a run
+    cut back to what a SIGKILL right after its step-2 checkpoint leaves resumes to the same
+    weights bitwise, the same logged rows and the same samples table, the environments
+    reseeded as in the uninterrupted run."""
+    from helpers import resume_cut_back, train_here, train_in_place
+
+    full, _ = train_here(dice, tmp_path / "full")
+    rolls = _rolls(full)
+    assert len(rolls) == 4 * 2 * 2 and len(set(rolls)) == len(rolls), rolls
+    with open(full / "data/plots/train.csv") as fh:
+        rewards = [float(r["rewards/Dice/mean"]) for r in csv.DictReader(fh)]
+    assert len(set(rewards)) == len(rewards)  # the draws reach the reward
+    resume_cut_back(full, tmp_path, 2, train_in_place)
+    assert _samples(tmp_path / "cut") == _samples(full)
+
+
+@pytest.mark.distributed
+def test_two_processes_equal_one_with_seeded_environments(dice, tmp_path):
+    """One process x 4 prompts equals DDP on 2 torchrun processes (gloo) x 2 prompts: each
+    rollout's environment is seeded by its row's position in the step's global batch, not by
+    rank, so the rolls, the rewards and the samples table are the same, and the weights agree
+    to the summation order."""
+    from helpers import adapter, assert_weights_close, train_copy, train_here
+
+    params = {"training.max_steps": 2, "checkpoint.save_strategy": "no"}
+    one, _ = train_here(dice, tmp_path / "one", {**params,
+                                                 "training.per_device_train_batch_size": 4})
+    two, _ = train_copy(dice, tmp_path / "two", {
+        **params, "distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
+        "training.per_device_train_batch_size": 2})
+    assert _samples(two) == _samples(one)
+    for name in ("rewards/Dice/mean", "reward", "loss"):
+        assert _column(two, name) == pytest.approx(_column(one, name), rel=1e-5, abs=1e-6)
+    assert_weights_close(adapter(two), adapter(one))
+
+
+def _column(project: Path, name: str) -> list[float]:
+    with open(project / "data/plots/train.csv") as fh:
+        return [float(r[name]) for r in csv.DictReader(fh)]

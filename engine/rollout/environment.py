@@ -9,6 +9,12 @@ The contract, TRL's:
 - `reset(**row)` receives every column of the rollout's dataset row (the prompt among them)
   before anything is generated, and returns None, or text that is appended to the prompt's
   last user message (the first observation);
+- ours beyond TRL's: a `reset` that names a `seed` parameter also gets the rollout's seed
+  (Gymnasium's `reset(seed=)`), derived from (training.seed, step, the row's global position
+  in the step, the rollout's index in its group): an environment that draws random numbers
+  from its own `random.Random(seed)` then does the same thing in a resumed run and on any
+  number of processes, which a shared global generator cannot (its draws would depend on
+  which rollouts a process ran before);
 - its public methods are the model's tools (`tool_methods`): their names, signatures and
   docstrings are the tool schema the chat template renders; a call the model makes runs the
   method, and its return value goes back to the model as a tool message, until the model
@@ -73,9 +79,14 @@ class Environments:
     params entry its messages name."""
 
     def __init__(self, factories: dict[str | None, Callable], schemas: dict[str | None, list],
-                 reward_classes: list[type], key: str):
+                 reward_classes: list[type], key: str,
+                 seeded: frozenset[str | None] = frozenset()):
         self.factories, self.schemas, self.key = factories, schemas, key
-        self.reward_classes = reward_classes
+        self.reward_classes, self.seeded = reward_classes, seeded
+
+    def takes_seed(self, name: str | None) -> bool:
+        """The environment's `reset` names a `seed` parameter (it gets the rollout's seed)."""
+        return name in self.seeded
 
     @property
     def named(self) -> bool:
@@ -138,7 +149,7 @@ def load_environments(spec: str | dict[str, str] | None, key: str,
     entries = {None: spec} if isinstance(spec, str) else dict(spec)
     tools_key = f"{key.rsplit('.', 1)[0]}.tools"
     shared = [tool_schema(f, f"{tools_key}[{i}]") for i, f in enumerate((functions or {}).values())]
-    factories, schemas, rewards = {}, {}, []
+    factories, schemas, rewards, seeded = {}, {}, [], set()
     for name, ref in entries.items():
         where = key if name is None else f"{key}.{name}"
         factory = load_object(ref, where)
@@ -162,7 +173,19 @@ def load_environments(spec: str | dict[str, str] | None, key: str,
         klass = type(probe)
         if callable(getattr(klass, "get_reward", None)) and klass not in rewards:
             rewards.append(klass)
-    return Environments(factories, schemas, rewards, key)
+        if _names_seed(probe.reset):
+            seeded.add(name)
+    return Environments(factories, schemas, rewards, key, frozenset(seeded))
+
+
+def _names_seed(reset: Callable) -> bool:
+    """`reset` has a parameter called `seed` (not only **row)."""
+    try:
+        parameter = inspect.signature(reset).parameters.get("seed")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def environment_reward(klass: type) -> Callable:

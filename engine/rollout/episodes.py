@@ -11,7 +11,8 @@ held-out evaluation both make completions, so that a reward means the same in bo
   and tokenizing, so an unchanged prompt is the same ids); the instance's methods, with the
   stateless tools, are the rollout's tools. Each rollout then samples with its own seed (its
   prompt's seed, its index in the group, turn 0: engine.rollout.multi_turn.turn_seed), so a
-  rollout does not depend on the others in the batch, and a resumed run replays it.
+  rollout does not depend on the others in the batch, and a resumed run replays it; an
+  environment whose `reset` names `seed` gets that seed too (engine.rollout.environment).
 
 `Rollouts` carries what the scoring needs besides the completions: each rollout's prompt as
 its reward functions see it (the observation included) and its environment instance
@@ -117,11 +118,19 @@ class Episodes:
         instances = self.pool.draw([n for n in names for _ in range(g)])
         own = [[t for t, m in zip(ids, mask) if m]  # each row's prompt, one host copy
                for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
+        rollout_seeds = [turn_seed(seeds[k // g], k % g, 0) for k in range(len(instances))]
         prompts, ids = [], []
         for k, instance in enumerate(instances):
             row, name = rows[k // g], names[k // g]
             # a mapping's `environment` column chose the class; TRL does not pass it to reset
             columns = {c: v for c, v in row.items() if c != ENVIRONMENT_COLUMN or not envs.named}
+            if envs.takes_seed(name):
+                if "seed" in columns:
+                    raise PipelineError(
+                        f"prompt row {k // g} has a 'seed' column and "
+                        f"{type(instance).__qualname__}.reset takes the rollout's seed as "
+                        "seed=: rename the column")
+                columns["seed"] = rollout_seeds[k]
             observation = instance.reset(**columns)
             prompt = row.get("prompt")
             if observation is None:
@@ -140,7 +149,5 @@ class Episodes:
         ids_t, mask_t = ids_t.to(prompt_ids.device), mask_t.to(prompt_ids.device)
         runners = [ToolRunner({**self.tools, **tool_methods(instance)}, self.tool_timeout)
                    for instance in instances]
-        done = self.loop.generate(ids_t, mask_t, 1,
-                                  [turn_seed(seeds[k // g], k % g, 0)
-                                   for k in range(len(instances))], runners=runners)
+        done = self.loop.generate(ids_t, mask_t, 1, rollout_seeds, runners=runners)
         return Rollouts(done, ids_t, mask_t, prompts, instances)

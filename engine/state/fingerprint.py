@@ -17,6 +17,9 @@ with the fingerprint of the run about to start (engine.state.trainer_state.plan_
   stream manifest of a streamed split (source file hashes and sampling settings).
 - `base_model`: SHA-256 of the base model's config and weight files for a local folder; for a
   hub id, the commit the cache resolved it to.
+- `user_code`: SHA-256 of the file of each tool, environment, reward function and other
+  'module:name' the params name (finetune.user_code), by key: the params hold only the
+  reference, so an edited environment would otherwise resume as the same run.
 
 Hashing a 15 GB model costs seconds, so file hashes are cached by (path, size, mtime, inode)
 in `$FINETUNE_CACHE_DIR` (default `~/.cache/finetune`), as DVC caches its own.
@@ -42,6 +45,7 @@ from finetune.config.fingerprint import (
     config_part,
 )
 from finetune.hashing import HashCache, data_hash_with
+from finetune.user_code import code_hashes
 
 MODEL_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -60,7 +64,8 @@ def compute(cfg: FinetuneConfig, train_identity: Path | None, model_ref: str) ->
     try:
         return {"config": config_part(cfg), "batch": batch_split(cfg),
                 "train_data": data_hash_with(train_identity, cache),
-                "base_model": _model_hash(model_ref, cfg.model.revision, cache)}
+                "base_model": _model_hash(model_ref, cfg.model.revision, cache),
+                "user_code": code_hashes(cfg)}
     finally:
         cache.close()
 
@@ -77,9 +82,26 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, st
         if was != now:
             found[key] = f"{_short(was)} -> {_short(now)}"
     for key in CONTENT_KEYS:
-        if old.get(key) != new[key]:
+        if key == "user_code":
+            if key in old:  # a checkpoint from before user code was hashed has none
+                edited = _edited(old[key], new[key])
+                if edited:
+                    found[key] = edited
+        elif old.get(key) != new[key]:
             found[key] = "content changed"
     return found
+
+
+def _edited(old: dict[str, str], new: dict[str, str]) -> str | None:
+    """Which user code references changed file content, or came or went: 'grpo.tools[0]
+    content changed, ...'; None when none did."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if key not in old or key not in new:
+            changes.append(f"{key} {'added' if key in new else 'removed'}")
+        elif old[key] != new[key]:
+            changes.append(f"{key} content changed")
+    return ", ".join(changes) or None
 
 
 def _upgraded(config: dict[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,8 @@ class CheckpointConfig(Section):
     resume_ignore_changes: list[str] = Field(
         default_factory=list,
         description="Fingerprint keys allowed to differ on resume, as the refusal names them "
-        "(e.g. training.max_steps to train past the planned end; train_data, base_model).",
+        "(e.g. training.max_steps to train past the planned end; train_data, base_model, "
+        "user_code: an edited tool, environment or reward function).",
     )
     save_on_each_node: bool = Field(
         False,

@@ -476,7 +476,7 @@ def _unknown_fingerprint_key(c) -> str | None:
         if key not in known:
             return (f"checkpoint.resume_ignore_changes: '{key}' is not part of the checkpoint "
                     "fingerprint (a dotted key such as training.max_steps, or train_data, "
-                    "base_model); keys outside it never block a resume")
+                    "base_model, user_code); keys outside it never block a resume")
     return None
 
 

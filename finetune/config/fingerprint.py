@@ -96,4 +96,4 @@ def global_batch(cfg: Any) -> int:
 
 
 #: the content-hash parts of the fingerprint, named like config keys in refusals
-CONTENT_KEYS = ("train_data", "base_model")
+CONTENT_KEYS = ("train_data", "base_model", "user_code")

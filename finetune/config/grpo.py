@@ -70,9 +70,10 @@ class GRPOConfig(Section):
         description="Penalise tokens already in the prompt or the completion (>1 "
         "discourages repeats; 1: off).")
     reward_funcs: list[str] = Field(
-        ["correctness"], min_length=1, fingerprint=True, model_ref="reward_model",
-        description="Reward functions: built-ins by name (correctness: the final answer "
-        "equals the reference column's, as the evaluate stage checks it; format: the "
+        ["correctness"], fingerprint=True, model_ref="reward_model",
+        description="Reward functions (empty only beside an environment_factory whose "
+        "class owns its reward, get_reward, as TRL allows): built-ins by name (correctness: "
+        "the final answer equals the reference column's, as the evaluate stage checks it; format: the "
         "completion matches format_regex; length: a soft penalty for long completions), "
         "'module:function' / 'path/to/file.py:function' called as TRL calls one: "
         "f(prompts, completions, **columns) -> list of float or None, or a trained reward "
@@ -239,10 +240,20 @@ def _one_weight_per_function(g: GRPOConfig) -> str | None:
             "reward_funcs; give one per function or null")
 
 
+def _a_reward_source(g: GRPOConfig) -> str | None:
+    if g.reward_funcs or g.environment_factory:
+        return None
+    return ("reward_funcs is empty and there is no environment_factory: name a reward "
+            "function (e.g. [correctness]) or an environment whose class scores its rollouts "
+            "(get_reward)")
+
+
 #: grpo's rows of the compatibility table (finetune/config/compat.py)
 ROWS: list[compat.Rule] = [
     compat.Agree("grpo", ("reward_weights", "reward_funcs"), _one_weight_per_function,
                  example={"grpo.reward_weights": [1.0, 2.0]}),
+    compat.Agree("grpo", ("reward_funcs", "environment_factory"), _a_reward_source,
+                 example={"grpo.reward_funcs": []}),
     *(compat.Refuse("config", key, GRPO, why, used=used, example={
         "training.type": "grpo", "data.dataset_type": "prompt",
         "registry.gate_metric": "eval.reward", **extra})

@@ -27,6 +27,7 @@ from engine.rollout.local import LocalGenerator, eos_ids
 from engine.rollout.rewards import RewardFunction, load_reward_functions, reward_options
 from engine.rollout.sampling import sampling_params
 from engine.rollout.scoring import score_completions
+from finetune.errors import PipelineError
 
 
 #: the config key of GRPO's reward functions, which the rollout's messages name
@@ -41,8 +42,13 @@ def load_rewards(cfg, root: Path = Path("."), device: torch.device | None = None
     options = reward_options(cfg.grpo, answer_regex=cfg.eval.answer_regex,
                              batch_size=cfg.training.per_device_eval_batch_size, root=root,
                              device=device)
-    return (load_reward_functions(cfg.grpo.reward_funcs, options, key=REWARDS_KEY)
-            + environment_rewards(environments))
+    funcs = (load_reward_functions(cfg.grpo.reward_funcs, options, key=REWARDS_KEY)
+             + environment_rewards(environments))
+    if not funcs:  # reward_funcs: [] is allowed (config) only beside an environment
+        raise PipelineError(f"{REWARDS_KEY} is empty and no environment of "
+                            "grpo.environment_factory defines get_reward(): nothing scores "
+                            "the rollouts; name a reward function or add get_reward")
+    return funcs
 
 
 def _weighted(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -213,10 +213,15 @@ class GRPORun(TrainingRun):
             self.tokenizer, self.rewards, batch["reward_inputs"], rolled.done,
             self.cfg.grpo.num_generations, trainer_state=self.state, key=REWARDS_KEY,
             prompts=rolled.prompts, environments=rolled.environments)
-        self.samples += [{"prompt": p if isinstance(p, str) else json.dumps(p),
-                         "completion": text,
-                         **{f.name: float(v) for f, v in zip(self.rewards, r.tolist())}}
-                        for p, text, r in zip(prompts, texts, rewards)]
+        rows = [{"prompt": p if isinstance(p, str) else json.dumps(p), "completion": text,
+                 **{f.name: float(v) for f, v in zip(self.rewards, r.tolist())}}
+                for p, text, r in zip(prompts, texts, rewards)]
+        done = rolled.done
+        if done.tool_calls is not None:  # an episode: its turns are in the completion's text
+            for row, calls, failed in zip(rows, done.tool_calls.tolist(),
+                                          done.tool_failures.tolist()):
+                row.update(tool_calls=calls, tool_failures=failed)
+        self.samples += rows
         return rewards
 
     def advantages(self, per_func: torch.Tensor, completions: torch.Tensor
