@@ -58,6 +58,18 @@ TOOL_STATS = ("tools/call_frequency", "tools/failure_frequency")
 SAMPLES_FILE = "train_samples.jsonl"
 
 
+def completion_columns(done) -> torch.Tensor:
+    """[N, 2] each completion's length and whether it was clipped, then, for episodes with
+    tools, [N, 4] with its tool calls and failed calls: what `GRPORun.advantages` gathers for
+    the length and tool statistics. The length is TRL's: the tokens the model wrote, so an
+    episode's tool results and the template's text around them do not count."""
+    written = done.mask if done.trained is None else done.mask * done.trained
+    columns = [written.sum(-1), done.clipped.long()]
+    if done.tool_calls is not None:
+        columns += [done.tool_calls, done.tool_failures]
+    return torch.stack(columns, 1)
+
+
 def prompt_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
     """The sampling seeds of `count` prompts at positions first, first + 1, ... of step
     `step`'s global batch (engine.datapath.data: rank r's micro-batch i holds positions
@@ -172,14 +184,8 @@ class GRPORun(TrainingRun):
         per_func = torch.cat([self.score(batch, rolled) for batch, _, _, rolled in generated])
         batches = [self.completion_batch(p_ids, p_mask, rolled.done)
                    for _, p_ids, p_mask, rolled in generated]
-        dones = [rolled.done for *_, rolled in generated]
-        lengths = torch.cat([done.mask.sum(-1) for done in dones])
-        clipped = torch.cat([done.clipped for done in dones])
-        columns = [lengths, clipped]
-        if self.episodes.counts_tools:
-            columns += [torch.cat([done.tool_calls for done in dones]),
-                        torch.cat([done.tool_failures for done in dones])]
-        advantages, stats = self.advantages(per_func, torch.stack(columns, 1))
+        columns = torch.cat([completion_columns(rolled.done) for *_, rolled in generated])
+        advantages, stats = self.advantages(per_func, columns)
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
             self.add_logps(module, batch)
