@@ -16,7 +16,7 @@ export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run sft-base test test-slow test-docs test-slow-docs fuzz stack clean-outputs
+.PHONY: setup run sft-base sft-agent test test-slow test-docs test-slow-docs fuzz stack clean-outputs
 
 # The `dvc plots show` page template with Vega inlined, so the page draws offline
 # (flows/plots_page.py; needs npm once; without it DVC's page loads Vega from its CDN).
@@ -44,6 +44,15 @@ sft-base: data/sft/gsm8k
 
 data/sft/gsm8k: | setup
 	finetune run
+	rm -rf $@.tmp && mkdir -p $(@D) && cp -r data/export $@.tmp && mv $@.tmp $@
+
+# The base of the calculator agent (params/agent-gsm8k.yaml): params/agent-sft-gsm8k.yaml's
+# six stages, its model copied to data/sft/gsm8k-agent. Made once, like sft-base.
+sft-agent: data/sft/gsm8k-agent
+
+data/sft/gsm8k-agent: | setup
+	for stage in download format tokenize train evaluate export; do \
+		finetune stage $$stage -p params/agent-sft-gsm8k.yaml || exit $$?; done
 	rm -rf $@.tmp && mkdir -p $(@D) && cp -r data/export $@.tmp && mv $@.tmp $@
 
 stack: setup

@@ -41,7 +41,8 @@ TOP = ("params/", "tasks/", "engine/", "flows/", "finetune/", "tests/", "bench/"
 #: checkpoints and those a fresh run moves aside, an interrupted write's staging folders
 RUN_PATHS = ("data/logs", "data/lineage", "data/checkpoints", "data/checkpoints.previous",
              "data/.trained.tmp-*",
-             "data/sft/gsm8k")  # the DPO example's base: the default run's export, copied
+             "data/sft/gsm8k",  # the DPO example's base: the default run's export, copied
+             "data/sft/gsm8k-agent")  # the agent's base (make sft-agent), the same way
 #: names that look like paths and are not: the Prefect deployment
 NOT_PATHS = ("finetune/default",)
 #: CLI subcommands that neither train nor write (`--write`, `--mark` and redirections write)
