@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_grpo_tools import CALC
 
 from engine.state.fingerprint import compute, differences
 from finetune.config import FinetuneConfig
@@ -15,16 +16,7 @@ from finetune.config.fingerprint import CONTENT_KEYS
 from finetune.imports import project_files
 from finetune.user_code import code_hashes, references
 
-TOOLS = '''
-def add(a: int, b: int) -> int:
-    """Adds.
-
-    Args:
-        a: the first
-        b: the second
-    """
-    return a + b
-'''
+TOOLS = CALC  # a tool file (its content does not matter here, only that it is one)
 ENV = '''
 class Counter:
     def reset(self, **row):
