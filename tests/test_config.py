@@ -223,6 +223,10 @@ def test_overrides_mean_what_dvc_exp_run_set_param_means(tmp_path):
     ("+training.max_steps=3", "already has 'training.max_steps'; change it with "
      "'training.max_steps=3'"),
     ("~training.nope", "has no key 'training.nope' to delete"),
+    # a key the file holds as null: Hydra (and so dvc exp run -S) cannot delete it
+    ("~data.prompt_func", "sets 'data.prompt_func' to null, which Hydra's delete (as dvc exp "
+     "run -S runs it) takes for no key; delete the line from the file, or set a value with "
+     "'data.prompt_func=VALUE'"),
     ("training.max_steps=1,2", "is a sweep"),
     ("params/other.yaml:training.max_steps=3", "names params/other.yaml, but the params file is"),
     ("training.max_steps.x=3", "'training.max_steps' is not a section"),

@@ -114,6 +114,10 @@ def _explain(override, raw: dict[str, Any], source: str, exc: Exception) -> str:
     line, key = override.input_line, override.key_or_group
     plain = line.split(":", 1)[1] if ":" in line.partition("=")[0] else line
     if override.is_delete():
+        if _holds_null(raw, key.split(".")):
+            return (f"override '{line}': {source} sets '{key}' to null, which Hydra's delete "
+                    "(as dvc exp run -S runs it) takes for no key; delete the line from the "
+                    f"file, or set a value with '{plain.lstrip('~').split('=')[0]}=VALUE'")
         return f"override '{line}': {source} has no key '{key}' to delete"
     if override.is_add():
         return (f"override '{line}': {source} already has '{key}'; change it with "
@@ -129,6 +133,14 @@ def _explain(override, raw: dict[str, Any], source: str, exc: Exception) -> str:
         return f"override '{line}': unknown key '{key}'{hint}"
     cause = exc.__cause__ or exc
     return f"override '{line}': {str(cause).splitlines()[0]}"
+
+
+def _holds_null(raw: dict[str, Any], parts: list[str]) -> bool:
+    """The dotted key is in `raw`, with the value null."""
+    node: Any = raw
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return isinstance(node, dict) and parts[-1] in node and node[parts[-1]] is None
 
 
 def _present(raw: dict[str, Any], parts: list[str]) -> bool | None:
