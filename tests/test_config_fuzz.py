@@ -64,9 +64,9 @@ BASES = {
                "checkpoint.save_steps": 1},
     "fsdp2": {"distributed.strategy": "fsdp2", "distributed.fsdp.reshard_after_forward": True},
 }
-#: every base: two steps of small batches of short rows, no checkpoint unless drawn, the
-#: eager compile backend
-COMMON = {**TINY, "training.max_steps": 2, "training.torch_compile_backend": "eager",
+#: every base: two steps of small batches of short rows, no checkpoint unless drawn; a draw
+#: that compiles gets the eager backend (check_draw: it is refused without torch_compile)
+COMMON = {**TINY, "training.max_steps": 2,
           "data.max_seq_length": 160, "data.max_train_samples": 16, "data.max_eval_samples": 4,
           "data.max_dropped_fraction": 0.9, "training.per_device_train_batch_size": 2,
           "training.per_device_eval_batch_size": 2, "checkpoint.save_strategy": "no",
@@ -169,7 +169,10 @@ def check_draw(project: Path, work: Path, base: str, overrides: dict, stages: bo
     from tasks.launch import job_spec
     from tasks.train import with_resolved_seed
 
-    raw = set_keys(project_params(project), {**BASES[base], **overrides})
+    drawn = {**BASES[base], **overrides}
+    if drawn.get("training.torch_compile") and "training.torch_compile_backend" not in drawn:
+        drawn["training.torch_compile_backend"] = "eager"  # see COMMON
+    raw = set_keys(project_params(project), drawn)
     try:
         cfg = validate_raw(raw, source="p.yaml")
         ws = Workspace(config=cfg, root=project, params_path=project / "params/default.yaml")

@@ -620,6 +620,16 @@ RULES: list[Rule] = [
                                                       lambda t: t.torch_compile),
           "it tunes torch.compile", used=lambda t: t.activation_memory_budget is not None,
           example={"training.activation_memory_budget": 0.5}),
+    # torch.compile's own options, set away from their defaults without it: ignored silently
+    *(Needs("training", key, _in("torch_compile: true", lambda t: t.torch_compile),
+            "it is an option of torch.compile", used=used, example={f"training.{key}": value})
+      for key, used, value in (
+          ("torch_compile_backend", lambda t: t.torch_compile_backend != "inductor", "eager"),
+          ("torch_compile_mode", lambda t: t.torch_compile_mode != "default",
+           "reduce-overhead"),
+          ("torch_compile_scope", lambda t: t.torch_compile_scope != "blocks", "model"),
+          ("torch_compile_dynamic", lambda t: t.torch_compile_dynamic is not None, True),
+          ("torch_compile_fullgraph", lambda t: t.torch_compile_fullgraph, True))),
     Agree("training", ("speed_metrics_start_step", "max_steps"), lambda t: (
         f"speed_metrics_start_step {t.speed_metrics_start_step} leaves no step of max_steps "
         f"{t.max_steps} to measure") if 0 < t.max_steps <= t.speed_metrics_start_step else None,
