@@ -349,3 +349,22 @@ def test_hf_precision_flags_set_mixed_precision():
                             ({"fp16": "yes"}, "fp16: true or false")):
         with pytest.raises(ValueError, match=message):
             TrainingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("method, data, gate", [
+    ("sft", {}, "eval.loss"),
+    ("grpo", {"dataset_type": "prompt"}, "eval.reward"),
+    ("dpo", {"dataset_type": "preference"}, "eval.preference_accuracy"),
+    ("reward", {"dataset_type": "preference"}, "eval.preference_accuracy"),
+    ("kto", {"dataset_type": "unpaired_preference"}, "eval.kto_accuracy"),
+])
+def test_an_unset_gate_metric_is_the_methods_own(method, data, gate):
+    """A params file without registry.gate_metric validates for every method (GRPO reports
+    no eval.loss: it was refused), and one that names a gate keeps it."""
+    from finetune.config import FinetuneConfig
+
+    raw = {"data": {"json_file_path": "x.jsonl", **data}, "training": {"type": method}}
+    assert FinetuneConfig.model_validate(raw).registry.gate_metric == gate
+    chosen = "eval.sampled_reward" if method == "grpo" else "eval.loss"
+    named = FinetuneConfig.model_validate({**raw, "registry": {"gate_metric": chosen}})
+    assert named.registry.gate_metric == chosen

@@ -41,7 +41,8 @@ register_method(Method("grpo", accepts=("none",), data_hint=(
     metric_pattern=r"(sampled_)?reward(_\w+)?|pass_at_\d+",
     stderr=lambda cfg, metric: False,  # rewards of sampled completions: no bootstrap here
     prompt_tools=lambda cfg: cfg.grpo.tools,
-    prompt_environments=lambda cfg: cfg.grpo.environment_factory))
+    prompt_environments=lambda cfg: cfg.grpo.environment_factory,
+    default_gate="eval.reward"))
 
 
 class GRPOConfig(Section):

@@ -19,7 +19,8 @@ register_method(Method("kto", accepts=("unpaired",), data_hint=(
     "trains on completions labelled desirable or not; set data.dataset_type: "
     "unpaired_preference (prompt, completion, label: true/false)"),
     # reward_margin: a difference of the two labels' means, not a mean over rows
-    stderr=lambda cfg, metric: False if metric == "reward_margin" else None))
+    stderr=lambda cfg, metric: False if metric == "reward_margin" else None,
+    default_gate="eval.kto_accuracy"))
 
 
 class KTOConfig(Section):

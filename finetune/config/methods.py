@@ -52,6 +52,9 @@ class Method:
     #: of names to them chosen by each row's `environment` column), whose methods are tools
     #: too (GRPO's grpo.environment_factory, TRL's environment_factory=); None: none
     prompt_environments: Callable[[object], str | dict[str, str] | None] | None = None
+    #: the registry's gate metric when the params file names none (`registry.gate_metric`):
+    #: one this method's evaluation reports (GRPO's eval.reward); None: eval.loss
+    default_gate: str | None = None
 
     @property
     def own_sections(self) -> tuple[str, ...]:

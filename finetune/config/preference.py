@@ -22,7 +22,7 @@ from finetune.config.section import Field, Section
 #: dpo's facts for the config and the stages (its run class: engine.recipe.dpo)
 register_method(Method("dpo", accepts=("pairs",), data_hint=(
     "trains on chosen/rejected pairs; set data.dataset_type: preference (every source, in a "
-    "mixture)")))
+    "mixture)"), default_gate="eval.preference_accuracy"))
 
 #: the losses that compare the policy with a reference model (the others are reference-free)
 REFERENCE_LOSSES = ("sigmoid", "ipo", "robust")

@@ -93,7 +93,9 @@ class RegistryConfig(Section):
         None, description="Registry name (default: logging.experiment_name)."
     )
     gate_metric: str = Field(
-        "eval.loss", description="Metric of the fine-tuned model that decides promotion: "
+        "eval.loss", description="Metric of the fine-tuned model that decides promotion "
+        "(unset: the method's own: eval.loss for sft, eval.preference_accuracy for dpo and "
+        "reward, eval.kto_accuracy for kto, eval.reward for grpo): "
         f"{', '.join(GATE_METRICS)} (eval.accuracy / eval.macro_f1: classification datasets; "
         "eval.preference_accuracy, reward_margin, likelihood_accuracy, logp_margin: preference "
         "pairs; eval.kto_accuracy, desirable_accuracy, undesirable_accuracy, reward_margin: "

@@ -28,7 +28,8 @@ register_method(Method(
                "source, in a mixture)"),
     metrics=lambda cfg: HELDOUT_METRICS, metric_pattern=r"preference_accuracy|reward_margin",
     # the pair loss is a mean over pairs: its stderr holds whatever the dataset's rule says
-    stderr=lambda cfg, metric: True if metric in ("loss", "perplexity") else None))
+    stderr=lambda cfg, metric: True if metric in ("loss", "perplexity") else None,
+    default_gate="eval.preference_accuracy"))
 
 
 class RewardConfig(Section):

@@ -93,6 +93,7 @@ class FinetuneConfig(Section):
     @model_validator(mode="after")
     def _cross_section(self) -> "FinetuneConfig":
         self._derive_model_task()
+        self._derive_gate_metric()
         compat.check(self, "config")  # every rule across sections (finetune/config/compat.py)
         return self
 
@@ -115,6 +116,17 @@ class FinetuneConfig(Section):
             if key not in section.model_fields_set and getattr(section, key) != wanted:
                 setattr(section, key, wanted)
                 section.model_fields_set.discard(key)  # still the derived default
+
+    def _derive_gate_metric(self) -> None:
+        """registry.gate_metric, where the params file names none, is the method's own (a
+        GRPO run reports no eval.loss to gate on: finetune.config.methods.Method.default_gate),
+        so a method's run needs no registry section to validate."""
+        from finetune.config.methods import method_of
+
+        registry, gate = self.registry, method_of(self.training.type).default_gate
+        if gate and "gate_metric" not in registry.model_fields_set:
+            registry.gate_metric = gate
+            registry.model_fields_set.discard("gate_metric")  # still the derived default
 
     @property
     def total_steps_hint(self) -> int | None:
