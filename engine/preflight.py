@@ -84,6 +84,10 @@ def check_user_code_and_machine(cfg: FinetuneConfig, device: torch.device) -> No
     for key, ref in code_refs(cfg):  # the fields marked code_ref (finetune.config.section)
         if ref and not callable(load_object(ref, key)):
             raise PipelineError(f"{key}: '{ref}' is not a function")
+    if t.fused_loss_factory:
+        from engine.objective.fused import check_factory
+
+        check_factory(t.fused_loss_factory)
     if cfg.model.load_in_4bit or cfg.model.load_in_8bit:
         from engine.modeling.model import check_quantization
 

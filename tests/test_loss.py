@@ -132,6 +132,7 @@ def test_chunked_loss_lowers_peak_memory():
     assert chunked < full / 3, (chunked, full)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # the probe once warned on every run
 def test_a_fused_loss_factory_is_probed_against_the_full_loss(tmp_path):
     """fused_loss_factory: the plain cross entropy of (hidden, weight, labels) gives the full
     loss and its gradients; a function returning the mean is refused with one line."""
@@ -143,7 +144,9 @@ def test_a_fused_loss_factory_is_probed_against_the_full_loss(tmp_path):
         "    return lambda h, w, y: torch.nn.functional.cross_entropy(\n"
         "        (h @ w.T).float(), y, reduction=reduction)\n"
         "def mean():\n"
-        "    return ce('mean')\n")
+        "    return ce('mean')\n"
+        "def of_model(model):\n"
+        "    return ce()\n")
     model, logged = _tiny(), []
     ids, labels = _batch(1000)
     full = FullLoss().loss_sum(model(input_ids=ids), labels)
@@ -155,4 +158,9 @@ def test_a_fused_loss_factory_is_probed_against_the_full_loss(tmp_path):
     with pytest.raises(PipelineError, match=r"training.fused_loss_factory: '.*fused.py:mean' "
                        r"does not compute the summed cross entropy \(probe loss"):
         factory_loss(_tiny(), f"{tmp_path}/fused.py:mean", torch.device("cpu"), None,
+                     logged.append)
+    # a factory of the model (Forgather's f(model)) is another contract: one line, no TypeError
+    with pytest.raises(PipelineError, match=r"training.fused_loss_factory: '.*fused.py:of_model' "
+                       r"takes arguments \(model\); it must be called with none"):
+        factory_loss(_tiny(), f"{tmp_path}/fused.py:of_model", torch.device("cpu"), None,
                      logged.append)

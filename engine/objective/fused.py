@@ -56,11 +56,31 @@ class FactoryLoss(ChunkedLoss):
         return loss.float().reshape(1, 1, 1)
 
 
+def check_factory(ref: str):
+    """The factory `ref` names, called with no arguments as this key calls it; one line for
+    one that needs arguments (a factory of the model, `f(model)`, as Forgather writes one,
+    is another contract: its loss replaces the model's forward, not the cross entropy of
+    (hidden, weight, labels))."""
+    import inspect
+
+    factory = load_object(ref, KEY)
+    try:
+        inspect.signature(factory).bind()
+    except TypeError:
+        raise PipelineError(
+            f"{KEY}: '{ref}' takes arguments {inspect.signature(factory)}; it must be called "
+            "with none and return the loss function fn(hidden, weight, labels) -> summed "
+            "cross entropy") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
+    return factory
+
+
 def factory_loss(model, ref: str, device: torch.device, amp: torch.dtype | None,
                  log) -> FactoryLoss:
     """The factory's loss on `model`'s output layer, after the probe agreed with the full
     cross entropy; one line when the head, the factory or the probe says no."""
-    fn = load_object(ref, KEY)()
+    fn = check_factory(ref)()
     if not callable(fn):
         raise PipelineError(f"{KEY}: '{ref}' must return the loss function "
                             f"fn(hidden, weight, labels); it returned {type(fn).__name__}")

@@ -228,7 +228,7 @@ def loss_and_grads(model, loss, ids: torch.Tensor, labels: torch.Tensor, device,
              for p in params]
     for p in params:
         p.grad = None
-    return float(summed), grads
+    return float(summed.detach()), grads
 
 
 def relative_errors(reference: tuple[float, list[torch.Tensor]],
