@@ -368,3 +368,38 @@ def test_an_unset_gate_metric_is_the_methods_own(method, data, gate):
     chosen = "eval.sampled_reward" if method == "grpo" else "eval.loss"
     named = FinetuneConfig.model_validate({**raw, "registry": {"gate_metric": chosen}})
     assert named.registry.gate_metric == chosen
+
+
+@pytest.mark.parametrize("override, says", [
+    # names from HF/TRL/Axolotl, answered by meaning (spelling pointed at the wrong key)
+    ({"data.dataset_subset": "main"}, "unknown key 'data.dataset_subset' in section 'data' "
+     "(did you mean 'data.subset'?)"),
+    ({"training.fsdp_config": {}}, "(did you mean 'distributed.fsdp'?)"),
+    ({"training.output_dir": "out"}, "unknown key 'training.output_dir' in section 'training' "
+     "(HF's output_dir has no key here: each stage writes to the folders dvc.yaml names"),
+    ({"checkpoint.save_safetensors": True}, "(HF's save_safetensors has no key here: the "
+     "trained model and the export are always written as safetensors)"),
+    ({"training.overwrite_output_dir": True}, "to continue a run set "
+     "checkpoint.resume_from_checkpoint"),
+    ({"distributed.dispatch_batches": False}, "every process reads its own shard"),
+    ({"training.average_tokens_across_devices": True}, "normalised by the target tokens of "
+     "all processes"),
+    ({"training.set_dataset_epoch": True}, "every epoch reshuffles on its own"),
+    ({"training.accelerator_config": {}}, "there is no Accelerate here"),
+    # values: the choice in another case before the closest spelling
+    ({"optimizer.name": "adamw"}, "(did you mean 'AdamW'?)"),
+])
+def test_a_foreign_name_is_answered_by_meaning(tmp_path, override, says):
+    assert says in _error(tmp_path, override)
+
+
+def test_every_foreign_rename_names_a_key_of_ours():
+    from finetune.config.foreign import NOT_NEEDED, RENAMED
+    from finetune.config.loader import all_keys
+
+    keys = set(all_keys())
+    for name, ours in RENAMED.items():
+        assert ours in keys or any(k.startswith(ours + ".") for k in keys), (name, ours)
+    # HF users write them under training (TrainingArguments), where none is a key of ours
+    ours = {k.split(".")[1] for k in keys if k.startswith("training.")}
+    assert not (set(RENAMED) | set(NOT_NEEDED)) & ours

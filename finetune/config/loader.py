@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import AliasChoices, BaseModel, ValidationError
 
+from finetune.config.foreign import foreign
 from finetune.config.overrides import apply_overrides
 from finetune.config.schema import FinetuneConfig
 from finetune.config.section import did_you_mean, dotted_keys, section_model
@@ -119,12 +120,15 @@ def explain(error: dict[str, Any]) -> str:
         if own:  # pydantic took the other name and left this one over
             dotted = ".".join(parent + [own])
             return (f"`{key}` is an alias of `{dotted}`, which the file also sets; keep one")
+        where = f"in section '{'.'.join(parent)}'" if parent else "at the top level"
+        known = foreign(str(name))  # a name from HF, TRL or Axolotl: answered by meaning
+        if known:
+            return f"unknown key '{key}' {where} ({known})"
         close = difflib.get_close_matches(name, _field_names(parent), n=1, cutoff=0.6)
         # the exact name in another section beats a near name in this one
         suggestion = _elsewhere(name, exact=True) or (
             ".".join(parent + close) if close else _elsewhere(name))
         hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
-        where = f"in section '{'.'.join(parent)}'" if parent else "at the top level"
         return f"unknown key '{key}' {where}{hint}"
     msg = error["msg"].removeprefix("Value error, ")
     if not loc:  # cross-section checks name their keys themselves

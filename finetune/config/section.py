@@ -106,10 +106,13 @@ def flatten(data: dict[str, Any], prefix: str = "",
 
 
 def did_you_mean(value: str, choices) -> str:
-    """' (did you mean 'x'?)' for the closest of `choices` to a mistyped value, else ''."""
+    """' (did you mean 'x'?)' for the choice `value` is in another case (adamw -> AdamW), else
+    the closest by spelling, else ''."""
     import difflib
 
-    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    same = [c for c in choices if isinstance(c, str) and c.lower() == str(value).lower()]
+    close = same or difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
