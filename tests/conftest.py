@@ -30,11 +30,7 @@ LONGEST_FIRST = ("test_docs.py::TestReadmeLane", "test_pipeline.py", "test_docs.
                  "test_harness.py", "test_launch.py", "test_quantization.py",
                  "test_run_control.py", "test_streaming.py", "test_methods.py",
                  "test_grpo_generation.py", "test_loss.py", "test_adapter_options.py",
-                 "test_cli.py", "test_mixture.py",
-                 # files of 15-40 s that sorted by name would end the session on one worker
-                 "test_engine.py", "test_gguf_base.py", "test_chat.py", "test_seq2seq.py",
-                 "test_model_kinds.py", "test_config_fuzz.py", "test_tools_example.py",
-                 "test_agent_example.py", "test_grpo_environments_trl.py")
+                 "test_cli.py", "test_mixture.py")
 
 
 def _unit_rank(item) -> int:
