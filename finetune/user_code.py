@@ -16,13 +16,13 @@ names. Not the modules that file imports: a reference into a package hashes the 
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 from pathlib import Path
 from typing import Any
 
 from finetune.config.reward_refs import reward_kind
 from finetune.config.section import code_refs
+from finetune.files import file_sha256
 from finetune.imports import load_object, module_of
 
 
@@ -50,8 +50,4 @@ def source_file(ref: str, key: str) -> Path:
 
 def code_hashes(cfg: Any) -> dict[str, str]:
     """dotted key -> SHA-256 of the file its reference is defined in (`references`)."""
-    out = {}
-    for key, ref in references(cfg):
-        path = source_file(ref, key)
-        out[key] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
+    return {key: file_sha256(source_file(ref, key)) for key, ref in references(cfg)}
