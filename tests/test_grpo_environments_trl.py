@@ -25,6 +25,12 @@ not all zero) `reset` also hands each rollout a ticket from a class-level counte
 each side runs: the tickets follow the order the rollouts are reset in, which is rollout order
 on both sides, and the plain reward gives odd tickets 0.5 more.
 
+The loss and gradients on those tool-masked rollouts are TRL's too (`_compute_loss` on its
+output against our batch, GRPORun.completion_batch, and our step, GRPORun.micro_step), for each
+loss type both have, and so are the token statistics TRL logs from the loss (entropy, clip
+ratios): tool results are context, never trained, and every loss type's normaliser counts only
+the tokens the model wrote.
+
 `completions/mean_length` is TRL's too: with tools, the tokens the model wrote (the sum of a
 completion's tool mask), 6 here of each completion's 43 (3 calls and 3 ends of turn are the
 model's; the two results and the generation prompts after them are not). Until this test, ours
@@ -53,6 +59,7 @@ STATS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/reached/mean",
          "rewards/reached/std", "rewards/Calculator/mean", "rewards/Calculator/std",
          "tools/call_frequency", "tools/failure_frequency", "completions/clipped_ratio",
          "completions/mean_length")
+INJECTED_ADVANTAGES = torch.tensor([1.0, 0.5, -0.3, 0.8])
 
 
 class Calculator:
@@ -128,7 +135,8 @@ def trls_rollout(model_dir: Path, tok, out: Path) -> dict:
             "reward_prompts": seen["reward_prompts"], "rewards": seen["_calculate_rewards"],
             "names": list(trainer.reward_func_names), "weights": trainer.reward_weights,
             "scale_rewards": args.scale_rewards, "advantages": output["advantages"],
-            "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()}}
+            "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()},
+            "trainer": trainer, "output": output}
 
 
 def our_rollout(model_dir: Path, tok, scale_rewards: str) -> dict:
@@ -188,9 +196,14 @@ def our_rollout(model_dir: Path, tok, scale_rewards: str) -> dict:
         named[name] = stats[name]
     prompt_ids = [[t for t, m in zip(row, keep) if m] for row, keep in
                   zip(rolled.prompt_ids.tolist(), rolled.prompt_mask.tolist())]
+    # the training rows as GRPORun.rollout builds them: each rollout's own prompt, its episode
+    run.cfg.grpo.mask_truncated_completions = False
+    batch = GRPORun.completion_batch(
+        run, *rolled.forward_prompts(ids, mask, NUM_GENERATIONS), done)
+    batch["advantages"] = advantages
     return {"prompt_ids": prompt_ids, "done": done, "prompts": prompts, "rewards": rewards,
             "names": [f.name for f in funcs], "weights": run.weights, "advantages": advantages,
-            "metrics": {k: float(v) for k, v in named.items()}}
+            "metrics": {k: float(v) for k, v in named.items()}, "model": model, "batch": batch}
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +259,67 @@ def test_environment_rollouts_scores_and_advantages_are_trls(both):
     assert ours["advantages"].abs().min() > 0.5
     for name in STATS:
         assert ours["metrics"][name] == pytest.approx(trl["metrics"][name], abs=1e-5), name
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_the_loss_and_gradients_on_tool_masked_rollouts_are_trls(both, loss_type):
+    """TRL's `_compute_loss` on its rollouts (completion_mask * tool_mask) against our
+    GRPORun.micro_step on ours, for one optimizer step of the whole batch: the loss, every
+    parameter's gradient, and the token statistics TRL logs from the loss. Most of each
+    completion is a tool's result (37 of 43 tokens): a loss or normaliser that counted them
+    would differ by far more than the tolerance."""
+    from engine.recipe.grpo.loss import TOKEN_STATS, averaged_over
+    from engine.recipe.grpo.run import GRPORun
+
+    trl, ours, _ = both
+    trainer, output = trl["trainer"], trl["output"]
+    trainer.loss_type = loss_type
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, not run here
+    # a group's rollouts are token for token alike here and its advantages sum to 0, so their
+    # gradients cancel exactly: both sides take the same injected advantages instead (the
+    # rollout's own are TRL's, tested above)
+    output = {**output, "advantages": INJECTED_ADVANTAGES}
+    trainer._metrics["train"].clear()
+    policy = trainer.model
+    # the rigged model's logits (40 apart) make its tokens certain in float32 and its gradients
+    # exactly 0: both sides' LM heads are scaled down alike after the rollouts (the loss is
+    # taken on weights moved since generation, as an update would move them)
+    with torch.no_grad():
+        for m in (policy, ours["model"]):
+            if m.lm_head.weight.abs().max() > 10:
+                m.lm_head.weight.mul_(0.1)
+    policy.zero_grad(set_to_none=True)
+    theirs = trainer._compute_loss(policy, output)
+    theirs.backward()
+    their_grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad(set_to_none=True)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    batch, model = {**ours["batch"], "advantages": INJECTED_ADVANTAGES}, ours["model"]
+    written = torch.tensor(trl["tool_mask"]).sum()  # the tokens the model wrote, all rollouts
+    assert int(batch["completion_mask"].sum()) == int(written) < int(
+        output["completion_mask"].sum()) / 3
+    grpo = SimpleNamespace(epsilon=0.2, clip_high=trainer.epsilon_high, beta=0.0,
+                           use_bias_correction_kl=False, loss_type=loss_type,
+                           max_completion_length=MAX_LENGTH, temperature=1.0)
+    assert (trainer.epsilon_low, trainer.beta, trainer.temperature) == (0.2, 0.0, 1.0)
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(grpo=grpo, training=SimpleNamespace(
+            enable_activation_offloading=False)),
+        dist=SimpleNamespace(device=torch.device("cpu")), model=model.train(), amp=None,
+        scaler=None, prompt_group=1, token_sums=torch.zeros(len(TOKEN_STATS) + 1,
+                                                            dtype=torch.float64))
+    model.zero_grad(set_to_none=True)
+    divisor = averaged_over(loss_type, batch["completion_mask"])  # one micro-batch per step
+    loss_sum = GRPORun.micro_step(run, batch["labels"], batch, divisor)
+    assert float(loss_sum / divisor) == pytest.approx(float(theirs.detach()), abs=1e-5)
+    for name, p in model.named_parameters():
+        # the largest gradient entries are 3e-5 (dr_grpo) to 3e-4 here, so 1e-6 (seen: 1.2e-7)
+        torch.testing.assert_close(p.grad, their_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert max(g.abs().max() for g in their_grads.values()) > 1e-5  # not vacuously equal
+    sums = run.token_sums
+    means = dict(zip(TOKEN_STATS, (sums[:-1] / sums[-1]).tolist()))
+    for name in TOKEN_STATS:
+        if name in metrics:
+            assert means[name] == pytest.approx(metrics[name], abs=1e-5), name
+    assert "entropy" in metrics and "clip_ratio/region_mean" in metrics
