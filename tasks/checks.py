@@ -4,7 +4,9 @@ beyond the schema, so bad input fails before DVC runs (and clears the outputs of
 What the config alone cannot tell comes from what is cheap to read: the machine (the device a
 run would get), the model's config.json and its module names (a skeleton on the meta device,
 no weights), the tokenizer files, the first row of each data file (its columns; a file is
-never read whole), the functions and template files the params name, and a checkpoint's
+never read whole, but for one column where the method names an environment per row: every
+row's `environment`, so a row naming none of grpo.environment_factory's fails here, not in
+the format stage after download), the functions and template files the params name, and a checkpoint's
 meta.json. The train stage runs the same checks of user code and the machine before it
 launches (`user_code_and_machine`), and its own data-dependent ones after.
 """
@@ -44,6 +46,28 @@ def check_export_formats(ws: Workspace) -> None:
     from tasks import exporters
 
     exporters.check(ws, ws.config.export.formats)
+
+
+def environment_names(cfg) -> list[str] | None:
+    """The names a row's `environment` column chooses from: the keys of the method's
+    environments when they are a mapping (grpo.environment_factory as {name: class}), else
+    None (one environment, or none: rows name nothing)."""
+    from finetune.config.methods import method_of
+
+    method = method_of(cfg.training.type)
+    named = method.prompt_environments(cfg) if method.prompt_environments else None
+    return list(named) if isinstance(named, dict) else None
+
+
+def check_environment_column(values: list | None, split: str, names: list[str]) -> None:
+    """Every row of a split names one of `names` in its `environment` column (`values`, None
+    without the column): the format stage's one line, before any stage runs."""
+    import pandas as pd
+
+    from finetune.datatypes.chat import ENVIRONMENT_COLUMN, per_row_environment_tools
+
+    frame = pd.DataFrame({} if values is None else {ENVIRONMENT_COLUMN: values})
+    per_row_environment_tools(frame, dict.fromkeys(names, []), split)
 
 
 def check_harness(ws: Workspace) -> None:
@@ -96,10 +120,12 @@ def check_sources(ws: Workspace) -> None:
     from finetune.datatypes import DataContext
     from tasks.download import check_split_names
     from tasks.format import data_context
-    from tasks.stream import first_rows, local_dataset, local_files, open_source
+    from finetune.datatypes.chat import ENVIRONMENT_COLUMN
+    from tasks.stream import column_values, first_rows, local_dataset, local_files, open_source
 
     top = ws.config.data
     ctx: DataContext = data_context(ws)
+    environments = environment_names(ws.config)
     for name, data in top.parts():
         data.datatype.prepare(ctx)
         if data.dataset_name and local_dataset(data, ws.root) is None:
@@ -119,3 +145,6 @@ def check_sources(ws: Workspace) -> None:
                     f"{label} split '{split}': column '{missing[0]}' that "
                     f"data.dataset_type {data.dataset_type} reads is missing (columns: "
                     f"{', '.join(map(str, first))})")
+            if environments:
+                check_environment_column(
+                    column_values(rows, ENVIRONMENT_COLUMN, files.get(split)), split, environments)

@@ -15,6 +15,8 @@ left out on the fly (a stream cannot be counted ahead).
 
 from __future__ import annotations
 
+import contextlib
+
 import re
 from itertools import islice
 from pathlib import Path
@@ -79,6 +81,25 @@ def first_rows(stream, n: int, path: Path | None = None) -> list[dict]:
     """The first `n` rows of a split's stream. datasets' Arrow JSON reader fails on a broken
     line with an internal error and a 0-based row; a JSON file's failure is named by its file
     and line instead (finetune.json_input, the download stage's reader too)."""
+    with json_lines_named(path):
+        return list(islice(iter(stream), n))
+
+
+def column_values(stream, column: str, path: Path | None = None) -> list | None:
+    """Every row's `column` (None where a row lacks it), reading the whole split but keeping
+    only the column; None when no row has it. A broken JSON line as in `first_rows`."""
+    has, values = False, []
+    with json_lines_named(path):
+        for row in stream:
+            has = has or column in row
+            values.append(row.get(column))
+    return values if has else None
+
+
+@contextlib.contextmanager
+def json_lines_named(path: Path | None):
+    """Within: a failure of datasets' reader on a JSON file is raised as one line naming the
+    file and its broken line (the reader's own error otherwise), its error log kept quiet."""
     import logging
 
     # datasets logs its reader's failure as an error line of its own before raising it
@@ -86,7 +107,7 @@ def first_rows(stream, n: int, path: Path | None = None) -> list[dict]:
     level = reader_log.level
     reader_log.setLevel(logging.CRITICAL)
     try:
-        return list(islice(iter(stream), n))
+        yield
     except Exception as exc:  # ArrowInvalid, DatasetGenerationError: whatever datasets raises
         if path is None or path.suffix.lower() not in json_input.SUFFIXES:
             raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,8 @@ def _leaves(tree, prefix=""):
         yield prefix, tree
 
 
-def test_a_mapping_chooses_each_rows_environment_and_refuses_an_unknown_one(tmp_path):
+def test_a_mapping_chooses_each_rows_environment_and_refuses_an_unknown_one(tmp_path,
+                                                                           monkeypatch):
     project = _project(tmp_path, {"loud": "preprocess/calc_env.py:Calculator",
                                   "quiet": "preprocess/calc_env.py:Quiet"},
                        rows_env=["loud", "quiet"])
@@ -182,11 +184,22 @@ def test_a_mapping_chooses_each_rows_environment_and_refuses_an_unknown_one(tmp_
     row["environment"] = "shouty"
     lines[2] = json.dumps(row)
     source.write_text("\n".join(lines) + "\n")
-    stages_here(project, "download")
-    with pytest.raises(PipelineError) as refused:  # the CLI makes it one line, exit 2
+    says = ("split 'train' row 2 column 'environment': 'shouty' is none of "
+            "grpo.environment_factory's environments (loud, quiet)")
+    # at validate, before any stage runs (every row's column read; the rest of a row is not)
+    from finetune.workspace import Workspace
+    from tasks.checks import check_without_data
+
+    with monkeypatch.context() as here:
+        here.chdir(project)
+        here.setattr(sys, "path", [str(project), *sys.path])
+        with pytest.raises(PipelineError) as refused:  # the CLI makes it one line, exit 2
+            check_without_data(Workspace.load(project / "params/default.yaml"))
+    assert says in str(refused.value)
+    stages_here(project, "download")  # and in the format stage (where validate cannot read
+    with pytest.raises(PipelineError) as refused:  # a hub dataset's rows)
         stages_here(project, "format")
-    assert ("split 'train' row 2 column 'environment': 'shouty' is none of "
-            "grpo.environment_factory's environments (loud, quiet)") in str(refused.value)
+    assert says in str(refused.value)
 
 
 def test_validate_names_an_environment_that_cannot_be_one(tmp_path, monkeypatch):
