@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from engine.datapath.data import load_tokenized
 from engine.evaluation.heldout import Evaluated, HeldOut
+from engine.kinds import kind_of
 from engine.modeling.labels import read_labels
 from engine.modeling.model import base_model, load_base_model, load_tokenizer, load_trained
 from engine.process.distributed import choose_device
@@ -45,7 +46,7 @@ def heldout_metrics(cfg: FinetuneConfig, root: Path, trained: Path, test_dir: Pa
     tok = load_tokenizer(cfg.model, root)
     labels = read_labels(trained)  # a classifier's class names, saved with its weights
     held = HeldOut(
-        cfg=cfg, root=root, trained=trained, test=load_tokenized(test_dir, method.columns),
+        cfg=cfg, root=root, trained=trained, test=load_tokenized(test_dir, (*method.columns, *kind_of(cfg).data_columns)),
         tokenizer=tok, labels=labels, base=load_base_model(cfg.model, root, labels=labels),
         load_tuned=lambda base: load_trained(cfg.model, cfg.peft, root, trained, base=base),
         rows=rows, scorer=make_scorer(tok, labels))

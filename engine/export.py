@@ -16,6 +16,14 @@ from engine.modeling.model import (load_model_config, load_tokenizer, load_train
 from engine.modeling.quantization import check_convertible, quantized_copy, save_quantized
 from engine.process.distributed import choose_device
 
-__all__ = ["check_convertible", "choose_device", "load_model_config", "load_tokenizer",
-           "load_trained", "quantized_copy", "read_labels", "resolve_model_ref",
-           "save_quantized", "write_labels"]
+__all__ = ["check_convertible", "choose_device", "load_model_config", "load_processor",
+           "load_tokenizer", "load_trained", "quantized_copy", "read_labels",
+           "resolve_model_ref", "save_quantized", "write_labels"]
+
+
+def load_processor(cfg, tokenizer, root):
+    """What the exported folder keeps to encode inputs: the tokenizer, or a vision-language
+    model's processor around it (engine.kinds: the model kind's `processor`)."""
+    from engine.kinds import kind_of
+
+    return kind_of(cfg).processor(tokenizer, cfg.model, root)

@@ -310,6 +310,14 @@ class Totals:
         }
 
 
+def _json_of(value) -> str:
+    """An encoder argument that is not plain JSON, as text that changes when it does."""
+    to_json = getattr(value, "to_json_string", None)
+    if to_json is None:
+        raise TypeError(f"{type(value).__name__}: not a JSON value or a processor")
+    return to_json()
+
+
 def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
                  kwargs: dict, datatype) -> str:
     """A content-derived datasets fingerprint, so `state.json` (and the DVC hash of the
@@ -322,7 +330,8 @@ def _fingerprint(file: Path, tok, bos: int | None, max_len: int, model_ref: str,
         while block := fh.read(1 << 20):
             h.update(block)
     h.update(json.dumps([max_len, bos, tok.eos_token_id, len(tok), model_ref]).encode())
-    h.update(json.dumps(kwargs, sort_keys=True).encode())
+    # a processor among them (a vision-language model's): its own configuration's JSON
+    h.update(json.dumps(kwargs, sort_keys=True, default=_json_of).encode())
     h.update(Path(__file__).read_bytes())
     from finetune.datatypes import encoding
 

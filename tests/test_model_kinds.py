@@ -109,8 +109,8 @@ def test_an_unknown_kind_is_one_line_naming_the_known_ones():
     from finetune.errors import PipelineError
 
     with pytest.raises(PipelineError, match=r"model kind 'causal': no such model kind "
-                       r"\(registered: causal_lm, seq2seq_lm, sequence_classifier.*did you "
-                       r"mean 'causal_lm'"):
+                       r"\(registered: causal_lm, image_text_to_text, seq2seq_lm, "
+                       r"sequence_classifier.*did you mean 'causal_lm'"):
         KINDS.get("causal")
 
 

@@ -12,7 +12,9 @@ from finetune.registry import Registry
 KINDS = Registry("model kind", "model kind", base="engine.kinds.base:ModelKind",
                  built_ins={"causal_lm": "engine.kinds.causal_lm:CausalLM",
                             "seq2seq_lm": "engine.kinds.seq2seq_lm:Seq2SeqLM",
-                            "sequence_classifier": "engine.kinds.classifier:SequenceClassifier"})
+                            "sequence_classifier": "engine.kinds.classifier:SequenceClassifier",
+                            "image_text_to_text":
+                                "engine.kinds.image_text_to_text:ImageTextToText"})
 
 
 def kind_of(cfg):

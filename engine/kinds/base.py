@@ -37,6 +37,9 @@ class ModelKind:
     #: those of them whose presence means the labels are the model's own positions (no
     #: next-token shift: engine.datapath.data.label_shift)
     unshifting_inputs: tuple[str, ...] = ()
+    #: tokenized columns beyond the method's that its batches are made from (a
+    #: vision-language model's pixel values): the data path reads them too
+    data_columns: tuple[str, ...] = ()
     #: training.type -> the run class ('module:Class') that trains this kind when the method's
     #: own would measure the wrong thing (SFT of a classifier: classes, not generations)
     run_classes: dict[str, str] = {}
@@ -84,10 +87,11 @@ class ModelKind:
 
     # -- saved weights -----------------------------------------------------------------------
 
-    def save_beside_weights(self, folder, tokenizer, labels: list[str] | None) -> None:
+    def save_beside_weights(self, folder, processor, labels: list[str] | None) -> None:
         """What a trained folder holds besides the weights, so it loads on its own: the
-        tokenizer (a vision-language kind: its processor) and a head's label map."""
-        tokenizer.save_pretrained(folder)
+        processor (`processor`: a text model's tokenizer, a vision-language model's processor
+        around it) and a head's label map."""
+        processor.save_pretrained(folder)
         if labels:
             write_labels(folder, labels)
 

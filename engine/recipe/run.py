@@ -205,6 +205,8 @@ class TrainingRun:
         self.labels = read_labels(self.paths.labels)  # a classifier's class names
         self.prepare_model()
         eval_path = self.paths.eval_data
+        # the method's columns and the model kind's (a vision-language model's images)
+        self.columns = (*type(self).columns, *kind_of(self.cfg).data_columns)
         self.eval_data = (load_tokenized(eval_path, self.columns)
                           if eval_path and eval_path.exists() else None)
         self.open_batches, self.steps_per_epoch, self.epoch_len = self.open_train_data()
@@ -646,7 +648,9 @@ class TrainingRun:
             self.strategy.save_pretrained(staging, full)
             make_model_card_reproducible(staging, self.cfg.model, self.paths.project_root)
             self.carry_chat_template()
-            kind_of(self.cfg).save_beside_weights(staging, self.tokenizer, self.labels)
+            kind = kind_of(self.cfg)
+            kind.save_beside_weights(staging, kind.processor(
+                self.tokenizer, self.cfg.model, self.paths.project_root), self.labels)
 
 
     def carry_chat_template(self) -> None:

@@ -135,8 +135,39 @@ SEQ_2_SEQ_LM = ModelTask(
     described="an encoder-decoder model (data.dataset_type seq2seq)",
     selected_by={"data.dataset_type": "seq2seq", "registry.register_model": False})
 
+#: settings a vision-language model does not combine with yet (ModelTask.refuses)
+_VISION_REFUSES = (
+    ("training.packing", None, "a packed row would hold several rows' images, which the "
+     "model cannot keep apart", {"training.packing": True}),
+    ("training.padding_free", None, "its images are matched to their rows by the batch's "
+     "rows", {"training.padding_free": True}),
+    ("training.use_liger_kernel", None, "Liger's patches are for text-only models",
+     {"training.use_liger_kernel": True}),
+    ("training.fused_loss_factory", None, "a fused loss is probed on a text-only forward",
+     {"training.fused_loss_factory": "m:f"}),
+    ("data.collate_fn", lambda c: c.data.user_collate_fn is not None,
+     "its batches carry the images' pixel values (engine.kinds.image_text_to_text)",
+     {"data.collate_fn": "m:f"}),
+    ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
+     "the pipeline splits a text-only decoder stack", {"distributed.strategy": "pipeline",
+                                                       "distributed.nproc_per_node": 2}),
+    ("eval.generation_metrics", lambda c: bool(c.eval.generation_metrics),
+     "the evaluate stage's generations do not take images yet; set it to [] (the held-out "
+     "loss and perplexity are measured)", {"eval.generation_metrics": ["exact_match"]}),
+    ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
+     "lm-eval's tasks here score text-only models", {"eval.harness.tasks": ["arc_easy"]}),
+    ("export.gguf", lambda c: bool(getattr(c.export, "gguf", None)),
+     "the GGUF writer converts text-only models (llama.cpp keeps a vision tower in a separate "
+     "mmproj file, not written here)", {"export.gguf": ["f16"]}),
+)
+IMAGE_TEXT_TO_TEXT = ModelTask(
+    "AutoModelForImageTextToText", "CAUSAL_LM", "image-text-to-text", False,
+    kind="image_text_to_text", refuses=_VISION_REFUSES,
+    described="a vision-language model (data.dataset_type vision_chat)",
+    selected_by={"data.dataset_type": "vision_chat", "eval.generation_metrics": []})
+
 #: the model kinds a dataset type can train, whose rows the compatibility table holds
-MODEL_TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, SEQ_2_SEQ_LM)
+MODEL_TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, SEQ_2_SEQ_LM, IMAGE_TEXT_TO_TEXT)
 
 #: why an encoder-decoder model needs the seq2seq type, for the model loader's refusal
 ENCODER_DECODER_WHY = (

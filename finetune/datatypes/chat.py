@@ -18,8 +18,8 @@ from pathlib import Path
 
 from finetune.datatypes.base import DataContext, DatasetType, Formatted
 from finetune.datatypes.conversation import (  # noqa: F401 (the conversational types' API)
-    ROLES, SHAREGPT_ROLES, TOOL_RULES, check_order, dataset_tools, normalise, nothing_to_learn,
-    parse, parse_message, tool_contract_failures, tool_schemas)
+    ROLES, SHAREGPT_ROLES, TOOL_RULES, check_order, dataset_tools, image_count, normalise,
+    nothing_to_learn, parse, parse_message, tool_contract_failures, tool_schemas)
 from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding
 from finetune.datatypes.turns import MaskRules, end_of_turn, render, sequences, token_mask
 from finetune.errors import PipelineError
@@ -33,6 +33,8 @@ class ChatType(DatasetType):
     keys = ("messages_field", "chat_template", "system_prompt", "assistant_only_loss",
             "last_turn_only", "roles_to_train", "train_on_eos", "train_on_reasoning", "tools",
             "tools_field")
+    #: whether a user turn may hold image parts (the vision_chat type's rows)
+    takes_images = False
 
     def check(self) -> None:
         d = self.data
@@ -76,6 +78,10 @@ class ChatType(DatasetType):
                                                 start=first_row):
             conv = normalise(value, self.data.system_prompt,
                              f"split '{split}' row {i} column '{field}'")
+            if conv and not self.takes_images and image_count(conv):
+                raise PipelineError(f"split '{split}' row {i} column '{field}': an image part; "
+                                    f"data.dataset_type {self.name} trains text alone (images "
+                                    "and text: vision_chat)")
             if conv is None:
                 dropped.append(i)
                 continue

@@ -85,12 +85,16 @@ def parse_message(m: Any, where: str) -> dict:
     if role not in ROLES:
         raise PipelineError(f"{where}: unknown role {role!r} (system, user, assistant, tool; "
                             "ShareGPT: system, human, gpt, function_call, observation)")
-    if role == "tool" and isinstance(content, (dict, list)):
+    if role == "tool" and isinstance(content, dict):
         content = json.dumps(content, ensure_ascii=False)
+    if hasattr(content, "tolist") and not isinstance(content, str):
+        content = content.tolist()  # a list of parts from parquet: a numpy array
+    if isinstance(content, list):
+        content = content_parts(content, role, where)
     calls = m.get("tool_calls") if role == "assistant" else None
     if content is None and (calls or m.get("reasoning_content")):
         content = ""  # a turn that only calls tools (or only thinks) has no text
-    if not isinstance(content, str):
+    if not isinstance(content, str) and not (isinstance(content, list) and role == "user"):
         raise PipelineError(f"{where}: content is not a string")
     out: dict = {"role": role, "content": content}
     if role == "assistant":
@@ -110,6 +114,45 @@ def parse_message(m: Any, where: str) -> dict:
             if m.get(key) is not None:
                 out[key] = str(m[key])
     return out
+
+
+#: the part types a message's content may list (OpenAI's and transformers' form)
+PART_TYPES = ("text", "image")
+
+
+def content_parts(parts: list, role: str, where: str) -> str | list[dict]:
+    """A content given as parts ([{"type": "text", "text": ...}, {"type": "image"}]): the
+    text alone when no part is an image (what text-only templates read; a tool's list result
+    is its JSON, as before), else the parts in the form vision templates read, which only a
+    user turn may hold (an image is an input, never trained). Malformed parts: one line."""
+    parts = [_plain(part) for part in parts]
+    if role == "tool" and not all(isinstance(p, dict) and p.get("type") in PART_TYPES
+                                  for p in parts):
+        return json.dumps(parts, ensure_ascii=False)  # a tool's structured result
+    out = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in PART_TYPES:
+            raise PipelineError(f"{where}: content part {i} is not one of "
+                                f"{', '.join(PART_TYPES)} ({{\"type\": ...}})")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise PipelineError(f"{where}: content part {i} has no text string")
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            out.append({"type": "image"})
+    if not any(p["type"] == "image" for p in out):
+        return "".join(p["text"] for p in out)
+    if role != "user":
+        raise PipelineError(f"{where}: an image in a {role} turn; images are inputs, given "
+                            "in user turns")
+    return out
+
+
+def image_count(conv: list[dict]) -> int:
+    """How many image parts a normalised conversation holds."""
+    return sum(1 for m in conv if isinstance(m["content"], list)
+               for p in m["content"] if p["type"] == "image")
 
 
 def _calls(raw: Any, where: str) -> list[dict]:

@@ -18,6 +18,7 @@ from finetune.datatypes.prompt import PromptType
 from finetune.datatypes.seq2seq import Seq2SeqType
 from finetune.datatypes.text import TextType
 from finetune.datatypes.unpaired_preference import UnpairedPreferenceType
+from finetune.datatypes.vision import VisionChatType
 from finetune.errors import PipelineError
 from finetune.registry import Registry
 
@@ -37,7 +38,7 @@ def register_dataset_type(cls: type[DatasetType]) -> type[DatasetType]:
 
 
 for _builtin in (CompletionType, TextType, ChatType, ClassificationType, PreferenceType,
-                 PromptType, Seq2SeqType, UnpairedPreferenceType):
+                 PromptType, Seq2SeqType, UnpairedPreferenceType, VisionChatType):
     register_dataset_type(_builtin)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.export import read_labels, write_labels
+from engine.export import load_processor, read_labels, write_labels
 from tasks.exporters.base import Exporter
 from tasks.exporters.context import ExportContext
 
@@ -21,7 +21,8 @@ def write(ctx: ExportContext) -> Path:
     model, staging = ctx.hf_model, ctx.staging
     model.save_pretrained(staging, safe_serialization=True,
                           max_shard_size=ctx.config.export.max_shard_size)
-    ctx.tokenizer.save_pretrained(staging)
+    # the processor: the tokenizer, or a vision-language model's processor around it
+    load_processor(ctx.config, ctx.tokenizer, ctx.ws.root).save_pretrained(staging)
     labels = read_labels(ctx.ws.layout.trained)
     if labels:  # also in config.json (id2label); the file is what our stages read
         write_labels(staging, labels)

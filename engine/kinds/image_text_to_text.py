@@ -1,0 +1,100 @@
+"""A vision-language model (transformers' AutoModelForImageTextToText: LLaVA, Qwen2-VL and
+Qwen2.5-VL, Idefics3/SmolVLM, Gemma 3): a causal LM whose inputs hold images. Its text is a
+causal LM's (the processor already put each image's tokens into input_ids, so logits and labels
+line up as a decoder's do, and the loss is the next-token one); what it adds are the images'
+inputs, which ride in the tokenized rows (finetune.datatypes.vision) and are stacked here into
+the model's `pixel_values` (and `image_grid_thw` where the model takes one), and its processor,
+which the data stages encode with and the trained folder keeps beside the weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from engine.datapath.data import collate
+from engine.kinds.base import ModelKind
+from engine.modeling.model import base_model, resolve_model_ref
+from engine.objective.loss import build_loss
+from finetune.errors import PipelineError
+
+#: the forward's image inputs a batch may carry
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
+#: the tokenized columns they are made from (finetune.datatypes.vision.IMAGE_COLUMNS)
+IMAGE_COLUMNS = ("pixel_values", "pixel_shape", "image_grid_thw")
+
+
+def image_inputs(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """The batch's images: each row's pixel values reshaped and concatenated along the first
+    axis in row order (the order the model meets their placeholder tokens in), and the grid
+    sizes likewise; nothing when no row has an image."""
+    arrays = [np.asarray(r["pixel_values"], dtype=np.float32).reshape(r["pixel_shape"])
+              for r in rows if r.get("pixel_shape") and r["pixel_shape"][0]]
+    if not arrays:
+        return {}
+    out = {"pixel_values": torch.from_numpy(np.concatenate(arrays))}
+    grids = [g for r in rows for g in (r.get("image_grid_thw") or [])]
+    if grids:
+        out["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+    return out
+
+
+def collate_with_images(rows: list[dict], text_collate) -> dict[str, torch.Tensor]:
+    return {**text_collate(rows), **image_inputs(rows)}
+
+
+def text_token_ids(config) -> int:
+    """How many ids from 0 are text tokens: the text model's vocabulary, up to the first of
+    the placeholder ids the model replaces with image or video features."""
+    vocab = config.get_text_config().vocab_size
+    placeholders = [getattr(config, name, None) for name in (
+        "image_token_id", "image_token_index", "video_token_id", "vision_start_token_id")]
+    return min([vocab, *(p for p in placeholders if isinstance(p, int) and p > 0)])
+
+
+class ImageTextToText(ModelKind):
+    name = "image_text_to_text"
+    extra_model_inputs = IMAGE_INPUTS
+    data_columns = IMAGE_COLUMNS
+
+    def check_architecture(self, model_config, source: str) -> None:
+        if getattr(model_config, "vision_config", None) is None:
+            kind = getattr(model_config, "model_type", None) or type(model_config).__name__
+            raise PipelineError(f"{source}: a {kind} model has no vision tower "
+                                "(config.vision_config); data.dataset_type vision_chat trains "
+                                "a vision-language model (AutoModelForImageTextToText)")
+
+    def processor(self, tokenizer, model_cfg, root):
+        """The model folder's AutoProcessor around the run's tokenizer (its added tokens)."""
+        from transformers import AutoProcessor
+
+        ref = resolve_model_ref(model_cfg.name_or_path, root)
+        try:
+            processor = AutoProcessor.from_pretrained(ref, revision=model_cfg.revision,
+                                                      trust_remote_code=model_cfg.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise PipelineError(f"model.name_or_path {model_cfg.name_or_path}: no processor "
+                                f"for its images ({first}); a vision-language model's folder "
+                                "holds its processor_config.json / preprocessor_config.json"
+                                ) from None
+        if getattr(processor, "image_processor", None) is None:
+            raise PipelineError(f"model.name_or_path {model_cfg.name_or_path}: its processor "
+                                f"({type(processor).__name__}) has no image processor")
+        processor.tokenizer = tokenizer
+        return processor
+
+    def loss(self, model, cfg, device, amp, user_fn=None):
+        """The causal LM's loss, its chunked form probed on text tokens alone (below every
+        image and video token id: a placeholder without pixels is refused by the model)."""
+        return build_loss(model, cfg.training.loss_chunk_tokens, device, amp,
+                          vocab_size=text_token_ids(base_model(model).config), user_fn=user_fn)
+
+    def train_collate(self, cfg, model, pad_id, layout):
+        return functools.partial(collate_with_images, text_collate=layout)
+
+    def eval_collate(self, cfg, model, pad_id):
+        return functools.partial(collate_with_images, text_collate=functools.partial(
+            collate, pad_id=pad_id))
