@@ -153,3 +153,54 @@ def test_the_six_stages_train_evaluate_and_export_a_model_that_generates(vision_
                        add_special_tokens=False)
     out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_full_fine_tuning_leaves_the_frozen_tower_and_projector_as_they_were(vision_project,
+                                                                           tmp_path):
+    """model.freeze_vision_tower and freeze_projector (both true by default, LLaMA-Factory's
+    defaults): full fine-tuning moves the language model's weights and neither frozen part's;
+    with freeze_projector false the projector moves too."""
+    import shutil
+
+    from engine.kinds.image_text_to_text import part_of
+
+    base = _weights(vision_project / "data/models/tiny-llava")
+    for freeze_projector, moved in ((True, {"language"}), (False, {"language", "projector"})):
+        project = tmp_path / f"p{freeze_projector}"
+        shutil.copytree(vision_project, project, symlinks=True)
+        write_params(project, {"training.max_steps": 2, "model.freeze_projector":
+                               freeze_projector, "eval.eval_strategy": "no",
+                               "checkpoint.save_strategy": "no"})
+        train_in_place(project)
+        trained = _weights(project / "data/trained")
+        assert trained.keys() == base.keys()
+        changed = {part_of(k) for k, v in trained.items() if not torch.equal(v, base[k])}
+        assert changed == moved, (freeze_projector, changed)
+
+
+def test_lora_all_linear_adapts_the_language_model_only(vision_project, tmp_path):
+    """peft.target_modules all-linear on a vision-language model: the language model's
+    linear layers, one by one (not the vision tower's q/k/v, which share their leaf names),
+    and the projector's too when it is not frozen."""
+    import shutil
+
+    from engine.kinds.image_text_to_text import part_of
+
+    for freeze_projector, parts in ((True, {"language"}), (False, {"language", "projector"})):
+        project = tmp_path / f"p{freeze_projector}"
+        shutil.copytree(vision_project, project, symlinks=True)
+        write_params(project, {"peft.use_peft": True, "training.max_steps": 2,
+                               "model.freeze_projector": freeze_projector,
+                               "eval.eval_strategy": "no", "checkpoint.save_strategy": "no"})
+        train_in_place(project)
+        adapted = json.loads((project / "data/trained/adapter_config.json").read_text())[
+            "target_modules"]
+        assert {part_of(m) for m in adapted} == parts, adapted
+        assert any(m.endswith("self_attn.q_proj") for m in adapted)
+        assert not any(part_of(m) == "vision" for m in adapted)

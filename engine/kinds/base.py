@@ -56,6 +56,12 @@ class ModelKind:
         named by path: its labels would be laid out for the wrong model)."""
         refuse_encoder_decoder(model_config, source)
 
+    def prepare_base(self, model, cfg):
+        """The loaded base before the adapter goes on: what of it trains (a vision-language
+        model's frozen tower) and the adapter section that wraps it (the config's, or one whose
+        target modules the kind resolved). A text model's: the config's peft section."""
+        return cfg.peft
+
     # -- inputs ------------------------------------------------------------------------------
 
     def processor(self, tokenizer, model_cfg, root):

@@ -54,6 +54,28 @@ def text_token_ids(config) -> int:
     return min([vocab, *(p for p in placeholders if isinstance(p, int) and p > 0)])
 
 
+#: module-name parts of the vision tower and of the projector across the families
+#: (LLaVA's vision_tower and multi_modal_projector, Qwen2-VL's visual and its merger,
+#: Idefics3's vision_model and connector); a projector inside the tower is the projector
+VISION_PARTS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder")
+PROJECTOR_PARTS = ("multi_modal_projector", "merger", "connector", "mm_projector", "aligner")
+
+
+def part_of(name: str) -> str:
+    """'projector', 'vision' or 'language' for a module or parameter name."""
+    parts = name.split(".")
+    if any(p in PROJECTOR_PARTS for p in parts):
+        return "projector"
+    if any(p in VISION_PARTS for p in parts):
+        return "vision"
+    return "language"
+
+
+def frozen_parts(model_cfg) -> set[str]:
+    return ({"vision"} if model_cfg.freeze_vision_tower else set()) | (
+        {"projector"} if model_cfg.freeze_projector else set())
+
+
 class ImageTextToText(ModelKind):
     name = "image_text_to_text"
     extra_model_inputs = IMAGE_INPUTS
@@ -65,6 +87,25 @@ class ImageTextToText(ModelKind):
             raise PipelineError(f"{source}: a {kind} model has no vision tower "
                                 "(config.vision_config); data.dataset_type vision_chat trains "
                                 "a vision-language model (AutoModelForImageTextToText)")
+
+    def prepare_base(self, model, cfg):
+        """Full fine-tuning: the frozen parts (model.freeze_vision_tower, freeze_projector)
+        stop training. LoRA with target_modules all-linear: the language model's linear layers
+        (and those of a part not frozen), named one by one; target_modules naming modules
+        itself is the user's choice, vision modules included."""
+        frozen = frozen_parts(cfg.model)
+        if not cfg.peft.use_peft:
+            for name, param in model.named_parameters():
+                if part_of(name) in frozen:
+                    param.requires_grad_(False)
+            return cfg.peft
+        if cfg.peft.target_modules != "all-linear":
+            return cfg.peft
+        output = model.get_output_embeddings()
+        names = sorted(name for name, module in model.named_modules()
+                       if isinstance(module, torch.nn.Linear) and module is not output
+                       and part_of(name) not in frozen)
+        return cfg.peft.model_copy(update={"target_modules": names})
 
     def processor(self, tokenizer, model_cfg, root):
         """The model folder's AutoProcessor around the run's tokenizer (its added tokens)."""

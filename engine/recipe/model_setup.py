@@ -59,7 +59,7 @@ def build_model(cfg: FinetuneConfig, root: Path, d, meter, labels: list[str] | N
     base = load_base_model(cfg.model, root, labels=labels, construct=t.construct_model_on,
                            device=d.device, log=log)
     enable_gradient_checkpointing(base, t, log)
-    model = apply_peft(base, cfg.peft, t.seed)
+    model = apply_peft(base, kind.prepare_base(base, cfg), t.seed)
     if t.qat_recipe:  # around the frozen layers, inside the adapters
         prepare_qat(model, t.qat_recipe, t.qat_group_size, log)
     trainable, total = count_parameters(model)

@@ -17,6 +17,10 @@ RENAMED = {
     "dataset_config_name": "data.subset",
     "fsdp_config": "distributed.fsdp",
     "fsdp": "distributed.strategy",
+    "freeze_vision_tower": "model.freeze_vision_tower",
+    "freeze_vit": "model.freeze_vision_tower",
+    "freeze_multi_modal_projector": "model.freeze_projector",
+    "freeze_aligner": "model.freeze_projector",
 }
 
 #: foreign key name -> why this project has no such key (the one line's reason)

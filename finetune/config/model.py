@@ -83,6 +83,17 @@ class ModelConfig(Section):
         False, fingerprint=True, description="8-bit loading via bitsandbytes (CUDA only).")
     trust_remote_code: bool = Field(
         False, fingerprint=False, description="Allow model code from the hub repo to run.")
+    freeze_vision_tower: bool = Field(
+        True, fingerprint=True,
+        description="A vision-language model (data.dataset_type vision_chat): its vision "
+        "tower does not train (full fine-tuning: frozen; LoRA: peft.target_modules all-linear "
+        "leaves it out). LLaMA-Factory's name; ms-swift's freeze_vit.")
+    freeze_projector: bool = Field(
+        True, fingerprint=True,
+        description="A vision-language model: the projector between the vision tower and the "
+        "language model (LLaVA's multi_modal_projector, Qwen2-VL's merger) does not train, as "
+        "freeze_vision_tower. LLaMA-Factory's freeze_multi_modal_projector; ms-swift's "
+        "freeze_aligner.")
 
     @field_validator("special_tokens")
     @classmethod
