@@ -1,0 +1,122 @@
+"""Our vision SFT against TRL 1.16's SFTTrainer (the oracle) on the shipped tiny LLaVA and the
+shipped rows of drawn squares: TRL's own collator (DataCollatorForVisionLanguageModeling, with
+assistant_only_loss and a copy of the model's chat template with TRL's `{% generation %}`
+markers around what our chat type trains of the assistant's turn) builds
+a batch from the raw rows and PIL images; ours comes from the tokenize stage's rows through the
+model kind's collate. The batches are the same tensors (ids, attention, labels, pixel values:
+the image tokens untrained on both sides), and TRL's `compute_loss` on its batch equals our
+training step's (TrainingRun.micro_step with the kind's loss) on ours, in value and in every
+parameter's gradient.
+
+TRL's default for a `messages` row without assistant_only_loss trains the image placeholder
+tokens too (its labels mask padding only); we never train them, so the oracle runs TRL in the
+mode that agrees with the issue's rule (labels of image tokens are -100).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import TINY, copy_project, resolve_example, stages_here
+
+#: the shipped template with TRL's markers around what our chat type trains of an assistant
+#: turn as the template renders it (the space after "Assistant:", the answer, EOS and the
+#: newline that ends the turn), and BOS first (our encoding adds the tokenizer's, which TRL's
+#: collator leaves to the template); the newline is written as {{ '\n' }} since jinja's
+#: trim_blocks drops a literal one after a tag
+TRL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}User: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n"
+    "{% elif m['role'] == 'assistant' %}Assistant:{% generation %} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ eos_token }}"
+    "{{ '\\n' }}{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}")
+ROWS = 4
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory) -> Path:
+    project = copy_project(tmp_path_factory.mktemp("vision_trl") / "p")
+    resolve_example(project, "params/vlm-shapes.yaml", {**TINY, "data.max_train_samples": 8,
+                                                         "data.max_eval_samples": 4})
+    stages_here(project, "download", "format", "tokenize")
+    return project
+
+
+def test_the_batch_loss_and_gradients_are_trls(tokenized):
+    import datasets
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from trl import SFTConfig, SFTTrainer
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from engine.datapath.data import collate, count_targets
+    from engine.kinds.image_text_to_text import ImageTextToText
+    from engine.recipe.run import TrainingRun
+    from finetune.workspace import Workspace
+
+    project = tokenized
+    model_dir = project / "data/models/tiny-llava"
+    processor = AutoProcessor.from_pretrained(model_dir)
+    # the pad token our runs choose (engine.modeling.model.choose_pad_token: Llama's <unk>)
+    processor.tokenizer.pad_token = processor.tokenizer.unk_token
+    source = project / "data/source/shapes"
+    raw = [json.loads(line) for line in (source / "train.jsonl").read_text().splitlines()]
+    tokenized_rows = datasets.load_from_disk(str(project / "data/tokenized/train"))
+    rows = [tokenized_rows[i] for i in range(ROWS)]  # the raw rows' order (no shuffle)
+
+    # TRL's side: its collator on the raw rows and their images
+    trl_rows = []
+    for r in raw:
+        images = [Image.open(source / p).convert("RGB") for p in r["images"]]
+        trl_rows.append({"messages": r["messages"], "images": images})
+    collator = DataCollatorForVisionLanguageModeling(processor=processor, max_length=None,
+                                                     assistant_only_loss=True,
+                                                     chat_template=TRL_TEMPLATE)
+    theirs = collator([dict(r) for r in trl_rows[:ROWS]])
+
+    # ours: the tokenize stage's rows through the model kind's collate
+    cfg = Workspace.load(project / "params/default.yaml").config
+    kind = ImageTextToText()
+    pad = processor.tokenizer.pad_token_id
+    ours = kind.train_collate(cfg, None, pad, lambda r: collate(r, pad_id=pad))(rows)
+    assert torch.equal(ours["input_ids"], theirs["input_ids"])
+    assert torch.equal(ours["attention_mask"], theirs["attention_mask"])
+    assert torch.equal(ours["labels"], theirs["labels"])
+    image = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert int((ours["input_ids"] == image).sum()) == 16 * ROWS
+    assert not bool((ours["labels"] == image).any())
+    torch.testing.assert_close(ours["pixel_values"], theirs["pixel_values"], rtol=0, atol=1e-6)
+
+    # TRL's loss (its fused LM head, normalised by the batch's target tokens) and gradients
+    trainer = SFTTrainer(
+        model=AutoModelForImageTextToText.from_pretrained(model_dir),
+        args=SFTConfig(output_dir=str(project / "trl"), use_cpu=True, report_to=[],
+                       max_length=None, bf16=False),  # the batch is the collator's above
+        train_dataset=datasets.Dataset.from_list(trl_rows), processing_class=processor)
+    policy = trainer.model
+    policy.train()
+    loss = trainer.compute_loss(policy, dict(theirs))
+    loss.backward()
+    their_grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    # ours: one micro-step of the SFT run with the kind's loss (chunked, as trained)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).train()
+    run = SimpleNamespace(cfg=cfg, dist=SimpleNamespace(device=torch.device("cpu")), amp=None,
+                          model=model, scaler=None,
+                          loss=kind.loss(model, cfg, torch.device("cpu"), None))
+    divisor = count_targets(ours)
+    loss_sum = TrainingRun.micro_step(run, ours["labels"], ours, divisor)
+    assert float(loss_sum / divisor) == pytest.approx(float(loss.detach()), abs=1e-5)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == their_grads.keys() and len(grads) > 20
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, their_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    assert max(g.abs().max() for g in grads.values()) > 1e-3
