@@ -204,3 +204,31 @@ def test_lora_all_linear_adapts_the_language_model_only(vision_project, tmp_path
         assert {part_of(m) for m in adapted} == parts, adapted
         assert any(m.endswith("self_attn.q_proj") for m in adapted)
         assert not any(part_of(m) == "vision" for m in adapted)
+
+
+def test_a_vision_run_resumes_bitwise_from_what_a_crash_leaves(vision_project, tmp_path):
+    """8 steps of LoRA with checkpoints at 4 and 8, cut back to what a crash right after step
+    4 leaves and resumed: the same adapter, bit for bit, and the same losses (the images' rows
+    in the same order, their pixel values the same batches)."""
+    from helpers import resume_from_checkpoint_in_process
+
+    resume_from_checkpoint_in_process(vision_project, tmp_path, {
+        "peft.use_peft": True, "checkpoint.save_strategy": "steps", "checkpoint.save_steps": 4,
+        "eval.eval_strategy": "no"}, 4)
+
+
+@pytest.mark.distributed
+def test_two_processes_equal_one(vision_project, tmp_path):
+    """DDP on torchrun (gloo): 2 processes x 2 rows equal 1 process x 4 rows, the images
+    split with their rows (SGD, so the weights compare without Adam's division)."""
+    from helpers import assert_weights_close, losses, train_copy, train_here
+
+    equal = {"training.max_steps": 4, "optimizer.name": "SGD", "optimizer.learning_rate": 0.5,
+             "scheduler.warmup_steps": 0, "logging.logging_steps": 1,
+             "eval.eval_strategy": "no", "checkpoint.save_strategy": "no"}
+    one, _ = train_here(vision_project, tmp_path / "one", equal)
+    two, _ = train_copy(vision_project, tmp_path / "two", {
+        **equal, "distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
+        "training.per_device_train_batch_size": 2})
+    assert losses(two) == pytest.approx(losses(one), abs=1e-5)
+    assert_weights_close(_weights(two / "data/trained"), _weights(one / "data/trained"))

@@ -21,9 +21,9 @@ from engine.objective.loss import build_loss
 from finetune.errors import PipelineError
 
 #: the forward's image inputs a batch may carry
-IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 #: the tokenized columns they are made from (finetune.datatypes.vision.IMAGE_COLUMNS)
-IMAGE_COLUMNS = ("pixel_values", "pixel_shape", "image_grid_thw")
+IMAGE_COLUMNS = ("pixel_values", "pixel_shape", "image_grid_thw", "mm_token_type_ids")
 
 
 def image_inputs(rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -42,7 +42,16 @@ def image_inputs(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def collate_with_images(rows: list[dict], text_collate) -> dict[str, torch.Tensor]:
-    return {**text_collate(rows), **image_inputs(rows)}
+    """The text batch and its images; a model that reads token types (Qwen2-VL's
+    mm_token_type_ids: 1 on an image token) gets them padded as its ids are, with 0."""
+    batch = {**text_collate(rows), **image_inputs(rows)}
+    if any(r.get("mm_token_type_ids") for r in rows):
+        types = torch.zeros_like(batch["input_ids"])
+        for i, r in enumerate(rows):
+            row = r["mm_token_type_ids"]
+            types[i, :len(row)] = torch.as_tensor(row, dtype=types.dtype)
+        batch["mm_token_type_ids"] = types
+    return batch
 
 
 def text_token_ids(config) -> int:
@@ -117,13 +126,16 @@ class ImageTextToText(ModelKind):
                                                       trust_remote_code=model_cfg.trust_remote_code)
         except (OSError, ValueError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            hint = (" (transformers' video processors need torchvision: pip install "
+                    "torchvision)" if "video processor" in first.lower() else "")
             raise PipelineError(f"model.name_or_path {model_cfg.name_or_path}: no processor "
-                                f"for its images ({first}); a vision-language model's folder "
-                                "holds its processor_config.json / preprocessor_config.json"
-                                ) from None
+                                f"for its images ({first}){hint}; a vision-language model's "
+                                "folder holds its processor_config.json") from None
         if getattr(processor, "image_processor", None) is None:
-            raise PipelineError(f"model.name_or_path {model_cfg.name_or_path}: its processor "
-                                f"({type(processor).__name__}) has no image processor")
+            raise PipelineError(f"model.name_or_path {model_cfg.name_or_path}: AutoProcessor "
+                                f"found a {type(processor).__name__} and no image processor "
+                                "(the folder names no processor, or a processor class this "
+                                "process has not imported); save the model's processor there")
         processor.tokenizer = tokenizer
         return processor
 

@@ -32,9 +32,10 @@ from finetune.errors import PipelineError
 
 #: the row column of each row's images (TRL's name)
 IMAGES = "images"
-#: the tokenized columns of a row's images: pixel values flattened, their array shape, and the
-#: grid sizes of the models that take them (Qwen2-VL's image_grid_thw; empty otherwise)
-IMAGE_COLUMNS = ("pixel_values", "pixel_shape", "image_grid_thw")
+#: the tokenized columns of a row's images: pixel values flattened, their array shape, and what
+#: the models that take them get besides (Qwen2-VL's image_grid_thw, and mm_token_type_ids: 1
+#: on an image token, from which it places its 3-D positions; empty otherwise)
+IMAGE_COLUMNS = ("pixel_values", "pixel_shape", "image_grid_thw", "mm_token_type_ids")
 
 
 class VisionChatType(ChatType):
@@ -174,6 +175,9 @@ def encode_vision_chat_batch(batch: dict[str, list], tok, processor, root: str, 
             if len(ids) > max_len and image_token in ids[max_len - 1:]:
                 labels = [IGNORE_INDEX] * len(labels)  # cut inside its images: dropped
             add_row(out, ids, labels, max_len)
+            types = inputs.get("mm_token_type_ids")
+            out["mm_token_type_ids"].append(
+                [] if types is None else ([0] * len(head) + types[0].tolist())[:max_len])
             pixels = inputs.get("pixel_values")
             pixels = np.zeros((0,), np.float32) if pixels is None or not used else pixels
             out["pixel_values"].append(np.asarray(pixels, np.float32).ravel().tolist())
