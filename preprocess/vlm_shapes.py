@@ -8,7 +8,10 @@ here so nothing with a licence is shipped:
   processor (a CLIP image processor, 32x32, patch 8: 16 tokens per image) and a chat template
   that writes `<image>` for each image part;
 - `data/source/shapes/`: `train.jsonl` (64 rows) and `test.jsonl` (16) in TRL's layout, each
-  an image of 1-4 white squares on black (`images/NNN.png`), the question and the count.
+  an image of 1-4 white squares on black (`images/NNN.png`), the question and the count;
+  `pairs-train.jsonl` and `pairs-test.jsonl`, the same rows as TRL's vision DPO layout
+  (`prompt` turn with the image, `chosen` the count, `rejected` a wrong one, `images`), for
+  params/vlm-shapes-dpo.yaml.
 
 What it shows is the data path, not a capable model: a model of this size learns the answer's
 form and the distribution of counts. No randomness beyond the fixed seed.
@@ -95,6 +98,22 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 
+def pairs_of(rows: list[dict]) -> list[dict]:
+    """Preference rows from counting rows: the right count chosen, the next one (mod 4)
+    rejected, the prompt turn and its image shared."""
+    pairs = []
+    for r in rows:
+        right = r["messages"][1]["content"][0]["text"]
+        wrong = str(int(right) % 4 + 1)
+        pairs.append({"prompt": r["messages"][:1],
+                      "chosen": [{"role": "assistant", "content": [{"type": "text",
+                                                                     "text": right}]}],
+                      "rejected": [{"role": "assistant", "content": [{"type": "text",
+                                                                       "text": wrong}]}],
+                      "images": r["images"]})
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=int, default=64)
@@ -102,8 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     tiny_llava(ROOT / "data/models/tiny-llava", ROOT / "data/models/stories260K")
     source = ROOT / "data/source/shapes"
-    write_rows(source / "train.jsonl", shapes_rows(source, args.train))
-    write_rows(source / "test.jsonl", shapes_rows(source, args.test, first=args.train))
+    train, test = shapes_rows(source, args.train), shapes_rows(source, args.test, first=args.train)
+    write_rows(source / "train.jsonl", train)
+    write_rows(source / "test.jsonl", test)
+    write_rows(source / "pairs-train.jsonl", pairs_of(train))
+    write_rows(source / "pairs-test.jsonl", pairs_of(test))
 
 
 if __name__ == "__main__":

@@ -304,7 +304,8 @@ def test_one_example_params_file_per_dataset_type():
         for file in (cfg.data.data_files or {}).values():
             assert (ROOT / file).exists(), f"{path.name}: {file} is not shipped"
     assert set(type_names()) == {"completion", "text", "chat", "classification", "preference",
-                                "prompt", "seq2seq", "unpaired_preference", "vision_chat"}
+                                "prompt", "seq2seq", "unpaired_preference", "vision_chat",
+                                "vision_preference"}
     assert set(type_names()) <= set(by_type), by_type
     classification = load_config(ROOT / "params/classification-gsm8k.yaml")
     assert classification.model.auto_class_name == "AutoModelForSequenceClassification"

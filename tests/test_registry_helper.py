@@ -159,20 +159,20 @@ def test_the_dataset_types_table_keeps_its_wording():
 
     assert DATASET_TYPES.names() == ["completion", "text", "chat", "classification",
                                      "preference", "prompt", "seq2seq", "unpaired_preference",
-                                     "vision_chat"]
+                                     "vision_chat", "vision_preference"]
     assert canonical("sharegpt") == "chat" and type_class("seq_completion").name == "completion"
     with pytest.raises(ValueError) as caught:
         canonical("chta")
     assert str(caught.value) == (
         "unknown dataset type 'chta' (did you mean 'chat'? types: completion, text, chat, "
-        "classification, preference, prompt, seq2seq, unpaired_preference, vision_chat; "
-        "aliases: "
+        "classification, preference, prompt, seq2seq, unpaired_preference, vision_chat, "
+        "vision_preference; aliases: "
         "seq_completion = completion, "
         "conversational = chat, sharegpt = chat, seq_classification = classification, "
         "text_classification = "
         "classification, dpo = preference, pairwise = preference, unpaired = "
-        "unpaired_preference, kto = unpaired_preference, vision = vision_chat; or a "
-        "project's own as "
+        "unpaired_preference, kto = unpaired_preference, vision = vision_chat, vision_dpo = "
+        "vision_preference; or a project's own as "
         "'module:Class')")
     with pytest.raises(ValueError) as caught:
         canonical("finetune.config.data:DataConfig")

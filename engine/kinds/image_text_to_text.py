@@ -22,8 +22,10 @@ from finetune.errors import PipelineError
 
 #: the forward's image inputs a batch may carry
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
-#: the tokenized columns they are made from (finetune.datatypes.vision.IMAGE_COLUMNS)
-IMAGE_COLUMNS = ("pixel_values", "pixel_shape", "image_grid_thw", "mm_token_type_ids")
+#: the tokenized columns they are made from (finetune.datatypes.vision.IMAGE_COLUMNS; a
+#: preference pair's rejected side has its own token types)
+IMAGE_COLUMNS = ("pixel_values", "pixel_shape", "image_grid_thw", "mm_token_type_ids",
+                 "rejected_mm_token_type_ids")
 
 
 def image_inputs(rows: list[dict]) -> dict[str, torch.Tensor]:

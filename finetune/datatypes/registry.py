@@ -18,7 +18,7 @@ from finetune.datatypes.prompt import PromptType
 from finetune.datatypes.seq2seq import Seq2SeqType
 from finetune.datatypes.text import TextType
 from finetune.datatypes.unpaired_preference import UnpairedPreferenceType
-from finetune.datatypes.vision import VisionChatType
+from finetune.datatypes.vision import VisionChatType, VisionPreferenceType
 from finetune.errors import PipelineError
 from finetune.registry import Registry
 
@@ -38,7 +38,8 @@ def register_dataset_type(cls: type[DatasetType]) -> type[DatasetType]:
 
 
 for _builtin in (CompletionType, TextType, ChatType, ClassificationType, PreferenceType,
-                 PromptType, Seq2SeqType, UnpairedPreferenceType, VisionChatType):
+                 PromptType, Seq2SeqType, UnpairedPreferenceType, VisionChatType,
+                 VisionPreferenceType):
     register_dataset_type(_builtin)
 
 

@@ -27,6 +27,7 @@ from finetune.datatypes.base import IMAGE_TEXT_TO_TEXT, DataContext, Formatted
 from finetune.datatypes.chat import ChatType, chat_template
 from finetune.datatypes.conversation import image_count, parse
 from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding
+from finetune.datatypes.preference import REJECTED_COLUMNS, PreferenceType
 from finetune.datatypes.turns import MaskRules, end_of_turn, sequences, token_mask
 from finetune.errors import PipelineError
 
@@ -53,29 +54,125 @@ class VisionChatType(ChatType):
         if IMAGES not in frame.columns:
             raise PipelineError(f"split '{split}' has no '{IMAGES}' column; data.dataset_type "
                                 f"{self.name} reads each row's images there (a list of paths)")
-        folder = source_folder(self.data, ctx.root)
-        images = {}
         field = messages_column(frame, self.data)
-        for i, (value, messages) in enumerate(zip(frame[IMAGES].tolist(),
-                                                  frame[field].tolist()), start=first_row):
-            where = f"split '{split}' row {i} column '{IMAGES}'"
-            paths = image_paths(value, where, folder, ctx.root)
-            wanted = image_count(parse(messages, f"split '{split}' row {i} column '{field}'"))
-            if len(paths) != wanted:
-                raise PipelineError(f"{where}: {len(paths)} images for {wanted} image parts in "
-                                    "the messages; give one image per {\"type\": \"image\"}")
-            images[i] = paths
-        out = super().format(frame, split, ctx, first_row)
-        dropped = set(out.dropped)
-        kept = [i for i in range(first_row, first_row + len(frame)) if i not in dropped]
-        rows = out.rows.copy()
-        rows[IMAGES] = [json.dumps(images[i]) for i in kept]
-        return Formatted(rows, out.dropped, out.reason, out.reasons)
+        images = checked_images(self.data, frame, split, ctx, first_row, [field])
+        return with_images(super().format(frame, split, ctx, first_row), images, first_row,
+                           len(frame))
 
     def encoder(self, ctx: DataContext):
         fn, kwargs = super().encoder(ctx)
         return encode_vision_chat_batch, {**kwargs, "processor": ctx.processor,
                                           "root": str(ctx.root)}
+
+
+def checked_images(data, frame, split: str, ctx: DataContext, first_row: int,
+                   message_columns: list[str]) -> dict[int, list[str]]:
+    """Row number -> its images (paths relative to the project), each opened, as many as the
+    image parts of the row's first message list among `message_columns` (a pair's `prompt`,
+    else its `chosen`, which holds the shared prompt turns); one line naming the row and the
+    file."""
+    if IMAGES not in frame.columns:
+        raise PipelineError(f"split '{split}' has no '{IMAGES}' column; data.dataset_type "
+                            f"{data.dataset_type} reads each row's images there (a list of "
+                            "paths)")
+    folder = source_folder(data, ctx.root)
+    images = {}
+    columns = [c for c in message_columns if c in frame.columns]
+    for k, value in enumerate(frame[IMAGES].tolist()):
+        i = first_row + k
+        where = f"split '{split}' row {i} column '{IMAGES}'"
+        paths = image_paths(value, where, folder, ctx.root)
+        holder = next((c for c in columns if frame[c].iloc[k] is not None
+                       and not isinstance(frame[c].iloc[k], (str, float))), None)
+        wanted = 0 if holder is None else image_count(
+            parse(frame[holder].iloc[k], f"split '{split}' row {i} column '{holder}'"))
+        if len(paths) != wanted:
+            raise PipelineError(f"{where}: {len(paths)} images for {wanted} image parts in "
+                                "the messages; give one image per {\"type\": \"image\"}")
+        images[i] = paths
+    return images
+
+
+def with_images(out: Formatted, images: dict[int, list[str]], first_row: int,
+                rows: int) -> Formatted:
+    """The formatted rows with each kept row's images (JSON) beside them."""
+    dropped = set(out.dropped)
+    kept = [i for i in range(first_row, first_row + rows) if i not in dropped]
+    frame = out.rows.copy()
+    frame[IMAGES] = [json.dumps(images[i]) for i in kept]
+    return Formatted(frame, out.dropped, out.reason, out.reasons)
+
+
+class VisionPreferenceType(PreferenceType):
+    """`vision_preference`: TRL's vision DPO layout, the preference type's conversational pairs
+    (`prompt` turns holding the image parts, `chosen`, `rejected`) with an `images` column.
+    Each side is encoded as the preference type encodes it (prompt and side apart, the side
+    trained), the prompt by the model's processor with the images, so both sides share the
+    row's pixel values; the rejected side's token types are its own column."""
+
+    name = "vision_preference"
+    aliases = ("vision_dpo",)
+    task = IMAGE_TEXT_TO_TEXT
+
+    def required_columns(self) -> list[str]:
+        return [*super().required_columns(), IMAGES]
+
+    def format(self, frame, split: str, ctx: DataContext, first_row: int = 0) -> Formatted:
+        images = checked_images(self.data, frame, split, ctx, first_row,
+                                ["prompt", "chosen"])
+        return with_images(super().format(frame, split, ctx, first_row), images, first_row,
+                           len(frame))
+
+    def encoder(self, ctx: DataContext):
+        return encode_vision_preference, {"bos": ctx.bos, "max_len": self.data.max_seq_length,
+                                          "processor": ctx.processor, "root": str(ctx.root)}
+
+
+def encode_vision_preference(batch: dict[str, list], tok, processor, root: str,
+                             bos: int | None, max_len: int) -> dict[str, list]:
+    """Both sides of each pair: [BOS] + the prompt as the processor encodes it with the row's
+    images (image tokens expanded, untrained) + the side's tokens (trained; EOS where the row
+    says), each cut to `max_len`; `n_trainable` the smaller side's (0 when the sides are left
+    equal). The row's pixel values are stored once."""
+    out = {**empty_encoding(), **{c: [] for c in (*REJECTED_COLUMNS, *IMAGE_COLUMNS,
+                                                  "rejected_mm_token_type_ids")}}
+    eos = tok.eos_token_id
+    head_bos = [bos] if bos is not None else []
+    for prompt, chosen, rejected, end, paths in zip(batch["prompt"], batch["completion"],
+                                                    batch["rejected"], batch["eos"],
+                                                    batch[IMAGES]):
+        images = load_images(json.loads(paths), Path(root))
+        inputs = processor(text=[prompt], images=images or None, add_special_tokens=False,
+                           return_tensors="np")
+        head = head_bos + inputs["input_ids"][0].tolist()
+        types = inputs.get("mm_token_type_ids")
+        head_types = [0] * len(head_bos) + ([] if types is None else types[0].tolist())
+        tail = [eos] if end else []
+        sides = []
+        for text in (chosen, rejected):
+            body = tok(text, add_special_tokens=False)["input_ids"] + tail
+            ids, labels = head + body, [IGNORE_INDEX] * len(head) + body
+            kinds = (head_types + [0] * len(body)) if types is not None else []
+            sides.append((ids[:max_len], labels[:max_len], kinds[:max_len], len(ids) > max_len))
+        (c_ids, c_labels, c_types, c_cut), (r_ids, r_labels, r_types, r_cut) = sides
+        out["input_ids"].append(c_ids)
+        out["labels"].append(c_labels)
+        out["rejected_input_ids"].append(r_ids)
+        out["rejected_labels"].append(r_labels)
+        out["mm_token_type_ids"].append(c_types)
+        out["rejected_mm_token_type_ids"].append(r_types)
+        out["truncated"].append(c_cut or r_cut)
+        same = c_ids == r_ids
+        out["n_trainable"].append(0 if same else min(
+            sum(x != IGNORE_INDEX for x in c_labels), sum(x != IGNORE_INDEX for x in r_labels)))
+        pixels = inputs.get("pixel_values")
+        pixels = np.zeros((0,), np.float32) if pixels is None or not images else pixels
+        out["pixel_values"].append(np.asarray(pixels, np.float32).ravel().tolist())
+        out["pixel_shape"].append(list(np.shape(pixels)))
+        grid = inputs.get("image_grid_thw")
+        out["image_grid_thw"].append([] if grid is None or not images
+                                     else np.asarray(grid).tolist())
+    return out
 
 
 def messages_column(frame, data) -> str:
