@@ -1,5 +1,6 @@
-"""Our vision SFT against TRL 1.16's SFTTrainer (the oracle) on the shipped tiny LLaVA and the
-shipped rows of drawn squares: TRL's own collator (DataCollatorForVisionLanguageModeling, with
+"""Our vision SFT against TRL 1.16's SFTTrainer (the oracle), for two families: the shipped tiny
+LLaVA and the Qwen2-VL of tests/test_vision_qwen2vl.py (its grids and token types compared
+too), on the shipped rows of drawn squares: TRL's own collator (DataCollatorForVisionLanguageModeling, with
 assistant_only_loss and a copy of the model's chat template with TRL's `{% generation %}`
 markers around what our chat type trains of the assistant's turn) builds
 a batch from the raw rows and PIL images; ours comes from the tokenize stage's rows through the
@@ -38,16 +39,40 @@ TRL_TEMPLATE = (
     "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ eos_token }}"
     "{{ '\\n' }}{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}")
+#: Qwen2-VL's template (tests/test_vision_qwen2vl.py) with the markers: its tokenizer adds no
+#: BOS, and the trained span is the answer, <|im_end|> and the newline
+QWEN_TRL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{{ c['text'] }}{% endfor %}{% endif %}<|im_end|>{{ '\\n' }}"
+    "{% endgeneration %}{% else %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}"
+    "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>{{ '\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ROWS = 4
+#: family -> (its model folder in the project, the template TRL's collator renders with)
+FAMILIES = {"llava": ("data/models/tiny-llava", TRL_TEMPLATE),
+            "qwen2vl": ("data/models/tiny-qwen2vl", QWEN_TRL_TEMPLATE)}
 
 
-@pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> Path:
-    project = copy_project(tmp_path_factory.mktemp("vision_trl") / "p")
-    resolve_example(project, "params/vlm-shapes.yaml", {**TINY, "data.max_train_samples": 8,
-                                                         "data.max_eval_samples": 4})
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tokenized(request, tmp_path_factory) -> tuple[Path, str]:
+    family = request.param
+    project = copy_project(tmp_path_factory.mktemp(f"vision_trl_{family}") / "p")
+    overrides = {**TINY, "data.max_train_samples": 8, "data.max_eval_samples": 4}
+    if family == "qwen2vl":
+        from test_vision_qwen2vl import image_only_processor, tiny_qwen2vl
+
+        image_only_processor()
+        tiny_qwen2vl(project / FAMILIES[family][0])
+        overrides["model.name_or_path"] = FAMILIES[family][0]
+    resolve_example(project, "params/vlm-shapes.yaml", overrides)
     stages_here(project, "download", "format", "tokenize")
-    return project
+    return project, family
 
 
 def test_the_batch_loss_and_gradients_are_trls(tokenized):
@@ -59,14 +84,16 @@ def test_the_batch_loss_and_gradients_are_trls(tokenized):
 
     from engine.datapath.data import collate, count_targets
     from engine.kinds.image_text_to_text import ImageTextToText
+    from engine.modeling.model import choose_pad_token
     from engine.recipe.run import TrainingRun
     from finetune.workspace import Workspace
 
-    project = tokenized
-    model_dir = project / "data/models/tiny-llava"
+    project, family = tokenized
+    folder, template = FAMILIES[family]
+    model_dir = project / folder
     processor = AutoProcessor.from_pretrained(model_dir)
-    # the pad token our runs choose (engine.modeling.model.choose_pad_token: Llama's <unk>)
-    processor.tokenizer.pad_token = processor.tokenizer.unk_token
+    if processor.tokenizer.pad_token is None:  # the pad token our runs choose
+        processor.tokenizer.pad_token = choose_pad_token(processor.tokenizer)
     source = project / "data/source/shapes"
     raw = [json.loads(line) for line in (source / "train.jsonl").read_text().splitlines()]
     tokenized_rows = datasets.load_from_disk(str(project / "data/tokenized/train"))
@@ -79,7 +106,7 @@ def test_the_batch_loss_and_gradients_are_trls(tokenized):
         trl_rows.append({"messages": r["messages"], "images": images})
     collator = DataCollatorForVisionLanguageModeling(processor=processor, max_length=None,
                                                      assistant_only_loss=True,
-                                                     chat_template=TRL_TEMPLATE)
+                                                     chat_template=template)
     theirs = collator([dict(r) for r in trl_rows[:ROWS]])
 
     # ours: the tokenize stage's rows through the model kind's collate
@@ -90,10 +117,13 @@ def test_the_batch_loss_and_gradients_are_trls(tokenized):
     assert torch.equal(ours["input_ids"], theirs["input_ids"])
     assert torch.equal(ours["attention_mask"], theirs["attention_mask"])
     assert torch.equal(ours["labels"], theirs["labels"])
-    image = processor.tokenizer.convert_tokens_to_ids("<image>")
+    image = processor.image_token_id
     assert int((ours["input_ids"] == image).sum()) == 16 * ROWS
     assert not bool((ours["labels"] == image).any())
     torch.testing.assert_close(ours["pixel_values"], theirs["pixel_values"], rtol=0, atol=1e-6)
+    for key in ("image_grid_thw", "mm_token_type_ids"):  # Qwen2-VL's
+        assert (key in ours) == (key in theirs) and (
+            key not in ours or torch.equal(ours[key], theirs[key])), key
 
     # TRL's loss (its fused LM head, normalised by the batch's target tokens) and gradients
     trainer = SFTTrainer(
