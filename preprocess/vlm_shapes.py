@@ -27,13 +27,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: a chat template that writes `<image>` for each image part (LLaVA's convention)
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}User: "
+#: LLaVA's convention: `<image>` for each image part; a content is a string or a list of parts
+#: in every role (TRL's layout writes parts); newlines as {{ '\n' }}, since jinja's
+#: trim_blocks (which transformers renders with) drops a literal one after a tag
+TEMPLATE = ("{% for m in messages %}"
+            "{% if m['role'] == 'user' %}User: {% elif m['role'] == 'assistant' %}Assistant: "
+            "{% endif %}"
             "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
             "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
-            "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n"
-            "{% elif m['role'] == 'assistant' %}Assistant: {{ m['content'] }}{{ eos_token }}\n"
-            "{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+            "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
+            "{% endfor %}"
             "{% if add_generation_prompt %}Assistant:{% endif %}")
 #: image tokens per 32x32 image: (32 / 8) ** 2 patches, CLS dropped ("default" strategy)
 IMAGE_TOKENS = 16

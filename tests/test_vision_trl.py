@@ -33,11 +33,11 @@ TRL_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}User: "
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
-    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}\n"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}"
     "{% elif m['role'] == 'assistant' %}Assistant:{% generation %} "
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
     "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ eos_token }}"
-    "{{ '\\n' }}{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{{ '\\n' }}{% endgeneration %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}")
 #: Qwen2-VL's template (tests/test_vision_qwen2vl.py) with the markers: its tokenizer adds no
 #: BOS, and the trained span is the answer, <|im_end|> and the newline
@@ -150,3 +150,104 @@ def test_the_batch_loss_and_gradients_are_trls(tokenized):
     for name, grad in grads.items():
         torch.testing.assert_close(grad, their_grads[name], atol=1e-5, rtol=1e-4, msg=name)
     assert max(g.abs().max() for g in grads.values()) > 1e-3
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def pairs_tokenized(request, tmp_path_factory) -> tuple[Path, str]:
+    family = request.param
+    project = copy_project(tmp_path_factory.mktemp(f"vision_dpo_trl_{family}") / "p")
+    overrides = {**TINY, "data.max_train_samples": 8, "data.max_eval_samples": 4}
+    if family == "qwen2vl":
+        from test_vision_qwen2vl import image_only_processor, tiny_qwen2vl
+
+        image_only_processor()
+        tiny_qwen2vl(project / FAMILIES[family][0])
+        overrides["model.name_or_path"] = FAMILIES[family][0]
+    resolve_example(project, "params/vlm-shapes-dpo.yaml", overrides)
+    stages_here(project, "download", "format", "tokenize")
+    return project, family
+
+
+def test_dpo_with_images_batch_and_loss_are_trls(pairs_tokenized, tmp_path):
+    """TRL's DataCollatorForVisionPreference on the raw pairs and their PIL images gives our
+    pairs' batch (both sides' ids and what is trained, each pair's pixel values for both
+    sides), and TRL's DPOTrainer._compute_loss on it (a perturbed policy against the base as
+    the reference, sigmoid, beta 0.1) equals our preference loss on ours, with the same
+    logged statistics, within 1e-5."""
+    import copy
+
+    import datasets
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from trl import DPOConfig, DPOTrainer
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    from engine.datapath.data import collate, model_inputs
+    from engine.kinds.image_text_to_text import ImageTextToText
+    from engine.modeling.model import choose_pad_token
+    from engine.objective.logprobs import sequence_logps
+    from engine.recipe.dpo.batches import collate_pairs
+    from engine.recipe.dpo.loss import logged, preference_loss
+    from finetune.config.preference import DPOConfig as OurDPO
+    from finetune.workspace import Workspace
+
+    project, family = pairs_tokenized
+    model_dir = project / FAMILIES[family][0]
+    processor = AutoProcessor.from_pretrained(model_dir)
+    if processor.tokenizer.pad_token is None:
+        processor.tokenizer.pad_token = choose_pad_token(processor.tokenizer)
+    source = project / "data/source/shapes"
+    raw = [json.loads(line) for line in
+           (source / "pairs-train.jsonl").read_text().splitlines()][:ROWS]
+    trl_rows = [{**r, "images": [Image.open(source / p).convert("RGB") for p in r["images"]]}
+                for r in raw]
+    if family == "llava":  # our encoding adds the tokenizer's BOS; TRL's leaves it to the
+        processor.chat_template = "{{ bos_token }}" + processor.chat_template  # template
+    theirs = DataCollatorForVisionPreference(processor=processor)(copy.deepcopy(trl_rows))
+
+    cfg = Workspace.load(project / "params/default.yaml").config
+    kind = ImageTextToText()
+    pad = processor.tokenizer.pad_token_id
+    rows = datasets.load_from_disk(str(project / "data/tokenized/train"))
+    ours = collate_pairs([rows[i] for i in range(ROWS)], kind.train_collate(
+        cfg, None, pad, lambda r: collate(r, pad_id=pad)))
+    # the same tokens, and the same ones trained (TRL's completion_mask, our labels)
+    for i in range(2 * ROWS):
+        mine = ours["input_ids"][i][ours["attention_mask"][i].bool()]
+        their = theirs["input_ids"][i][theirs["attention_mask"][i].bool()]
+        assert mine.tolist() == their.tolist(), (processor.tokenizer.decode(mine),
+                                                 processor.tokenizer.decode(their))
+        trained = ours["labels"][i][ours["attention_mask"][i].bool()] != -100
+        assert trained.tolist() == theirs["completion_mask"][i][
+            theirs["attention_mask"][i].bool()].bool().tolist(), i
+    torch.testing.assert_close(ours["pixel_values"], theirs["pixel_values"], rtol=0, atol=1e-6)
+
+    ref = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    policy = copy.deepcopy(ref)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    trainer = DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(ref),
+                         args=DPOConfig(output_dir=str(tmp_path / "trl"), report_to=[],
+                                        use_cpu=True, bf16=False, beta=0.1,
+                                        per_device_train_batch_size=ROWS, max_length=None),
+                         processing_class=processor,
+                         train_dataset=datasets.Dataset.from_list(trl_rows))
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, theirs, return_outputs=False)
+    stats = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    dpo = OurDPO(beta=0.1, loss_type="sigmoid")
+    inputs = model_inputs(ours)
+    logps, counts = sequence_logps(policy.train()(**inputs).logits, ours["labels"])
+    with torch.no_grad():
+        ref_logps = sequence_logps(ref(**inputs).logits, ours["labels"])[0]
+    out = preference_loss(dpo, logps, counts, ref_logps, None)
+    assert float(out.losses.mean()) == pytest.approx(float(loss), abs=1e-5)
+    mine = {name: float(v) / ROWS for name, v in zip(logged(dpo), out.sums())}
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                 "logps/chosen", "logps/rejected"):
+        assert mine[name] == pytest.approx(stats[name], abs=1e-5 * max(1.0, abs(mine[name]))), \
+            name
+    assert abs(mine["rewards/margins"]) > 1e-4  # the perturbation moved the policy
