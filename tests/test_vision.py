@@ -137,6 +137,12 @@ def test_the_six_stages_train_evaluate_and_export_a_model_that_generates(vision_
     stages_here(project, "evaluate", "export")
     metrics = json.loads((project / "data/metrics/eval.json").read_text())
     assert metrics["finetuned"]["loss"] < metrics["base"]["loss"], metrics
+    # greedy generations from each held-out image and question (a prompt's image tokens
+    # without its pixel values would stop the model), base and tuned
+    assert all(0 <= metrics[m]["exact_match"] <= 1 for m in ("base", "finetuned")), metrics
+    samples = json.loads((project / "data/eval/samples.json").read_text())
+    assert samples and all(s["reference"] in "1234" and "<image>" in s["prompt"]
+                           for s in samples), samples
     export = project / "data/export"
     model = AutoModelForImageTextToText.from_pretrained(export).eval()
     processor = AutoProcessor.from_pretrained(export)

@@ -147,6 +147,57 @@ class ImageTextToText(ModelKind):
         return build_loss(model, cfg.training.loss_chunk_tokens, device, amp,
                           vocab_size=text_token_ids(base_model(model).config), user_fn=user_fn)
 
+    def prompt_inputs(self, processor, rows, room, root):
+        """Each prompt through the processor with its row's images (the eval rows' `images`,
+        finetune.datatypes.vision), BOS first where the tokenizer adds one; the batch's
+        pixel values, grids and token types (left-padded as the ids are) come with it. A
+        prompt longer than `room` cannot lose its head without losing image tokens: one
+        line."""
+        import json
+
+        from finetune.datatypes.encoding import bos_prefix_id
+        from finetune.datatypes.vision import IMAGES, load_images
+
+        tok = processor.tokenizer
+        bos = bos_prefix_id(tok)
+        ids, extra = [], []
+        for i, (prompt, paths) in enumerate(zip(rows["prompt"], rows[IMAGES])):
+            images = load_images(json.loads(paths), root)
+            inputs = processor(text=[prompt], images=images or None, add_special_tokens=False,
+                               return_tensors="pt")
+            head = [bos] if bos is not None else []
+            row = head + inputs["input_ids"][0].tolist()
+            if room and len(row) > room:
+                raise PipelineError(f"evaluate: generation prompt {i} has {len(row)} tokens with "
+                                    f"its images, more than the {room} the model's positions "
+                                    "leave beside eval.generation_max_new_tokens; lower it")
+            ids.append(row)
+            types = inputs.get("mm_token_type_ids")
+            extra.append({"pixel_values": inputs.get("pixel_values"),
+                          "image_grid_thw": inputs.get("image_grid_thw"),
+                          "mm_token_type_ids": None if types is None else
+                          [0] * len(head) + types[0].tolist()})
+
+        def extras(indices, width: int) -> dict[str, torch.Tensor]:
+            chosen = [extra[i] for i in indices]
+            out = {}
+            pixels = [e["pixel_values"] for e in chosen if e["pixel_values"] is not None]
+            if pixels:
+                out["pixel_values"] = torch.cat(pixels)
+            grids = [e["image_grid_thw"] for e in chosen if e["image_grid_thw"] is not None]
+            if grids:
+                out["image_grid_thw"] = torch.cat(grids)
+            if any(e["mm_token_type_ids"] is not None for e in chosen):
+                types = torch.zeros((len(chosen), width), dtype=torch.long)
+                for row, e in enumerate(chosen):
+                    kinds = e["mm_token_type_ids"] or []
+                    if kinds:
+                        types[row, width - len(kinds):] = torch.tensor(kinds)
+                out["mm_token_type_ids"] = types
+            return out
+
+        return ids, extras
+
     def train_collate(self, cfg, model, pad_id, layout):
         return functools.partial(collate_with_images, text_collate=layout)
 

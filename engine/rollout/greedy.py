@@ -34,11 +34,14 @@ def encode_prompts(tok, prompts: list[str], max_prompt_tokens: int | None) -> li
 def greedy_generate(model, tok, prompts: list[list[int]], batch_size: int,
                     max_new_tokens: int, device: torch.device | None = None,
                     on_batch: Callable[[], None] | None = None,
-                    generated_from: Callable[[int], int] | None = None) -> list[str]:
+                    generated_from: Callable[[int], int] | None = None,
+                    extras: Callable[[range, int], dict] | None = None) -> list[str]:
     """Greedy continuations (decoded, special tokens dropped), one per prompt, in order.
     `on_batch()`: called after each batch (a progress bar). `generated_from(prompt width)`:
     where the new tokens start in `generate`'s output, the model kind's answer
-    (engine.kinds: ModelKind.generated_from); None: after the prompt (a decoder-only model)."""
+    (engine.kinds: ModelKind.generated_from); None: after the prompt (a decoder-only model).
+    `extras(prompt indices, width)`: the batch's further model inputs (a vision-language
+    model's images), laid out for its left-padded width."""
     from transformers import GenerationConfig
 
     device = device or next(model.parameters()).device
@@ -56,8 +59,10 @@ def greedy_generate(model, tok, prompts: list[list[int]], batch_size: int,
         for row, p in enumerate(chunk):  # left padding: every prompt ends at the same column
             ids[row, width - len(p):] = torch.as_tensor(p)
             mask[row, width - len(p):] = 1
+        more = extras(range(start, start + len(chunk)), width) if extras else {}
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             generation_config=config)
+                             generation_config=config,
+                             **{k: v.to(device) for k, v in more.items()})
         cut = generated_from(width) if generated_from else width
         for row in out[:, cut:].tolist():
             if eos in row:

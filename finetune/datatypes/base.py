@@ -151,9 +151,6 @@ _VISION_REFUSES = (
     ("distributed.strategy", lambda c: c.distributed.strategy == "pipeline",
      "the pipeline splits a text-only decoder stack", {"distributed.strategy": "pipeline",
                                                        "distributed.nproc_per_node": 2}),
-    ("eval.generation_metrics", lambda c: bool(c.eval.generation_metrics),
-     "the evaluate stage's generations do not take images yet; set it to [] (the held-out "
-     "loss and perplexity are measured)", {"eval.generation_metrics": ["exact_match"]}),
     ("eval.harness.tasks", lambda c: bool(c.eval.harness.tasks),
      "lm-eval's tasks here score text-only models", {"eval.harness.tasks": ["arc_easy"]}),
     ("export.gguf", lambda c: bool(getattr(c.export, "gguf", None)),
@@ -164,7 +161,7 @@ IMAGE_TEXT_TO_TEXT = ModelTask(
     "AutoModelForImageTextToText", "CAUSAL_LM", "image-text-to-text", False,
     kind="image_text_to_text", refuses=_VISION_REFUSES,
     described="a vision-language model (data.dataset_type vision_chat)",
-    selected_by={"data.dataset_type": "vision_chat", "eval.generation_metrics": []})
+    selected_by={"data.dataset_type": "vision_chat"})
 
 #: the model kinds a dataset type can train, whose rows the compatibility table holds
 MODEL_TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION, SEQ_2_SEQ_LM, IMAGE_TEXT_TO_TEXT)

@@ -59,6 +59,14 @@ class VisionChatType(ChatType):
         return with_images(super().format(frame, split, ctx, first_row), images, first_row,
                            len(frame))
 
+    def eval_rows(self, formatted):
+        """One row per held-out conversation: the prompt up to its last assistant turn, that
+        turn's text as the reference, and the row's images (the generation reads them)."""
+        import pandas as pd
+
+        return pd.DataFrame({"prompt": formatted["prompt"], "reference": formatted["completion"],
+                             IMAGES: formatted[IMAGES]})
+
     def encoder(self, ctx: DataContext):
         fn, kwargs = super().encoder(ctx)
         return encode_vision_chat_batch, {**kwargs, "processor": ctx.processor,
@@ -122,6 +130,13 @@ class VisionPreferenceType(PreferenceType):
                                 ["prompt", "chosen"])
         return with_images(super().format(frame, split, ctx, first_row), images, first_row,
                            len(frame))
+
+    def eval_rows(self, formatted):
+        """The prompt with its images; the chosen side as the reference."""
+        import pandas as pd
+
+        return pd.DataFrame({"prompt": formatted["prompt"], "reference": formatted["completion"],
+                             IMAGES: formatted[IMAGES]})
 
     def encoder(self, ctx: DataContext):
         return encode_vision_preference, {"bos": ctx.bos, "max_len": self.data.max_seq_length,
