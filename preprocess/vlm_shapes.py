@@ -74,7 +74,9 @@ def tiny_llava(dest: Path, tokenizer: Path) -> int:
 
 
 def shapes_rows(folder: Path, count: int, first: int = 0) -> list[dict]:
-    """`count` rows: an image of 1-4 white squares on black, the question, the count."""
+    """`count` rows: an image of 1-4 white squares on black, the question, the count. Each
+    square fills one 8x8 patch of the vision tower (a row of them, the row varying), so the
+    count is how many patches are white: a tiny model can learn it."""
     from PIL import Image, ImageDraw
 
     (folder / "images").mkdir(parents=True, exist_ok=True)
@@ -84,8 +86,8 @@ def shapes_rows(folder: Path, count: int, first: int = 0) -> list[dict]:
         image = Image.new("RGB", (32, 32))
         draw = ImageDraw.Draw(image)
         for k in range(n):
-            x, y = 2 + 8 * k, 4 + 6 * (i % 3)
-            draw.rectangle([x, y, x + 4, y + 4], fill=(255, 255, 255))
+            x, y = 8 * k, 8 * (i // 4 % 4)
+            draw.rectangle([x, y, x + 7, y + 7], fill=(255, 255, 255))
         name = f"images/{i:03d}.png"
         image.save(folder / name)
         rows.append({"messages": [

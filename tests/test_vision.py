@@ -278,3 +278,24 @@ def test_dpo_with_images_trains_on_pairs_that_share_their_images(vision_project,
     assert losses[0] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy is its reference
     margins = logged_column(project, "rewards/margins")
     assert margins[-1] > margins[0] and losses[-1] < losses[0], (losses, margins)
+
+
+def test_an_image_edited_in_place_changes_the_formatted_split(vision_project, tmp_path):
+    """The formatted rows keep each image's SHA-256 beside its path, so an image whose bytes
+    change under the same name changes the formatted split DVC hashes, and the tokenize stage
+    (whose pixel values came from the old bytes) runs again instead of being skipped."""
+    import shutil
+
+    import pandas as pd
+    from PIL import Image
+
+    project = tmp_path / "p"
+    shutil.copytree(vision_project, project, symlinks=True)
+    before = pd.read_parquet(project / "data/formatted/train.parquet")
+    first = json.loads(before["images"].iloc[0])[0]
+    Image.new("RGB", (32, 32), (9, 9, 9)).save(project / first)
+    stages_here(project, "download", "format")
+    after = pd.read_parquet(project / "data/formatted/train.parquet")
+    assert after["images"].tolist() == before["images"].tolist()
+    assert after["image_sha256"].iloc[0] != before["image_sha256"].iloc[0]
+    assert after["image_sha256"].iloc[1:].tolist() == before["image_sha256"].iloc[1:].tolist()

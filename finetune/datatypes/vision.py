@@ -33,6 +33,8 @@ from finetune.errors import PipelineError
 
 #: the row column of each row's images (TRL's name)
 IMAGES = "images"
+#: the formatted column of their contents' SHA-256, in the images' order
+IMAGE_DIGESTS = "image_sha256"
 #: the tokenized columns of a row's images: pixel values flattened, their array shape, and what
 #: the models that take them get besides (Qwen2-VL's image_grid_thw, and mm_token_type_ids: 1
 #: on an image token, from which it places its 3-D positions; empty otherwise)
@@ -57,7 +59,7 @@ class VisionChatType(ChatType):
         field = messages_column(frame, self.data)
         images = checked_images(self.data, frame, split, ctx, first_row, [field])
         return with_images(super().format(frame, split, ctx, first_row), images, first_row,
-                           len(frame))
+                           len(frame), ctx.root)
 
     def eval_rows(self, formatted):
         """One row per held-out conversation: the prompt up to its last assistant turn, that
@@ -102,13 +104,24 @@ def checked_images(data, frame, split: str, ctx: DataContext, first_row: int,
 
 
 def with_images(out: Formatted, images: dict[int, list[str]], first_row: int,
-                rows: int) -> Formatted:
-    """The formatted rows with each kept row's images (JSON) beside them."""
+                rows: int, root: Path) -> Formatted:
+    """The formatted rows with each kept row's images (JSON) beside them, and their contents'
+    SHA-256 (IMAGE_DIGESTS): the formatted split, which DVC hashes and the tokenize stage
+    depends on, changes when an image's bytes do, not only its path."""
+    from finetune.files import file_sha256
+
     dropped = set(out.dropped)
     kept = [i for i in range(first_row, first_row + rows) if i not in dropped]
     frame = out.rows.copy()
     frame[IMAGES] = [json.dumps(images[i]) for i in kept]
+    frame[IMAGE_DIGESTS] = [json.dumps([file_sha256(resolved(p, root)) for p in images[i]])
+                            for i in kept]
     return Formatted(frame, out.dropped, out.reason, out.reasons)
+
+
+def resolved(path: str, root: Path) -> Path:
+    """An image path as the formatted rows keep it (relative to the project, or absolute)."""
+    return Path(path) if Path(path).is_absolute() else Path(root) / path
 
 
 class VisionPreferenceType(PreferenceType):
@@ -129,7 +142,7 @@ class VisionPreferenceType(PreferenceType):
         images = checked_images(self.data, frame, split, ctx, first_row,
                                 ["prompt", "chosen"])
         return with_images(super().format(frame, split, ctx, first_row), images, first_row,
-                           len(frame))
+                           len(frame), ctx.root)
 
     def eval_rows(self, formatted):
         """The prompt with its images; the chosen side as the reference."""
@@ -251,7 +264,7 @@ def load_images(paths: list[str], root: Path) -> list:
 
     images = []
     for path in paths:
-        with Image.open(Path(root) / path) as image:
+        with Image.open(resolved(path, root)) as image:
             images.append(image.convert("RGB"))
     return images
 
