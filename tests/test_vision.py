@@ -279,6 +279,30 @@ def test_dpo_with_images_trains_on_pairs_that_share_their_images(vision_project,
     margins = logged_column(project, "rewards/margins")
     assert margins[-1] > margins[0] and losses[-1] < losses[0], (losses, margins)
 
+    # the evaluate stage scores the held-out pairs with their images: the same log-probs as
+    # a forward of the model on the pairs' batch with its pixel values
+    from engine.recipe.dpo.heldout import pair_log_probs
+    from transformers import AutoModelForImageTextToText
+
+    test = datasets.load_from_disk(str(project / "data/tokenized/test"))
+    base = AutoModelForImageTextToText.from_pretrained(project / "data/models/tiny-llava")
+    sides = lambda r: collate_with_images(r, lambda x: collate(x, pad_id=0))  # noqa: E731
+    with_images = pair_log_probs(base, test, 4, 0, sides)
+    without = pair_log_probs(base, test, 4, 0)
+    assert not torch.allclose(with_images, without)
+    batch = collate_pairs([test[i] for i in range(4)], sides)
+    with torch.no_grad():
+        from engine.objective.logprobs import sequence_logps
+
+        logits = base(**{k: batch[k] for k in ("input_ids", "attention_mask",
+                                                "pixel_values")}).logits
+        logps = sequence_logps(logits, batch["labels"])[0]
+    torch.testing.assert_close(with_images[:4, 0], logps[:4].double(), atol=1e-4, rtol=0)
+    stages_here(project, "evaluate")
+    metrics = json.loads((project / "data/metrics/eval.json").read_text())
+    assert metrics["base"]["preference_accuracy"] == 0.5  # its own reference: every pair ties
+    assert metrics["finetuned"]["reward_margin"] != 0
+
 
 def test_an_image_edited_in_place_changes_the_formatted_split(vision_project, tmp_path):
     """The formatted rows keep each image's SHA-256 beside its path, so an image whose bytes

@@ -116,7 +116,8 @@ def scored_batches(model, dataset, batch_size: int, collate_rows: Callable[[list
             rows = take_rows(dataset, range(start, min(start + batch_size, len(dataset))))
             batch = collate_rows(rows)
             logits = model(input_ids=batch["input_ids"].to(device),
-                           attention_mask=batch["attention_mask"].to(device)).logits
+                           attention_mask=batch["attention_mask"].to(device),
+                           **{k: batch[k].to(device) for k in KIND_INPUTS if k in batch}).logits
             out.append(score(logits, batch, rows))
     finally:
         model.train(was_training)

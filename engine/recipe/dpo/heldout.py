@@ -9,21 +9,25 @@ import torch
 from engine.datapath.data import collate
 from engine.evaluation.bootstrap import bootstrap_seed, stderrs
 from engine.evaluation.heldout import scored_batches
+from engine.kinds import kind_of
 from engine.objective.logprobs import sequence_logps
 from engine.recipe.dpo.batches import collate_pairs
 
 
-def pair_log_probs(model, dataset, batch_size: int, pad_id: int) -> torch.Tensor:
+def pair_log_probs(model, dataset, batch_size: int, pad_id: int,
+                   sides_collate=None) -> torch.Tensor:
     """[pairs, 4]: each held-out pair's summed log-probability of its chosen and rejected
     completion and their trained-token counts (chosen, rejected, n chosen, n rejected), the two
-    sides of a batch scored in one forward as the DPO run does (on the CPU, float64)."""
+    sides of a batch scored in one forward as the DPO run does (on the CPU, float64).
+    `sides_collate`: how the 2b sides are batched, the model kind's evaluation batches (a
+    vision-language model's carry the pairs' images); default: dynamic padding."""
     def score(logits, batch, _rows):
         logps, counts = sequence_logps(logits, batch["labels"].to(logits.device))
         return torch.stack([*logps.chunk(2), *counts.chunk(2)], dim=1).double().cpu()
 
+    sides_collate = sides_collate or (lambda sides: collate(sides, pad_id))
     out = scored_batches(model, dataset, batch_size,
-                         lambda rows: collate_pairs(rows, lambda sides: collate(sides, pad_id)),
-                         score)
+                         lambda rows: collate_pairs(rows, sides_collate), score)
     return torch.cat(out) if out else torch.zeros(0, 4, dtype=torch.float64)
 
 
@@ -63,11 +67,14 @@ def rank_pairs(held, results: dict) -> None:
     """Preference pairs: how the base and the fine-tuned model rank each held-out pair's
     chosen side over its rejected one, by the implicit reward against the base and by their
     own likelihood (`ranking_scores`), into each model's results."""
-    args = (held.test, held.cfg.training.per_device_eval_batch_size,
-            held.tokenizer.pad_token_id)
+    pad = held.tokenizer.pad_token_id
+    kind = kind_of(held.cfg)
     with held.as_base() as model:
-        base = pair_log_probs(model, *args)
-    tuned = pair_log_probs(held.tuned(), *args)
+        base = pair_log_probs(model, held.test, held.cfg.training.per_device_eval_batch_size,
+                              pad, kind.eval_collate(held.cfg, model, pad))
+    tuned_model = held.tuned()
+    tuned = pair_log_probs(tuned_model, held.test, held.cfg.training.per_device_eval_batch_size,
+                           pad, kind.eval_collate(held.cfg, tuned_model, pad))
     cfg = held.cfg
     for name, scored in (("base", base), ("finetuned", tuned)):
         rows = ranking_rows(scored, base, cfg.dpo)
