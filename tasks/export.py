@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.export import choose_device, load_tokenizer, load_trained
+from engine.export import choose_device, load_processor, load_tokenizer, load_trained
 from finetune.config.compat import check_machine
 from finetune.errors import PipelineError
 from finetune.files import atomic_dir, write_json_atomic
@@ -68,6 +68,12 @@ def export(ws: Workspace) -> dict[str, Path]:
     return {"export": ws.layout.export, "model_version": ws.layout.model_version}
 
 
+def _vision_processor(cfg, tok, root):
+    """The model's processor when it reads images (the registry logs it), else None."""
+    processor = load_processor(cfg, tok, root)
+    return processor if getattr(processor, "image_processor", None) is not None else None
+
+
 def _gate_value(ws: Workspace, metrics: dict) -> float | None:
     """The new model's gate metric; None (never promoted) when evaluate has not produced it,
     e.g. `finetune stage export` run straight after train."""
@@ -84,7 +90,8 @@ def _register(ws: Workspace, run_id: str, model, tok, gate_value: float | None,
     version = registry.log_and_register(ws.mlflow_uri(), run_id, model, tok, name,
                                         cfg.eval.generation_max_new_tokens,
                                         (ws.layout.export / "README.md").read_text(),
-                                        pipeline_tag=cfg.model_task.pipeline_tag)
+                                        pipeline_tag=cfg.model_task.pipeline_tag,
+                                        processor=_vision_processor(cfg, tok, ws.root))
     client = tracking.client(ws)
     # the version's lineage is its run's lineage.json; its page shows the summary; the weight
     # files' sha256 are what `finetune reproduce` checks a rebuild against

@@ -255,14 +255,16 @@ def use_tracking_uri(uri: str):
 
 
 def log_and_register(tracking_uri: str, run_id: str, model, tokenizer, name: str,
-                     max_new_tokens: int, card: str, pipeline_tag: str = "text-generation"
-                     ) -> str:
+                     max_new_tokens: int, card: str, pipeline_tag: str = "text-generation",
+                     processor=None) -> str:
     """Log `model` (a merged transformers model) into the run and register it; the version.
 
     `card` (our model card) is passed so MLflow does not try to fetch one from the Hub.
     `pipeline_tag`: the transformers pipeline it serves as (the dataset type's model task); a
     text-classification pipeline gets MLflow's default signature for it (text in, label and
-    score out)."""
+    score out). `processor`: a vision-language model's (an image-text-to-text pipeline needs
+    one, and MLflow's component keys have none: the pipeline is built here and logged, its
+    tokenizer and image processor as MLflow's components)."""
     import mlflow
     from huggingface_hub import ModelCard
     from mlflow.models import infer_signature
@@ -275,8 +277,14 @@ def log_and_register(tracking_uri: str, run_id: str, model, tokenizer, name: str
                                     params={"max_new_tokens": max_new_tokens})
         model_config = {"max_new_tokens": max_new_tokens, "do_sample": False}
     with use_tracking_uri(tracking_uri), mlflow.start_run(run_id=run_id):
+        if processor is not None:
+            from transformers import pipeline
+
+            components = pipeline(task, model=model, processor=processor)
+        else:
+            components = {"model": model, "tokenizer": tokenizer}
         info = mlflow.transformers.log_model(
-            {"model": model, "tokenizer": tokenizer},
+            components,
             name="model",
             task=task,
             signature=signature,

@@ -122,6 +122,18 @@ def test_a_text_chat_row_with_an_image_part_is_refused(vision_project, tmp_path)
         stages_here(project, "format")
 
 
+def _open_training_run(project: Path) -> None:
+    """What the train stage does besides training, for an in-process run: the run's MLflow
+    run (tasks.tracking.start_run) named in data/lineage/train_run.json."""
+    from finetune.workspace import Workspace
+    from tasks import tracking
+
+    ws = Workspace.load(project / "params/default.yaml")
+    run_id = tracking.start_run(ws)
+    ws.layout.train_run.parent.mkdir(parents=True, exist_ok=True)
+    ws.layout.train_run.write_text(json.dumps({"mlflow_run_id": run_id}))
+
+
 def test_the_six_stages_train_evaluate_and_export_a_model_that_generates(vision_project,
                                                                         tmp_path):
     import shutil
@@ -130,8 +142,9 @@ def test_the_six_stages_train_evaluate_and_export_a_model_that_generates(vision_
 
     project = tmp_path / "p"
     shutil.copytree(vision_project, project, symlinks=True)
-    write_params(project, {"registry.register_model": False})
+    write_params(project, {"registry.register_model": True})
     train_in_place(project)
+    _open_training_run(project)  # the MLflow run the train stage opens: the registry logs there
     losses = logged_column(project, "loss")
     assert len(losses) == 5 and losses[-1] < losses[0] - 0.5, losses  # steps 1, 2, 4, 6, 8
     stages_here(project, "evaluate", "export")
@@ -144,6 +157,19 @@ def test_the_six_stages_train_evaluate_and_export_a_model_that_generates(vision_
     assert samples and all(s["reference"] in "1234" and "<image>" in s["prompt"]
                            for s in samples), samples
     export = project / "data/export"
+    # registered in MLflow with its image processor beside the tokenizer
+    version = json.loads((project / "data/lineage/model_version.json").read_text())
+    assert version.get("registered") is not False, version
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{project / 'mlflow.db'}")
+    source = client.get_model_version(version["name"], version["version"]).source
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{project / 'mlflow.db'}")
+    flavor = mlflow.models.get_model_info(source).flavors["transformers"]
+    assert flavor["task"] == "image-text-to-text"
+    assert {"image_processor", "tokenizer"} <= set(flavor["components"]), flavor
     model = AutoModelForImageTextToText.from_pretrained(export).eval()
     processor = AutoProcessor.from_pretrained(export)
     from PIL import Image
