@@ -5,7 +5,8 @@ What is shown is what the train stage reads (data/tokenized/<split>, written by 
 stage): each row's `input_ids` decoded with the stages' tokenizer, the runs whose `labels` are
 not -100 marked (text: between ⟦ and ⟧; html: <mark>, HTML-escaped, in a <pre>). A preference
 row shows its rejected side after the chosen one; an encoder-decoder row (labels not aligned
-with the input) its input, then its target marked; a classifier's row its class id.
+with the input) its input, then its target marked; a classifier's row its class id; a
+vision-language model's image tokens once per image, with their count (`<image>x16`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ def show_rows(ws: Workspace, split: str = "train", rows: int = 2, fmt: str = "te
         raise PipelineError(f"{path} missing: run the tokenize stage first "
                             f"(finetune stage tokenize -p {ws.params_path})")
     ds = load_tokenized(path, tuple(c for side in SIDES for c in side[:2]))
-    tok = data_context(ws).tokenizer
+    ctx = data_context(ws)
+    tok = ctx.tokenizer
+    image = getattr(ctx.processor, "image_token", None)  # a vision-language model's
     blocks = []
     for i, row in enumerate(take_rows(ds, range(min(rows, len(ds))))):
-        sides = [heading + marked(tok, row[ids], row.get(labels), fmt)
+        sides = [heading + images_counted(marked(tok, row[ids], row.get(labels), fmt), image,
+                                          fmt)
                  for ids, labels, heading in SIDES if ids in row]
         blocks.append(f"--- {split} row {i} ---\n" + "\n".join(sides))
     body = "\n\n".join(blocks)
@@ -69,6 +73,18 @@ def marked(tok, ids: list[int], labels, fmt: str) -> str:
         out.append(f"{OPEN[fmt]}{piece}{CLOSE[fmt]}" if trained else piece)
         done = text
     return "".join(out)
+
+
+def images_counted(text: str, image: str | None, fmt: str) -> str:
+    """Each run of an image's tokens (the processor's placeholder, repeated as many times as
+    the image has tokens, never trained) shown once with its count: `<image>x16`."""
+    if not image:
+        return text
+    import re
+
+    token = re.escape(_escape(image, fmt))
+    return re.sub(f"(?:{token})+", lambda m: f"{m.group(0)[:len(_escape(image, fmt))]}"
+                  f"x{len(m.group(0)) // len(_escape(image, fmt))}", text)
 
 
 def _runs(flags: list[bool]) -> list[tuple[int, int, bool]]:

@@ -349,3 +349,16 @@ def test_an_image_edited_in_place_changes_the_formatted_split(vision_project, tm
     assert after["images"].tolist() == before["images"].tolist()
     assert after["image_sha256"].iloc[0] != before["image_sha256"].iloc[0]
     assert after["image_sha256"].iloc[1:].tolist() == before["image_sha256"].iloc[1:].tolist()
+
+
+def test_show_rows_counts_each_images_tokens_and_marks_the_answer(vision_project):
+    """`finetune show-rows`: each image's 16 tokens shown once with their count, outside the
+    trained marks; the answer and its end of turn inside them."""
+    from finetune.workspace import Workspace
+    from tasks.show_rows import show_rows
+
+    text = show_rows(Workspace.load(vision_project / "params/default.yaml"), rows=1)
+    assert f"<image>x{IMAGE_TOKENS} How many squares?" in text, text
+    assert "<image><image>" not in text and "⟦" in text
+    trained = text.split("⟦", 1)[1].split("⟧", 1)[0]
+    assert "<image>" not in trained and "</s>" in trained, text
