@@ -104,15 +104,12 @@ class ModelKind:
     # -- generation --------------------------------------------------------------------------
 
     def prompt_inputs(self, processor, rows, room: int | None, root):
-        """The evaluate stage's generation prompts: (token ids per prompt, and None or a
-        function of (prompt indices, left-padded width) giving the batch's further model
-        inputs). `rows`: the dataset type's eval rows; `room`: the tokens a prompt may keep;
-        `root`: the project (where a row's files are).
-        A text model's: the prompts' text encoded (engine.rollout.greedy.encode_prompts)."""
-        from engine.rollout.greedy import encode_prompts
-
-        return encode_prompts(processor, rows["prompt"].tolist(), room), None
-
+        """The evaluate stage's generation prompts when the kind encodes them itself: (token
+        ids per prompt, and None or a function of (prompt indices, left-padded width) giving
+        the batch's further model inputs); `rows`: the dataset type's eval rows; `room`: the
+        tokens a prompt may keep; `root`: the project (where a row's files are). None: the
+        prompts' text, encoded as text (a text model's)."""
+        return None
 
     def generated_from(self, prompt_width: int) -> int:
         """Where the new tokens start in `generate`'s output: after the prompt's columns for a

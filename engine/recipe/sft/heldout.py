@@ -17,7 +17,7 @@ from engine.kinds import kind_of
 from engine.modeling.model import max_positions
 from engine.modeling.quantization import conversion_blocker, quantized_copy
 from engine.reporting.reporters import work_bar
-from engine.rollout.greedy import greedy_generate
+from engine.rollout.greedy import encode_prompts, greedy_generate
 from finetune.errors import PipelineError
 
 
@@ -113,7 +113,8 @@ def generate(held: HeldOut, model, rows, on_batch: Callable[[], None] | None = N
         )
     kind = kind_of(held.cfg)
     processor = kind.processor(tok, held.cfg.model, held.root)
-    prompts, extras = kind.prompt_inputs(processor, rows, room, held.root)
+    prompts, extras = kind.prompt_inputs(processor, rows, room, held.root) or (
+        encode_prompts(tok, rows["prompt"].tolist(), room), None)
     return greedy_generate(model, tok, prompts, held.cfg.training.per_device_eval_batch_size,
                            ev.generation_max_new_tokens, on_batch=on_batch,
                            generated_from=kind.generated_from, extras=extras)
