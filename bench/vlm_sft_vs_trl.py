@@ -36,18 +36,6 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(ROOT))
 RESULT = ROOT / "bench/results/vlm-sft-vs-trl-tiny-llava-cpu.json"
-#: tests/test_vision_trl.py's TRL_TEMPLATE: the shipped template with TRL's markers around what
-#: our chat type trains of an assistant turn, BOS first as our encoding adds it
-TRL_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}User: "
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
-    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}"
-    "{% elif m['role'] == 'assistant' %}Assistant:{% generation %} "
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ eos_token }}"
-    "{{ '\\n' }}{% endgeneration %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}")
 
 
 def settings(steps: int) -> dict:
@@ -94,7 +82,9 @@ def run_trl(steps: int, work: Path) -> dict:
     source = ROOT / "data/source/shapes"
     processor = AutoProcessor.from_pretrained(model_dir)
     processor.tokenizer.pad_token = choose_pad_token(processor.tokenizer)
-    processor.chat_template = TRL_TEMPLATE
+    from preprocess.vlm_shapes import MARKED_TEMPLATE
+
+    processor.chat_template = MARKED_TEMPLATE
     rows = []
     for line in (source / "train.jsonl").read_text().splitlines():
         r = json.loads(line)

@@ -39,6 +39,20 @@ TEMPLATE = ("{% for m in messages %}"
             "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
             "{% endfor %}"
             "{% if add_generation_prompt %}Assistant:{% endif %}")
+#: TEMPLATE with TRL's `{% generation %}` markers around what our chat type trains of an
+#: assistant turn (the space after "Assistant:", the answer, EOS, the newline) and BOS first, as
+#: our encoding adds the tokenizer's: what TRL's vision collators render with to train the same
+#: tokens (tests/test_vision_trl.py, bench/vlm_sft_vs_trl.py)
+MARKED_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}User: "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}"
+    "{% elif m['role'] == 'assistant' %}Assistant:{% generation %} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ eos_token }}"
+    "{{ '\\n' }}{% endgeneration %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}")
 #: image tokens per 32x32 image: (32 / 8) ** 2 patches, CLS dropped ("default" strategy)
 IMAGE_TOKENS = 16
 

@@ -24,21 +24,8 @@ import pytest
 import torch
 from helpers import TINY, copy_project, resolve_example, stages_here
 
-#: the shipped template with TRL's markers around what our chat type trains of an assistant
-#: turn as the template renders it (the space after "Assistant:", the answer, EOS and the
-#: newline that ends the turn), and BOS first (our encoding adds the tokenizer's, which TRL's
-#: collator leaves to the template); the newline is written as {{ '\n' }} since jinja's
-#: trim_blocks drops a literal one after a tag
-TRL_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}User: "
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
-    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}{{ '\\n' }}"
-    "{% elif m['role'] == 'assistant' %}Assistant:{% generation %} "
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{{ eos_token }}"
-    "{{ '\\n' }}{% endgeneration %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}")
+from preprocess.vlm_shapes import MARKED_TEMPLATE
+
 #: Qwen2-VL's template (tests/test_vision_qwen2vl.py) with the markers: its tokenizer adds no
 #: BOS, and the trained span is the answer, <|im_end|> and the newline
 QWEN_TRL_TEMPLATE = (
@@ -55,13 +42,12 @@ QWEN_TRL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ROWS = 4
 #: family -> (its model folder in the project, the template TRL's collator renders with)
-FAMILIES = {"llava": ("data/models/tiny-llava", TRL_TEMPLATE),
+FAMILIES = {"llava": ("data/models/tiny-llava", MARKED_TEMPLATE),
             "qwen2vl": ("data/models/tiny-qwen2vl", QWEN_TRL_TEMPLATE)}
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def tokenized(request, tmp_path_factory) -> tuple[Path, str]:
-    family = request.param
+def family_project(tmp_path_factory, family: str, example: str) -> Path:
+    """A project of `example` on the family's model (Qwen2-VL's built here), tokenized."""
     project = copy_project(tmp_path_factory.mktemp(f"vision_trl_{family}") / "p")
     overrides = {**TINY, "data.max_train_samples": 8, "data.max_eval_samples": 4}
     if family == "qwen2vl":
@@ -70,9 +56,15 @@ def tokenized(request, tmp_path_factory) -> tuple[Path, str]:
         image_only_processor()
         tiny_qwen2vl(project / FAMILIES[family][0])
         overrides["model.name_or_path"] = FAMILIES[family][0]
-    resolve_example(project, "params/vlm-shapes.yaml", overrides)
+    resolve_example(project, example, overrides)
     stages_here(project, "download", "format", "tokenize")
-    return project, family
+    return project
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tokenized(request, tmp_path_factory) -> tuple[Path, str]:
+    return family_project(tmp_path_factory, request.param, "params/vlm-shapes.yaml"), \
+        request.param
 
 
 def test_the_batch_loss_and_gradients_are_trls(tokenized):
@@ -154,18 +146,8 @@ def test_the_batch_loss_and_gradients_are_trls(tokenized):
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def pairs_tokenized(request, tmp_path_factory) -> tuple[Path, str]:
-    family = request.param
-    project = copy_project(tmp_path_factory.mktemp(f"vision_dpo_trl_{family}") / "p")
-    overrides = {**TINY, "data.max_train_samples": 8, "data.max_eval_samples": 4}
-    if family == "qwen2vl":
-        from test_vision_qwen2vl import image_only_processor, tiny_qwen2vl
-
-        image_only_processor()
-        tiny_qwen2vl(project / FAMILIES[family][0])
-        overrides["model.name_or_path"] = FAMILIES[family][0]
-    resolve_example(project, "params/vlm-shapes-dpo.yaml", overrides)
-    stages_here(project, "download", "format", "tokenize")
-    return project, family
+    return family_project(tmp_path_factory, request.param, "params/vlm-shapes-dpo.yaml"), \
+        request.param
 
 
 def test_dpo_with_images_batch_and_loss_are_trls(pairs_tokenized, tmp_path):

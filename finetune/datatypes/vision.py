@@ -193,13 +193,7 @@ def encode_vision_preference(batch: dict[str, list], tok, processor, root: str,
         same = c_ids == r_ids
         out["n_trainable"].append(0 if same else min(
             sum(x != IGNORE_INDEX for x in c_labels), sum(x != IGNORE_INDEX for x in r_labels)))
-        pixels = inputs.get("pixel_values")
-        pixels = np.zeros((0,), np.float32) if pixels is None or not images else pixels
-        out["pixel_values"].append(np.asarray(pixels, np.float32).ravel().tolist())
-        out["pixel_shape"].append(list(np.shape(pixels)))
-        grid = inputs.get("image_grid_thw")
-        out["image_grid_thw"].append([] if grid is None or not images
-                                     else np.asarray(grid).tolist())
+        add_pixels(out, inputs, bool(images))
     return out
 
 
@@ -303,14 +297,21 @@ def encode_vision_chat_batch(batch: dict[str, list], tok, processor, root: str, 
             types = inputs.get("mm_token_type_ids")
             out["mm_token_type_ids"].append(
                 [] if types is None else ([0] * len(head) + types[0].tolist())[:max_len])
-            pixels = inputs.get("pixel_values")
-            pixels = np.zeros((0,), np.float32) if pixels is None or not used else pixels
-            out["pixel_values"].append(np.asarray(pixels, np.float32).ravel().tolist())
-            out["pixel_shape"].append(list(np.shape(pixels)))
-            grid = inputs.get("image_grid_thw")
-            out["image_grid_thw"].append([] if grid is None or not used
-                                         else np.asarray(grid).tolist())
+            add_pixels(out, inputs, bool(used))
     return out
+
+
+def add_pixels(out: dict[str, list], inputs, has_images: bool) -> None:
+    """A row's image columns from the processor's output: its pixel values flattened with
+    their shape, and the grid sizes where the model takes them (empty for a row without
+    images)."""
+    pixels = inputs.get("pixel_values")
+    pixels = np.zeros((0,), np.float32) if pixels is None or not has_images else pixels
+    out["pixel_values"].append(np.asarray(pixels, np.float32).ravel().tolist())
+    out["pixel_shape"].append(list(np.shape(pixels)))
+    grid = inputs.get("image_grid_thw")
+    out["image_grid_thw"].append([] if grid is None or not has_images
+                                 else np.asarray(grid).tolist())
 
 
 def image_token_id(processor, tok) -> int:
