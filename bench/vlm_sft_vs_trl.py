@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| side | s/step (best round) | train_loss | rounds (train_runtime s) |")
     print("|---|---|---|---|")
     for side in ("ours", "trl"):
-        print(f"| {side} | {per_step[side]:.4f} | {best[side]['train_loss']:.4f} | "
-              f"{', '.join(f'{r['train_runtime']:.2f}' for r in runs[side])} |")
+        rounds = ", ".join(f"{r['train_runtime']:.2f}" for r in runs[side])
+        print(f"| {side} | {per_step[side]:.4f} | {best[side]['train_loss']:.4f} | {rounds} |")
     print(f"TRL / ours: {ratio:.2f}x; ours' one-time data stages: "
           f"{result['our_data_stages_seconds']}")
 
