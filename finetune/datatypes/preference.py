@@ -236,14 +236,20 @@ def encode_preference(batch: dict[str, list], tok, bos: int | None, max_len: int
             seq = head + body + tail
             labels = [IGNORE_INDEX] * len(head) + body + tail
             sides.append((seq[:max_len], labels[:max_len], len(seq) > max_len))
-        (c_ids, c_labels, c_cut), (r_ids, r_labels, r_cut) = sides
-        out["input_ids"].append(c_ids)
-        out["labels"].append(c_labels)
-        out["rejected_input_ids"].append(r_ids)
-        out["rejected_labels"].append(r_labels)
-        out["truncated"].append(c_cut or r_cut)
-        # truncation may cut off where the sides differ: then there is nothing to prefer
-        same = c_ids == r_ids
-        out["n_trainable"].append(0 if same else min(sum(x != IGNORE_INDEX for x in c_labels),
-                                                     sum(x != IGNORE_INDEX for x in r_labels)))
+        add_pair(out, *sides)
     return out
+
+
+def add_pair(out: dict[str, list], chosen: tuple, rejected: tuple) -> None:
+    """One encoded pair, each side (ids, labels, cut by max_seq_length), with its counts:
+    `n_trainable` the smaller side's trained tokens, 0 when truncation left the sides equal
+    (it cut off where they differ: nothing to prefer)."""
+    (c_ids, c_labels, c_cut), (r_ids, r_labels, r_cut) = chosen, rejected
+    out["input_ids"].append(c_ids)
+    out["labels"].append(c_labels)
+    out["rejected_input_ids"].append(r_ids)
+    out["rejected_labels"].append(r_labels)
+    out["truncated"].append(c_cut or r_cut)
+    same = c_ids == r_ids
+    out["n_trainable"].append(0 if same else min(sum(x != IGNORE_INDEX for x in c_labels),
+                                                 sum(x != IGNORE_INDEX for x in r_labels)))

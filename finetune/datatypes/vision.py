@@ -27,7 +27,7 @@ from finetune.datatypes.base import IMAGE_TEXT_TO_TEXT, DataContext, Formatted
 from finetune.datatypes.chat import ChatType, chat_template
 from finetune.datatypes.conversation import image_count, parse
 from finetune.datatypes.encoding import IGNORE_INDEX, add_row, empty_encoding
-from finetune.datatypes.preference import REJECTED_COLUMNS, PreferenceType
+from finetune.datatypes.preference import REJECTED_COLUMNS, PreferenceType, add_pair
 from finetune.datatypes.turns import MaskRules, end_of_turn, sequences, token_mask
 from finetune.errors import PipelineError
 
@@ -183,16 +183,9 @@ def encode_vision_preference(batch: dict[str, list], tok, processor, root: str,
             kinds = (head_types + [0] * len(body)) if types is not None else []
             sides.append((ids[:max_len], labels[:max_len], kinds[:max_len], len(ids) > max_len))
         (c_ids, c_labels, c_types, c_cut), (r_ids, r_labels, r_types, r_cut) = sides
-        out["input_ids"].append(c_ids)
-        out["labels"].append(c_labels)
-        out["rejected_input_ids"].append(r_ids)
-        out["rejected_labels"].append(r_labels)
+        add_pair(out, (c_ids, c_labels, c_cut), (r_ids, r_labels, r_cut))
         out["mm_token_type_ids"].append(c_types)
         out["rejected_mm_token_type_ids"].append(r_types)
-        out["truncated"].append(c_cut or r_cut)
-        same = c_ids == r_ids
-        out["n_trainable"].append(0 if same else min(
-            sum(x != IGNORE_INDEX for x in c_labels), sum(x != IGNORE_INDEX for x in r_labels)))
         add_pixels(out, inputs, bool(images))
     return out
 
