@@ -1,6 +1,7 @@
 """training.deepspeed_config: a ZeRO file users bring is read as this pipeline's FSDP2 keys, the
-table printed, and what has no equivalent (or disagrees with the params file) refused in one
-line naming the JSON keys and the file (finetune/config/deepspeed.py)."""
+table printed, DeepSpeed's own tuning keys named in one warning line, and what has no equivalent
+(or disagrees with the params file) refused in one line naming the JSON keys and the file
+(finetune/config/deepspeed.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ ZERO2_OFFLOAD = {
     "gradient_accumulation_steps": 4,
     "gradient_clipping": "auto",
     "train_micro_batch_size_per_gpu": 2,
-    "steps_per_print": 10,
+    "steps_per_print": 7,
     "wall_clock_breakdown": False,
 }
 #: ZeRO-3 in bf16 with its own optimizer and scheduler blocks
@@ -60,7 +61,8 @@ def test_zero2_with_optimizer_offload_is_fsdp2_keeping_parameters_with_cpu_offlo
     assert (d.strategy, d.fsdp.reshard_after_forward, d.fsdp.cpu_offload) == ("fsdp2", False,
                                                                               True)
     assert (t.per_device_train_batch_size, t.gradient_accumulation_steps) == (2, 4)
-    assert cfg.logging.logging_steps == 10
+    # steps_per_print is DeepSpeed's console print; HF's logging_steps is another key
+    assert cfg.logging.logging_steps == validate_raw({"data": DATA}).logging.logging_steps != 7
     # "auto" leaves the key to the params file: the defaults stand
     assert (t.mixed_precision, t.max_grad_norm) == ("fp32", 1.0)
 
@@ -86,21 +88,23 @@ def test_zero3_bf16_maps_its_optimizer_and_scheduler_and_prints_the_table(tmp_pa
 
 def test_what_has_no_equivalent_is_refused_in_one_line_naming_each_json_key(tmp_path):
     ds = {**ZERO3_BF16,
-          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e8,
+          "zero_optimization": {"stage": 3, "zero_quantized_gradients": True,
                                 "offload_param": {"device": "nvme"}},
           "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-4}},
-          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
-          "activation_checkpointing": {"partition_activations": True}}
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
+                                                       "warmup_type": "cubic"}},
+          "communication_data_type": "fp16"}
     with pytest.raises(PipelineError) as err:
         config(tmp_path, ds)
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"<params>: {tmp_path / 'ds_config.json'}: "
                                                 "no equivalent here for ")
-    for key in ("zero_optimization.stage3_prefetch_bucket_size 500000000.0 (FSDP2 "
-                "communicates per unit", 'zero_optimization.offload_param.device "nvme"',
+    for key in ("zero_optimization.zero_quantized_gradients true (ZeRO++ quantizes what is "
+                "communicated, which changes the result)",
+                'zero_optimization.offload_param.device "nvme"',
                 'optimizer.type "OneBitAdam" (DeepSpeed\'s own optimizer',
-                "scheduler.params.warmup_type \"log (DeepSpeed's default)\" (the warmups here "
-                "are linear", "activation_checkpointing {"):
+                'scheduler.params.warmup_type "cubic" (the warmups here are linear or log)',
+                'communication_data_type "fp16" (not a DeepSpeed setting'):
         assert key in line, (key, line)
 
 
@@ -138,13 +142,12 @@ def test_validate_prints_the_table_and_refuses_an_unmappable_file_with_exit_2(
     assert "ds/zero3.json: DeepSpeed keys as this pipeline's (FSDP2) keys:" in out
     assert "  gradient_clipping: 0.5 -> training.max_grad_norm: 0.5" in out.splitlines()
     (project / "ds/zero3.json").write_text(json.dumps(
-        {**zero3, "zero_optimization": {"stage": 3, "sub_group_size": 1e9}}))
+        {**zero3, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}))
     assert main(["validate"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: params/default.yaml: ds/zero3.json: no equivalent "
-                   "here for zero_optimization.sub_group_size 1000000000.0 (FSDP2 communicates "
-                   "per unit (each transformer block, distributed.fsdp.shard_modules), not in "
-                   "buckets of a size; remove it)"], err
+                   "here for zero_optimization.zero_quantized_weights true (ZeRO++ quantizes "
+                   "what is communicated, which changes the result)"], err
 
 
 def test_the_docs_table_names_every_json_key_the_module_maps():
@@ -175,3 +178,117 @@ def test_false_turns_it_off_and_a_value_that_is_no_file_or_mapping_is_one_line(
         assert code == 2 and err == [
             f"error: params/default.yaml: training.deepspeed_config: {shown} is neither a "
             "DeepSpeed JSON file's path nor its mapping; false or null turns it off"], err
+
+
+#: HF's documented ZeRO-2 example (transformers' DeepSpeed guide), as users copy it
+HF_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                 "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True,
+                          "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "steps_per_print": 2000, "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+#: HF's documented ZeRO-3 example
+HF_ZERO3 = {
+    **{k: v for k, v in HF_ZERO2.items() if k != "zero_optimization"},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True, "contiguous_gradients": True,
+                          "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+                          "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto",
+                          "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+                          "stage3_gather_16bit_weights_on_model_save": True},
+}
+
+
+@pytest.mark.parametrize("ds,reshard", [(HF_ZERO2, False), (HF_ZERO3, True)],
+                         ids=["zero2", "zero3"])
+def test_hf_stock_zero_files_validate_with_one_warning_line_and_their_sharding(
+        project, capsys, monkeypatch, ds, reshard):
+    """HF's stock files (with the params file leaving the schedule to them, as the fixture
+    leaves the strategy): exit 0, one warning line naming each tuning key and why, and the
+    resolved run is FSDP2 with the stage's resharding and CPU offload."""
+    from finetune.config.loader import load_config
+
+    monkeypatch.chdir(project)
+    deepspeed._WARNED.clear()
+    raw = yaml.safe_load((project / "params/default.yaml").read_text())
+    del raw["scheduler"]["name"]
+    (project / "params/stock.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    (project / "ds/zero3.json").write_text(json.dumps(ds))
+    assert main(["validate", "-p", "params/stock.yaml"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: ds/zero3.json: no effect here: "), err
+    tuning = ["fp16.loss_scale_window", "fp16.hysteresis", "steps_per_print",
+              "zero_optimization.reduce_bucket_size" if not reshard else
+              "zero_optimization.sub_group_size"]
+    assert all(k in err[0] for k in tuning), err
+    cfg = load_config(project / "params/stock.yaml")
+    d, s = cfg.distributed, cfg.scheduler
+    assert (d.strategy, d.fsdp.reshard_after_forward, d.fsdp.cpu_offload) == ("fsdp2", reshard,
+                                                                              True)
+    # WarmupLR without warmup_type: DeepSpeed's log warmup to a constant rate
+    assert (s.name, s.warmup_type, s.warmup_steps) == ("constant_with_warmup", "log",
+                                                       raw["scheduler"]["warmup_steps"])
+    # validated again (each stage does): the warning is not repeated
+    load_config(project / "params/stock.yaml")
+    assert capsys.readouterr().err == ""
+
+
+def test_zero1_is_fsdp2_keeping_the_gathered_parameters(tmp_path):
+    """ZeRO-1 shards the optimizer state; FSDP2 shards it with the gradients (ZeRO-2's
+    layout): the same updates, at most ZeRO-1's memory."""
+    cfg = config(tmp_path, {"zero_optimization": {"stage": 1}})
+    assert (cfg.distributed.strategy, cfg.distributed.fsdp.reshard_after_forward) == ("fsdp2",
+                                                                                      False)
+    assert "FSDP2 shards the optimizer state with the gradients" in deepspeed.describe(
+        str(tmp_path / "ds_config.json"))
+
+
+def test_log_warmup_is_deepspeeds_warmup_lr():
+    """scheduler.warmup_type log: DeepSpeed's WarmupLR rate (its documented formula,
+    min + (max - min) * log(step + 1) / log(warmup_num_steps), min 0) for the warmup steps,
+    then the schedule's own; resume keeps it (the state holds only the step)."""
+    import math
+
+    import torch
+
+    from engine.objective.optim import build_scheduler
+    from finetune.config.optim import SchedulerConfig
+
+    def rates(cfg, steps=14, state=None):
+        param = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([param], lr=0.5)
+        sched = build_scheduler(opt, cfg, total_steps=20)
+        if state is not None:
+            sched.load_state_dict(state)
+            for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+                group["lr"] = lr
+        out = []
+        for _ in range(steps):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out, sched.state_dict()
+
+    log = SchedulerConfig(name="linear", warmup_steps=8, warmup_type="log")
+    got, _ = rates(log)
+    expect = [0.5 * math.log(i + 1) / math.log(8) for i in range(8)] + [
+        0.5 * (20 - i) / 12 for i in range(8, 14)]
+    assert got == pytest.approx(expect, abs=1e-12)
+    assert got != rates(SchedulerConfig(name="linear", warmup_steps=8))[0]
+    _, state = rates(log, steps=5)
+    assert rates(log, steps=9, state=state)[0] == pytest.approx(expect[5:], abs=1e-12)
+    with pytest.raises(PipelineError, match="scheduler: warmup_type: log does not combine with name"):
+        validate_raw({"data": DATA, "scheduler": {
+            "warmup_type": "log", "name": "engine.objective.optim:build_scheduler"}})

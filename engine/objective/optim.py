@@ -137,13 +137,31 @@ def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int):
         return scheduler
     if cfg.name == "warmup_stable_decay":
         kwargs.setdefault("num_decay_steps", max(1, total_steps // 10))
+    warmup = warmup_steps(cfg, total_steps)
     try:
-        return get_scheduler(
+        scheduler = get_scheduler(
             cfg.name,
             optimizer,
-            num_warmup_steps=warmup_steps(cfg, total_steps),
+            num_warmup_steps=warmup,
             num_training_steps=total_steps,
             scheduler_specific_kwargs=kwargs,
         )
     except TypeError as exc:
         raise PipelineError(f"scheduler.kwargs: '{cfg.name}' rejects them ({exc})") from None
+    if cfg.warmup_type == "log" and warmup > 0:
+        scheduler.lr_lambdas = [log_warmup(f, warmup) for f in scheduler.lr_lambdas]
+    return scheduler
+
+
+def log_warmup(after: Callable[[int], float], warmup: int) -> Callable[[int], float]:
+    """DeepSpeed's WarmupLR warmup (its default, warmup_type "log"): the peak times
+    log(step + 1) / log(warmup) for the first `warmup` steps, then the schedule's own factor.
+    DeepSpeed takes at least 2 warmup steps for the log, so one step starts at 0 too. A plain
+    function: LambdaLR's state_dict keeps only the step for it, so resume is unchanged."""
+    import math
+
+    inverse = 1.0 / math.log(max(2, warmup))
+
+    def factor(step: int) -> float:
+        return math.log(step + 1) * inverse if step < warmup else after(step)
+    return factor

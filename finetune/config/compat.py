@@ -574,6 +574,11 @@ RULES: list[Rule] = [
     # scheduler
     Refuse("scheduler", "warmup_ratio", _in("warmup_steps", lambda s: s.warmup_steps > 0),
            "exclusive: set one of them to 0", example={"scheduler.warmup_ratio": 0.1}),
+    Refuse("scheduler", "warmup_type", _in("name", lambda s: ":" in s.name),
+           "log reshapes the warmup of transformers' schedules; a 'module:function' schedule "
+           "shapes its own", used=lambda s: s.warmup_type == "log",
+           example={"scheduler.warmup_type": "log",
+                    "scheduler.name": "engine.objective.optim:build_scheduler"}),
     # training
     Needs("training", "dataloader_prefetch_factor",
           _in("dataloader_num_workers > 0", lambda t: t.dataloader_num_workers > 0),

@@ -2,10 +2,13 @@
 
 Users bring ZeRO files from Trainer/Accelerate setups. This pipeline shards with FSDP2, not
 DeepSpeed, so a file is translated, never half-honoured: each JSON key maps to the key here that
-does the same (ZeRO-3 is FSDP2 resharding after forward, ZeRO-2 FSDP2 keeping the gathered
-parameters), or is refused: one line naming the file and each such key with why. "auto" (DeepSpeed's
-"take it from the trainer") leaves the key to the params file. Where the params file sets a mapped
-key to another value, the two are named and the file is refused: nothing is silently overridden.
+does the same (ZeRO-3 is FSDP2 resharding after forward, ZeRO-1 and ZeRO-2 FSDP2 keeping the
+gathered parameters), or, where it only tunes DeepSpeed's own machinery (bucket sizes, prefetch
+and persistence thresholds, the fp16 loss scaler's window, its console print), has no effect here
+and is listed in one warning line with why; what would change the result and has no equivalent is
+refused: one line naming the file and each such key with why. "auto" (DeepSpeed's "take it from
+the trainer") leaves the key to the params file. Where the params file sets a mapped key to
+another value, the two are named and the file is refused: nothing is silently overridden.
 The table is applied to the raw params before validation (`apply`), so every rule of the schema
 and the compat table then judges the translated keys, and `finetune validate`/`finetune config`
 print it (`describe`).
@@ -33,6 +36,7 @@ class Row:
     value: Any
     sets: tuple[tuple[str, Any], ...] = ()
     note: str = ""
+    no_effect: str = ""  # why a tuning key changes nothing here (the warning line's reason)
 
 
 class _Refusals:
@@ -104,7 +108,9 @@ def apply(raw: dict, root: Path | None = None) -> dict:
     ds, where = load(source, root)
     merged = copy.deepcopy(raw)
     clashes = []
-    for row in rows(ds, where):
+    table = rows(ds, where)
+    _warn_no_effect(table, where)
+    for row in table:
         for dotted, ours in row.sets:
             current = _lookup(merged, dotted)
             if current is not _MISSING and current != ours and not _same_number(current, ours):
@@ -117,6 +123,31 @@ def apply(raw: dict, root: Path | None = None) -> dict:
     return merged
 
 
+_WARNED: set[str] = set()
+
+
+def no_effect_line(table: list[Row], where: str) -> str | None:
+    """The one warning line: every key with no effect here, grouped by why."""
+    by_why: dict[str, list[str]] = {}
+    for row in table:
+        if row.no_effect:
+            by_why.setdefault(row.no_effect, []).append(row.json_key)
+    if not by_why:
+        return None
+    parts = [f"{', '.join(keys)} ({why})" for why, keys in by_why.items()]
+    return f"{where}: no effect here: " + "; ".join(parts)
+
+
+def _warn_no_effect(table: list[Row], where: str) -> None:
+    """Said once per process and file: the config is validated again by each stage and tool."""
+    from finetune.errors import warn
+
+    line = no_effect_line(table, where)
+    if line and line not in _WARNED:
+        _WARNED.add(line)
+        warn(line)
+
+
 def describe(source: str | dict, root: Path | None = None) -> str:
     """The mapping as printed by `finetune validate` and `finetune config`."""
     ds, where = load(source, root)
@@ -124,6 +155,7 @@ def describe(source: str | dict, root: Path | None = None) -> str:
     for row in rows(ds, where):
         sets = ", ".join(f"{k}: {json.dumps(v)}" for k, v in row.sets) or "-"
         note = f"  ({row.note})" if row.note else ""
+        note += f"  (no effect: {row.no_effect})" if row.no_effect else ""
         lines.append(f"  {row.json_key}: {json.dumps(row.value)} -> {sets}{note}")
     return "\n".join(lines)
 
@@ -189,28 +221,54 @@ def _precision(name: str):
                                "" if v else "off: the params file's mixed_precision"))
             elif name == "fp16" and sub == "loss_scale" and v == 0:
                 out.append(Row(json_key, v, note="dynamic loss scaling: torch's GradScaler"))
+            elif name == "fp16" and sub in _SCALER_TUNING:
+                out.append(Row(json_key, v, no_effect=_SCALER_WHY))
+            elif name == "fp16" and sub == "auto_cast" and v is False:
+                out.append(Row(json_key, v, note="inputs are not cast; autocast casts per op"))
             else:
-                refused.add(json_key, v, "the loss scaler here is torch's GradScaler with its "
-                            "own settings" if name == "fp16" else "bf16 has no other setting")
+                refused.add(json_key, v, "a static loss scale (fp16.loss_scale > 0) has no "
+                            "equivalent here: torch's GradScaler is dynamic" if sub ==
+                            "loss_scale" else f"{name} has no such setting here")
     return handle
 
 
-#: ZeRO stages as FSDP2: stage 3 reshards the parameters after forward, stage 2 keeps them
+#: the fp16 dynamic loss scaler's settings: DeepSpeed's scaler, not torch's GradScaler
+_SCALER_TUNING = ("loss_scale_window", "initial_scale_power", "hysteresis", "min_loss_scale",
+                  "consecutive_hysteresis")
+_SCALER_WHY = ("fp16's loss scaler here is torch's GradScaler: it starts at 2^16, doubles after "
+               "2000 steps without overflow and halves at each overflow, skipping that step; "
+               "a step without overflow is the same update")
+#: ZeRO stages as FSDP2: stage 3 reshards the parameters after forward, stages 1 and 2 keep
+#: them gathered between forward and backward (FSDP2 shards optimizer state and gradients
+#: together, so stage 1 gets stage 2's memory: the same updates)
 _STAGES = {0: (("distributed.strategy", "ddp"),),
+           1: (("distributed.strategy", "fsdp2"),
+               ("distributed.fsdp.reshard_after_forward", False)),
            2: (("distributed.strategy", "fsdp2"),
                ("distributed.fsdp.reshard_after_forward", False)),
            3: (("distributed.strategy", "fsdp2"),
                ("distributed.fsdp.reshard_after_forward", True))}
-#: what FSDP2 always does; false asks for what it cannot turn off
+#: what FSDP2 always does; false would change only DeepSpeed's speed or memory
 _BUILT_IN = {"overlap_comm": "FSDP2 prefetches the next unit's all-gather",
              "contiguous_gradients": "FSDP2's gradient shards are contiguous",
              "reduce_scatter": "FSDP2 reduce-scatters gradients",
              "allgather_partitions": "FSDP2 all-gathers each unit's parameters",
              "stage3_gather_16bit_weights_on_model_save":
                  "the export always writes whole weights"}
-#: DeepSpeed's bucket and cache sizes: FSDP2 communicates per unit (a transformer block)
-_NO_EQUIVALENT = ("FSDP2 communicates per unit (each transformer block, "
-                  "distributed.fsdp.shard_modules), not in buckets of a size; remove it")
+#: DeepSpeed's bucket, cache and scheduling knobs: how fast, never what is computed
+_TUNING = ("allgather_bucket_size", "reduce_bucket_size", "sub_group_size",
+           "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+           "stage3_max_live_parameters", "stage3_max_reuse_distance", "prefetch_bucket_size",
+           "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
+           "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters",
+           "load_from_fp32_weights", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
+           "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save",
+           "zero_hpz_partition_size", "cpu_offload", "cpu_offload_params",
+           "cpu_offload_use_pin_memory", "offload_optimizer_config", "offload_param_config",
+           "stage3_module_granularity_threshold", "log_trace_cache_warnings")
+_TUNING_WHY = ("FSDP2 communicates per unit (each transformer block, "
+               "distributed.fsdp.shard_modules), not in byte buckets, and prefetches the next "
+               "unit itself")
 
 
 def _zero(key, value, out, refused):
@@ -220,20 +278,25 @@ def _zero(key, value, out, refused):
     for json_key, sub, v in _entries(key, value, out):
         if sub == "stage":
             if v in _STAGES:
-                out.append(Row(json_key, v, _STAGES[v]))
+                out.append(Row(json_key, v, _STAGES[v], "FSDP2 shards the optimizer state "
+                               "with the gradients, as stage 2: the same updates" if v == 1
+                               else ""))
             else:
-                refused.add(json_key, v, "FSDP2 shards gradients with the optimizer state; "
-                            "stage 2 is reshard_after_forward false, 3 true" if v == 1
-                            else "stages are 0, 2 or 3 here")
+                refused.add(json_key, v, "stages are 0, 1, 2 or 3")
         elif sub in ("offload_optimizer", "offload_param"):
             _offload(json_key, v, out, refused)
         elif sub in _BUILT_IN:
             if v is True:
                 out.append(Row(json_key, v, note=f"always: {_BUILT_IN[sub]}"))
             else:
-                refused.add(json_key, v, f"{_BUILT_IN[sub]}, always")
+                out.append(Row(json_key, v, no_effect=f"{_BUILT_IN[sub]}, always; only "
+                               "speed depends on it"))
+        elif sub in _TUNING:
+            out.append(Row(json_key, v, no_effect=_TUNING_WHY))
         else:
-            refused.add(json_key, v, _NO_EQUIVALENT)
+            refused.add(json_key, v, "ZeRO++ quantizes what is communicated, which changes the "
+                        "result" if sub.startswith("zero_quantized") else
+                        "not a ZeRO setting this pipeline has")
 
 
 def _offload(key, value, out, refused):
@@ -306,15 +369,17 @@ def _scheduler(key, value, out, refused):
         return
     kind, params = value["type"], dict(value.get("params") or {})
     out.append(Row(f"{key}.type", kind, (("scheduler.name", _SCHEDULES[kind]),)))
-    if params.get("warmup_type", "log") not in ("linear", AUTO):  # DeepSpeed's default: log
-        refused.add(f"{key}.params.warmup_type", params.get("warmup_type", "log (DeepSpeed's "
-                    "default)"), 'the warmups here are linear; set "warmup_type": "linear"')
+    if "warmup_type" not in params:  # DeepSpeed's default, said in the table
+        out.append(Row(f"{key}.params.warmup_type", None, (("scheduler.warmup_type", "log"),),
+                       "absent: DeepSpeed's default, log"))
     if kind == "WarmupCosineLR" and "cos_min_ratio" not in params:
         params["cos_min_ratio"] = 0.0001  # DeepSpeed's default, said in the table
     for json_key, sub, v in _entries(f"{key}.params", params, out):
-        if sub == "warmup_type":  # any other value is refused above
-            if v == "linear":
-                out.append(Row(json_key, v, note="transformers' warmups are linear"))
+        if sub == "warmup_type":
+            if v in ("linear", "log"):
+                out.append(Row(json_key, v, (("scheduler.warmup_type", v),)))
+            else:
+                refused.add(json_key, v, "the warmups here are linear or log")
         elif sub == "warmup_num_steps":
             out.append(Row(json_key, v, (("scheduler.warmup_steps", v),)))
         elif sub == "total_num_steps" and kind != "WarmupLR":
@@ -322,7 +387,7 @@ def _scheduler(key, value, out, refused):
         elif sub == "warmup_max_lr":
             out.append(Row(json_key, v, (("optimizer.learning_rate", v),)))
         elif sub in ("warmup_min_lr", "warmup_min_ratio") and v == 0:
-            out.append(Row(json_key, v, note="transformers' warmups start at 0"))
+            out.append(Row(json_key, v, note="the warmups here start at 0"))
         elif sub == "cos_min_ratio" and kind == "WarmupCosineLR":
             out.append(Row(json_key, v, (("scheduler.kwargs.min_lr_rate", v),)))
         elif sub == "last_batch_iteration" and v == -1:
@@ -332,11 +397,12 @@ def _scheduler(key, value, out, refused):
 
 
 def _off_only(why: str):
+    """A switch of DeepSpeed's own reporting: off is said, on has no effect here."""
     def handle(key, value, out, refused):
         if value is False:
             out.append(Row(key, value, note="off"))
         else:
-            refused.add(key, value, why)
+            out.append(Row(key, value, no_effect=why))
     return handle
 
 
@@ -345,7 +411,9 @@ _TOP = {
     "gradient_accumulation_steps": _to("training.gradient_accumulation_steps"),
     "train_batch_size": _to("training.global_batch_size"),
     "gradient_clipping": _clipping,
-    "steps_per_print": _to("logging.logging_steps"),
+    "steps_per_print": lambda key, value, out, refused: out.append(Row(
+        key, value, no_effect="DeepSpeed's own console print; logging.logging_steps sets when "
+        "this pipeline logs")),
     "bf16": _precision("bf16"),
     "bfloat16": _precision("bf16"),
     "fp16": _precision("fp16"),
@@ -355,4 +423,24 @@ _TOP = {
     "wall_clock_breakdown": _off_only("DeepSpeed's timers; logging.profiler traces the steps"),
     "zero_allow_untested_optimizer": lambda key, value, out, refused: out.append(Row(
         key, value, note="DeepSpeed's check of its own optimizers; FSDP2 takes any")),
+    **{name: (lambda key, value, out, refused, why=why: out.append(Row(key, value,
+                                                                         no_effect=why)))
+       for name, why in {
+           "activation_checkpointing": "DeepSpeed's checkpointing API, which transformers' "
+           "models never call (HF Trainer ignores it too); training.gradient_checkpointing "
+           "is this pipeline's",
+           "flops_profiler": "DeepSpeed's profiler; logging.profiler traces the steps here",
+           "memory_breakdown": "DeepSpeed's memory report; the train stage logs peak memory",
+           "comms_logger": "DeepSpeed's communication log; logging.profiler records it",
+           "tensorboard": "DeepSpeed's own monitor; runs are tracked in MLflow",
+           "wandb": "DeepSpeed's own monitor; runs are tracked in MLflow",
+           "csv_monitor": "DeepSpeed's own monitor; train.csv is written by the train stage",
+           "dump_state": "DeepSpeed's start-up print; finetune config prints the resolved "
+           "params",
+           "zero_force_ds_cpu_optimizer": "DeepSpeed's CPU Adam check; the optimizer here is "
+           "torch's",
+           "aio": "DeepSpeed's NVMe I/O settings; offload here is to CPU memory",
+           "checkpoint": "DeepSpeed's checkpoint-tag handling; checkpoints here are DCP folders",
+           "compile": "DeepSpeed's compile switch; training.torch_compile is this pipeline's",
+       }.items()},
 }

@@ -4,7 +4,7 @@ kwargs and parameter groups, and a transformers LR schedule. engine/objective/op
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import field_validator, model_validator
 
@@ -98,6 +98,11 @@ class SchedulerConfig(Section):
         0, fingerprint=True, ge=0, description="Warmup steps (exclusive with warmup_ratio).")
     warmup_ratio: float = Field(
         0.0, fingerprint=True, ge=0, lt=1, description="Warmup as a fraction of steps.")
+    warmup_type: Literal["linear", "log"] = Field(
+        "linear", fingerprint=True,
+        description="How the warmup rises: linear (transformers' schedules), or log, "
+        "DeepSpeed's WarmupLR default (log(step + 1) / log(warmup steps) of the peak), which a "
+        "DeepSpeed config without warmup_type asks for.")
     kwargs: dict[str, Any] = Field(
         fingerprint=True,
         default_factory=dict, description="scheduler_specific_kwargs (e.g. num_cycles, power)."
