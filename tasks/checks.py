@@ -70,6 +70,24 @@ def check_environment_column(values: list | None, split: str, names: list[str]) 
     per_row_environment_tools(frame, dict.fromkeys(names, []), split)
 
 
+def check_length_column(training, datatype, first: dict, ctx) -> None:
+    """group_by_length's column must be one the tokenize stage writes: the first train row is
+    formatted and encoded as the stages will (the tokenizer is loaded only for a column other
+    than `length`, which the stage always writes), so a misspelt name fails here, not in the
+    train stage after download, format and tokenize."""
+    if not training.group_by_length or training.length_column_name == "length":
+        return
+    import pandas as pd
+
+    formatted = datatype.format(pd.DataFrame([first]), "train", ctx, 0)
+    fn, kwargs = datatype.encoder(ctx)
+    columns = [*fn(formatted.rows.to_dict("list"), tok=ctx.tokenizer, **kwargs), "length"]
+    if training.length_column_name not in columns:
+        raise PipelineError(f"training.length_column_name '{training.length_column_name}' is "
+                            "not a column of the tokenized train split (columns: "
+                            f"{', '.join(columns)})")
+
+
 def check_harness(ws: Workspace) -> None:
     """eval.harness: lm-eval installed, every task file found and every task name known
     (tasks.harness, which the evaluate stage runs)."""
@@ -148,3 +166,5 @@ def check_sources(ws: Workspace) -> None:
             if environments:
                 check_environment_column(
                     column_values(rows, ENVIRONMENT_COLUMN, files.get(split)), split, environments)
+            if split == "train" and not top.eval_only(name):
+                check_length_column(ws.config.training, data.datatype, first, ctx)

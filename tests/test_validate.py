@@ -50,6 +50,9 @@ BAD = [
     ("data.prompt_func=preprocess/nowhere:f", "data.prompt_func: cannot import "
      "'preprocess/nowhere:f'"),
     ("data.dataset_type=chat", "data.chat_template: the tokenizer has no chat template"),
+    ("+training.length_column_name=lenght", "training.length_column_name 'lenght' is not a "
+     "column of the tokenized train split (columns: input_ids, labels, n_trainable, "
+     "truncated, length)"),
     # a value of a set: the closest one
     ("scheduler.name=cosine_restart", "(did you mean 'cosine_with_restarts'?)"),
     ("optimizer.name=AdamWW", "(did you mean 'AdamW'?)"),
@@ -76,6 +79,8 @@ def test_validate_refuses_what_a_later_stage_would(project, capsys, monkeypatch,
              if override == "data.dataset_type=chat" else [])
     if override.startswith("data.prompt_func"):
         extra = ["data.prompt_template=null"]
+    if override.startswith("+training.length_column_name"):
+        extra = ["+training.group_by_length=true"]
     code, line = validate(project, capsys, monkeypatch, override, *extra)
     assert code == 2 and says in line, line
 
