@@ -394,6 +394,21 @@ def test_a_foreign_name_is_answered_by_meaning(tmp_path, override, says):
     assert says in _error(tmp_path, override)
 
 
+@pytest.mark.parametrize("override, says", [
+    ("data.dataset_subset=main", "(did you mean 'data.subset'?)"),
+    ("training.output_dir=out", "(HF's output_dir has no key here: each stage writes"),
+    ("training.fsdp_config=x", "(did you mean 'distributed.fsdp'?)"),
+])
+def test_a_foreign_name_in_an_override_is_answered_by_meaning_too(override, says):
+    """`-s` (dvc exp run -S) refuses an unknown key in its own words: the same table answers."""
+    from finetune.config.overrides import apply_overrides
+
+    with pytest.raises(PipelineError) as err:
+        apply_overrides({"data": {}, "training": {}}, [override], source="p.yaml")
+    line, key = str(err.value), override.split("=")[0]
+    assert line.startswith(f"override '{override}': unknown key '{key}' (") and says in line, line
+
+
 def test_every_foreign_rename_names_a_key_of_ours():
     from finetune.config.foreign import NOT_NEEDED, RENAMED
     from finetune.config.loader import all_keys

@@ -128,8 +128,11 @@ def _explain(override, raw: dict[str, Any], source: str, exc: Exception) -> str:
         return (f"override '{line}': {source} has no key '{key}' (its default applies); add "
                 f"it with '+{plain}', as dvc exp run -S needs")
     if "Could not override" in str(exc):
+        from finetune.config.foreign import foreign
+
+        known = foreign(key.rsplit(".", 1)[-1])  # HF's, TRL's or Axolotl's name: by meaning
         close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = f" ({known})" if known else f" (did you mean '{close[0]}'?)" if close else ""
         return f"override '{line}': unknown key '{key}'{hint}"
     cause = exc.__cause__ or exc
     return f"override '{line}': {str(cause).splitlines()[0]}"
