@@ -258,12 +258,17 @@ def cmd_config(args) -> int:
 
 
 def _print_deepspeed_table(ws: Workspace, stream=None) -> None:
-    """training.deepspeed_config's keys as ours (finetune/config/deepspeed.py), when set."""
+    """training.deepspeed_config's keys as ours (finetune/config/deepspeed.py), when set, and
+    the one warning line for its keys that have no effect here."""
     source = ws.config.training.deepspeed_config
     if source is not None:
         from finetune.config.deepspeed import describe
+        from finetune.errors import warn
 
-        print(describe(source, ws.root), file=stream or sys.stdout)
+        table, no_effect = describe(source, ws.root)
+        print(table, file=stream or sys.stdout)
+        if no_effect:
+            warn(no_effect)
 
 
 def cmd_run(args) -> int:

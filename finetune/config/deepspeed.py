@@ -108,9 +108,7 @@ def apply(raw: dict, root: Path | None = None) -> dict:
     ds, where = load(source, root)
     merged = copy.deepcopy(raw)
     clashes = []
-    table = rows(ds, where)
-    _warn_no_effect(table, where)
-    for row in table:
+    for row in rows(ds, where):
         for dotted, ours in row.sets:
             current = _lookup(merged, dotted)
             if current is not _MISSING and current != ours and not _same_number(current, ours):
@@ -123,11 +121,10 @@ def apply(raw: dict, root: Path | None = None) -> dict:
     return merged
 
 
-_WARNED: set[str] = set()
-
-
 def no_effect_line(table: list[Row], where: str) -> str | None:
-    """The one warning line: every key with no effect here, grouped by why."""
+    """The one warning line: every key with no effect here, grouped by why. `finetune
+    validate` (dvc.yaml's first stage) and `finetune config` say it beside the table; the
+    later stages, which validate the params again, stay quiet."""
     by_why: dict[str, list[str]] = {}
     for row in table:
         if row.no_effect:
@@ -138,26 +135,18 @@ def no_effect_line(table: list[Row], where: str) -> str | None:
     return f"{where}: no effect here: " + "; ".join(parts)
 
 
-def _warn_no_effect(table: list[Row], where: str) -> None:
-    """Said once per process and file: the config is validated again by each stage and tool."""
-    from finetune.errors import warn
-
-    line = no_effect_line(table, where)
-    if line and line not in _WARNED:
-        _WARNED.add(line)
-        warn(line)
-
-
-def describe(source: str | dict, root: Path | None = None) -> str:
-    """The mapping as printed by `finetune validate` and `finetune config`."""
+def describe(source: str | dict, root: Path | None = None) -> tuple[str, str | None]:
+    """The mapping as printed by `finetune validate` and `finetune config`, and the warning
+    line for the keys that have no effect here (None: every key has one)."""
     ds, where = load(source, root)
     lines = [f"{where}: DeepSpeed keys as this pipeline's (FSDP2) keys:"]
-    for row in rows(ds, where):
+    table = rows(ds, where)
+    for row in table:
         sets = ", ".join(f"{k}: {json.dumps(v)}" for k, v in row.sets) or "-"
         note = f"  ({row.note})" if row.note else ""
-        note += f"  (no effect: {row.no_effect})" if row.no_effect else ""
+        note += "  (no effect: see the warning)" if row.no_effect else ""
         lines.append(f"  {row.json_key}: {json.dumps(row.value)} -> {sets}{note}")
-    return "\n".join(lines)
+    return "\n".join(lines), no_effect_line(table, where)
 
 
 def _lookup(raw: dict, dotted: str) -> Any:
