@@ -290,4 +290,4 @@ def test_log_warmup_is_deepspeeds_warmup_lr():
     assert rates(log, steps=9, state=state)[0] == pytest.approx(expect[5:], abs=1e-12)
     with pytest.raises(PipelineError, match="scheduler: warmup_type: log does not combine with name"):
         validate_raw({"data": DATA, "scheduler": {
-            "warmup_type": "log", "name": "engine.objective.optim:build_scheduler"}})
+            "warmup_type": "log", "name": "transformers:get_constant_schedule_with_warmup"}})

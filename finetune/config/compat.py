@@ -578,7 +578,7 @@ RULES: list[Rule] = [
            "log reshapes the warmup of transformers' schedules; a 'module:function' schedule "
            "shapes its own", used=lambda s: s.warmup_type == "log",
            example={"scheduler.warmup_type": "log",
-                    "scheduler.name": "engine.objective.optim:build_scheduler"}),
+                    "scheduler.name": "transformers:get_constant_schedule_with_warmup"}),
     # training
     Needs("training", "dataloader_prefetch_factor",
           _in("dataloader_num_workers > 0", lambda t: t.dataloader_num_workers > 0),
