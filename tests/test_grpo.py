@@ -182,6 +182,34 @@ def test_two_processes_and_accumulation_equal_one_batch(prompts, tmp_path):
     _assert_same_run(one, two)
 
 
+def test_gspo_with_the_masks_accumulates_as_one_batch_and_each_loss_logs_its_names(
+        prompts, tmp_path):
+    """The rest of the family in a run: GSPO (a sequence-level ratio, whose clip ratios are
+    means over completions), two-sided clipping and the off-policy mask, over 2 iterations:
+    2 accumulated micro-batches x 4 prompts equal one batch of 8; cispo logs
+    cispo_clip_ratio and sapo no clip ratio, as TRL does (the formulas: test_grpo_trl.py)."""
+    from helpers import train_here
+
+    params = {"optimizer.name": "SGD", "optimizer.learning_rate": 0.5, "training.max_steps": 2,
+              "eval.eval_steps": 2, "checkpoint.save_strategy": "no",
+              "grpo.loss_type": "grpo", "grpo.importance_sampling_level": "sequence",
+              "grpo.delta": 1.5, "grpo.off_policy_mask_threshold": 0.0,
+              "grpo.num_iterations": 2}
+    one, _ = train_here(prompts, tmp_path / "one", params)
+    accumulated, _ = train_here(prompts, tmp_path / "acc", {
+        **params, "training.per_device_train_batch_size": 4,
+        "training.gradient_accumulation_steps": 2})
+    _assert_same_run(one, accumulated)
+    assert "clip_ratio/region_mean" in _rows(one)[0]
+    for loss_type, has, lacks in (("cispo", "cispo_clip_ratio", "clip_ratio/region_mean"),
+                                  ("sapo", "entropy", "clip_ratio/region_mean")):
+        run, _ = train_here(prompts, tmp_path / loss_type, {
+            **params, "grpo.loss_type": loss_type, "grpo.importance_sampling_level": "token",
+            "grpo.delta": None, "training.max_steps": 1, "eval.eval_steps": 1})
+        row = _rows(run)[0]
+        assert has in row and lacks not in row, (loss_type, sorted(row))
+
+
 def test_a_prompts_completions_do_not_depend_on_the_other_prompts_of_the_call():
     """What makes the run's sampling independent of the world size: with one seed per prompt,
     each prompt's completions come from its own generator, whatever else is generated (and

@@ -268,7 +268,7 @@ def test_the_loss_and_gradients_on_tool_masked_rollouts_are_trls(both, loss_type
     parameter's gradient, and the token statistics TRL logs from the loss. Most of each
     completion is a tool's result (37 of 43 tokens): a loss or normaliser that counted them
     would differ by far more than the tolerance."""
-    from engine.recipe.grpo.loss import TOKEN_STATS, averaged_over
+    from engine.recipe.grpo.loss import STAT_SLOTS, Objective, averaged_over, stat_means
     from engine.recipe.grpo.run import GRPORun
 
     trl, ours, _ = both
@@ -301,14 +301,17 @@ def test_the_loss_and_gradients_on_tool_masked_rollouts_are_trls(both, loss_type
         output["completion_mask"].sum()) / 3
     grpo = SimpleNamespace(epsilon=0.2, clip_high=trainer.epsilon_high, beta=0.0,
                            use_bias_correction_kl=False, loss_type=loss_type,
-                           max_completion_length=MAX_LENGTH, temperature=1.0)
+                           max_completion_length=MAX_LENGTH, temperature=1.0,
+                           importance_sampling_level="token", delta=None,
+                           sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                           off_policy_mask_threshold=None)
     assert (trainer.epsilon_low, trainer.beta, trainer.temperature) == (0.2, 0.0, 1.0)
     run = SimpleNamespace(
         cfg=SimpleNamespace(grpo=grpo, training=SimpleNamespace(
             enable_activation_offloading=False)),
         dist=SimpleNamespace(device=torch.device("cpu")), model=model.train(), amp=None,
-        scaler=None, prompt_group=1, token_sums=torch.zeros(len(TOKEN_STATS) + 1,
-                                                            dtype=torch.float64))
+        scaler=None, prompt_group=1, objective=Objective.of(grpo),
+        token_sums=torch.zeros(STAT_SLOTS, dtype=torch.float64))
     model.zero_grad(set_to_none=True)
     divisor = averaged_over(loss_type, batch["completion_mask"])  # one micro-batch per step
     loss_sum = GRPORun.micro_step(run, batch["labels"], batch, divisor)
@@ -317,9 +320,7 @@ def test_the_loss_and_gradients_on_tool_masked_rollouts_are_trls(both, loss_type
         # the largest gradient entries are 3e-5 (dr_grpo) to 3e-4 here, so 1e-6 (seen: 1.2e-7)
         torch.testing.assert_close(p.grad, their_grads[name], atol=1e-6, rtol=1e-4, msg=name)
     assert max(g.abs().max() for g in their_grads.values()) > 1e-5  # not vacuously equal
-    sums = run.token_sums
-    means = dict(zip(TOKEN_STATS, (sums[:-1] / sums[-1]).tolist()))
-    for name in TOKEN_STATS:
-        if name in metrics:
-            assert means[name] == pytest.approx(metrics[name], abs=1e-5), name
-    assert "entropy" in metrics and "clip_ratio/region_mean" in metrics
+    means = stat_means(run.token_sums, run.objective)
+    for name, value in means.items():
+        assert float(value) == pytest.approx(metrics[name], abs=1e-5), name
+    assert "entropy" in means and "clip_ratio/region_mean" in means

@@ -3,7 +3,8 @@
 advantages, log-probabilities at generation, reference log-probabilities, loss, gradients and
 logged statistics (kl, entropy, clip ratios, reward statistics), for every loss_type, beta 0
 and > 0, num_iterations 1 and 2 (the second iteration after the weights moved, so the ratio
-and its clipping are not trivially 1)."""
+and its clipping are not trivially 1); and the rest of the family (GSPO's sequence-level
+ratio, two-sided clipping, CISPO, SAPO, LUSPO, the off-policy sequence mask)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from engine.recipe.grpo.advantages import group_advantages
-from engine.recipe.grpo.loss import TOKEN_STATS, completion_logps, reduce, token_losses, \
-    token_stat_sums
+from engine.recipe.grpo.loss import Objective, completion_logps, reduce, stat_means, \
+    token_losses, token_stat_sums
 from engine.rollout.generator import Completions
 from engine.rollout.rewards import RewardFunction
 from engine.rollout.scoring import score_completions
@@ -62,14 +63,16 @@ class Injected(trl.GRPOTrainer):
         return [list(ids) for ids in self.injected], None
 
 
-def trl_trainer(tmp_path, model, tok, loss_type: str, beta: float, iterations: int):
+def trl_trainer(tmp_path, model, tok, loss_type: str, beta: float, iterations: int,
+                **options):
     import datasets
 
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(PROMPTS) * GROUP,
         num_generations=GROUP, max_completion_length=LENGTH, temperature=TEMPERATURE,
         beta=beta, loss_type=loss_type, num_iterations=iterations, epsilon=0.2,
-        epsilon_high=0.28, scale_rewards="group", gradient_accumulation_steps=1,
+        **{"epsilon_high": 0.28, **options}, scale_rewards="group",
+        gradient_accumulation_steps=1,
         reward_weights=[1.0, 0.5], report_to=[], use_cpu=True, max_steps=1, logging_steps=1,
         bf16=False, fp16=False, save_strategy="no")
     data = datasets.Dataset.from_dict({"prompt": PROMPTS})
@@ -109,8 +112,49 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
                                                   group):
     """group GROUP: our log-probabilities with each prompt's forward shared by its
     completions (completion_logps `group`, what a single-process run uses)."""
+    means = compare_with_trl(tmp_path, base, Objective(loss_type, 0.2, 0.28, beta), iterations,
+                             group)
+    if iterations > 1:  # the perturbation clipped some ratios: the statistic is not vacuous
+        assert means["clip_ratio/region_mean"] > 0
+
+
+#: the rest of the family: TRL's options, and ours
+FAMILY = {
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+    "two_sided": {"loss_type": "dapo", "delta": 1.002},
+    "cispo": {"loss_type": "cispo", "epsilon_high": 1.0},
+    "sapo": {"loss_type": "sapo", "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.3},
+    "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    "luspo_token": {"loss_type": "luspo"},
+    "off_policy_mask": {"loss_type": "dapo", "off_policy_mask_threshold": 0.0},
+}
+
+
+@pytest.mark.parametrize("name", FAMILY)
+@pytest.mark.parametrize("beta,iterations", [(0.0, 1), (0.04, 2)])
+def test_the_rest_of_the_family_equals_trls(tmp_path, base, name, beta, iterations):
+    """Each loss type and estimator TRL 1.16 has besides the four, with its names: loss,
+    gradients and logged statistics (cispo_clip_ratio for cispo, no clip ratios for sapo;
+    a sequence-level ratio's clip ratios are means over completions)."""
+    options = dict(FAMILY[name])
+    o = Objective(options.pop("loss_type"), 0.2, options.get("epsilon_high", 0.28), beta,
+                  level=options.get("importance_sampling_level", "token"),
+                  delta=options.get("delta"),
+                  sapo_temperature_pos=options.get("sapo_temperature_pos", 1.0),
+                  sapo_temperature_neg=options.get("sapo_temperature_neg", 1.05),
+                  off_policy_mask_threshold=options.get("off_policy_mask_threshold"))
+    means = compare_with_trl(tmp_path, base, o, iterations, 1, **options)
+    if iterations > 1 and o.loss_type == "cispo":
+        assert means["cispo_clip_ratio"] > 0
+
+
+def compare_with_trl(tmp_path, base, objective: Objective, iterations: int, group: int,
+                     **options) -> dict[str, float]:
+    """Our rollout statistics, loss, gradients and logged statistics against TRL's on the
+    injected completions; returns our logged means."""
+    loss_type, beta = objective.loss_type, objective.beta
     model, tok = copy.deepcopy(base[0]), base[1]
-    trainer = trl_trainer(tmp_path, model, tok, loss_type, beta, iterations)
+    trainer = trl_trainer(tmp_path, model, tok, loss_type, beta, iterations, **options)
     inputs = [{"prompt": p} for p in PROMPTS for _ in range(GROUP)]
     out = trainer._generate_and_score_completions(inputs)
     policy = trainer.model
@@ -166,7 +210,7 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
 
     logps, entropy = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
                                       with_entropy=True, group=group)
-    losses = token_losses(logps, old, ref, advantages, 0.2, 0.28, beta)
+    losses = token_losses(logps, old, ref, advantages, mask, objective)
     loss_sum, count = reduce(loss_type, losses.per_token, mask, LENGTH)
     ours = loss_sum / count
     ours.backward()
@@ -175,12 +219,12 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
         # float noise of TRL's tiled LM head: a few of 2048 entries differ by ~1.5e-5
         torch.testing.assert_close(mine, their, atol=5e-5, rtol=1e-4)
 
-    sums = token_stat_sums(losses, entropy, mask)
-    means = dict(zip(TOKEN_STATS, (sums[:-1] / sums[-1]).tolist()))
-    for name in TOKEN_STATS:
-        if name == "kl" and not beta:
-            assert "kl" not in metrics
-            continue
-        assert means[name] == pytest.approx(last(metrics, name), abs=1e-5), name
-    if iterations > 1:  # the perturbation clipped some ratios: the statistic is not vacuous
-        assert means["clip_ratio/region_mean"] > 0
+    means = {k: float(v) for k, v in stat_means(token_stat_sums(losses, entropy, mask),
+                                                objective).items()}
+    # the names TRL logs from _compute_loss (less its min/max over completions)
+    theirs_logged = {k for k in metrics if k in ("kl", "entropy", "cispo_clip_ratio")
+                     or k.endswith("_mean") and k.startswith("clip_ratio/")}
+    assert set(means) == theirs_logged, (set(means), theirs_logged)
+    for name, value in means.items():
+        assert value == pytest.approx(last(metrics, name), abs=1e-5), name
+    return means

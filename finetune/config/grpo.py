@@ -89,12 +89,38 @@ class GRPOConfig(Section):
         "group", fingerprint=True,
         description="Divide advantages by the reward std of the group, of the whole batch, "
         "or not at all (Dr. GRPO's advice).")
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo"] = Field(
         "dapo", fingerprint=True,
-        description="How token losses are averaged: grpo (per completion, then over "
-        "completions), bnpo (over the micro-batch's tokens), dr_grpo (sum over a fixed "
-        "num completions x max_completion_length), dapo (over the step's tokens, all ranks; "
-        "TRL's default).")
+        description="The surrogate and how token losses are averaged (TRL's names): grpo "
+        "(per completion, then over completions), bnpo (over the micro-batch's tokens), "
+        "dr_grpo (sum over a fixed num completions x max_completion_length), dapo (over the "
+        "step's tokens, all ranks; TRL's default); cispo (the ratio, capped at epsilon_high, "
+        "weights log pi, as dapo averages; ScaleRL recommends epsilon_high 5.0), sapo (a "
+        "sigmoid soft clip instead of the hard one, sapo_temperature_pos/_neg, averaged as "
+        "grpo), luspo (grpo's surrogate summed over each completion's tokens, averaged over "
+        "completions; with importance_sampling_level sequence, as its paper).")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", fingerprint=True,
+        description="The probability ratio per token, or per completion (GSPO: the exp of "
+        "the mean token log-ratio; with loss_type grpo, sapo or luspo, whose averages keep "
+        "it a per-completion objective).")
+    delta: float | None = Field(
+        None, gt=1, fingerprint=True,
+        description="Two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta "
+        "too, so a negative advantage cannot push a large ratio further (null: off; above "
+        "1 + epsilon_high).")
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, fingerprint=True,
+        description="loss_type sapo: the soft clip's temperature for positive advantages.")
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, fingerprint=True,
+        description="loss_type sapo: the soft clip's temperature for the others.")
+    off_policy_mask_threshold: float | None = Field(
+        None, ge=0, fingerprint=True,
+        description="DeepSeek-V3.2's off-policy sequence mask: a completion with a negative "
+        "advantage whose mean log(pi_old / pi) over its tokens exceeds this leaves the loss "
+        "(null: off; e.g. 0.5). With num_iterations 1 the policy is the sampler: nothing "
+        "is masked.")
     beta: float = Field(
         0.0, ge=0, fingerprint=True,
         description="Weight of the KL term to the reference (the base: the adapter disabled "
@@ -251,6 +277,17 @@ def _a_reward_source(g: GRPOConfig) -> str | None:
 
 #: grpo's rows of the compatibility table (finetune/config/compat.py)
 ROWS: list[compat.Rule] = [
+    compat.Refuse("grpo", "importance_sampling_level", compat.When(
+        "loss_type bnpo, dr_grpo, dapo or cispo",
+        lambda g: g.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo")),
+        "these sum token losses, which weights each completion's one ratio by its length "
+        "instead of optimizing the per-completion objective (GSPO); use loss_type grpo, "
+        "sapo or luspo", used=lambda g: g.importance_sampling_level == "sequence",
+        example={"grpo.importance_sampling_level": "sequence", "grpo.loss_type": "dapo"}),
+    compat.Refuse("grpo", "delta", compat.When(
+        "loss_type cispo or sapo", lambda g: g.loss_type in ("cispo", "sapo")),
+        "delta caps the ratio of the clipped surrogate, which these loss types replace",
+        example={"grpo.delta": 1.5, "grpo.loss_type": "sapo"}),
     compat.Agree("grpo", ("reward_weights", "reward_funcs"), _one_weight_per_function,
                  example={"grpo.reward_weights": [1.0, 2.0]}),
     compat.Agree("grpo", ("reward_funcs", "environment_factory"), _a_reward_source,

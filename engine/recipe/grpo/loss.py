@@ -7,6 +7,15 @@ Per completion token t of completion i, with r = exp(log pi - log pi_old) and ad
     KL_it   = exp(log ref - log pi) - (log ref - log pi) - 1      (the k3 estimator)
 
 times r with `use_bias_correction_kl` (TRL's default: the unbiased reverse-KL gradient).
+The rest of the family changes the surrogate (`Objective`, TRL's names and formulas):
+- importance_sampling_level sequence (GSPO): r is one ratio per completion, the exp of the
+  token mean of log r;
+- delta (INTELLECT-2's two-sided clipping): r capped at delta in the unclipped term;
+- cispo: -min(r, eps_high).detach() * A * log pi (the ratio caps a REINFORCE weight);
+- sapo: -sigmoid(tau (r - 1)) * 4 / tau * A, tau per the advantage's sign (a soft clip);
+- luspo: the grpo surrogate, summed over each completion's tokens;
+- off_policy_mask_threshold (DeepSeek-V3.2): a negative-advantage completion whose mean
+  log(pi_old / pi) exceeds the threshold leaves the loss.
 The log-probabilities are those of the tempered distribution (logits / temperature), the one
 the completions were sampled from. How the token losses become the step's loss is `loss_type`:
 `reduce` returns a micro-batch's loss *sum* and what it is averaged over, so the loop's
@@ -14,7 +23,8 @@ divisor (summed over the step's micro-batches and ranks) makes the mean TRL take
 - grpo: each completion's token mean, averaged over completions (count: completions);
 - bnpo: the micro-batch's token mean, averaged over micro-batches (count: 1 per micro-batch);
 - dr_grpo: the token sum over max_completion_length, averaged over completions;
-- dapo: the token sum over the step's tokens on all ranks (count: tokens).
+- dapo and cispo: the token sum over the step's tokens on all ranks (count: tokens);
+- sapo: as grpo; luspo: each completion's token sum, averaged over completions.
 """
 
 from __future__ import annotations
@@ -24,9 +34,37 @@ from dataclasses import dataclass
 import torch
 
 #: the statistics a micro-batch adds to the logging row, as masked sums over its tokens (the
-#: run divides by the token count): TRL's names
+#: run divides by the token count; a sequence-level ratio's clip flags by the completion
+#: count, as TRL does): TRL's names
 TOKEN_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                "clip_ratio/region_mean")
+#: the sums' layout: TOKEN_STATS, then the token count and the completion count
+STAT_SLOTS = len(TOKEN_STATS) + 2
+#: the loss types whose surrogate is the clipped ratio (their clip statistics are TRL's
+#: clip_ratio/*; cispo logs cispo_clip_ratio, sapo none)
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The surrogate's settings, as grpo.* names them (`of`)."""
+
+    loss_type: str = "dapo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    beta: float = 0.0
+    kl_correction: bool = True
+    level: str = "token"  # importance_sampling_level
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    off_policy_mask_threshold: float | None = None
+
+    @classmethod
+    def of(cls, g) -> "Objective":
+        return cls(g.loss_type, g.epsilon, g.clip_high, g.beta, g.use_bias_correction_kl,
+                   g.importance_sampling_level, g.delta, g.sapo_temperature_pos,
+                   g.sapo_temperature_neg, g.off_policy_mask_threshold)
 
 
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -94,45 +132,77 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 class TokenLosses:
     """A micro-batch's per-token objective and what its statistics are made of."""
 
-    per_token: torch.Tensor  # [N, T]
+    per_token: torch.Tensor  # [N, T] ([N, 1] for a sequence-level ratio without KL)
     kl: torch.Tensor | None  # [N, T], None when beta is 0
-    low_clipped: torch.Tensor  # [N, T] bool
-    high_clipped: torch.Tensor  # [N, T] bool
+    low_clipped: torch.Tensor  # [N, T] or [N, 1] bool
+    high_clipped: torch.Tensor  # [N, T] or [N, 1] bool (cispo: its cap reached)
 
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
-                 ref_logps: torch.Tensor | None, advantages: torch.Tensor, eps_low: float,
-                 eps_high: float, beta: float, kl_correction: bool = True) -> TokenLosses:
-    """The clipped surrogate plus the KL term, per token. `old_logps` None: the completions
-    were sampled from these very weights (num_iterations 1), so the ratio is 1 with the
-    gradient of log pi (TRL uses logps.detach()). `kl_correction`: the KL term is weighted by
-    the ratio r (TRL's use_bias_correction_kl: the unbiased reverse-KL gradient)."""
+                 ref_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
+                 objective: Objective) -> TokenLosses:
+    """The surrogate (`objective.loss_type`) plus the KL term, per token. `old_logps` None:
+    the completions were sampled from these very weights (num_iterations 1), so the ratio is
+    1 with the gradient of log pi (TRL uses logps.detach()). `kl_correction`: the KL term is
+    weighted by the ratio r (TRL's use_bias_correction_kl: the unbiased reverse-KL
+    gradient). The order of the steps is TRL's, so the clip flags see delta's cap."""
+    o = objective
     old = logps.detach() if old_logps is None else old_logps
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    coef_1 = torch.exp(logps - old)
-    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
-    per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    mask = mask.to(logps.dtype)
+    log_ratio = logps - old
+    if o.level == "sequence":  # GSPO: one ratio per completion
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
     kl = None
-    if beta != 0.0:
+    if o.beta != 0.0:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
-        if kl_correction:
+        if o.kl_correction:
             kl = kl * coef_1
-        per_token = per_token + beta * kl
-    return TokenLosses(per_token, kl, (coef_1 < 1 - eps_low) & (advantages < 0),
-                       (coef_1 > 1 + eps_high) & (advantages > 0))
+    no = torch.zeros_like(coef_1, dtype=torch.bool)
+    if o.loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=o.eps_high).detach() * advantages * logps
+        low, high = no, (coef_1 > o.eps_high) & (advantages > 0)
+    elif o.loss_type == "sapo":
+        tau = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
+        per_token = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * advantages
+        low = high = no
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - o.eps_low, 1 + o.eps_high)
+        if o.delta is not None:  # two-sided clipping
+            coef_1 = torch.clamp(coef_1, max=o.delta)
+        per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+        low = (coef_1 < 1 - o.eps_low) & (advantages < 0)
+        high = (coef_1 > 1 + o.eps_high) & (advantages > 0)
+    if o.off_policy_mask_threshold is not None:
+        per_token = per_token * off_policy_mask(logps, old, advantages, mask,
+                                                o.off_policy_mask_threshold)
+    if kl is not None:
+        per_token = per_token + o.beta * kl
+    return TokenLosses(per_token, kl, low, high)
+
+
+def off_policy_mask(logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
+                    mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[N, 1]: 0 for a completion with a negative advantage whose mean log(pi_old / pi) over
+    its tokens exceeds `threshold` (DeepSeek-V3.2's off-policy sequence mask), else 1."""
+    drift = torch.nan_to_num(old - logps.detach(), nan=0.0)
+    mean = (drift * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean <= threshold)).to(mask.dtype)
 
 
 def averaged_over(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
     """What the step averages a micro-batch's loss sum over (see the module docstring):
     completions, 1 per micro-batch, or completion tokens; a device tensor (no host sync)."""
-    if loss_type in ("grpo", "dr_grpo"):
+    if loss_type in ("grpo", "dr_grpo", "sapo", "luspo"):
         return torch.tensor(float(mask.shape[0]), device=mask.device)
     if loss_type == "bnpo":
         return torch.ones((), device=mask.device)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return mask.float().sum()
-    raise ValueError(f"grpo.loss_type '{loss_type}': not one of grpo, bnpo, dr_grpo, dapo")
+    raise ValueError(f"grpo.loss_type '{loss_type}': not one of grpo, bnpo, dr_grpo, dapo, "
+                     "cispo, sapo, luspo")
 
 
 def reduce(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor,
@@ -140,27 +210,51 @@ def reduce(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor,
     """(the micro-batch's loss sum, what the step averages it over: `averaged_over`)."""
     count = averaged_over(loss_type, mask)
     mask = mask.to(per_token.dtype)
-    masked = per_token * mask
-    if loss_type == "grpo":
+    masked = per_token * mask  # a [N, 1] sequence-level loss counts once per token
+    if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), count
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1.0), count
     if loss_type == "dr_grpo":
         return masked.sum() / max_completion_length, count
-    return masked.sum(), count  # dapo
+    return masked.sum(), count  # dapo, cispo; luspo: over completions (`averaged_over`)
 
 
 def token_stat_sums(losses: TokenLosses, entropy: torch.Tensor | None, mask: torch.Tensor
                     ) -> torch.Tensor:
-    """[len(TOKEN_STATS) + 1]: each statistic's masked sum over the micro-batch's tokens, then
-    the token count (means are taken over the logging window, all ranks)."""
+    """[STAT_SLOTS]: each statistic's masked sum over the micro-batch's tokens (a
+    sequence-level flag: its sum over completions), then the token and completion counts
+    (means are taken over the logging window, all ranks: `stat_means`)."""
     mask = mask.to(torch.float32)
     zero = torch.zeros((), device=mask.device)
 
     def masked_sum(x):
-        return zero if x is None else (x.float() * mask).sum()
+        if x is None:
+            return zero
+        return x.float().sum() if x.shape[-1] == 1 else (x.float() * mask).sum()
 
     region = losses.low_clipped | losses.high_clipped
-    return torch.stack([masked_sum(losses.kl), masked_sum(entropy),
-                        masked_sum(losses.low_clipped), masked_sum(losses.high_clipped),
-                        masked_sum(region), mask.sum()]).double()
+    completions = torch.tensor(float(mask.shape[0]), device=mask.device)
+    with torch.no_grad():  # statistics: no graph kept for them
+        return torch.stack([masked_sum(losses.kl), masked_sum(entropy),
+                            masked_sum(losses.low_clipped), masked_sum(losses.high_clipped),
+                            masked_sum(region), mask.sum(), completions]).double()
+
+
+def stat_means(sums: torch.Tensor, objective: Objective) -> dict[str, torch.Tensor]:
+    """The logged statistics from summed `token_stat_sums`, under TRL's names for the loss
+    type: kl (beta > 0), entropy, and clip_ratio/{low,high,region}_mean (cispo:
+    cispo_clip_ratio; sapo: none), each a mean over tokens or, for a sequence-level
+    ratio's clip flags, over completions."""
+    tokens, completions = sums[-2].clamp_min(1.0), sums[-1].clamp_min(1.0)
+    clips = completions if objective.level == "sequence" else tokens
+    means = dict(zip(TOKEN_STATS, [sums[0] / tokens, sums[1] / tokens,
+                                   *(sums[2:5] / clips)]))
+    if objective.beta == 0.0:
+        del means["kl"]
+    if objective.loss_type == "cispo":
+        means["cispo_clip_ratio"] = means["clip_ratio/high_mean"]
+    if objective.loss_type not in CLIPPED:
+        for name in TOKEN_STATS[2:]:
+            del means[name]
+    return means

@@ -38,8 +38,8 @@ from engine.modeling.runtime import activation_offloading
 from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
 from engine.recipe.grpo.heldout import REWARDS_KEY, load_rewards, reward_metrics
-from engine.recipe.grpo.loss import (TOKEN_STATS, averaged_over, completion_logps, reduce,
-                                     token_losses, token_stat_sums)
+from engine.recipe.grpo.loss import (STAT_SLOTS, Objective, averaged_over, completion_logps,
+                                     reduce, stat_means, token_losses, token_stat_sums)
 from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
@@ -122,7 +122,8 @@ class GRPORun(TrainingRun):
                            *(TOOL_STATS if self.episodes.counts_tools else ()), *TIMES)
         device = self.dist.device
         self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
-        self.token_sums = torch.zeros(len(TOKEN_STATS) + 1, dtype=torch.float64, device=device)
+        self.token_sums = torch.zeros(STAT_SLOTS, dtype=torch.float64, device=device)
+        self.objective = Objective.of(g)
         self.buffer: list[dict] | None = None
         self.samples: list[dict] = []
         self.samples_started = False  # SAMPLES_FILE not written by this run yet
@@ -304,8 +305,7 @@ class GRPORun(TrainingRun):
                                                   g.temperature, with_entropy=True,
                                                   group=self.prompt_group)
             losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
-                                  batch["advantages"], g.epsilon, g.clip_high, g.beta,
-                                  g.use_bias_correction_kl)
+                                  batch["advantages"], mask, self.objective)
             loss_sum, _ = reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)
             loss = loss_sum / divisor
             (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -319,9 +319,7 @@ class GRPORun(TrainingRun):
         targets = float(self.progress.window.targets)
         token, self.token_sums = self.token_sums, torch.zeros_like(self.token_sums)
         steps, self.step_sums = self.step_sums, torch.zeros_like(self.step_sums)
-        means = token[:-1] / token[-1].clamp_min(1.0) * targets
-        stats = {name: v for name, v in zip(TOKEN_STATS, means)
-                 if name != "kl" or self.cfg.grpo.beta != 0.0}
+        stats = {name: v * targets for name, v in stat_means(token, self.objective).items()}
         stats.update(zip(self.step_names, steps))
         self.write_samples()
         return stats
