@@ -4,7 +4,8 @@ advantages, log-probabilities at generation, reference log-probabilities, loss, 
 logged statistics (kl, entropy, clip ratios, reward statistics), for every loss_type, beta 0
 and > 0, num_iterations 1 and 2 (the second iteration after the weights moved, so the ratio
 and its clipping are not trivially 1); and the rest of the family (GSPO's sequence-level
-ratio, two-sided clipping, CISPO, SAPO, LUSPO, the off-policy sequence mask)."""
+ratio, two-sided clipping, CISPO, SAPO, LUSPO, the off-policy sequence mask, GDPO's
+normalize_then_sum advantages)."""
 
 from __future__ import annotations
 
@@ -127,6 +128,8 @@ FAMILY = {
     "luspo": {"loss_type": "luspo", "importance_sampling_level": "sequence"},
     "luspo_token": {"loss_type": "luspo"},
     "off_policy_mask": {"loss_type": "dapo", "off_policy_mask_threshold": 0.0},
+    "normalize_then_sum": {"loss_type": "dapo",
+                           "multi_objective_aggregation": "normalize_then_sum"},
 }
 
 
@@ -168,7 +171,9 @@ def compare_with_trl(tmp_path, base, objective: Objective, iterations: int, grou
     inputs_json = [json.dumps({"prompt": p}) for p in PROMPTS]
     per_func, _, _ = score_completions(tok, funcs, inputs_json, done, GROUP,
                                        key="grpo.reward_funcs")
-    advantages, stats = group_advantages(per_func, torch.tensor([1.0, 0.5]), GROUP, "group")
+    advantages, stats = group_advantages(per_func, torch.tensor([1.0, 0.5]), GROUP, "group",
+                                         options.get("multi_objective_aggregation",
+                                                     "sum_then_normalize"))
     torch.testing.assert_close(advantages, out["advantages"], atol=1e-5, rtol=0)
     metrics = trainer._metrics["train"]
     assert float(stats["reward"]) == pytest.approx(last(metrics, "reward"), abs=1e-5)

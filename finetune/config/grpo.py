@@ -89,6 +89,12 @@ class GRPOConfig(Section):
         "group", fingerprint=True,
         description="Divide advantages by the reward std of the group, of the whole batch, "
         "or not at all (Dr. GRPO's advice).")
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize", fingerprint=True,
+        description="How several reward functions become one advantage (TRL's name): "
+        "sum_then_normalize (the weighted sum, normalised as scale_rewards says), or "
+        "normalize_then_sum (GDPO: each function normalised within its group, the weighted "
+        "sum then over the batch; a function with a wide range does not drown the others).")
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo"] = Field(
         "dapo", fingerprint=True,
         description="The surrogate and how token losses are averaged (TRL's names): grpo "
@@ -284,6 +290,13 @@ ROWS: list[compat.Rule] = [
         "instead of optimizing the per-completion objective (GSPO); use loss_type grpo, "
         "sapo or luspo", used=lambda g: g.importance_sampling_level == "sequence",
         example={"grpo.importance_sampling_level": "sequence", "grpo.loss_type": "dapo"}),
+    compat.Refuse("grpo", "scale_rewards", compat.When(
+        "multi_objective_aggregation normalize_then_sum",
+        lambda g: g.multi_objective_aggregation == "normalize_then_sum"),
+        "it normalises each function within its group and the sum over the batch itself",
+        used=lambda g: g.scale_rewards != "group",
+        example={"grpo.scale_rewards": "batch",
+                 "grpo.multi_objective_aggregation": "normalize_then_sum"}),
     compat.Refuse("grpo", "delta", compat.When(
         "loss_type cispo or sapo", lambda g: g.loss_type in ("cispo", "sapo")),
         "delta caps the ratio of the clipped surrogate, which these loss types replace",

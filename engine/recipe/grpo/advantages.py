@@ -11,6 +11,11 @@
   divisor std + 1e-4;
 - a NaN advantage (an unscored completion, a group with one scored completion) becomes 0.
 
+`aggregation` normalize_then_sum (TRL's `multi_objective_aggregation`, GDPO): each function's
+rewards are normalised within their group first (so a function with a large range does not
+drown the others), the weighted sum is then normalised over the whole batch; `scale` does not
+apply (the config refuses another than group).
+
 The statistics are TRL's logged metrics, 0-d tensors on the rewards' device: `reward` and
 `reward_std` over the batch, `frac_reward_zero_std` (the fraction of completions whose std, as
 `scale` measures it, is zero), and per function `rewards/<i>/mean` and `rewards/<i>/std`
@@ -38,8 +43,12 @@ def nanstd(tensor: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return std.squeeze() if dim is None else std.squeeze(dim)
 
 
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
 def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                     scale: str) -> tuple[torch.Tensor, dict]:
+                     scale: str, aggregation: str = "sum_then_normalize"
+                     ) -> tuple[torch.Tensor, dict]:
     """[N, F] rewards (NaN: not scored), [F] weights -> ([N] advantages, logged statistics).
     N is a whole number of groups of `num_generations` consecutive completions."""
     scale = {True: "group", False: "none"}.get(scale, scale)  # TRL's bool spelling
@@ -52,9 +61,18 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
         raise ValueError(f"{tuple(weights.shape)} weights for {funcs} reward functions")
     weights = weights.to(device=rewards_per_func.device, dtype=rewards_per_func.dtype)
 
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation {aggregation!r}: one of {', '.join(AGGREGATIONS)}")
+
     unscored = torch.isnan(rewards_per_func).all(dim=1)
-    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-    rewards = torch.where(unscored, torch.full_like(rewards, torch.nan), rewards)
+
+    def weighted(per_func: torch.Tensor) -> torch.Tensor:
+        summed = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+        return torch.where(unscored, torch.full_like(summed, torch.nan), summed)
+
+    rewards = weighted(rewards_per_func)
+    if aggregation == "normalize_then_sum":
+        return _normalize_then_sum(rewards_per_func, rewards, weighted, num_generations)
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     if scale == "batch":
@@ -66,11 +84,28 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     advantages = rewards - mean
     if scale != "none":
         advantages = advantages / (std + EPS)
-    advantages = torch.nan_to_num(advantages, nan=0.0)
+    return torch.nan_to_num(advantages, nan=0.0), _stats(rewards_per_func, rewards, std)
 
+
+def _normalize_then_sum(rewards_per_func: torch.Tensor, rewards: torch.Tensor, weighted,
+                        num_generations: int) -> tuple[torch.Tensor, dict]:
+    n, funcs = rewards_per_func.shape
+    grouped = rewards_per_func.view(-1, num_generations, funcs)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = (nanstd(grouped, dim=1).unsqueeze(1) if num_generations > 1
+             else torch.zeros_like(mean_k))
+    normalised = weighted(((grouped - mean_k) / (std_k + EPS)).view(-1, funcs))
+    std = nanstd(normalised).expand_as(normalised) if n > 1 else torch.zeros_like(normalised)
+    advantages = (normalised - torch.nanmean(normalised)) / (std + EPS)
+    return torch.nan_to_num(advantages, nan=0.0), _stats(rewards_per_func, rewards, std)
+
+
+def _stats(rewards_per_func: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor) -> dict:
+    """TRL's logged statistics of the raw weighted rewards; `std` is the one the advantages
+    were divided by (frac_reward_zero_std counts where it is zero)."""
     stats = {"reward": torch.nanmean(rewards), "reward_std": nanstd(rewards),
              "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean()}
-    for i in range(funcs):
+    for i in range(rewards_per_func.shape[1]):
         stats[f"rewards/{i}/mean"] = torch.nanmean(rewards_per_func[:, i])
         stats[f"rewards/{i}/std"] = nanstd(rewards_per_func[:, i])
-    return advantages, stats
+    return stats

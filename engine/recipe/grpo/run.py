@@ -251,7 +251,8 @@ class GRPORun(TrainingRun):
         else:
             everyone = local
         adv, stats = group_advantages(everyone[:, :funcs], self.weights.to(d.device),
-                                      g.num_generations, g.scale_rewards)
+                                      g.num_generations, g.scale_rewards,
+                                      g.multi_objective_aggregation)
         stats["completions/mean_length"] = everyone[:, funcs].double().mean()
         stats["completions/clipped_ratio"] = everyone[:, funcs + 1].double().mean()
         if everyone.shape[1] > funcs + 2:  # tool calls and failures (TRL's definitions)
