@@ -178,7 +178,10 @@ def our_rollout(model_dir: Path, tok, scale_rewards: str) -> dict:
     rewards, prompts, _ = score_completions(
         tok, funcs, inputs, rolled.done, NUM_GENERATIONS, key="grpo.reward_funcs",
         prompts=rolled.prompts, environments=rolled.environments)
-    cfg = SimpleNamespace(grpo=SimpleNamespace(
+    from finetune.config.grpo import GRPOConfig
+
+    # the config's defaults for the rest (model_construct: "reached" is this test's function)
+    cfg = SimpleNamespace(grpo=GRPOConfig.model_construct(
         reward_funcs=["reached"], reward_weights=None, num_generations=NUM_GENERATIONS,
         scale_rewards=scale_rewards))
     run = SimpleNamespace(cfg=cfg, rewards=funcs,
@@ -299,12 +302,11 @@ def test_the_loss_and_gradients_on_tool_masked_rollouts_are_trls(both, loss_type
     written = torch.tensor(trl["tool_mask"]).sum()  # the tokens the model wrote, all rollouts
     assert int(batch["completion_mask"].sum()) == int(written) < int(
         output["completion_mask"].sum()) / 3
-    grpo = SimpleNamespace(epsilon=0.2, clip_high=trainer.epsilon_high, beta=0.0,
-                           use_bias_correction_kl=False, loss_type=loss_type,
-                           max_completion_length=MAX_LENGTH, temperature=1.0,
-                           importance_sampling_level="token", delta=None,
-                           sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-                           off_policy_mask_threshold=None)
+    from finetune.config.grpo import GRPOConfig
+
+    grpo = GRPOConfig.model_construct(  # the config's defaults for the rest
+        epsilon=0.2, epsilon_high=trainer.epsilon_high, beta=0.0, use_bias_correction_kl=False,
+        loss_type=loss_type, max_completion_length=MAX_LENGTH, temperature=1.0)
     assert (trainer.epsilon_low, trainer.beta, trainer.temperature) == (0.2, 0.0, 1.0)
     run = SimpleNamespace(
         cfg=SimpleNamespace(grpo=grpo, training=SimpleNamespace(

@@ -5,20 +5,21 @@ logged statistics (kl, entropy, clip ratios, reward statistics), for every loss_
 and > 0, num_iterations 1 and 2 (the second iteration after the weights moved, so the ratio
 and its clipping are not trivially 1); and the rest of the family (GSPO's sequence-level
 ratio, two-sided clipping, CISPO, SAPO, LUSPO, the off-policy sequence mask, GDPO's
-normalize_then_sum advantages)."""
+normalize_then_sum advantages, VESPO, the top-entropy token mask)."""
 
 from __future__ import annotations
 
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.recipe.grpo.advantages import group_advantages
-from engine.recipe.grpo.loss import Objective, completion_logps, reduce, stat_means, \
-    token_losses, token_stat_sums
+from engine.recipe.grpo.loss import Objective, completion_logps, high_entropy_mask, reduce, \
+    stat_means, token_losses, token_stat_sums
 from engine.rollout.generator import Completions
 from engine.rollout.rewards import RewardFunction
 from engine.rollout.scoring import score_completions
@@ -113,8 +114,7 @@ def test_loss_gradients_and_statistics_equal_trls(tmp_path, base, loss_type, bet
                                                   group):
     """group GROUP: our log-probabilities with each prompt's forward shared by its
     completions (completion_logps `group`, what a single-process run uses)."""
-    means = compare_with_trl(tmp_path, base, Objective(loss_type, 0.2, 0.28, beta), iterations,
-                             group)
+    means = compare_with_trl(tmp_path, base, loss_type, beta, iterations, group)
     if iterations > 1:  # the perturbation clipped some ratios: the statistic is not vacuous
         assert means["clip_ratio/region_mean"] > 0
 
@@ -130,6 +130,8 @@ FAMILY = {
     "off_policy_mask": {"loss_type": "dapo", "off_policy_mask_threshold": 0.0},
     "normalize_then_sum": {"loss_type": "dapo",
                            "multi_objective_aggregation": "normalize_then_sum"},
+    "vespo": {"loss_type": "vespo", "vespo_k_neg": 2.5, "vespo_lambda_pos": 2.0},
+    "top_entropy_quantile": {"loss_type": "dapo", "top_entropy_quantile": 0.3},
 }
 
 
@@ -140,24 +142,22 @@ def test_the_rest_of_the_family_equals_trls(tmp_path, base, name, beta, iteratio
     gradients and logged statistics (cispo_clip_ratio for cispo, no clip ratios for sapo;
     a sequence-level ratio's clip ratios are means over completions)."""
     options = dict(FAMILY[name])
-    o = Objective(options.pop("loss_type"), 0.2, options.get("epsilon_high", 0.28), beta,
-                  level=options.get("importance_sampling_level", "token"),
-                  delta=options.get("delta"),
-                  sapo_temperature_pos=options.get("sapo_temperature_pos", 1.0),
-                  sapo_temperature_neg=options.get("sapo_temperature_neg", 1.05),
-                  off_policy_mask_threshold=options.get("off_policy_mask_threshold"))
-    means = compare_with_trl(tmp_path, base, o, iterations, 1, **options)
-    if iterations > 1 and o.loss_type == "cispo":
+    loss_type = options.pop("loss_type")
+    means = compare_with_trl(tmp_path, base, loss_type, beta, iterations, 1, **options)
+    if iterations > 1 and loss_type == "cispo":
         assert means["cispo_clip_ratio"] > 0
 
 
-def compare_with_trl(tmp_path, base, objective: Objective, iterations: int, group: int,
+def compare_with_trl(tmp_path, base, loss_type: str, beta: float, iterations: int, group: int,
                      **options) -> dict[str, float]:
     """Our rollout statistics, loss, gradients and logged statistics against TRL's on the
-    injected completions; returns our logged means."""
-    loss_type, beta = objective.loss_type, objective.beta
+    injected completions; returns our logged means. Our objective is read off TRL's
+    GRPOConfig through our config's names (Objective.of), so a name of ours that is not
+    TRL's fails here."""
     model, tok = copy.deepcopy(base[0]), base[1]
     trainer = trl_trainer(tmp_path, model, tok, loss_type, beta, iterations, **options)
+    args = trainer.args
+    objective = Objective.of(SimpleNamespace(**vars(args), clip_high=args.epsilon_high))
     inputs = [{"prompt": p} for p in PROMPTS for _ in range(GROUP)]
     out = trainer._generate_and_score_completions(inputs)
     policy = trainer.model
@@ -215,7 +215,9 @@ def compare_with_trl(tmp_path, base, objective: Objective, iterations: int, grou
 
     logps, entropy = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
                                       with_entropy=True, group=group)
-    losses = token_losses(logps, old, ref, advantages, mask, objective)
+    entropy_mask = (high_entropy_mask(entropy, mask, 1 - objective.top_entropy_quantile)
+                    if objective.top_entropy_quantile < 1 else None)
+    losses = token_losses(logps, old, ref, advantages, mask, objective, entropy_mask)
     loss_sum, count = reduce(loss_type, losses.per_token, mask, LENGTH)
     ours = loss_sum / count
     ours.backward()
@@ -227,9 +229,11 @@ def compare_with_trl(tmp_path, base, objective: Objective, iterations: int, grou
     means = {k: float(v) for k, v in stat_means(token_stat_sums(losses, entropy, mask),
                                                 objective).items()}
     # the names TRL logs from _compute_loss (less its min/max over completions)
-    theirs_logged = {k for k in metrics if k in ("kl", "entropy", "cispo_clip_ratio")
+    theirs_logged = {k for k in metrics if k in ("kl", "entropy", "cispo_clip_ratio",
+                                                 "vespo/phi_seq_mean")
                      or k.endswith("_mean") and k.startswith("clip_ratio/")}
     assert set(means) == theirs_logged, (set(means), theirs_logged)
     for name, value in means.items():
         assert value == pytest.approx(last(metrics, name), abs=1e-5), name
     return means
+

@@ -95,7 +95,8 @@ class GRPOConfig(Section):
         "sum_then_normalize (the weighted sum, normalised as scale_rewards says), or "
         "normalize_then_sum (GDPO: each function normalised within its group, the weighted "
         "sum then over the batch; a function with a wide range does not drown the others).")
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo"] = Field(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo",
+                       "vespo"] = Field(
         "dapo", fingerprint=True,
         description="The surrogate and how token losses are averaged (TRL's names): grpo "
         "(per completion, then over completions), bnpo (over the micro-batch's tokens), "
@@ -104,7 +105,9 @@ class GRPOConfig(Section):
         "weights log pi, as dapo averages; ScaleRL recommends epsilon_high 5.0), sapo (a "
         "sigmoid soft clip instead of the hard one, sapo_temperature_pos/_neg, averaged as "
         "grpo), luspo (grpo's surrogate summed over each completion's tokens, averaged over "
-        "completions; with importance_sampling_level sequence, as its paper).")
+        "completions; with importance_sampling_level sequence, as its paper), vespo (a gamma "
+        "weight of the completion's ratio, vespo_k_*/vespo_lambda_*, times log pi, as dapo "
+        "averages).")
     importance_sampling_level: Literal["token", "sequence"] = Field(
         "token", fingerprint=True,
         description="The probability ratio per token, or per completion (GSPO: the exp of "
@@ -121,6 +124,20 @@ class GRPOConfig(Section):
     sapo_temperature_neg: float = Field(
         1.05, gt=0, fingerprint=True,
         description="loss_type sapo: the soft clip's temperature for the others.")
+    vespo_k_pos: float = Field(2.0, fingerprint=True,
+                               description="loss_type vespo: k for non-negative advantages.")
+    vespo_lambda_pos: float = Field(
+        3.0, fingerprint=True, description="loss_type vespo: lambda for non-negative advantages.")
+    vespo_k_neg: float = Field(3.0, fingerprint=True,
+                               description="loss_type vespo: k for negative advantages.")
+    vespo_lambda_neg: float = Field(
+        2.0, fingerprint=True, description="loss_type vespo: lambda for negative advantages.")
+    top_entropy_quantile: float = Field(
+        1.0, gt=0, le=1, fingerprint=True,
+        description="Beyond the 80/20 rule: only the completion tokens in this top share by "
+        "entropy (over the micro-batch's tokens on all ranks, TRL's quantile) train the "
+        "policy term (1: all; the paper's 0.2). The quantile is per micro-batch, as TRL's: "
+        "accumulation is not one batch with it.")
     off_policy_mask_threshold: float | None = Field(
         None, ge=0, fingerprint=True,
         description="DeepSeek-V3.2's off-policy sequence mask: a completion with a negative "
@@ -290,6 +307,11 @@ ROWS: list[compat.Rule] = [
         "instead of optimizing the per-completion objective (GSPO); use loss_type grpo, "
         "sapo or luspo", used=lambda g: g.importance_sampling_level == "sequence",
         example={"grpo.importance_sampling_level": "sequence", "grpo.loss_type": "dapo"}),
+    compat.Refuse("grpo", "importance_sampling_level", compat.When(
+        "loss_type vespo", lambda g: g.loss_type == "vespo"),
+        "vespo weighs each completion by its own sequence-level ratio, from the token ratios",
+        used=lambda g: g.importance_sampling_level == "sequence",
+        example={"grpo.importance_sampling_level": "sequence", "grpo.loss_type": "vespo"}),
     compat.Refuse("grpo", "scale_rewards", compat.When(
         "multi_objective_aggregation normalize_then_sum",
         lambda g: g.multi_objective_aggregation == "normalize_then_sum"),
@@ -298,7 +320,7 @@ ROWS: list[compat.Rule] = [
         example={"grpo.scale_rewards": "batch",
                  "grpo.multi_objective_aggregation": "normalize_then_sum"}),
     compat.Refuse("grpo", "delta", compat.When(
-        "loss_type cispo or sapo", lambda g: g.loss_type in ("cispo", "sapo")),
+        "loss_type cispo, sapo or vespo", lambda g: g.loss_type in ("cispo", "sapo", "vespo")),
         "delta caps the ratio of the clipped surrogate, which these loss types replace",
         example={"grpo.delta": 1.5, "grpo.loss_type": "sapo"}),
     compat.Agree("grpo", ("reward_weights", "reward_funcs"), _one_weight_per_function,

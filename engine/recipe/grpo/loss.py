@@ -14,6 +14,11 @@ The rest of the family changes the surrogate (`Objective`, TRL's names and formu
 - cispo: -min(r, eps_high).detach() * A * log pi (the ratio caps a REINFORCE weight);
 - sapo: -sigmoid(tau (r - 1)) * 4 / tau * A, tau per the advantage's sign (a soft clip);
 - luspo: the grpo surrogate, summed over each completion's tokens;
+- vespo: -phi(w) * A * log pi, phi(w) = exp(lambda + k log w - lambda w) a gamma weight of the
+  completion's ratio w (the exp of its summed token log-ratios), k and lambda per the
+  advantage's sign, detached;
+- top_entropy_quantile < 1 ("Beyond the 80/20 rule"): only the completion tokens whose entropy
+  is at least that quantile of the micro-batch's (all ranks) train the policy term;
 - off_policy_mask_threshold (DeepSeek-V3.2): a negative-advantage completion whose mean
   log(pi_old / pi) exceeds the threshold leaves the loss.
 The log-probabilities are those of the tempered distribution (logits / temperature), the one
@@ -23,7 +28,7 @@ divisor (summed over the step's micro-batches and ranks) makes the mean TRL take
 - grpo: each completion's token mean, averaged over completions (count: completions);
 - bnpo: the micro-batch's token mean, averaged over micro-batches (count: 1 per micro-batch);
 - dr_grpo: the token sum over max_completion_length, averaged over completions;
-- dapo and cispo: the token sum over the step's tokens on all ranks (count: tokens);
+- dapo, cispo and vespo: the token sum over the step's tokens on all ranks (count: tokens);
 - sapo: as grpo; luspo: each completion's token sum, averaged over completions.
 """
 
@@ -38,8 +43,9 @@ import torch
 #: count, as TRL does): TRL's names
 TOKEN_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
                "clip_ratio/region_mean")
-#: the sums' layout: TOKEN_STATS, then the token count and the completion count
-STAT_SLOTS = len(TOKEN_STATS) + 2
+#: the sums' layout: TOKEN_STATS, vespo's phi (summed over completions), then the token count
+#: and the completion count
+STAT_SLOTS = len(TOKEN_STATS) + 3
 #: the loss types whose surrogate is the clipped ratio (their clip statistics are TRL's
 #: clip_ratio/*; cispo logs cispo_clip_ratio, sapo none)
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
@@ -59,12 +65,19 @@ class Objective:
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     off_policy_mask_threshold: float | None = None
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
 
     @classmethod
     def of(cls, g) -> "Objective":
         return cls(g.loss_type, g.epsilon, g.clip_high, g.beta, g.use_bias_correction_kl,
                    g.importance_sampling_level, g.delta, g.sapo_temperature_pos,
-                   g.sapo_temperature_neg, g.off_policy_mask_threshold)
+                   g.sapo_temperature_neg, g.off_policy_mask_threshold, g.vespo_k_pos,
+                   g.vespo_lambda_pos, g.vespo_k_neg, g.vespo_lambda_neg,
+                   g.top_entropy_quantile)
 
 
 def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -136,16 +149,19 @@ class TokenLosses:
     kl: torch.Tensor | None  # [N, T], None when beta is 0
     low_clipped: torch.Tensor  # [N, T] or [N, 1] bool
     high_clipped: torch.Tensor  # [N, T] or [N, 1] bool (cispo: its cap reached)
+    phi: torch.Tensor | None = None  # [N, 1] vespo's weights
 
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
                  ref_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
-                 objective: Objective) -> TokenLosses:
+                 objective: Objective, entropy_mask: torch.Tensor | None = None
+                 ) -> TokenLosses:
     """The surrogate (`objective.loss_type`) plus the KL term, per token. `old_logps` None:
     the completions were sampled from these very weights (num_iterations 1), so the ratio is
     1 with the gradient of log pi (TRL uses logps.detach()). `kl_correction`: the KL term is
     weighted by the ratio r (TRL's use_bias_correction_kl: the unbiased reverse-KL
-    gradient). The order of the steps is TRL's, so the clip flags see delta's cap."""
+    gradient). The order of the steps is TRL's, so the clip flags see delta's cap.
+    `entropy_mask` ([N, T] bool, `high_entropy_mask`): the tokens the policy term keeps."""
     o = objective
     old = logps.detach() if old_logps is None else old_logps
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -161,7 +177,12 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
         if o.kl_correction:
             kl = kl * coef_1
     no = torch.zeros_like(coef_1, dtype=torch.bool)
-    if o.loss_type == "cispo":
+    phi = None
+    if o.loss_type == "vespo":
+        phi = vespo_weights(logps - old, advantages, mask, o)
+        per_token = -phi * advantages * logps
+        low = high = no
+    elif o.loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=o.eps_high).detach() * advantages * logps
         low, high = no, (coef_1 > o.eps_high) & (advantages > 0)
     elif o.loss_type == "sapo":
@@ -178,9 +199,53 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
     if o.off_policy_mask_threshold is not None:
         per_token = per_token * off_policy_mask(logps, old, advantages, mask,
                                                 o.off_policy_mask_threshold)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
     if kl is not None:
         per_token = per_token + o.beta * kl
-    return TokenLosses(per_token, kl, low, high)
+    return TokenLosses(per_token, kl, low, high, phi)
+
+
+@torch.no_grad()
+def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  o: Objective) -> torch.Tensor:
+    """[N, 1] VESPO's gamma weights phi(w) = exp(lambda + k log w - lambda w), normalised so
+    phi(1) = 1, of each completion's ratio w = exp(sum of its token log-ratios), in log
+    space with TRL's clamps (log-ratios to [-20, 20], log w to [log 1e-8, 20])."""
+    import math
+
+    per_token = torch.clamp(log_ratio, -20.0, 20.0)
+    log_w = torch.clamp((per_token * mask).sum(-1, keepdim=True), math.log(1e-8), 20.0)
+    nonneg = advantages >= 0
+    k = torch.where(nonneg, o.vespo_k_pos, o.vespo_k_neg)
+    lam = torch.where(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@torch.no_grad()
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
+                      group=None) -> torch.Tensor:
+    """[N, T] bool: the completion tokens whose entropy is at least the `quantile` of every
+    completion token's of the micro-batch on all ranks (gathered, padded with a negative
+    sentinel: entropies are >= 0), TRL's get_high_entropy_mask."""
+    local = entropy[mask.bool()].float()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size(group)
+        size = torch.tensor([local.numel()], device=local.device)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        torch.distributed.all_gather(sizes, size, group=group)
+        longest = int(torch.stack(sizes).max())  # one host sync per micro-batch
+        padded = torch.full((longest,), -1e9, device=local.device)
+        padded[:local.numel()] = local
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        torch.distributed.all_gather(parts, padded, group=group)
+        local = torch.cat(parts)
+        local = local[local != -1e9]
+    if local.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.bool)
+    threshold = torch.quantile(local, quantile)
+    return ((entropy * mask.float()) >= threshold) & mask.bool()
 
 
 def off_policy_mask(logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
@@ -199,10 +264,10 @@ def averaged_over(loss_type: str, mask: torch.Tensor) -> torch.Tensor:
         return torch.tensor(float(mask.shape[0]), device=mask.device)
     if loss_type == "bnpo":
         return torch.ones((), device=mask.device)
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         return mask.float().sum()
     raise ValueError(f"grpo.loss_type '{loss_type}': not one of grpo, bnpo, dr_grpo, dapo, "
-                     "cispo, sapo, luspo")
+                     "cispo, sapo, luspo, vespo")
 
 
 def reduce(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor,
@@ -217,7 +282,7 @@ def reduce(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor,
         return masked.sum() / mask.sum().clamp(min=1.0), count
     if loss_type == "dr_grpo":
         return masked.sum() / max_completion_length, count
-    return masked.sum(), count  # dapo, cispo; luspo: over completions (`averaged_over`)
+    return masked.sum(), count  # dapo, cispo, vespo; luspo: over completions (`averaged_over`)
 
 
 def token_stat_sums(losses: TokenLosses, entropy: torch.Tensor | None, mask: torch.Tensor
@@ -238,14 +303,15 @@ def token_stat_sums(losses: TokenLosses, entropy: torch.Tensor | None, mask: tor
     with torch.no_grad():  # statistics: no graph kept for them
         return torch.stack([masked_sum(losses.kl), masked_sum(entropy),
                             masked_sum(losses.low_clipped), masked_sum(losses.high_clipped),
-                            masked_sum(region), mask.sum(), completions]).double()
+                            masked_sum(region), masked_sum(losses.phi), mask.sum(),
+                            completions]).double()
 
 
 def stat_means(sums: torch.Tensor, objective: Objective) -> dict[str, torch.Tensor]:
     """The logged statistics from summed `token_stat_sums`, under TRL's names for the loss
     type: kl (beta > 0), entropy, and clip_ratio/{low,high,region}_mean (cispo:
-    cispo_clip_ratio; sapo: none), each a mean over tokens or, for a sequence-level
-    ratio's clip flags, over completions."""
+    cispo_clip_ratio; vespo: vespo/phi_seq_mean, over completions; sapo: none), each a mean
+    over tokens or, for a sequence-level ratio's clip flags, over completions."""
     tokens, completions = sums[-2].clamp_min(1.0), sums[-1].clamp_min(1.0)
     clips = completions if objective.level == "sequence" else tokens
     means = dict(zip(TOKEN_STATS, [sums[0] / tokens, sums[1] / tokens,
@@ -254,6 +320,8 @@ def stat_means(sums: torch.Tensor, objective: Objective) -> dict[str, torch.Tens
         del means["kl"]
     if objective.loss_type == "cispo":
         means["cispo_clip_ratio"] = means["clip_ratio/high_mean"]
+    if objective.loss_type == "vespo":
+        means["vespo/phi_seq_mean"] = sums[5] / completions
     if objective.loss_type not in CLIPPED:
         for name in TOKEN_STATS[2:]:
             del means[name]
