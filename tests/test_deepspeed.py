@@ -255,9 +255,10 @@ def test_zero1_is_fsdp2_keeping_the_gathered_parameters(tmp_path):
 
 
 def test_log_warmup_is_deepspeeds_warmup_lr():
-    """scheduler.warmup_type log: DeepSpeed's WarmupLR rate (its documented formula,
-    min + (max - min) * log(step + 1) / log(warmup_num_steps), min 0) for the warmup steps,
-    then the schedule's own; resume keeps it (the state holds only the step)."""
+    """scheduler.warmup_type log: DeepSpeed's WarmupLR rate as its scheduler steps it
+    (min + (max - min) * log(n) / log(warmup_num_steps) at optimizer step n >= 1, min 0, its
+    first step at min: it starts at last_batch_iteration -1) for the warmup steps, then the
+    schedule's own; resume keeps it (the state holds only the step)."""
     import math
 
     import torch
@@ -282,7 +283,7 @@ def test_log_warmup_is_deepspeeds_warmup_lr():
 
     log = SchedulerConfig(name="linear", warmup_steps=8, warmup_type="log")
     got, _ = rates(log)
-    expect = [0.5 * math.log(i + 1) / math.log(8) for i in range(8)] + [
+    expect = [0.0] + [0.5 * math.log(i) / math.log(8) for i in range(1, 8)] + [
         0.5 * (20 - i) / 12 for i in range(8, 14)]
     assert got == pytest.approx(expect, abs=1e-12)
     assert got != rates(SchedulerConfig(name="linear", warmup_steps=8))[0]
@@ -291,3 +292,22 @@ def test_log_warmup_is_deepspeeds_warmup_lr():
     with pytest.raises(PipelineError, match="scheduler: warmup_type: log does not combine with name"):
         validate_raw({"data": DATA, "scheduler": {
             "warmup_type": "log", "name": "transformers:get_constant_schedule_with_warmup"}})
+
+
+def test_deprecated_offload_spellings_and_absent_scheduler_params_take_deepspeeds_meaning(
+        tmp_path):
+    """`cpu_offload: true` is DeepSpeed's old spelling of offload_optimizer on the CPU (not a
+    tuning key to drop); a scheduler param the file leaves out is DeepSpeed's default, as HF
+    fills only "auto" ones (WarmupLR without warmup_num_steps warms up over 1000 steps)."""
+    cfg = config(tmp_path, {"zero_optimization": {"stage": 2, "cpu_offload": True,
+                                                  "cpu_offload_use_pin_memory": True}})
+    assert cfg.distributed.fsdp.cpu_offload is True
+    cfg = config(tmp_path, {"zero_optimization": {"stage": 2},
+                            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-5}}})
+    s = cfg.scheduler
+    assert (s.name, s.warmup_steps, s.warmup_type, cfg.optimizer.learning_rate) == (
+        "constant_with_warmup", 1000, "log", 3e-5)
+    with pytest.raises(PipelineError, match=r"scheduler.params.warmup_num_steps null sets "
+                       r"scheduler.warmup_steps 1000, the params file 10"):
+        config(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-5}}},
+               scheduler={"warmup_steps": 10})

@@ -154,14 +154,18 @@ def build_scheduler(optimizer, cfg: SchedulerConfig, total_steps: int):
 
 
 def log_warmup(after: Callable[[int], float], warmup: int) -> Callable[[int], float]:
-    """DeepSpeed's WarmupLR warmup (its default, warmup_type "log"): the peak times
-    log(step + 1) / log(warmup) for the first `warmup` steps, then the schedule's own factor.
-    DeepSpeed takes at least 2 warmup steps for the log, so one step starts at 0 too. A plain
-    function: LambdaLR's state_dict keeps only the step for it, so resume is unchanged."""
+    """DeepSpeed's WarmupLR warmup (its default, warmup_type "log") as DeepSpeed steps it:
+    the first optimizer step at 0 (its scheduler starts below step 0), then the peak times
+    log(step) / log(warmup) up to step `warmup` (at least 2 for the log, as DeepSpeed
+    takes), then the schedule's own factor. A plain function: LambdaLR's state_dict keeps only
+    the step for it, so resume is unchanged."""
     import math
 
-    inverse = 1.0 / math.log(max(2, warmup))
+    steps = max(2, warmup)
+    inverse = 1.0 / math.log(steps)
 
     def factor(step: int) -> float:
-        return math.log(step + 1) * inverse if step < warmup else after(step)
+        if step < steps:
+            return math.log(step) * inverse if step > 0 else 0.0
+        return after(step)
     return factor

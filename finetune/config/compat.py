@@ -574,9 +574,11 @@ RULES: list[Rule] = [
     # scheduler
     Refuse("scheduler", "warmup_ratio", _in("warmup_steps", lambda s: s.warmup_steps > 0),
            "exclusive: set one of them to 0", example={"scheduler.warmup_ratio": 0.1}),
-    Refuse("scheduler", "warmup_type", _in("name", lambda s: ":" in s.name),
-           "log reshapes the warmup of transformers' schedules; a 'module:function' schedule "
-           "shapes its own", used=lambda s: s.warmup_type == "log",
+    Refuse("scheduler", "warmup_type", _in("name", lambda s: ":" in s.name
+                                           or s.name == "constant"),
+           "log reshapes the warmup of transformers' schedules; constant has none (use "
+           "constant_with_warmup) and a 'module:function' schedule shapes its own",
+           used=lambda s: s.warmup_type == "log",
            example={"scheduler.warmup_type": "log",
                     "scheduler.name": "transformers:get_constant_schedule_with_warmup"}),
     # training

@@ -252,9 +252,11 @@ _TUNING = ("allgather_bucket_size", "reduce_bucket_size", "sub_group_size",
            "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters",
            "load_from_fp32_weights", "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
            "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save",
-           "zero_hpz_partition_size", "cpu_offload", "cpu_offload_params",
-           "cpu_offload_use_pin_memory", "offload_optimizer_config", "offload_param_config",
-           "stage3_module_granularity_threshold", "log_trace_cache_warnings")
+           "zero_hpz_partition_size", "stage3_module_granularity_threshold",
+           "log_trace_cache_warnings")
+#: DeepSpeed's deprecated spellings of CPU offload (true: offload_optimizer / offload_param
+#: with device cpu)
+_OLD_OFFLOAD = ("cpu_offload", "cpu_offload_param")
 _TUNING_WHY = ("FSDP2 communicates per unit (each transformer block, "
                "distributed.fsdp.shard_modules), not in byte buckets, and prefetches the next "
                "unit itself")
@@ -282,6 +284,10 @@ def _zero(key, value, out, refused):
                                "speed depends on it"))
         elif sub in _TUNING:
             out.append(Row(json_key, v, no_effect=_TUNING_WHY))
+        elif sub in _OLD_OFFLOAD:  # the deprecated spelling of {"device": "cpu"}
+            _offload(json_key, {"device": "cpu" if v is True else "none"}, out, refused)
+        elif sub == "cpu_offload_use_pin_memory" and v is True:
+            out.append(Row(json_key, v, note="always: FSDP2's CPU offload pins its memory"))
         else:
             refused.add(json_key, v, "ZeRO++ quantizes what is communicated, which changes the "
                         "result" if sub.startswith("zero_quantized") else
@@ -363,6 +369,14 @@ def _scheduler(key, value, out, refused):
                        "absent: DeepSpeed's default, log"))
     if kind == "WarmupCosineLR" and "cos_min_ratio" not in params:
         params["cos_min_ratio"] = 0.0001  # DeepSpeed's default, said in the table
+    # DeepSpeed's defaults for what the file leaves out (HF fills only "auto" keys): rows, so
+    # a params file that says otherwise is named as a disagreement, not silently used
+    for sub, default in (("warmup_num_steps", 1000),
+                         *((("warmup_max_lr", 0.001),) if kind != "WarmupCosineLR" else ())):
+        if sub not in params:
+            out.append(Row(f"{key}.params.{sub}", None, (
+                ("scheduler.warmup_steps" if sub == "warmup_num_steps"
+                 else "optimizer.learning_rate", default),), "absent: DeepSpeed's default"))
     for json_key, sub, v in _entries(f"{key}.params", params, out):
         if sub == "warmup_type":
             if v in ("linear", "log"):
