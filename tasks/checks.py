@@ -139,7 +139,8 @@ def check_sources(ws: Workspace) -> None:
     from tasks.download import check_split_names
     from tasks.format import data_context
     from finetune.datatypes.chat import ENVIRONMENT_COLUMN
-    from tasks.stream import column_values, first_rows, local_dataset, local_files, open_source
+    from tasks.stream import (column_values, first_rows, local_dataset, local_files,
+                              open_source, split_name)
 
     top = ws.config.data
     ctx: DataContext = data_context(ws)
@@ -166,5 +167,5 @@ def check_sources(ws: Workspace) -> None:
             if environments:
                 check_environment_column(
                     column_values(rows, ENVIRONMENT_COLUMN, files.get(split)), split, environments)
-            if split == "train" and not top.eval_only(name):
+            if split == split_name(data.train_split) and not top.eval_only(name):
                 check_length_column(ws.config.training, data.datatype, first, ctx)

@@ -226,8 +226,8 @@ def compare_with_trl(tmp_path, base, loss_type: str, beta: float, iterations: in
         # float noise of TRL's tiled LM head: a few of 2048 entries differ by ~1.5e-5
         torch.testing.assert_close(mine, their, atol=5e-5, rtol=1e-4)
 
-    means = {k: float(v) for k, v in stat_means(token_stat_sums(losses, entropy, mask),
-                                                objective).items()}
+    sums = token_stat_sums(losses, entropy, mask, objective.level == "sequence")
+    means = {k: float(v) for k, v in stat_means(sums, objective).items()}
     # the names TRL logs from _compute_loss (less its min/max over completions)
     theirs_logged = {k for k in metrics if k in ("kl", "entropy", "cispo_clip_ratio",
                                                  "vespo/phi_seq_mean")

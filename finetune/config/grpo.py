@@ -312,6 +312,19 @@ ROWS: list[compat.Rule] = [
         "vespo weighs each completion by its own sequence-level ratio, from the token ratios",
         used=lambda g: g.importance_sampling_level == "sequence",
         example={"grpo.importance_sampling_level": "sequence", "grpo.loss_type": "vespo"}),
+    compat.Refuse("grpo", "loss_type", compat.When(
+        "epsilon_high null", lambda g: g.epsilon_high is None),
+        "cispo caps the ratio weighting log pi at epsilon_high itself (ScaleRL: 5.0); left "
+        "null it would be epsilon (0.2), below 1, so every ratio would be capped",
+        used=lambda g: g.loss_type == "cispo", example={"grpo.loss_type": "cispo"}),
+    *(compat.Refuse("grpo", key, compat.When(
+        f"loss_type other than {owner}", lambda g, owner=owner: g.loss_type != owner),
+        f"it is a setting of loss_type {owner}, which this run does not use",
+        used=lambda g, key=key: getattr(g, key) != GRPOConfig.model_fields[key].default,
+        example={f"grpo.{key}": 1.7})
+      for owner, key in (("sapo", "sapo_temperature_pos"), ("sapo", "sapo_temperature_neg"),
+                         ("vespo", "vespo_k_pos"), ("vespo", "vespo_lambda_pos"),
+                         ("vespo", "vespo_k_neg"), ("vespo", "vespo_lambda_neg"))),
     compat.Refuse("grpo", "scale_rewards", compat.When(
         "multi_objective_aggregation normalize_then_sum",
         lambda g: g.multi_objective_aggregation == "normalize_then_sum"),

@@ -244,7 +244,14 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
         local = local[local != -1e9]
     if local.numel() == 0:
         return torch.zeros_like(entropy, dtype=torch.bool)
-    threshold = torch.quantile(local, quantile)
+    # torch.quantile's linear interpolation, by sort: quantile refuses more than 2^24 values,
+    # which every rank's completion tokens of a large micro-batch can exceed
+    ordered = local.sort().values
+    rank = torch.tensor(quantile, dtype=ordered.dtype, device=ordered.device) * (
+        ordered.numel() - 1)  # in the values' dtype, as quantile computes it
+    below = rank.long()
+    above = (below + 1).clamp(max=ordered.numel() - 1)
+    threshold = torch.lerp(ordered[below], ordered[above], rank - below)
     return ((entropy * mask.float()) >= threshold) & mask.bool()
 
 
@@ -285,26 +292,28 @@ def reduce(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor,
     return masked.sum(), count  # dapo, cispo, vespo; luspo: over completions (`averaged_over`)
 
 
-def token_stat_sums(losses: TokenLosses, entropy: torch.Tensor | None, mask: torch.Tensor
-                    ) -> torch.Tensor:
-    """[STAT_SLOTS]: each statistic's masked sum over the micro-batch's tokens (a
-    sequence-level flag: its sum over completions), then the token and completion counts
-    (means are taken over the logging window, all ranks: `stat_means`)."""
+def token_stat_sums(losses: TokenLosses, entropy: torch.Tensor | None, mask: torch.Tensor,
+                    per_sequence: bool = False) -> torch.Tensor:
+    """[STAT_SLOTS]: each statistic's masked sum over the micro-batch's tokens (with
+    `per_sequence`, a sequence-level ratio's clip flags: their sum over completions; vespo's
+    phi always), then the token and completion counts (means are taken over the logging
+    window, all ranks: `stat_means`)."""
     mask = mask.to(torch.float32)
     zero = torch.zeros((), device=mask.device)
 
-    def masked_sum(x):
+    def masked_sum(x, over_completions=False):
         if x is None:
             return zero
-        return x.float().sum() if x.shape[-1] == 1 else (x.float() * mask).sum()
+        return x.float().sum() if over_completions else (x.float() * mask).sum()
 
     region = losses.low_clipped | losses.high_clipped
     completions = torch.tensor(float(mask.shape[0]), device=mask.device)
     with torch.no_grad():  # statistics: no graph kept for them
         return torch.stack([masked_sum(losses.kl), masked_sum(entropy),
-                            masked_sum(losses.low_clipped), masked_sum(losses.high_clipped),
-                            masked_sum(region), masked_sum(losses.phi), mask.sum(),
-                            completions]).double()
+                            masked_sum(losses.low_clipped, per_sequence),
+                            masked_sum(losses.high_clipped, per_sequence),
+                            masked_sum(region, per_sequence), masked_sum(losses.phi, True),
+                            mask.sum(), completions]).double()
 
 
 def stat_means(sums: torch.Tensor, objective: Objective) -> dict[str, torch.Tensor]:

@@ -314,7 +314,8 @@ class GRPORun(TrainingRun):
             loss_sum, _ = reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)
             loss = loss_sum / divisor
             (self.scaler.scale(loss) if self.scaler else loss).backward()
-        self.token_sums += token_stat_sums(losses, entropy, mask).detach()
+        self.token_sums += token_stat_sums(losses, entropy, mask,
+                                           self.objective.level == "sequence")
         return loss_sum.detach()
 
     def window_metrics(self) -> dict[str, torch.Tensor]:
