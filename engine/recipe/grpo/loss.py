@@ -46,6 +46,8 @@ TOKEN_STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
 #: the sums' layout: TOKEN_STATS, vespo's phi (summed over completions), then the token count
 #: and the completion count
 STAT_SLOTS = len(TOKEN_STATS) + 3
+#: the slots' names among a logging window's sums (engine.recipe.grpo.run.window_metrics)
+TOKEN_SLOTS = tuple(f"_sum/{n}" for n in (*TOKEN_STATS, "vespo_phi", "tokens", "completions"))
 #: the loss types whose surrogate is the clipped ratio (their clip statistics are TRL's
 #: clip_ratio/*; cispo logs cispo_clip_ratio, sapo none)
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")

@@ -38,9 +38,9 @@ from engine.modeling.runtime import activation_offloading
 from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
 from engine.recipe.grpo.heldout import REWARDS_KEY, load_rewards, reward_metrics
-from engine.recipe.grpo.loss import (STAT_SLOTS, Objective, averaged_over, completion_logps,
-                                     high_entropy_mask, reduce, stat_means, token_losses,
-                                     token_stat_sums)
+from engine.recipe.grpo.loss import (STAT_SLOTS, TOKEN_SLOTS, Objective, averaged_over,
+                                     completion_logps, high_entropy_mask, reduce, stat_means,
+                                     token_losses, token_stat_sums)
 from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
@@ -319,16 +319,25 @@ class GRPORun(TrainingRun):
         return loss_sum.detach()
 
     def window_metrics(self) -> dict[str, torch.Tensor]:
-        """The window's statistics as sums the loop divides by the window's targets (over
-        all ranks): token means weighted by this rank's targets, step values by each
-        step's. The sample table of the last rollout goes to `SAMPLES_FILE` here."""
-        targets = float(self.progress.window.targets)
+        """The window's statistics as sums over its micro-batches (the loop sums them over
+        ranks): the step values weighted by each step's targets, and the token statistics'
+        raw sums and counts (`TOKEN_SLOTS`), so `window_means` pools them over every rank's
+        tokens (or completions) as one process would. The sample table of the last rollout
+        goes to `SAMPLES_FILE` here."""
         token, self.token_sums = self.token_sums, torch.zeros_like(self.token_sums)
         steps, self.step_sums = self.step_sums, torch.zeros_like(self.step_sums)
-        stats = {name: v * targets for name, v in stat_means(token, self.objective).items()}
-        stats.update(zip(self.step_names, steps))
+        stats = dict(zip(self.step_names, steps))
+        stats.update(zip(TOKEN_SLOTS, token))
         self.write_samples()
         return stats
+
+    def window_means(self, sums: dict[str, float], targets: float) -> dict[str, float]:
+        """The step values over the window's targets; the token statistics pooled
+        (`stat_means` of the summed slots)."""
+        pooled = torch.tensor([sums.pop(name) for name in TOKEN_SLOTS], dtype=torch.float64)
+        means = super().window_means(sums, targets)
+        means.update({k: float(v) for k, v in stat_means(pooled, self.objective).items()})
+        return means
 
     def write_samples(self) -> None:
         """Appends the last rollout's rows, every rank's (TRL's table gathers them), rank by
