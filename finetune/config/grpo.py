@@ -116,8 +116,8 @@ class GRPOConfig(Section):
     delta: float | None = Field(
         None, gt=1, fingerprint=True,
         description="Two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta "
-        "too, so a negative advantage cannot push a large ratio further (null: off; above "
-        "1 + epsilon_high).")
+        "too, so a negative advantage cannot push a large ratio further (null: off; must be "
+        "above 1 + epsilon_high).")
     sapo_temperature_pos: float = Field(
         1.0, gt=0, fingerprint=True,
         description="loss_type sapo: the soft clip's temperature for positive advantages.")
@@ -142,8 +142,8 @@ class GRPOConfig(Section):
         None, ge=0, fingerprint=True,
         description="DeepSeek-V3.2's off-policy sequence mask: a completion with a negative "
         "advantage whose mean log(pi_old / pi) over its tokens exceeds this leaves the loss "
-        "(null: off; e.g. 0.5). With num_iterations 1 the policy is the sampler: nothing "
-        "is masked.")
+        "(null: off; e.g. 0.5). Needs num_iterations > 1: with 1 the policy is the sampler "
+        "and nothing would be masked.")
     beta: float = Field(
         0.0, ge=0, fingerprint=True,
         description="Weight of the KL term to the reference (the base: the adapter disabled "
@@ -290,6 +290,13 @@ def _one_weight_per_function(g: GRPOConfig) -> str | None:
             "reward_funcs; give one per function or null")
 
 
+def _delta_above_the_clip(g: GRPOConfig) -> str | None:
+    if g.delta is None or g.delta > 1 + g.clip_high:
+        return None
+    return (f"delta {g.delta} is not above 1 + epsilon_high ({1 + g.clip_high:g}): the cap "
+            "would cut positive advantages below the clipped ratio; set it above, or null")
+
+
 def _a_reward_source(g: GRPOConfig) -> str | None:
     if g.reward_funcs or g.environment_factory:
         return None
@@ -340,6 +347,14 @@ ROWS: list[compat.Rule] = [
                  example={"grpo.reward_weights": [1.0, 2.0]}),
     compat.Agree("grpo", ("reward_funcs", "environment_factory"), _a_reward_source,
                  example={"grpo.reward_funcs": []}),
+    compat.Agree("grpo", ("delta", "epsilon_high"), _delta_above_the_clip,
+                 example={"grpo.delta": 1.1}),
+    compat.Refuse("grpo", "off_policy_mask_threshold", compat.When(
+        "num_iterations 1", lambda g: g.num_iterations == 1),
+        "the completions are sampled from the weights being trained, so no completion is "
+        "off-policy and nothing would be masked; use num_iterations > 1",
+        used=lambda g: g.off_policy_mask_threshold is not None,
+        example={"grpo.off_policy_mask_threshold": 0.5}),
     *(compat.Refuse("config", key, GRPO, why, used=used, example={
         "training.type": "grpo", "data.dataset_type": "prompt",
         "registry.gate_metric": "eval.reward", **extra})
