@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.recipe.grpo.advantages import group_advantages
-from engine.recipe.grpo.loss import Objective, completion_logps, high_entropy_mask, reduce, \
+from engine.recipe.grpo.loss import Objective, completion_logps, entropy_token_mask, reduce, \
     stat_means, token_losses, token_stat_sums
 from engine.rollout.generator import Completions
 from engine.rollout.rewards import RewardFunction
@@ -215,9 +215,8 @@ def compare_with_trl(tmp_path, base, loss_type: str, beta: float, iterations: in
 
     logps, entropy = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
                                       with_entropy=True, group=group)
-    entropy_mask = (high_entropy_mask(entropy, mask, 1 - objective.top_entropy_quantile)
-                    if objective.top_entropy_quantile < 1 else None)
-    losses = token_losses(logps, old, ref, advantages, mask, objective, entropy_mask)
+    losses = token_losses(logps, old, ref, advantages, mask, objective,
+                          entropy_token_mask(entropy, mask, objective))
     loss_sum, count = reduce(loss_type, losses.per_token, mask, LENGTH)
     ours = loss_sum / count
     ours.backward()

@@ -168,7 +168,7 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
     old = logps.detach() if old_logps is None else old_logps
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     mask = mask.to(logps.dtype)
-    log_ratio = logps - old
+    log_ratio = token_log_ratio = logps - old
     if o.level == "sequence":  # GSPO: one ratio per completion
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_ratio)
@@ -181,7 +181,7 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
     no = torch.zeros_like(coef_1, dtype=torch.bool)
     phi = None
     if o.loss_type == "vespo":
-        phi = vespo_weights(logps - old, advantages, mask, o)
+        phi = vespo_weights(token_log_ratio, advantages, mask, o)
         per_token = -phi * advantages * logps
         low = high = no
     elif o.loss_type == "cispo":
@@ -223,6 +223,14 @@ def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch
     lam = torch.where(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def entropy_token_mask(entropy: torch.Tensor, mask: torch.Tensor, objective: Objective
+                       ) -> torch.Tensor | None:
+    """`token_losses`' entropy_mask for `objective.top_entropy_quantile` (None: every token,
+    at 1)."""
+    q = objective.top_entropy_quantile
+    return None if q >= 1.0 else high_entropy_mask(entropy, mask, 1 - q)
 
 
 @torch.no_grad()

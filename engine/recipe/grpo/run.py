@@ -39,7 +39,7 @@ from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
 from engine.recipe.grpo.heldout import REWARDS_KEY, load_rewards, reward_metrics
 from engine.recipe.grpo.loss import (STAT_SLOTS, TOKEN_SLOTS, Objective, averaged_over,
-                                     completion_logps, high_entropy_mask, reduce, stat_means,
+                                     completion_logps, entropy_token_mask, reduce, stat_means,
                                      token_losses, token_stat_sums)
 from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.reference import Reference
@@ -306,11 +306,9 @@ class GRPORun(TrainingRun):
                                                   batch["attention_mask"], mask.shape[1],
                                                   g.temperature, with_entropy=True,
                                                   group=self.prompt_group)
-            entropy_mask = None
-            if g.top_entropy_quantile < 1.0:
-                entropy_mask = high_entropy_mask(entropy, mask, 1 - g.top_entropy_quantile)
             losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
-                                  batch["advantages"], mask, self.objective, entropy_mask)
+                                  batch["advantages"], mask, self.objective,
+                                  entropy_token_mask(entropy, mask, self.objective))
             loss_sum, _ = reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)
             loss = loss_sum / divisor
             (self.scaler.scale(loss) if self.scaler else loss).backward()
