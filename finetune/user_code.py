@@ -1,5 +1,5 @@
 """The SHA-256 of each file of user code a params file names: the 'module:name' references
-(grpo.tools, grpo.environment_factory, a model_init, a collate_fn, ...: the fields marked
+(grpo.tools, rloo.environment_factory, a model_init, a collate_fn, ...: the fields marked
 code_ref, finetune.config.section.code_refs) and the reward functions given as
 'module:function'.
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config.reward_refs import reward_kind
+from finetune.config.rollout import ROLLOUT_SECTIONS
 from finetune.config.section import code_refs
 from finetune.files import file_sha256
 from finetune.imports import load_object, module_of
@@ -29,9 +30,10 @@ from finetune.imports import load_object, module_of
 def references(cfg: Any) -> list[tuple[str, str]]:
     """(dotted key, 'module:name') of each user code reference in `cfg`, in key order."""
     refs = [(key, ref) for key, ref in code_refs(cfg) if isinstance(ref, str) and ref]
-    grpo = getattr(cfg, "grpo", None)
-    if grpo is not None and getattr(cfg.training, "type", None) == "grpo":
-        refs += [(f"grpo.reward_funcs[{i}]", ref) for i, ref in enumerate(grpo.reward_funcs)
+    name = getattr(cfg.training, "type", None)  # a rollout method's reward functions
+    section = getattr(cfg, name, None) if name in ROLLOUT_SECTIONS else None
+    if section is not None:
+        refs += [(f"{name}.reward_funcs[{i}]", ref) for i, ref in enumerate(section.reward_funcs)
                  if reward_kind(ref) == "code"]
     return refs
 

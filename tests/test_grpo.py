@@ -211,6 +211,38 @@ def test_gspo_with_the_masks_accumulates_as_one_batch_and_each_loss_logs_its_nam
         assert has in row and lacks not in row, (loss_type, sorted(row))
 
 
+#: the shrunk example as RLOO (training.type rloo reads the rloo section): TRL's RLOO names
+RLOO = {"training.type": "rloo", "rloo.num_generations": 4, "rloo.max_completion_length": 16,
+        "rloo.format_regex": "!", "rloo.reward_funcs": ["format", "correctness"],
+        "rloo.beta": 0.05, "rloo.num_iterations": 2, "rloo.normalize_advantages": True,
+        "optimizer.name": "SGD", "optimizer.learning_rate": 0.5, "training.max_steps": 3,
+        "eval.eval_steps": 3, "checkpoint.save_strategy": "no"}
+
+
+def test_rloo_accumulates_as_one_batch_and_logs_trls_rloo_statistics(prompts, tmp_path):
+    """training.type rloo, a GRPO run with RLOO's hooks (leave-one-out advantages with the
+    KL as a reward penalty, the summed sequence ratio; formulas: test_rloo_trl.py): 2
+    accumulated micro-batches x 4 prompts equal one batch of 8 (the gathered KL inputs and the
+    completion-count divisor included), and a row logs TRL's RLOO names (kl from the rollout,
+    clip ratios over completions) and the weights moved."""
+    from helpers import adapter, train_here
+
+    one, _ = train_here(prompts, tmp_path / "one", RLOO)
+    accumulated, _ = train_here(prompts, tmp_path / "acc", {
+        **RLOO, "training.per_device_train_batch_size": 4,
+        "training.gradient_accumulation_steps": 2})
+    _assert_same_run(one, accumulated)
+    row = _rows(one)[-1]
+    for name in ("reward", "frac_reward_zero_std", "rewards/format/mean", "kl", "entropy",
+                 "clip_ratio/region_mean", "completions/mean_length"):
+        assert name in row, (name, sorted(row))
+    # steps 1-2 train on completions sampled at step 1 by the reference itself (kl 0); step
+    # 3's are sampled by the policy after two updates
+    assert [float(r["kl"]) == 0.0 for r in _rows(one)] == [True, True, False]
+    lora_b = [w for name, w in adapter(one).items() if "lora_B" in name]
+    assert lora_b and any(w.abs().sum() > 0 for w in lora_b)  # B starts at zero: it trained
+
+
 def test_a_prompts_completions_do_not_depend_on_the_other_prompts_of_the_call():
     """What makes the run's sampling independent of the world size: with one seed per prompt,
     each prompt's completions come from its own generator, whatever else is generated (and
@@ -395,8 +427,10 @@ def test_grpo_refuses_rows_that_are_not_prompts_and_its_rows_are_in_the_table():
     from finetune.errors import PipelineError
 
     assert all(any(r is row for r in compat.RULES) for row in grpo.ROWS)
-    assert {"training.packing", "distributed.strategy", "data.collate_fn"} <= {
-        compat.full_key(r) for r in grpo.ROWS}
+    for method in ("grpo", "rloo"):  # every rollout method's shared rows (rollout_method)
+        assert {"training.packing", "distributed.strategy", "data.collate_fn"} <= {
+            compat.full_key(r) for r in compat.RULES
+            if r.example.get("training.type") == method}, method
     with pytest.raises(PipelineError) as refused:
         _config({"data.dataset_type": "completion"})
     assert str(refused.value) == (

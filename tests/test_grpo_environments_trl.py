@@ -183,12 +183,13 @@ def our_rollout(model_dir: Path, tok, scale_rewards: str) -> dict:
     # the config's defaults for the rest (model_construct: "reached" is this test's function)
     cfg = SimpleNamespace(grpo=GRPOConfig.model_construct(
         reward_funcs=["reached"], reward_weights=None, num_generations=NUM_GENERATIONS,
-        scale_rewards=scale_rewards))
-    run = SimpleNamespace(cfg=cfg, rewards=funcs,
-                          dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
-                          weights=torch.tensor(reward_weights(cfg, len(funcs))))
+        scale_rewards=scale_rewards), training=SimpleNamespace(type="grpo"))
+    run = GRPORun.__new__(GRPORun)  # the run's methods on just what they read
+    vars(run).update(cfg=cfg, rewards=funcs,
+                     dist=SimpleNamespace(device=torch.device("cpu"), world_size=1, rank=0),
+                     weights=torch.tensor(reward_weights(cfg, len(funcs))))
     done = rolled.done  # the completions' columns as GRPORun.rollout stacks them
-    advantages, stats = GRPORun.advantages(run, rewards, completion_columns(done))
+    advantages, stats = run.advantages(rewards, completion_columns(done), [])
     named = dict(zip(("reward", "reward_std", "frac_reward_zero_std"),
                      GRPORun.reward_stats(run, stats)))
     for i, f in enumerate(funcs):
@@ -308,9 +309,10 @@ def test_the_loss_and_gradients_on_tool_masked_rollouts_are_trls(both, loss_type
         epsilon=0.2, epsilon_high=trainer.epsilon_high, beta=0.0, use_bias_correction_kl=False,
         loss_type=loss_type, max_completion_length=MAX_LENGTH, temperature=1.0)
     assert (trainer.epsilon_low, trainer.beta, trainer.temperature) == (0.2, 0.0, 1.0)
-    run = SimpleNamespace(
+    run = GRPORun.__new__(GRPORun)  # the run's methods on just what they read
+    vars(run).update(
         cfg=SimpleNamespace(grpo=grpo, training=SimpleNamespace(
-            enable_activation_offloading=False)),
+            type="grpo", enable_activation_offloading=False)),
         dist=SimpleNamespace(device=torch.device("cpu")), model=model.train(), amp=None,
         scaler=None, prompt_group=1, objective=Objective.of(grpo),
         token_sums=torch.zeros(STAT_SLOTS, dtype=torch.float64))

@@ -86,7 +86,7 @@ def test_validate_refuses_what_a_later_stage_would(project, capsys, monkeypatch,
 
 
 #: the code_ref fields that hold a list of references
-LIST_REFS = {"grpo.tools"}
+LIST_REFS = {"grpo.tools", "rloo.tools"}
 
 
 @pytest.mark.parametrize("key", code_ref_keys(FinetuneConfig))

@@ -26,7 +26,8 @@ TRAINERS = Registry("trainer", "training.type", hint="",
                     built_ins={"dpo": "engine.recipe.dpo.run:DPORun",
                                "grpo": "engine.recipe.grpo.run:GRPORun",
                                "kto": "engine.recipe.kto.run:KTORun",
-                               "reward": "engine.recipe.reward.run:RewardRun"})
+                               "reward": "engine.recipe.reward.run:RewardRun",
+                               "rloo": "engine.recipe.rloo.run:RLOORun"})
 
 
 def register_trainer(key: str, cls=None):

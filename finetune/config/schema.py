@@ -27,6 +27,7 @@ from finetune.config.preference import DPOConfig
 from finetune.config.registry import RegistryConfig
 from finetune.config.reporting import LoggingConfig
 from finetune.config.reward import RewardConfig
+from finetune.config.rloo import RLOOConfig
 from finetune.config.section import Field, Section
 from finetune.config.training import TrainingConfig
 
@@ -34,7 +35,7 @@ from finetune.config.training import TrainingConfig
 __all__ = ["FinetuneConfig", "ModelConfig", "PeftSection", "DataConfig", "TrainingConfig",
            "OptimizerConfig", "SchedulerConfig", "DistributedConfig", "CheckpointConfig",
            "EvalConfig", "LoggingConfig", "ExportConfig", "RegistryConfig", "DPOConfig",
-           "GRPOConfig", "RewardConfig"]
+           "GRPOConfig", "RLOOConfig", "RewardConfig"]
 
 
 class FinetuneConfig(Section):
@@ -52,6 +53,7 @@ class FinetuneConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, fingerprint=False)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    rloo: RLOOConfig = Field(default_factory=RLOOConfig)
     kto: KTOConfig = Field(default_factory=KTOConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig, fingerprint=False)

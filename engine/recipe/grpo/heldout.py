@@ -2,7 +2,7 @@
 prompts. For the evaluate stage, base and fine-tuned: each reward's mean on greedy completions
 (`reward_NAME`) and on k completions sampled as in training (`sampled_reward_NAME`), the
 weighted totals (`reward`, `sampled_reward`), and with the correctness reward its pass rate greedy
-(`pass_at_1`) and over k sampled completions (`pass_at_k`, k = grpo.num_generations_eval: a
+(`pass_at_1`) and over k sampled completions (`pass_at_k`, k = num_generations_eval: a
 prompt passes when any of its k completions is correct). In training, the greedy rewards of
 the first eval.eval_batches batches (`eval_reward`).
 
@@ -19,7 +19,7 @@ import torch
 
 from engine.datapath.data import take_rows
 from engine.evaluation.heldout import Evaluated
-from engine.recipe.grpo.rollouts import (environment_rewards, load_grpo_environments,
+from engine.recipe.grpo.rollouts import (environment_rewards, key, load_grpo_environments,
                                          make_episodes, reward_weights)
 from engine.recipe.reference import lockstep_batches
 from engine.rollout.generator import left_pad
@@ -27,26 +27,30 @@ from engine.rollout.local import LocalGenerator, eos_ids
 from engine.rollout.rewards import RewardFunction, load_reward_functions, reward_options
 from engine.rollout.sampling import sampling_params
 from engine.rollout.scoring import score_completions
+from finetune.config.rollout import rollout_section
 from finetune.errors import PipelineError
 
 
-#: the config key of GRPO's reward functions, which the rollout's messages name
-REWARDS_KEY = "grpo.reward_funcs"
+def rewards_key(cfg) -> str:
+    """The config key of the reward functions, which the rollout's messages name."""
+    return key(cfg, "reward_funcs")
 
 
 def load_rewards(cfg, root: Path = Path("."), device: torch.device | None = None,
                  environments=None) -> list[RewardFunction]:
-    """grpo.reward_funcs as functions, with what the built-ins read from the config; a reward
+    """The section's reward_funcs as functions, with what the built-ins read from the config; a reward
     model's directory resolves against `root` and loads on `device` (CPU when None); then a
     function per environment class of `environments` that owns its reward (TRL's order)."""
-    options = reward_options(cfg.grpo, answer_regex=cfg.eval.answer_regex,
+    g = rollout_section(cfg)
+    options = reward_options(g, answer_regex=cfg.eval.answer_regex,
                              batch_size=cfg.training.per_device_eval_batch_size, root=root,
                              device=device)
-    funcs = (load_reward_functions(cfg.grpo.reward_funcs, options, key=REWARDS_KEY)
+    funcs = (load_reward_functions(g.reward_funcs, options, key=rewards_key(cfg))
              + environment_rewards(environments))
     if not funcs:  # reward_funcs: [] is allowed (config) only beside an environment
-        raise PipelineError(f"{REWARDS_KEY} is empty and no environment of "
-                            "grpo.environment_factory defines get_reward(): nothing scores "
+        raise PipelineError(f"{rewards_key(cfg)} is empty and no environment of "
+                            f"{key(cfg, 'environment_factory')} defines get_reward(): "
+                            "nothing scores "
                             "the rollouts; name a reward function or add get_reward")
     return funcs
 
@@ -61,7 +65,8 @@ class _Measure:
 
     def __init__(self, cfg, tokenizer, model, seed: int, funcs, all_finished=None,
                  root: Path = Path("."), environments=None):
-        g = cfg.grpo
+        g = rollout_section(cfg)
+        self.key = rewards_key(cfg)
         self.cfg, self.tok, self.model, self.seed = cfg, tokenizer, model, seed
         self.funcs = funcs  # loaded once per run or stage (a reward model is a model)
         self.weights = torch.tensor(reward_weights(cfg, len(self.funcs)))
@@ -82,13 +87,13 @@ class _Measure:
         seed = self.seed + offset  # the call's (an environment run derives each row's)
         rolled = self.greedy.generate(ids, mask, inputs, 1, seed)
         greedy, _, texts = score_completions(self.tok, self.funcs, inputs, rolled.done, 1,
-                                             key=REWARDS_KEY, prompts=rolled.prompts,
+                                             key=self.key, prompts=rolled.prompts,
                                              environments=rolled.environments)
         sampled = None
         if k:
             rolled = self.sampled.generate(ids, mask, inputs, k, seed)
             sampled = score_completions(self.tok, self.funcs, inputs, rolled.done, k,
-                                        key=REWARDS_KEY, prompts=rolled.prompts,
+                                        key=self.key, prompts=rolled.prompts,
                                         environments=rolled.environments)[0]
         return greedy, texts, sampled
 
@@ -115,7 +120,7 @@ def reward_metrics(held, after_loss=None) -> Evaluated:
     """The evaluate stage's numbers (see the module docstring); `after_loss(held, results)`:
     a subclass's own, once both models are measured."""
     cfg = held.cfg
-    g, ev = cfg.grpo, cfg.eval
+    g, ev = rollout_section(cfg), cfg.eval
     n = len(held.test) if not ev.max_generation_samples else min(len(held.test),
                                                                   ev.max_generation_samples)
     rows = take_rows(held.test, range(n))

@@ -37,16 +37,17 @@ import torch
 from engine.modeling.runtime import activation_offloading
 from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
-from engine.recipe.grpo.heldout import REWARDS_KEY, load_rewards, reward_metrics
-from engine.recipe.grpo.loss import (STAT_SLOTS, TOKEN_SLOTS, Objective, averaged_over,
-                                     completion_logps, entropy_token_mask, reduce, stat_means,
-                                     token_losses, token_stat_sums)
+from engine.recipe.grpo.heldout import load_rewards, reward_metrics, rewards_key
+from engine.recipe.grpo.loss import (STAT_SLOTS, TOKEN_SLOTS, Objective, TokenLosses,
+                                     averaged_over, completion_logps, entropy_token_mask,
+                                     reduce, stat_means, token_losses, token_stat_sums)
 from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
 from engine.rollout.local import LocalGenerator, eos_ids
 from engine.rollout.sampling import sampling_params
 from engine.rollout.scoring import score_completions
+from finetune.config.rollout import rollout_section
 from finetune.datatypes.encoding import IGNORE_INDEX
 from finetune.errors import PipelineError
 
@@ -85,14 +86,19 @@ class GRPORun(TrainingRun):
 
     columns = PROMPT_COLUMNS
 
+    @property
+    def g(self):
+        """The rollout section this run reads (`grpo`; `rloo` for its subclass)."""
+        return rollout_section(self.cfg)
+
     # -- building --------------------------------------------------------------------------
     def prepare_model(self) -> None:
         super().prepare_model()
-        g = self.cfg.grpo
+        g = self.g
         self.collate_fn = collate_prompts(self.tokenizer.pad_token_id)
         self.check_positions()
         if g.uses_reference and not self.cfg.peft.use_peft:
-            self.log("[train] grpo.beta > 0 with peft.use_peft false: the reference is a "
+            self.log(f"[train] {g.SCOPE}.beta > 0 with peft.use_peft false: the reference is a "
                      "frozen copy of the base model, a second model's memory on every rank")
         self.reference = Reference.of(self) if g.uses_reference else None
         generator = LocalGenerator(
@@ -120,31 +126,57 @@ class GRPORun(TrainingRun):
                            *(f"rewards/{f.name}/{s}" for f in self.rewards
                              for s in ("mean", "std")),
                            "completions/mean_length", "completions/clipped_ratio",
-                           *(TOOL_STATS if self.episodes.counts_tools else ()), *TIMES)
+                           *(TOOL_STATS if self.episodes.counts_tools else ()),
+                           *self.rollout_stats(), *TIMES)
         device = self.dist.device
         self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
         self.token_sums = torch.zeros(STAT_SLOTS, dtype=torch.float64, device=device)
-        self.objective = Objective.of(g)
+        self.objective = self.make_objective()
         self.buffer: list[dict] | None = None
         self.samples: list[dict] = []
         self.samples_started = False  # SAMPLES_FILE not written by this run yet
         self.scored_at: float | None = None
+
+    # -- what a rollout method replaces (engine.recipe.rloo.run) -----------------------
+    def make_objective(self) -> Objective:
+        """The surrogate's settings; also how the logged token statistics are named."""
+        return Objective.of(self.g)
+
+    def rollout_stats(self) -> tuple[str, ...]:
+        """Names of the step statistics `advantages` adds to its stats beyond the rewards,
+        lengths and tool counts (logged per step, weighted by its targets)."""
+        return ()
+
+    def averaged_over(self, mask: torch.Tensor) -> torch.Tensor:
+        """What the step averages a micro-batch's loss sum over (loss.averaged_over)."""
+        return averaged_over(self.g.loss_type, mask)
+
+    def policy_loss(self, logps: torch.Tensor, entropy: torch.Tensor, batch: dict
+                    ) -> tuple[TokenLosses, torch.Tensor]:
+        """(the micro-batch's token losses, its loss sum): loss_type's surrogate plus the
+        KL term, reduced as loss_type averages."""
+        g, mask = self.g, batch["completion_mask"]
+        losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
+                              batch["advantages"], mask, self.objective,
+                              entropy_token_mask(entropy, mask, self.objective))
+        return losses, reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)[0]
 
     def check_positions(self) -> None:
         """A prompt plus its completion must fit the model's positions: one line if not."""
         from engine.modeling.model import max_positions
 
         limit = max_positions(self.cfg.model, self.paths.project_root)
-        need = self.cfg.data.max_seq_length + self.cfg.grpo.max_completion_length
+        g = self.g
+        need = self.cfg.data.max_seq_length + g.max_completion_length
         if limit and need > limit:
             raise PipelineError(
-                f"grpo.max_completion_length {self.cfg.grpo.max_completion_length} + "
+                f"{g.SCOPE}.max_completion_length {g.max_completion_length} + "
                 f"data.max_seq_length {self.cfg.data.max_seq_length} = {need} exceeds the "
                 f"model's {limit} positions; lower one of them")
 
     def open_train_data(self):
         opened, per_epoch, epoch_len = super().open_train_data()
-        k = self.cfg.grpo.num_iterations
+        k = self.g.num_iterations
         if k == 1:
             return opened, per_epoch, epoch_len
         accum = self.cfg.training.gradient_accumulation_steps
@@ -155,11 +187,11 @@ class GRPORun(TrainingRun):
     def prepare_step(self, micro: list[dict]) -> list[dict]:
         """Generate and score at the first step of a generation batch; reuse it for the next
         num_iterations - 1 steps."""
-        k = self.cfg.grpo.num_iterations
+        k = self.g.num_iterations
         first = self.progress.step % k == 0
         if not first and self.buffer is None:
             self.log(f"[train] step {self.progress.step + 1}: resumed inside a generation "
-                     "batch (grpo.num_iterations); generating it again with the current "
+                     f"batch ({self.g.SCOPE}.num_iterations); generating it again with the current "
                      "weights")
         if first or self.buffer is None:
             self.buffer = self.rollout(micro)
@@ -167,7 +199,7 @@ class GRPORun(TrainingRun):
 
     @torch.no_grad()
     def rollout(self, micro: list[dict]) -> list[dict]:
-        g, t, d = self.cfg.grpo, self.cfg.training, self.dist
+        g, t, d = self.g, self.cfg.training, self.dist
         device, module = d.device, self.strategy.module
         started = time.perf_counter()
         generated, self.samples = [], []
@@ -187,11 +219,12 @@ class GRPORun(TrainingRun):
         batches = [self.completion_batch(p_ids, p_mask, rolled.done)
                    for _, p_ids, p_mask, rolled in generated]
         columns = torch.cat([completion_columns(rolled.done) for *_, rolled in generated])
-        advantages, stats = self.advantages(per_func, columns)
+        for batch in batches:
+            self.add_logps(module, batch)
+        advantages, stats = self.advantages(per_func, columns, batches)
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
-            self.add_logps(module, batch)
-        counts = torch.stack([averaged_over(g.loss_type, b["completion_mask"])
+        counts = torch.stack([self.averaged_over(b["completion_mask"])
                               for b in batches]).tolist()  # one host sync per rollout
         for batch, count in zip(batches, counts):
             batch["targets"] = count
@@ -203,7 +236,8 @@ class GRPORun(TrainingRun):
                                          stats["completions/mean_length"],
                                          stats["completions/clipped_ratio"],
                                          *(stats[n] for n in TOOL_STATS
-                                           if self.episodes.counts_tools)]), host])
+                                           if self.episodes.counts_tools),
+                                         *(stats[n] for n in self.rollout_stats())]), host])
         self.step_sums += values * step_targets
         return batches
 
@@ -219,7 +253,7 @@ class GRPORun(TrainingRun):
         them as the sample table of this rollout."""
         rewards, prompts, texts = score_completions(
             self.tokenizer, self.rewards, batch["reward_inputs"], rolled.done,
-            self.cfg.grpo.num_generations, trainer_state=self.state, key=REWARDS_KEY,
+            self.g.num_generations, trainer_state=self.state, key=rewards_key(self.cfg),
             prompts=rolled.prompts, environments=rolled.environments)
         rows = [{"prompt": p if isinstance(p, str) else json.dumps(p), "completion": text,
                  **{f.name: float(v) for f, v in zip(self.rewards, r.tolist())}}
@@ -232,18 +266,21 @@ class GRPORun(TrainingRun):
         self.samples += rows
         return rewards
 
-    def advantages(self, per_func: torch.Tensor, completions: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict]:
-        """Group-normalised advantages of this rank's completions, and the step's statistics
-        over every rank's completions (TRL gathers them): the rewards of every rank are
-        gathered (`scale_rewards: batch` takes their std over the whole step), with
-        `completions`, each completion's [length, clipped] (with tools, then its calls and
-        failed calls), for the length and tool statistics. Every
-        rank then logs the step's values (a mean of the ranks' means, each weighted by its
-        targets, would not be the mean over the step's completions)."""
-        g, d = self.cfg.grpo, self.dist
+    def advantages(self, per_func: torch.Tensor, completions: torch.Tensor,
+                   batches: list[dict]) -> tuple[torch.Tensor, dict]:
+        """The advantages of this rank's completions, and the step's statistics over every
+        rank's completions (TRL gathers them): the rewards of every rank are gathered
+        (`scale_rewards: batch` takes their std over the whole step), with what
+        `advantage_inputs` adds from `batches` and `completions`, each completion's [length,
+        clipped] (with tools, then its calls and failed calls), for the length and tool
+        statistics. Every rank then logs the step's values (a mean of the ranks' means,
+        each weighted by its targets, would not be the mean over the step's completions)."""
+        d = self.dist
         funcs = per_func.shape[1]
-        local = torch.cat([per_func.to(d.device),
+        extra = self.advantage_inputs(batches)
+        extra = (per_func.new_zeros(per_func.shape[0], 0) if extra is None
+                 else extra.to(d.device, per_func.dtype))
+        local = torch.cat([per_func.to(d.device), extra,
                            completions.to(d.device, per_func.dtype)], dim=1)
         if d.world_size > 1:
             gathered = [torch.empty_like(local) for _ in range(d.world_size)]
@@ -251,23 +288,35 @@ class GRPORun(TrainingRun):
             everyone = torch.cat(gathered)
         else:
             everyone = local
-        adv, stats = group_advantages(everyone[:, :funcs], self.weights.to(d.device),
-                                      g.num_generations, g.scale_rewards,
-                                      g.multi_objective_aggregation)
-        stats["completions/mean_length"] = everyone[:, funcs].double().mean()
-        stats["completions/clipped_ratio"] = everyone[:, funcs + 1].double().mean()
-        if everyone.shape[1] > funcs + 2:  # tool calls and failures (TRL's definitions)
-            calls = everyone[:, funcs + 2].double().sum()
+        cut = funcs + extra.shape[1]
+        adv, stats = self.compute_advantages(everyone[:, :funcs], everyone[:, funcs:cut])
+        rest = everyone[:, cut:]
+        stats["completions/mean_length"] = rest[:, 0].double().mean()
+        stats["completions/clipped_ratio"] = rest[:, 1].double().mean()
+        if rest.shape[1] > 2:  # tool calls and failures (TRL's definitions)
+            calls = rest[:, 2].double().sum()
             stats["tools/call_frequency"] = calls / everyone.shape[0]
-            stats["tools/failure_frequency"] = (everyone[:, funcs + 3].double().sum()
-                                                / calls.clamp_min(1.0))
+            stats["tools/failure_frequency"] = rest[:, 3].double().sum() / calls.clamp_min(1.0)
         n = local.shape[0]
         return adv[d.rank * n:(d.rank + 1) * n], stats
+
+    def advantage_inputs(self, batches: list[dict]) -> torch.Tensor | None:
+        """[n, e] per-completion values `compute_advantages` needs beside the rewards,
+        gathered with them (GRPO: none)."""
+        return None
+
+    def compute_advantages(self, per_func: torch.Tensor, inputs: torch.Tensor
+                           ) -> tuple[torch.Tensor, dict]:
+        """Every rank's completions' advantages and statistics from their [N, F] rewards
+        (and `advantage_inputs`, gathered): GRPO's group-normalised ones."""
+        g = self.g
+        return group_advantages(per_func, self.weights.to(per_func.device), g.num_generations,
+                                g.scale_rewards, g.multi_objective_aggregation)
 
     def completion_batch(self, prompt_ids, prompt_mask, done) -> dict:
         """The training rows of B * G rollouts: `prompt_ids` / `prompt_mask` are each
         rollout's prompt ([B * G, P], Rollouts.forward_prompts)."""
-        g = self.cfg.grpo
+        g = self.g
         mask = done.mask if done.trained is None else done.mask * done.trained
         if g.mask_truncated_completions:
             mask = mask * (~done.clipped).unsqueeze(1).to(mask.dtype)
@@ -277,10 +326,15 @@ class GRPORun(TrainingRun):
                 "completion_mask": mask,
                 "labels": done.ids.masked_fill(mask == 0, IGNORE_INDEX)}
 
+    def keeps_old_logps(self) -> bool:
+        """Whether the rollout keeps the policy's log-probabilities at generation: for the
+        ratio after the weights moved (num_iterations > 1)."""
+        return self.g.num_iterations > 1
+
     def add_logps(self, module, batch: dict) -> None:
         """The log-probabilities the loss compares with, taken before the first update: the
         policy's at generation (num_iterations > 1) and the reference's (beta > 0)."""
-        g, device = self.cfg.grpo, self.dist.device
+        g, device = self.g, self.dist.device
         length = batch["completion_mask"].shape[1]
 
         def logps(model, b):
@@ -288,7 +342,7 @@ class GRPORun(TrainingRun):
                 return completion_logps(model, b["input_ids"], b["attention_mask"], length,
                                         g.temperature, group=self.prompt_group)[0]
 
-        if g.num_iterations > 1:
+        if self.keeps_old_logps():
             batch["old_logps"] = logps(module, batch)
         if self.reference is not None:
             batch["ref_logps"] = self.reference.score(logps, batch)
@@ -298,7 +352,7 @@ class GRPORun(TrainingRun):
         return host_batch["targets"]
 
     def micro_step(self, host_labels: torch.Tensor, batch: dict, divisor) -> torch.Tensor:
-        g, t, device = self.cfg.grpo, self.cfg.training, self.dist.device
+        g, t, device = self.g, self.cfg.training, self.dist.device
         mask = batch["completion_mask"]
         with activation_offloading(t, device):
             with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
@@ -306,10 +360,7 @@ class GRPORun(TrainingRun):
                                                   batch["attention_mask"], mask.shape[1],
                                                   g.temperature, with_entropy=True,
                                                   group=self.prompt_group)
-            losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
-                                  batch["advantages"], mask, self.objective,
-                                  entropy_token_mask(entropy, mask, self.objective))
-            loss_sum, _ = reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)
+            losses, loss_sum = self.policy_loss(logps, entropy, batch)
             loss = loss_sum / divisor
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         self.token_sums += token_stat_sums(losses, entropy, mask,

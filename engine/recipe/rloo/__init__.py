@@ -1,0 +1,1 @@
+"""`training.type: rloo`: REINFORCE Leave-One-Out (engine.recipe.rloo.run)."""
