@@ -129,6 +129,17 @@ class RolloutConfig(Section):
         description="Where a tool call runs: none (in the training process, on a helper "
         "thread), or subprocess (a child with CPU-time and memory limits, killed at "
         "tool_timeout: for tools that run model-written code).")
+    dynamic_sampling: bool = Field(
+        False, fingerprint=True,
+        description="DAPO's dynamic sampling: a group whose rewards have no spread (all "
+        "equal: no advantage to learn from) is replaced by the group of another train prompt, "
+        "drawn seeded by the step and the group's position (so a resumed run and any world "
+        "size draw the same), up to max_resample_times rounds; the share replaced is logged "
+        "as dynamic_sampling/refilled_ratio.")
+    max_resample_times: int = Field(
+        3, ge=1, fingerprint=True,
+        description="dynamic_sampling: most rounds of replacement per step; a group still "
+        "without spread after them is trained on as it is (its advantage is 0).")
     num_generations_eval: int = Field(
         4, ge=1, fingerprint=False,
         description="The evaluate stage's k: pass@k over k completions sampled per held-out "
@@ -299,6 +310,18 @@ def shared_rows(name: str) -> list[compat.Rule]:
             "reset's text is appended to the prompt's last user message and the chat template "
             "renders the environment's tools, so the rows need a conversational 'prompt' "
             "column", used=env_used, example={**env, "data.prompt_template": "Q: {question}"}),
+        compat.Refuse("config", f"{name}.dynamic_sampling", SHARDED,
+            "a refilled group is generated on the rank that holds it, and every generation "
+            "forward over sharded weights needs every rank; use distributed.strategy ddp or "
+            "single", used=lambda c: c.training.type == name and section(c).dynamic_sampling,
+            example={**base, f"{name}.dynamic_sampling": True,
+                     "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2}),
+        compat.Refuse("config", f"{name}.dynamic_sampling", compat.When(
+            "data.streaming", lambda c: c.data.streaming),
+            "refills are drawn from the tokenized train split by position, which a stream "
+            "does not have", used=lambda c: c.training.type == name
+            and section(c).dynamic_sampling,
+            example={**base, f"{name}.dynamic_sampling": True, "data.streaming": True}),
         compat.Refuse("config", f"{name}.environment_factory", compat.When(
             f"{name}.tool_sandbox subprocess",
             lambda c: getattr(c, name).tool_sandbox == "subprocess"),

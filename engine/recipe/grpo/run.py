@@ -56,6 +56,9 @@ TIMES = ("time/generation", "time/scoring")
 #: per-step statistics of a run with grpo.tools (TRL's names: calls per completion, failed
 #: calls per call)
 TOOL_STATS = ("tools/call_frequency", "tools/failure_frequency")
+#: per-step statistics of a run with dynamic_sampling: the share of the step's groups that
+#: were replaced (all ranks)
+DYNAMIC = ("dynamic_sampling/refilled_ratio",)
 #: where a run writes its sample table (prompt, completion, rewards) at every logging step
 SAMPLES_FILE = "train_samples.jsonl"
 
@@ -127,13 +130,15 @@ class GRPORun(TrainingRun):
                              for s in ("mean", "std")),
                            "completions/mean_length", "completions/clipped_ratio",
                            *(TOOL_STATS if self.episodes.counts_tools else ()),
-                           *self.rollout_stats(), *TIMES)
+                           *self.rollout_stats(), *(DYNAMIC if g.dynamic_sampling else ()),
+                           *TIMES)
         device = self.dist.device
         self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
         self.token_sums = torch.zeros(STAT_SLOTS, dtype=torch.float64, device=device)
         self.objective = self.make_objective()
         self.buffer: list[dict] | None = None
         self.samples: list[dict] = []
+        self.prompt_rows = None  # the train split's prompts, read when dynamic sampling draws
         self.samples_started = False  # SAMPLES_FILE not written by this run yet
         self.scored_at: float | None = None
 
@@ -215,10 +220,14 @@ class GRPORun(TrainingRun):
             generated.append((batch, *rolled.forward_prompts(prompt_ids, prompt_mask,
                                                              g.num_generations), rolled))
         generated_at = time.perf_counter()
-        per_func = torch.cat([self.score(batch, rolled) for batch, _, _, rolled in generated])
+        scored = [self.score(batch, rolled) for batch, _, _, rolled in generated]
+        per_func = torch.cat([rewards for rewards, _ in scored])
+        self.samples = [row for _, rows in scored for row in rows]
         batches = [self.completion_batch(p_ids, p_mask, rolled.done)
                    for _, p_ids, p_mask, rolled in generated]
         columns = torch.cat([completion_columns(rolled.done) for *_, rolled in generated])
+        if g.dynamic_sampling:
+            batches, per_func, columns = self.resample(batches, per_func, columns)
         for batch in batches:
             self.add_logps(module, batch)
         advantages, stats = self.advantages(per_func, columns, batches)
@@ -237,7 +246,9 @@ class GRPORun(TrainingRun):
                                          stats["completions/clipped_ratio"],
                                          *(stats[n] for n in TOOL_STATS
                                            if self.episodes.counts_tools),
-                                         *(stats[n] for n in self.rollout_stats())]), host])
+                                         *(stats[n] for n in self.rollout_stats()),
+                                         *(stats[n] for n in DYNAMIC if g.dynamic_sampling)]),
+                            host])
         self.step_sums += values * step_targets
         return batches
 
@@ -248,9 +259,9 @@ class GRPORun(TrainingRun):
             names += [f"rewards/{i}/mean", f"rewards/{i}/std"]
         return torch.stack([stats[n].to(self.dist.device).double() for n in names]).unbind(0)
 
-    def score(self, batch: dict, rolled) -> torch.Tensor:
-        """[B * num_generations, functions] rewards of one micro-batch's rollouts; keeps
-        them as the sample table of this rollout."""
+    def score(self, batch: dict, rolled) -> tuple[torch.Tensor, list[dict]]:
+        """([B * num_generations, functions] rewards of one micro-batch's rollouts, their
+        rows of the sample table)."""
         rewards, prompts, texts = score_completions(
             self.tokenizer, self.rewards, batch["reward_inputs"], rolled.done,
             self.g.num_generations, trainer_state=self.state, key=rewards_key(self.cfg),
@@ -263,8 +274,57 @@ class GRPORun(TrainingRun):
             for row, calls, failed in zip(rows, done.tool_calls.tolist(),
                                           done.tool_failures.tolist()):
                 row.update(tool_calls=calls, tool_failures=failed)
-        self.samples += rows
-        return rewards
+        return rewards, rows
+
+    def resample(self, batches: list[dict], per_func: torch.Tensor, columns: torch.Tensor
+                 ) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
+        """Dynamic sampling (engine.recipe.grpo.dynamic_sampling): each group of this rank
+        whose rewards have no spread is replaced by the group of a train prompt drawn by its
+        position, up to max_resample_times rounds; the sample table follows. Returns the
+        micro-batches (the same row counts), their rewards, and their completion columns
+        with a last column that is 1 on the rows of a replaced group."""
+        from engine.datapath.data import load_tokenized, take_rows
+        from engine.recipe.grpo.dynamic_sampling import (draw_rows, join_batches,
+                                                         no_spread, refill_seeds, split_batch)
+
+        g, t, d = self.g, self.cfg.training, self.dist
+        group, step, pad = g.num_generations, self.progress.step, self.tokenizer.pad_token_id
+        sizes = [len(b["input_ids"]) for b in batches]
+        positions = [(i * d.world_size + d.rank) * t.per_device_train_batch_size + j
+                     for i, n in enumerate(sizes) for j in range(n // group)]
+        replaced = torch.zeros(per_func.shape[0], 1, dtype=columns.dtype)
+        joined = None
+        for attempt in range(1, g.max_resample_times + 1):
+            dead = no_spread(per_func, self.weights, group).nonzero().flatten().tolist()
+            if not dead:
+                break
+            if self.prompt_rows is None:
+                self.prompt_rows = load_tokenized(self.paths.train_data, PROMPT_COLUMNS)
+            at = [positions[k] for k in dead]
+            batch = self.collate_fn(take_rows(self.prompt_rows, draw_rows(
+                t.seed, step, attempt, at, len(self.prompt_rows))))
+            ids = batch["input_ids"].to(d.device)
+            mask = batch["attention_mask"].to(d.device)
+            with torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None):
+                rolled = self.episodes.generate(ids, mask, batch["reward_inputs"], group,
+                                                refill_seeds(t.seed, step, attempt, at))
+            rewards, rows = self.score(batch, rolled)
+            new = self.completion_batch(*rolled.forward_prompts(ids, mask, group), rolled.done)
+            n = per_func.shape[0]
+            index = torch.arange(n)
+            for r, k in enumerate(dead):
+                index[k * group:(k + 1) * group] = torch.arange(n + r * group,
+                                                                n + (r + 1) * group)
+            both = join_batches([joined or join_batches(batches, pad), new], pad)
+            joined = {key: value[index.to(value.device)] for key, value in both.items()}
+            per_func = torch.cat([per_func, rewards.to(per_func)])[index]
+            columns = torch.cat([columns, completion_columns(rolled.done).to(columns)])[index]
+            pooled = self.samples + rows
+            self.samples = [pooled[i] for i in index.tolist()]
+            for k in dead:
+                replaced[k * group:(k + 1) * group] = 1
+        out = batches if joined is None else split_batch(joined, sizes)
+        return out, per_func, torch.cat([columns, replaced], dim=1)
 
     def advantages(self, per_func: torch.Tensor, completions: torch.Tensor,
                    batches: list[dict]) -> tuple[torch.Tensor, dict]:
@@ -291,6 +351,9 @@ class GRPORun(TrainingRun):
         cut = funcs + extra.shape[1]
         adv, stats = self.compute_advantages(everyone[:, :funcs], everyone[:, funcs:cut])
         rest = everyone[:, cut:]
+        if self.g.dynamic_sampling:  # resample's last column: the rows of replaced groups
+            stats[DYNAMIC[0]] = rest[:, -1].double().mean()
+            rest = rest[:, :-1]
         stats["completions/mean_length"] = rest[:, 0].double().mean()
         stats["completions/clipped_ratio"] = rest[:, 1].double().mean()
         if rest.shape[1] > 2:  # tool calls and failures (TRL's definitions)
