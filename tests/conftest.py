@@ -47,16 +47,26 @@ def pytest_collection_modifyitems(items):
     items.sort(key=_unit_rank)
 
 
+#: what libraries read once, when first imported: set here, as this file is imported, since
+#: test modules import transformers and datasets at collection, before any fixture runs (a
+#: bare `pytest` without the Makefile's exports otherwise ran them online: every refused hub
+#: id waited ~23 s on the network before its HF_HUB_OFFLINE error, four such tests per run)
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "DO_NOT_TRACK": "true",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+os.environ.update(OFFLINE)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _offline_env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("caches")
     env = {
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "DO_NOT_TRACK": "true",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "TOKENIZERS_PARALLELISM": "false",
+        **OFFLINE,
         "HF_HOME": str(cache / "hf"),
         "DVC_SITE_CACHE_DIR": str(cache / "dvc-site"),
         "FINETUNE_CACHE_DIR": str(cache / "finetune"),
