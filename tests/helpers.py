@@ -442,10 +442,12 @@ def plugin_run(folder: Path, file: str, source: str, params: dict) -> Path:
 
 def sft_first_step_loss(trained: Path, folder: Path) -> float:
     """Plain SFT's first logged loss on the rows `trained` tokenized (its data stages copied):
-    what a plug-in's own objective is compared with."""
+    what a plug-in's own objective is compared with. Trained in this process (train_in_place,
+    the job the stage hands torchrun): a reference number, no process boundary under test
+    (through the stage it was a torchrun start, ~10 s, for one step)."""
     sft = copy_project(folder / "sft")
     write_params(sft, {"training.max_steps": 1, "logging.logging_steps": 1})
     for stage in ("data/raw", "data/formatted", "data/tokenized"):
         subprocess.run(["cp", "-r", str(trained / stage), str(sft / stage)], check=True)
-    stages_here(sft, "train")
+    train_in_place(sft)
     return logged_column(sft, "loss")[0]
