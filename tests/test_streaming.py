@@ -13,11 +13,10 @@ from helpers import (
     adapter,
     assert_weights_close,
     copy_project,
-    error_line,
     logged_column,
     losses,
     resume_from_checkpoint_in_process,
-    run_cli,
+    stages_here,
     train_copy,
     train_here,
     train_metrics,
@@ -63,11 +62,11 @@ def test_streamed_examples_are_the_tokenize_stages_and_the_buffer_shuffles(token
 
 @pytest.fixture(scope="module")
 def streamed(tmp_path_factory):
-    """A streaming project after download/format/tokenize: only the test split on disk."""
+    """A streaming project after download/format/tokenize: only the test split on disk (the
+    stage functions in this process: no process boundary is under test here)."""
     project = copy_project(tmp_path_factory.mktemp("stream") / "p",
                            {**STREAM, "logging.logging_steps": 1})
-    for name in ("download", "format", "tokenize"):
-        run_cli(project, "stage", name, check=True)
+    stages_here(project, "download", "format", "tokenize")
     return project
 
 
@@ -122,12 +121,11 @@ def test_holdout_when_the_source_has_no_test_split(tmp_path):
     source = {"data.data_files": None, "data.json_file_path": "data/source/gsm8k/train.jsonl",
               "data.max_train_samples": 30, "data.max_eval_samples": 5}
     project = copy_project(tmp_path / "p", {**STREAM, **source})
-    run_cli(project, "stage", "download", check=True)
+    stages_here(project, "download")
     rows = pd.read_json(project / "data/source/gsm8k/train.jsonl", lines=True)
     test = pd.read_parquet(project / "data/raw/test.parquet")
     assert test["question"].tolist() == rows["question"][:5].tolist()
-    for name in ("format", "tokenize"):
-        run_cli(project, "stage", name, check=True)
+    stages_here(project, "format", "tokenize")
     first = _examples(project, {"data.shuffle_buffer": 1})
     from engine.modeling.model import load_tokenizer
 
@@ -136,16 +134,22 @@ def test_holdout_when_the_source_has_no_test_split(tmp_path):
     assert len(first) <= 30
 
     no_cap = copy_project(tmp_path / "q", {**STREAM, **source, "data.max_eval_samples": None})
-    proc = run_cli(no_cap, "stage", "download")
-    assert proc.returncode != 0
-    assert "set data.max_eval_samples to hold out the first N streamed rows" in error_line(proc)
+    # the stage in this process: its one-line PipelineError (the CLI's exit 2 and one error:
+    # line for it are tests/test_cli.py's)
+    with pytest.raises(PipelineError) as refused:
+        stages_here(no_cap, "download")
+    line = str(refused.value)
+    assert "\n" not in line, line
+    assert "set data.max_eval_samples to hold out the first N streamed rows" in line, line
     assert not (no_cap / "data/raw").exists()
 
 
 def test_streamed_bad_source_fails_in_download_naming_the_column(tmp_path):
     project = copy_project(tmp_path / "p", {**STREAM, "data.prompt_template": "Q: {questoin}"})
-    proc = run_cli(project, "stage", "download")
-    assert proc.returncode != 0 and "questoin" in error_line(proc)
+    with pytest.raises(PipelineError) as refused:  # one line, as test_holdout_when_... says
+        stages_here(project, "download")
+    line = str(refused.value)
+    assert "\n" not in line and "questoin" in line, line
 
 
 def test_epoch_train_steps_gives_a_stream_epochs(streamed, tmp_path):
