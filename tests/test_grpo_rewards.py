@@ -28,7 +28,7 @@ from engine.rollout import scoring
 from engine.rollout.rewards import BUILT_INS, RewardFunction, RewardOptions
 from finetune.errors import PipelineError
 
-#: the config key GRPO passes the rollout (engine.recipe.grpo.heldout.REWARDS_KEY), which
+#: the config key GRPO passes the rollout (engine.recipe.grpo.heldout.rewards_key), which
 #: every message below names
 KEY = "grpo.reward_funcs"
 load_reward_functions = functools.partial(rollout_rewards.load_reward_functions, key=KEY)

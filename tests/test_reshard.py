@@ -74,6 +74,19 @@ def test_a_fingerprint_from_before_the_global_batch_resumes_in_todays_terms():
         "checkpoint ckpt has global batch 8; this run's is 4 (")
 
 
+def test_a_key_added_since_the_checkpoint_resumes_at_its_default_only():
+    """A checkpoint from before a key existed (the rloo section, grpo.dynamic_sampling) was
+    trained as that key's default behaves: at the default it resumes, set otherwise it is a
+    change named like any other."""
+    now = fingerprint(8, 1, 1)
+    at_default = {"config": {**now["config"], "rloo.num_generations": 2,
+                             "grpo.dynamic_sampling": False}}
+    assert differences(fingerprint(8, 1, 1), {**now, **at_default}) == {}
+    changed = {"config": {**now["config"], "grpo.dynamic_sampling": True}}
+    assert differences(fingerprint(8, 1, 1), {**now, **changed}) == {
+        "grpo.dynamic_sampling": '"<unset>" -> true'}
+
+
 def test_a_rank_the_checkpoint_has_no_rng_file_for_gets_a_state_of_its_own():
     """Derived from (seed, rank, step): the same on every resume, different per rank, and
     deriving it leaves the process's current RNG as it was."""

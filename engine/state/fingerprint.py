@@ -27,6 +27,7 @@ in `$FINETUNE_CACHE_DIR` (default `~/.cache/finetune`), as DVC caches its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -43,6 +44,7 @@ from finetune.config.fingerprint import (
     SPLIT_KEYS,
     batch_split,
     config_part,
+    flatten,
 )
 from finetune.hashing import HashCache, data_hash_with
 from finetune.user_code import code_hashes
@@ -77,8 +79,11 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, st
         return {"fingerprint": "none recorded (a checkpoint from before fingerprints)"}
     found = {}
     before, after = _upgraded(old.get("config", {})), new["config"]
+    defaults = _defaults()
     for key in sorted(set(before) | set(after)):
         was, now = before.get(key, "<unset>"), after.get(key, "<unset>")
+        if key not in before and key in defaults and defaults[key] == now:
+            continue  # a key added since the checkpoint, at its default: the run it was
         if was != now:
             found[key] = f"{_short(was)} -> {_short(now)}"
     for key in CONTENT_KEYS:
@@ -89,6 +94,22 @@ def differences(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, st
                     found[key] = edited
         elif old.get(key) != new[key]:
             found[key] = "content changed"
+    return found
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    """Dotted key -> default (as the fingerprint records values) of every section that has
+    defaults for all its keys. A key added to the config keeps the behaviour from before it
+    at its default, so a checkpoint recorded before it existed resumes under that default."""
+    found: dict[str, Any] = {}
+    for name, field in FinetuneConfig.model_fields.items():
+        try:
+            section = field.get_default(call_default_factory=True)
+        except Exception:  # a section with required keys (data): no defaults to offer
+            continue
+        if hasattr(section, "model_dump"):
+            found.update(flatten({name: section.model_dump(mode="json")}))
     return found
 
 

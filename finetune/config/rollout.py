@@ -175,10 +175,20 @@ class RolloutConfig(Section):
 def rollout_section(cfg) -> RolloutConfig:
     """The rollout section the run of `cfg` reads: its method's own (`Method.own_sections`:
     rloo's for training.type rloo, a project's run class's as its `method` declares), else
-    grpo's (a project's GRPO subclass that declares none)."""
-    for name in method_of(cfg.training.type).own_sections:
+    the `section` a project's `module:Class` run class inherits (RLOORun's rloo), else grpo's."""
+    kind = cfg.training.type
+    for name in method_of(kind).own_sections:
         if name in ROLLOUT_SECTIONS:
             return getattr(cfg, name)
+    if ":" in kind:
+        from finetune.imports import load_object
+
+        try:
+            inherited = getattr(load_object(kind, "training.type"), "section", None)
+        except Exception:  # the engine's check names the broken reference (engine.preflight)
+            inherited = None
+        if inherited in ROLLOUT_SECTIONS:
+            return getattr(cfg, inherited)
     return cfg.grpo
 
 

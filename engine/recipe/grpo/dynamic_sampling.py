@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.recipe.grpo.advantages import nanstd
 from finetune.datatypes.encoding import IGNORE_INDEX
 
 #: the training rows' tensors (engine.recipe.grpo.run.GRPORun.completion_batch), with what
@@ -27,14 +26,16 @@ from finetune.datatypes.encoding import IGNORE_INDEX
 ROW_KEYS = ("input_ids", "attention_mask", "completion_mask", "labels")
 
 
-def no_spread(per_func: torch.Tensor, weights: torch.Tensor, group: int) -> torch.Tensor:
-    """[N / group] bool: the groups whose weighted rewards are all equal (or that have fewer
-    than two scored completions), as frac_reward_zero_std counts them."""
-    unscored = torch.isnan(per_func).all(dim=1)
-    rewards = (per_func * weights.to(per_func).unsqueeze(0)).nansum(dim=1)
-    rewards = torch.where(unscored, torch.full_like(rewards, torch.nan), rewards)
-    std = nanstd(rewards.view(-1, group), dim=1)
-    return torch.isnan(std) | torch.isclose(std, torch.zeros_like(std))
+def no_spread(per_func: torch.Tensor, group: int) -> torch.Tensor:
+    """[N / group] bool: the groups in which every reward function gave each of its scored
+    completions the same value (a function's None left out), so no aggregation of them
+    (a weighted sum, GDPO's per-function normalisation) can tell the completions apart. A
+    group's KL penalty (RLOO's beta) or a reward_clip_range that flattens different rewards
+    is not looked at: it is the rewards' spread that decides, as DAPO's filter does."""
+    grouped = per_func.view(-1, group, per_func.shape[1])
+    first = grouped.nanmean(dim=1, keepdim=True)  # the scored completions' common value
+    same = torch.isnan(grouped) | torch.isclose(grouped, first.expand_as(grouped))
+    return same.all(dim=2).all(dim=1)
 
 
 def draw_rows(seed: int, step: int, attempt: int, positions: list[int], rows: int) -> list[int]:

@@ -29,6 +29,7 @@ over ranks and micro-batches (2 ranks x batch b sample what 1 rank x batch 2b sa
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -59,6 +60,8 @@ TOOL_STATS = ("tools/call_frequency", "tools/failure_frequency")
 #: per-step statistics of a run with dynamic_sampling: the share of the step's groups that
 #: were replaced (all ranks)
 DYNAMIC = ("dynamic_sampling/refilled_ratio",)
+#: the window's sum of its rollout steps' targets (GRPORun.window_metrics)
+ROLLOUT_TARGETS = "_sum/rollout_targets"
 #: where a run writes its sample table (prompt, completion, rewards) at every logging step
 SAMPLES_FILE = "train_samples.jsonl"
 
@@ -88,8 +91,11 @@ class GRPORun(TrainingRun):
     """An online RL run: see the module docstring."""
 
     columns = PROMPT_COLUMNS
+    #: the config section this run class reads (finetune.config.rollout.rollout_section
+    #: reads it off a project's `module:Class` subclass)
+    section = "grpo"
 
-    @property
+    @functools.cached_property
     def g(self):
         """The rollout section this run reads (`grpo`; `rloo` for its subclass)."""
         return rollout_section(self.cfg)
@@ -134,6 +140,10 @@ class GRPORun(TrainingRun):
                            *TIMES)
         device = self.dist.device
         self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
+        #: the targets of the window's rollout steps: what the step values are averaged over
+        #: (a step that trains on an earlier rollout, num_iterations > 1, adds none, as TRL
+        #: logs them at generation steps only)
+        self.rollout_targets = torch.zeros((), dtype=torch.float64, device=device)
         self.token_sums = torch.zeros(STAT_SLOTS, dtype=torch.float64, device=device)
         self.objective = self.make_objective()
         self.buffer: list[dict] | None = None
@@ -250,6 +260,7 @@ class GRPORun(TrainingRun):
                                          *(stats[n] for n in DYNAMIC if g.dynamic_sampling)]),
                             host])
         self.step_sums += values * step_targets
+        self.rollout_targets += step_targets
         return batches
 
     def reward_stats(self, stats: dict) -> torch.Tensor:
@@ -292,10 +303,10 @@ class GRPORun(TrainingRun):
         sizes = [len(b["input_ids"]) for b in batches]
         positions = [(i * d.world_size + d.rank) * t.per_device_train_batch_size + j
                      for i, n in enumerate(sizes) for j in range(n // group)]
-        replaced = torch.zeros(per_func.shape[0], 1, dtype=columns.dtype)
+        replaced = torch.zeros(per_func.shape[0], 1, dtype=columns.dtype, device=columns.device)
         joined = None
         for attempt in range(1, g.max_resample_times + 1):
-            dead = no_spread(per_func, self.weights, group).nonzero().flatten().tolist()
+            dead = no_spread(per_func, group).nonzero().flatten().tolist()
             if not dead:
                 break
             if self.prompt_rows is None:
@@ -440,14 +451,21 @@ class GRPORun(TrainingRun):
         steps, self.step_sums = self.step_sums, torch.zeros_like(self.step_sums)
         stats = dict(zip(self.step_names, steps))
         stats.update(zip(TOKEN_SLOTS, token))
-        self.write_samples()
+        stats[ROLLOUT_TARGETS], self.rollout_targets = (self.rollout_targets,
+                                                        torch.zeros_like(self.rollout_targets))
+        self.write_samples()  # a step that reuses a rollout trained on its rows: written too
         return stats
 
     def window_means(self, sums: dict[str, float], targets: float) -> dict[str, float]:
-        """The step values over the window's targets; the token statistics pooled
-        (`stat_means` of the summed slots)."""
+        """The step values over the window's rollout steps' targets (none logged for a
+        window without a rollout); the token statistics pooled (`stat_means` of the summed
+        slots); the rest over the window's targets."""
         pooled = torch.tensor([sums.pop(name) for name in TOKEN_SLOTS], dtype=torch.float64)
+        rolled = sums.pop(ROLLOUT_TARGETS)
+        steps = {name: sums.pop(name) for name in self.step_names}
         means = super().window_means(sums, targets)
+        if rolled > 0:
+            means.update({name: value / rolled for name, value in steps.items()})
         means.update({k: float(v) for k, v in stat_means(pooled, self.objective).items()})
         return means
 

@@ -24,6 +24,8 @@ from engine.recipe.rloo.loss import sequence_losses
 class RLOORun(GRPORun):
     """An RLOO run: see the module docstring."""
 
+    section = "rloo"
+
     def make_objective(self) -> Objective:
         """A sequence-level clipped ratio without a KL term: how the logged statistics are
         named and pooled (entropy over tokens, clip ratios over completions)."""
