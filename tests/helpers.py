@@ -105,6 +105,21 @@ def stages_here(project: Path, *names: str, params: str = "params/default.yaml")
         os.chdir(here)
 
 
+def refused_here(project: Path, *names: str) -> str:
+    """`stages_here(project, *names)` expecting the stage's PipelineError: asserts it is one
+    line and returns it (the CLI prints it as `error: ` + this line and exits 2: that mapping
+    is tests/test_cli.py's, so a refusal needs no CLI process of its own)."""
+    import pytest
+
+    from finetune.errors import PipelineError
+
+    with pytest.raises(PipelineError) as refused:
+        stages_here(project, *names)
+    line = str(refused.value)
+    assert line and "\n" not in line, line
+    return line
+
+
 #: the shipped examples on the shipped stories260K instead of the default run's export
 ON_STORIES = ("model.name_or_path=data/models/stories260K",)
 

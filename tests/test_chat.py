@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import ROOT, copy_project, error_line, run_cli, stages_here, write_params
+from helpers import ROOT, copy_project, refused_here, stages_here, write_params
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
 from finetune.datatypes.chat import IGNORE_INDEX, assistant_spans, encode_chat_batch, normalise
@@ -194,8 +194,8 @@ def test_a_chat_dataset_runs_through_all_six_stages(tmp_path):
     rows = _chat_rows(60)
     rows[5]["messages"][1]["role"] = "robot"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    run_cli(project, "stage", "download", check=True)
+    stages_here(project, "download")
     before = (project / "data/formatted/train.parquet").read_bytes()
-    line = error_line(run_cli(project, "stage", "format"))
+    line = refused_here(project, "format")
     assert "row" in line and "column 'messages'" in line and "unknown role 'robot'" in line, line
     assert (project / "data/formatted/train.parquet").read_bytes() == before

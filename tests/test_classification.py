@@ -11,7 +11,7 @@ import pytest
 
 from finetune.config.schema import FinetuneConfig
 from finetune.datatypes.metrics import classification_metrics
-from helpers import copy_project, error_line, run_cli, stages_here, write_params
+from helpers import copy_project, refused_here, stages_here, write_params
 
 WORDS = {"positive": "good", "negative": "bad"}
 
@@ -130,9 +130,9 @@ def test_a_classification_dataset_runs_through_all_six_stages(tmp_path):
     write_params(project, {"data.labels": ["negative", "positive"]})
     rows[3]["sentiment"] = "neutral"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    run_cli(project, "stage", "download", check=True)
+    stages_here(project, "download")
     before = (project / "data/formatted/train.parquet").read_bytes()
-    line = error_line(run_cli(project, "stage", "format"))
+    line = refused_here(project, "format")
     assert "data.label_column 'sentiment'" in line and "has label 'neutral'" in line, line
     assert "row" in line and "not in the label map (negative, positive)" in line, line
     assert (project / "data/formatted/train.parquet").read_bytes() == before

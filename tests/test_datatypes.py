@@ -11,8 +11,8 @@ import datasets
 import pandas as pd
 import pytest
 
-from helpers import (copy_project, error_line, run_cli, stages_here, train_here, train_metrics,
-                      write_params)
+from helpers import (copy_project, error_line, refused_here, run_cli, stages_here, train_here,
+                     train_metrics, write_params)
 from finetune.config import load_config
 from finetune.config.data import DataConfig
 from finetune.errors import PipelineError
@@ -167,10 +167,9 @@ def test_alpaca_rows_with_empty_outputs_are_dropped_and_counted(tmp_path):
 
     before = (project / "data/formatted/train.parquet").read_bytes()
     _jsonl(project, "alpaca-train.jsonl", _alpaca_rows(40, {3: "", 7: "", 21: " \n"}))
-    run_cli(project, "stage", "download", check=True)
-    proc = run_cli(project, "stage", "format")
-    assert error_line(proc) == (
-        "error: format split 'train': 3/40 rows have empty completion (first: row 3); above "
+    stages_here(project, "download")
+    assert refused_here(project, "format") == (
+        "format split 'train': 3/40 rows have empty completion (first: row 3); above "
         "data.max_dropped_fraction 0.05: clean the data or raise data.max_dropped_fraction")
     assert (project / "data/formatted/train.parquet").read_bytes() == before
 

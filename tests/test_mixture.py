@@ -8,7 +8,7 @@ import pytest
 
 from finetune.config.data import DataConfig
 from tasks.tracking import data_hashes
-from helpers import copy_project, error_line, run_cli, stages_here, write_params
+from helpers import copy_project, refused_here, run_cli, stages_here, write_params
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n"
                  "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
@@ -71,7 +71,8 @@ def test_a_two_source_mixture_runs_through_all_six_stages(tmp_path):
     evaluation = json.loads((project / "data/metrics/eval.json").read_text())
     assert evaluation["finetuned"]["loss"] < evaluation["base"]["loss"]
     assert (project / "data/export/config.json").exists()
-    # seeded: tokenizing again gives the same bytes (the DVC hash is stable)
+    # seeded: tokenizing again gives the same bytes (the DVC hash is stable), in another
+    # process (its own hash seed), so this one stays a CLI run
     tokenized = project / "data/tokenized/train"
     before = {p.name: p.read_bytes() for p in tokenized.iterdir()}
     run_cli(project, "stage", "tokenize", check=True)
@@ -81,7 +82,7 @@ def test_a_two_source_mixture_runs_through_all_six_stages(tmp_path):
                            "prompt_template": "{question}", "completion_template": " {answer}"}]
     write_params(project, {"data.sources": broken})
     raw_before = (project / "data/raw/qa/train.parquet").read_bytes()
-    line = error_line(run_cli(project, "stage", "download"))
+    line = refused_here(project, "download")
     assert "source 'chat'" in line and "column 'question'" in line, line
     assert (project / "data/raw/qa/train.parquet").read_bytes() == raw_before
 
