@@ -18,6 +18,7 @@ from helpers import (
     error_line,
     kill_train_stage_when,
     losses,
+    refused_here,
     resume_cut_back,
     run_cli,
     stage_outputs,
@@ -46,7 +47,9 @@ def test_explicit_resume_refuses_a_checkpoint_of_other_params(tokenized, tmp_pat
     project, _ = train_here(tokenized, tmp_path / "p")
     before = stage_outputs(project)
     write_params(project, {**NEW_LR, "checkpoint.resume_from_checkpoint": True})
-    line = error_line(run_cli(project, "stage", "train"))
+    # the train stage in this process: it refuses before any training, in one line (the
+    # CLI's exit 2 and error: line for it are test_cli's)
+    line = refused_here(project, "train")
     assert "step-0000006 belongs to another run" in line, line
     assert "optimizer.learning_rate: 0.005 -> 0.002" in line, line
     assert "resume_ignore_changes" in line and "auto" in line, line

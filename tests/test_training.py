@@ -18,10 +18,10 @@ from helpers import (
     adapter,
     assert_weights_close,
     checkpoint_names,
-    error_line,
     interrupt_then_resume,
     logged_column,
     losses,
+    refused_here,
     resume_from_checkpoint_in_process,
     run_cli,
     train_copy,
@@ -367,7 +367,7 @@ def test_callbacks_and_reporters(tokenized, tmp_path):
     assert config["training"]["max_steps"] == 4 and config["lineage"]["strategy"] == "single"
 
 
-def test_custom_model_class_from_the_project(tokenized, tmp_path):
+def test_custom_model_class_from_the_project(tokenized, tmp_path, capfd):
     project = tmp_path / "m"
     shutil.copytree(tokenized, project, symlinks=True)
     (project / "custom_model.py").write_text(
@@ -381,9 +381,12 @@ def test_custom_model_class_from_the_project(tokenized, tmp_path):
     run_cli(project, "stage", "train", check=True)
     assert (project / "built-by-rank-0").exists()
     write_params(project, {"model.auto_class_name": "custom_model:Nope"})
-    proc = run_cli(project, "stage", "train")
-    assert "model.auto_class_name: cannot import 'custom_model:Nope'" in error_line(proc)
-    assert "[train] step" not in proc.stdout
+    # refused by the stage in this process, in one line (its CLI exit and error: line are
+    # test_cli's), before any step
+    capfd.readouterr()
+    line = refused_here(project, "train")
+    assert "model.auto_class_name: cannot import 'custom_model:Nope'" in line, line
+    assert "[train] step" not in capfd.readouterr().out
 
 
 def test_dataloader_workers_keep_the_order_and_drop_last_false_adds_a_step(tokenized, tmp_path):
