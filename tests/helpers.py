@@ -156,6 +156,15 @@ def error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
 
 # -- training helpers shared by test_training and test_strategies ---------------------------
 
+def train_stage_copy(src: Path, dest: Path) -> Path:
+    """Train a copy of `src` through the train stage (torchrun, its MLflow run) called in this
+    process (stages_here): what a fixture needs that only wants the stage's outputs, without
+    the CLI process's start-up."""
+    shutil.copytree(src, dest, symlinks=True)
+    stages_here(dest, "train")
+    return dest
+
+
 def train_copy(src: Path, dest: Path, overrides: dict | None = None):
     shutil.copytree(src, dest, symlinks=True)
     if overrides:

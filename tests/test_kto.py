@@ -174,9 +174,9 @@ def labelled(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def kto_run(labelled, tmp_path_factory) -> Path:
     """The shrunk example trained by the train stage (its MLflow run, for the registry)."""
-    from helpers import train_copy
+    from helpers import train_stage_copy
 
-    return train_copy(labelled, tmp_path_factory.mktemp("kto-run") / "p")[0]
+    return train_stage_copy(labelled, tmp_path_factory.mktemp("kto-run") / "p")
 
 
 def _rows(project: Path, file: str = "train.csv") -> list[dict]:

@@ -282,9 +282,9 @@ def pairs(tmp_path_factory) -> Path:
 def dpo_run(pairs, tmp_path_factory) -> Path:
     """The shrunk example trained by the train stage (its MLflow run, for the registry),
     reference forward every step."""
-    from helpers import train_copy
+    from helpers import train_stage_copy
 
-    return train_copy(pairs, tmp_path_factory.mktemp("dpo-run") / "p")[0]
+    return train_stage_copy(pairs, tmp_path_factory.mktemp("dpo-run") / "p")
 
 
 def _rows(project: Path, file: str = "train.csv") -> list[dict]:

@@ -151,9 +151,9 @@ def reward_pairs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reward_run(reward_pairs, tmp_path_factory) -> Path:
     """The shortened example trained by the train stage (its MLflow run, for the registry)."""
-    from helpers import train_copy
+    from helpers import train_stage_copy
 
-    return train_copy(reward_pairs, tmp_path_factory.mktemp("reward-run") / "p")[0]
+    return train_stage_copy(reward_pairs, tmp_path_factory.mktemp("reward-run") / "p")
 
 
 @pytest.fixture(scope="module")
