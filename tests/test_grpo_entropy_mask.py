@@ -48,7 +48,7 @@ def test_the_logged_token_statistics_pool_every_ranks_tokens():
     mean over the tokens when the ranks hold different token counts)."""
     from engine.recipe.grpo.loss import (TOKEN_SLOTS, Objective, stat_means, token_losses,
                                          token_stat_sums)
-    from engine.recipe.grpo.run import GRPORun
+    from engine.recipe.grpo.run import ROLLOUT_TARGETS, GRPORun
 
     g = torch.Generator().manual_seed(0)
     logps = -torch.rand(6, 5, generator=g) * 3
@@ -65,9 +65,9 @@ def test_the_logged_token_statistics_pool_every_ranks_tokens():
 
     halves = sums(slice(0, 3)) + sums(slice(3, 6))  # the ranks' sums, all-reduced
     run = GRPORun.__new__(GRPORun)
-    run.objective = objective
-    logged = run.window_means({**dict(zip(TOKEN_SLOTS, halves.tolist())), "reward": 6.0},
-                              targets=6.0)
+    run.objective, run.step_names = objective, ("reward",)
+    logged = run.window_means({**dict(zip(TOKEN_SLOTS, halves.tolist())), "reward": 6.0,
+                               ROLLOUT_TARGETS: 6.0}, targets=6.0)
     whole = stat_means(sums(slice(0, 6)), objective)
     assert logged.keys() == {*whole, "reward"} and logged["reward"] == 1.0
     for name, value in whole.items():
