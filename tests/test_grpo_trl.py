@@ -148,6 +148,21 @@ def test_the_rest_of_the_family_equals_trls(tmp_path, base, name, beta, iteratio
         assert means["cispo_clip_ratio"] > 0
 
 
+def trls_loss_and_gradients(trainer, policy, out: dict, moved: bool):
+    """TRL's loss on `out` and its gradients (the policy's gradients left cleared); `moved`:
+    first the weights move as they would between generation and a second iteration."""
+    if moved:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.003)
+    theirs = trainer._compute_loss(policy, out)
+    theirs.backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad(set_to_none=True)
+    return theirs, grads
+
+
 def compare_with_trl(tmp_path, base, loss_type: str, beta: float, iterations: int, group: int,
                      **options) -> dict[str, float]:
     """Our rollout statistics, loss, gradients and logged statistics against TRL's on the
@@ -202,16 +217,7 @@ def compare_with_trl(tmp_path, base, loss_type: str, beta: float, iterations: in
         # log-probabilities near -14: float noise of TRL's tiled LM head is ~1e-6 relative
         torch.testing.assert_close(ref * mask, out["ref_per_token_logps"] * mask, atol=1e-5,
                                    rtol=1e-5)
-    if iterations > 1:  # the second iteration: the weights moved since generation
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.003)
-
-    theirs = trainer._compute_loss(policy, out)
-    theirs.backward()
-    their_grads = [p.grad.clone() for p in policy.parameters()]
-    policy.zero_grad(set_to_none=True)
+    theirs, their_grads = trls_loss_and_gradients(trainer, policy, out, moved=iterations > 1)
 
     logps, entropy = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
                                       with_entropy=True, group=group)

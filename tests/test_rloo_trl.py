@@ -24,7 +24,7 @@ from engine.rollout.scoring import score_completions
 from finetune.config.rloo import RLOOConfig
 from tests.test_grpo_trl import (GROUP, LENGTH, MODEL, PROMPTS, TEMPERATURE,  # noqa: F401
                                  base, injected_completions, last, ours_batch, reward_len,
-                                 reward_vowels)
+                                 reward_vowels, trls_loss_and_gradients)
 
 trl = pytest.importorskip("trl")
 
@@ -119,16 +119,8 @@ def test_rloo_equals_trls(tmp_path, base, name):
     else:
         assert "kl" not in metrics
 
-    if ours.num_iterations > 1:  # the second iteration: the weights moved since generation
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * 0.003)
-
-    theirs = trainer._compute_loss(policy, out)
-    theirs.backward()
-    their_grads = [p.grad.clone() for p in policy.parameters()]
-    policy.zero_grad(set_to_none=True)
+    theirs, their_grads = trls_loss_and_gradients(trainer, policy, out,
+                                                  moved=ours.num_iterations > 1)
 
     logps, entropy = completion_logps(policy, input_ids, attention, mask.shape[1], TEMPERATURE,
                                       with_entropy=True)

@@ -67,8 +67,7 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     unscored = torch.isnan(rewards_per_func).all(dim=1)
 
     def weighted(per_func: torch.Tensor) -> torch.Tensor:
-        summed = (per_func * weights.unsqueeze(0)).nansum(dim=1)
-        return torch.where(unscored, torch.full_like(summed, torch.nan), summed)
+        return weighted_rewards(per_func, weights, unscored)
 
     rewards = weighted(rewards_per_func)
     if aggregation == "normalize_then_sum":
@@ -84,7 +83,18 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     advantages = rewards - mean
     if scale != "none":
         advantages = advantages / (std + EPS)
-    return torch.nan_to_num(advantages, nan=0.0), _stats(rewards_per_func, rewards, std)
+    return torch.nan_to_num(advantages, nan=0.0), reward_stats(rewards_per_func, rewards, std)
+
+
+def weighted_rewards(per_func: torch.Tensor, weights: torch.Tensor,
+                     unscored: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] the weighted sum of each completion's rewards, a function's NaN left out; NaN for
+    a completion no function scored (`unscored`: which, default those of `per_func`)."""
+    if unscored is None:
+        unscored = torch.isnan(per_func).all(dim=1)
+    weights = weights.to(device=per_func.device, dtype=per_func.dtype)
+    summed = (per_func * weights.unsqueeze(0)).nansum(dim=1)
+    return torch.where(unscored, torch.full_like(summed, torch.nan), summed)
 
 
 def _normalize_then_sum(rewards_per_func: torch.Tensor, rewards: torch.Tensor, weighted,
@@ -97,12 +107,14 @@ def _normalize_then_sum(rewards_per_func: torch.Tensor, rewards: torch.Tensor, w
     normalised = weighted(((grouped - mean_k) / (std_k + EPS)).view(-1, funcs))
     std = nanstd(normalised).expand_as(normalised) if n > 1 else torch.zeros_like(normalised)
     advantages = (normalised - torch.nanmean(normalised)) / (std + EPS)
-    return torch.nan_to_num(advantages, nan=0.0), _stats(rewards_per_func, rewards, std)
+    return torch.nan_to_num(advantages, nan=0.0), reward_stats(rewards_per_func, rewards, std)
 
 
-def _stats(rewards_per_func: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor) -> dict:
-    """TRL's logged statistics of the raw weighted rewards; `std` is the one the advantages
-    were divided by (frac_reward_zero_std counts where it is zero)."""
+def reward_stats(rewards_per_func: torch.Tensor, rewards: torch.Tensor, std: torch.Tensor
+                 ) -> dict:
+    """TRL's logged statistics of the raw weighted rewards; `std`: the spreads whose zeros
+    frac_reward_zero_std counts (GRPO's, per completion, the one the advantages were divided
+    by; RLOO's, per group, of its penalised rewards)."""
     stats = {"reward": torch.nanmean(rewards), "reward_std": nanstd(rewards),
              "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean()}
     for i in range(rewards_per_func.shape[1]):

@@ -220,15 +220,9 @@ class GRPORun(TrainingRun):
         generated, self.samples = [], []
         size = t.per_device_train_batch_size
         for i, batch in enumerate(micro):
-            prompt_ids = batch["input_ids"].to(device)
-            prompt_mask = batch["attention_mask"].to(device)
             seeds = prompt_seeds(t.seed, self.progress.step, (i * d.world_size + d.rank) * size,
-                                 prompt_ids.shape[0])
-            with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
-                rolled = self.episodes.generate(prompt_ids, prompt_mask, batch["reward_inputs"],
-                                                g.num_generations, seeds)
-            generated.append((batch, *rolled.forward_prompts(prompt_ids, prompt_mask,
-                                                             g.num_generations), rolled))
+                                 batch["input_ids"].shape[0])
+            generated.append((batch, *self.generate(batch, seeds)))
         generated_at = time.perf_counter()
         scored = [self.score(batch, rolled) for batch, _, _, rolled in generated]
         per_func = torch.cat([rewards for rewards, _ in scored])
@@ -262,6 +256,16 @@ class GRPORun(TrainingRun):
         self.step_sums += values * step_targets
         self.rollout_targets += step_targets
         return batches
+
+    def generate(self, batch: dict, seeds: list[int]):
+        """(each rollout's prompt ids and mask, [B * G, P], and the rollouts) of a batch of
+        prompts, `num_generations` each, sampled with one seed per prompt."""
+        device, group = self.dist.device, self.g.num_generations
+        ids = batch["input_ids"].to(device)
+        mask = batch["attention_mask"].to(device)
+        with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
+            rolled = self.episodes.generate(ids, mask, batch["reward_inputs"], group, seeds)
+        return (*rolled.forward_prompts(ids, mask, group), rolled)
 
     def reward_stats(self, stats: dict) -> torch.Tensor:
         """TRL's per-step reward statistics in `step_names` order (one tensor per name)."""
@@ -314,13 +318,9 @@ class GRPORun(TrainingRun):
             at = [positions[k] for k in dead]
             batch = self.collate_fn(take_rows(self.prompt_rows, draw_rows(
                 t.seed, step, attempt, at, len(self.prompt_rows))))
-            ids = batch["input_ids"].to(d.device)
-            mask = batch["attention_mask"].to(d.device)
-            with torch.autocast(d.device.type, dtype=self.amp, enabled=self.amp is not None):
-                rolled = self.episodes.generate(ids, mask, batch["reward_inputs"], group,
-                                                refill_seeds(t.seed, step, attempt, at))
+            p_ids, p_mask, rolled = self.generate(batch, refill_seeds(t.seed, step, attempt, at))
             rewards, rows = self.score(batch, rolled)
-            new = self.completion_batch(*rolled.forward_prompts(ids, mask, group), rolled.done)
+            new = self.completion_batch(p_ids, p_mask, rolled.done)
             n = per_func.shape[0]
             index = torch.arange(n)
             for r, k in enumerate(dead):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.recipe.grpo.advantages import EPS, nanstd
+from engine.recipe.grpo.advantages import EPS, nanstd, reward_stats, weighted_rewards
 
 
 def leave_one_out_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor,
@@ -28,13 +28,10 @@ def leave_one_out_advantages(rewards_per_func: torch.Tensor, weights: torch.Tens
     """[N, F] rewards (NaN: not scored), [F] weights, [N] summed KL estimates (or None) ->
     ([N] advantages, logged statistics). N is a whole number of groups of `num_generations`
     consecutive completions."""
-    n, funcs = rewards_per_func.shape
+    n = rewards_per_func.shape[0]
     if num_generations < 2 or n % num_generations:
         raise ValueError(f"{n} completions are not whole groups of {num_generations} >= 2")
-    weights = weights.to(device=rewards_per_func.device, dtype=rewards_per_func.dtype)
-    unscored = torch.isnan(rewards_per_func).all(dim=1)
-    raw = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
-    raw = torch.where(unscored, torch.full_like(raw, torch.nan), raw)
+    raw = weighted_rewards(rewards_per_func, weights)
     rewards = raw if clip_range is None else raw.clamp(min=clip_range[0], max=clip_range[1])
     if beta and kl is not None:
         rewards = rewards - beta * kl.to(rewards.dtype)
@@ -46,9 +43,4 @@ def leave_one_out_advantages(rewards_per_func: torch.Tensor, weights: torch.Tens
     advantages = rewards - baselines
     if normalize:
         advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + EPS)
-    stats = {"reward": torch.nanmean(raw), "reward_std": nanstd(raw),
-             "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean()}
-    for i in range(funcs):
-        stats[f"rewards/{i}/mean"] = torch.nanmean(rewards_per_func[:, i])
-        stats[f"rewards/{i}/std"] = nanstd(rewards_per_func[:, i])
-    return torch.nan_to_num(advantages, nan=0.0), stats
+    return torch.nan_to_num(advantages, nan=0.0), reward_stats(rewards_per_func, raw, std)
