@@ -136,10 +136,20 @@ ROWS: list[compat.Rule] = [
     compat.Agree("grpo", ("delta", "epsilon_high"), _delta_above_the_clip,
                  example={"grpo.delta": 1.1}),
     compat.Refuse("grpo", "off_policy_mask_threshold", compat.When(
-        "num_iterations 1", lambda g: g.num_iterations == 1),
+        "num_iterations 1 without use_vllm",
+        lambda g: g.num_iterations == 1 and not g.use_vllm),
         "the completions are sampled from the weights being trained, so no completion is "
-        "off-policy and nothing would be masked; use num_iterations > 1",
+        "off-policy and nothing would be masked; use num_iterations > 1 (or use_vllm, whose "
+        "sampler's log-probabilities it then compares with, as TRL does)",
         used=lambda g: g.off_policy_mask_threshold is not None,
         example={"grpo.off_policy_mask_threshold": 0.5}),
+    compat.Refuse("grpo", "vllm_importance_sampling_mode", compat.When(
+        "loss_type vespo", lambda g: g.loss_type == "vespo"),
+        "vespo folds the token ratios into its completion weight itself; use token_truncate "
+        "or token_mask (TRL refuses the sequence modes with vespo too)",
+        used=lambda g: g.corrects_sampling
+        and g.vllm_importance_sampling_mode.startswith("sequence"),
+        example={"grpo.loss_type": "vespo", "grpo.use_vllm": True,
+                 "grpo.vllm_server_base_url": "http://127.0.0.1:8000"}),
 ]
 rollout_method(GRPOConfig, ROWS)

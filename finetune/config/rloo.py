@@ -49,6 +49,13 @@ class RLOOConfig(RolloutConfig):
         description="Clamp each completion's weighted reward to [low, high] before the KL "
         "penalty and the baseline (null: off).")
 
+    vllm_importance_sampling_correction: bool = Field(
+        False, fingerprint=True,
+        description="Off for rloo, and refused with use_vllm: TRL's RLOOTrainer applies no "
+        "importance-sampling correction (its loss is one clipped ratio per completion), so "
+        "the server's completions are trained on as they are. The mismatch is GRPO's to "
+        "correct (grpo.vllm_importance_sampling_correction).")
+
     @field_validator("reward_clip_range")
     @classmethod
     def _ordered(cls, value):
@@ -58,5 +65,14 @@ class RLOOConfig(RolloutConfig):
 
 
 #: rloo's own rows of the compatibility table (the shared ones are rollout_method's)
-ROWS: list[compat.Rule] = []
+ROWS: list[compat.Rule] = [
+    compat.Refuse("rloo", "vllm_importance_sampling_correction", compat.When(
+        "use_vllm true", lambda g: g.use_vllm),
+        "TRL's RLOOTrainer has no importance-sampling correction for its one ratio per "
+        "completion; set it false (training.type grpo corrects the sampler's mismatch)",
+        example={"training.type": "rloo", "data.dataset_type": "prompt",
+                 "registry.gate_metric": "eval.reward", "rloo.use_vllm": True,
+                 "rloo.vllm_server_base_url": "http://127.0.0.1:8000",
+                 "rloo.vllm_importance_sampling_correction": True}),
+]
 rollout_method(RLOOConfig, ROWS)

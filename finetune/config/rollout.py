@@ -22,6 +22,7 @@ from pydantic import field_validator, model_validator
 
 from finetune.config import compat
 from finetune.config.methods import Method, method_of, register_method
+from finetune.config.model import IA3_EXAMPLE
 from finetune.config.model_refs import REGISTERED_MODEL
 from finetune.config.reward_refs import BUILT_IN_REWARDS, reward_kind, reward_name
 from finetune.config.section import Field, Section
@@ -144,6 +145,60 @@ class RolloutConfig(Section):
         4, ge=1, fingerprint=False,
         description="The evaluate stage's k: pass@k over k completions sampled per held-out "
         "prompt at `temperature` (greedy pass@1 is reported too).")
+    use_vllm: bool = Field(
+        False, fingerprint=True,
+        description="Generate the rollouts on a vLLM server (TRL's name): an OpenAI-compatible "
+        "`vllm serve MODEL --enable-lora` at vllm_server_base_url, asked for each prompt's "
+        "completions with its seed, and sent the current LoRA adapter before each rollout that "
+        "follows an optimizer step (its runtime LoRA API); the server's log-probabilities of "
+        "the sampled tokens feed vllm_importance_sampling_correction. Needs peft.use_peft. "
+        "The in-training evaluation and the evaluate stage still generate in the process.")
+    vllm_mode: Literal["server", "colocate"] = Field(
+        "server", fingerprint=False,
+        description="How vLLM runs (TRL's name): server, a separate `vllm serve` process at "
+        "vllm_server_base_url (the only mode here; TRL's default is colocate, vLLM inside the "
+        "training processes, which is refused).")
+    vllm_server_base_url: str | None = Field(
+        None, fingerprint=False,
+        description="The vLLM server's base URL, e.g. http://127.0.0.1:8000 (TRL's name); "
+        "use_vllm needs it. The train stage asks it for /v1/models before any training.")
+    vllm_server_timeout: float = Field(
+        240.0, gt=0, fingerprint=False,
+        description="Seconds to wait for the vLLM server to answer before the run starts "
+        "(TRL's name and default); one that does not answer by then stops the train stage "
+        "with one line.")
+    vllm_importance_sampling_correction: bool = Field(
+        True, fingerprint=True,
+        description="Correct the mismatch between the server's log-probabilities of the "
+        "sampled tokens and the training forward's (TRL's name and default): the loss of each "
+        "token is multiplied by exp(log pi_old - log pi_vllm), per token or per completion, "
+        "truncated or masked as vllm_importance_sampling_mode says; logs "
+        "sampling/sampling_logp_difference/* and sampling/importance_sampling_ratio/*. Only "
+        "with use_vllm.")
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field(
+        "sequence_mask", fingerprint=True,
+        description="How the importance-sampling ratio is taken (TRL's names and default): "
+        "per token or per completion (the exp of the summed token log-ratios), and a ratio "
+        "outside [clip_min, clip_max] clamped to it (truncate) or set to 0 (mask).")
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None, fingerprint=True,
+        description="The importance-sampling ratio's lower bound C_min (TRL's name; null: "
+        "none): truncate modes clamp below it, mask modes zero what is below it.")
+    vllm_importance_sampling_clip_max: float | None = Field(
+        3.0, fingerprint=True,
+        description="The importance-sampling ratio's upper bound C_max (TRL's name and "
+        "default; null: none): truncate modes clamp above it, mask modes zero what is above "
+        "it.")
+
+    @field_validator("vllm_server_base_url")
+    @classmethod
+    def _a_url(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"'{url}' is not an http:// or https:// URL (e.g. "
+                             "http://127.0.0.1:8000)")
+        return url.rstrip("/") if url else url
+
     @field_validator("reward_funcs")
     @classmethod
     def _named(cls, refs: list[str]) -> list[str]:
@@ -170,6 +225,12 @@ class RolloutConfig(Section):
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def corrects_sampling(self) -> bool:
+        """The loss takes vLLM's importance-sampling correction (use_vllm and
+        vllm_importance_sampling_correction)."""
+        return self.use_vllm and self.vllm_importance_sampling_correction
 
 
 def rollout_section(cfg) -> RolloutConfig:
@@ -252,6 +313,109 @@ def _a_reward_source(g: RolloutConfig) -> str | None:
             "(get_reward)")
 
 
+def _a_server(g: RolloutConfig) -> str | None:
+    if not g.use_vllm or g.vllm_server_base_url:
+        return None
+    return ("use_vllm: true needs vllm_server_base_url, the vLLM server's URL (e.g. "
+            "http://127.0.0.1:8000, where `vllm serve MODEL --enable-lora` listens)")
+
+
+def _ordered_bounds(g: RolloutConfig) -> str | None:
+    low, high = g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max
+    if low is None or high is None or low < high:
+        return None
+    return (f"vllm_importance_sampling_clip_min {low} is not below "
+            f"vllm_importance_sampling_clip_max {high}; set it lower (TRL refuses it too)")
+
+
+def _a_truncation_bound(g: RolloutConfig) -> str | None:
+    if not (g.vllm_importance_sampling_correction
+            and g.vllm_importance_sampling_mode.endswith("_truncate")
+            and g.vllm_importance_sampling_clip_min is None
+            and g.vllm_importance_sampling_clip_max is None):
+        return None
+    return (f"vllm_importance_sampling_mode {g.vllm_importance_sampling_mode} clamps the ratio "
+            "to [vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max], and "
+            "both are null; set one (TRL's default clip_max is 3.0)")
+
+
+def vllm_rows(name: str, base: dict) -> list[compat.Rule]:
+    """use_vllm's rows for section `name`: what the server path cannot run, each refused."""
+    section = lambda c: getattr(c, name)  # noqa: E731
+    used = lambda c: c.training.type == name and section(c).use_vllm  # noqa: E731
+    on = {**base, f"{name}.use_vllm": True,
+          f"{name}.vllm_server_base_url": "http://127.0.0.1:8000"}
+    key = f"{name}.use_vllm"
+
+    def refuse(where: str, holds, why: str, extra: dict) -> compat.Refuse:
+        return compat.Refuse("config", key, compat.When(where, holds), why, used=used,
+                             example={**on, **extra})
+
+    plain_lora = ("vLLM's runtime LoRA API (/v1/load_lora_adapter) applies a plain LoRA "
+                  "adapter to the base model it serves")
+    return [
+        compat.Agree(name, ("use_vllm", "vllm_server_base_url"), _a_server,
+                     example={f"{name}.use_vllm": True}),
+        compat.Agree(name, ("vllm_importance_sampling_clip_min",
+                            "vllm_importance_sampling_clip_max"), _ordered_bounds,
+                     example={f"{name}.vllm_importance_sampling_clip_min": 3.0}),
+        compat.Agree(name, ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max"),
+                     _a_truncation_bound,
+                     example={f"{name}.vllm_importance_sampling_mode": "token_truncate",
+                              f"{name}.vllm_importance_sampling_correction": True,
+                              f"{name}.vllm_importance_sampling_clip_max": None}),
+        compat.Refuse(name, "vllm_mode", compat.When(
+            "use_vllm true", lambda g: g.use_vllm),
+            "vLLM colocate needs vLLM installed in the training process on a GPU, which this "
+            "pipeline does not run; start `vllm serve MODEL --enable-lora` and use vllm_mode "
+            "server with vllm_server_base_url", used=lambda g: g.vllm_mode == "colocate",
+            example={**on, f"{name}.vllm_mode": "colocate"}),
+        refuse("peft.use_peft false (full fine-tuning)", lambda c: not c.peft.use_peft,
+               "the server takes new weights only as a LoRA adapter through its runtime LoRA "
+               "API, so it would keep sampling from the base; train an adapter (peft.use_peft "
+               "true) or set use_vllm false", {"peft.use_peft": False}),
+        refuse("peft.peft_type IA3", lambda c: c.peft.use_peft and c.peft.peft_type != "LORA",
+               plain_lora + "; use peft_type LORA or use_vllm false",
+               IA3_EXAMPLE),
+        refuse("peft.use_dora", lambda c: c.peft.use_peft and c.peft.use_dora,
+               plain_lora + " (no DoRA magnitudes); set use_dora false or use_vllm false",
+               {"peft.use_dora": True}),
+        refuse("peft.init_lora_weights pissa or olora",
+               lambda c: c.peft.use_peft and isinstance(c.peft.init_lora_weights, str)
+               and c.peft.init_lora_weights.startswith(("pissa", "olora")),
+               plain_lora + ", and these move part of the base weights into the adapter; use "
+               "init_lora_weights true or use_vllm false",
+               {"peft.init_lora_weights": "olora"}),
+        refuse("peft.modules_to_save", lambda c: c.peft.use_peft and bool(c.peft.modules_to_save),
+               plain_lora + " (no fully trained modules); set modules_to_save null or use_vllm "
+               "false", {"peft.modules_to_save": ["lm_head"]}),
+        refuse("peft.target_parameters",
+               lambda c: c.peft.use_peft and bool(c.peft.target_parameters),
+               plain_lora + " over modules, not parameters; use target_modules or use_vllm "
+               "false", {"peft.target_parameters": ["mlp.experts.gate_up_proj"]}),
+        refuse(f"{name}.tools", lambda c: bool(section(c).tools),
+               "the tool loop joins turns and tool results into one completion in this "
+               "process and does not carry the server's log-probabilities across them; set "
+               "use_vllm false for tool runs",
+               {f"{name}.tools": ["m:f"], "data.prompt_template": None}),
+        refuse(f"{name}.environment_factory", lambda c: bool(section(c).environment_factory),
+               "an environment's episodes run the tool loop in this process, which does not "
+               "carry the server's log-probabilities across tool results; set use_vllm false "
+               "for environment runs",
+               {f"{name}.environment_factory": "m:Env", "data.prompt_template": None}),
+        refuse(f"{name}.dynamic_sampling", lambda c: section(c).dynamic_sampling,
+               "a refilled group's rows are joined by a path that does not carry the server's "
+               "log-probabilities; set dynamic_sampling false or use_vllm false",
+               {f"{name}.dynamic_sampling": True}),
+        refuse("distributed.strategy fsdp2, diloco or pipeline",
+               lambda c: c.distributed.strategy in ("fsdp2", "diloco", "pipeline"),
+               "the adapter sent to the server is saved whole by rank 0 (ddp and single keep "
+               "every rank's weights equal; sharded or per-worker weights are not); use "
+               "distributed.strategy ddp or single",
+               {"distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2}),
+    ]
+
+
 def shared_rows(name: str) -> list[compat.Rule]:
     """The rows every rollout method has, for its section `name`: within the section, and
     across the config where `training.type` is `name`."""
@@ -268,6 +432,7 @@ def shared_rows(name: str) -> list[compat.Rule]:
         lambda c: c.data.prompt_template is not None or bool(c.data.prompt_func))
     one_tool = [{"name": "f", "parameters": {"type": "object", "properties": {}}}]
     return [
+        *vllm_rows(name, base),
         compat.Agree(name, ("reward_weights", "reward_funcs"), _one_weight_per_function,
                      example={f"{name}.reward_weights": [1.0, 2.0]}),
         compat.Agree(name, ("reward_funcs", "environment_factory"), _a_reward_source,
