@@ -182,6 +182,7 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
     (its fingerprint hashes are cached for the worker). Rank 0 writes nothing until this
     passed (tasks/launch.py)."""
     check_user_code_and_machine(cfg, device_for(cfg))
+    check_rollout_server(cfg)
     if cfg.logging.profiler.enabled:
         check_traces_dir(cfg.logging, paths.project_root, (paths.trained, paths.checkpoints))
     if paths.train_data is not None:
@@ -199,6 +200,24 @@ def check_before_launch(cfg: FinetuneConfig, paths: RunPaths) -> None:
 
         plan_start(paths.checkpoints, lambda: fingerprint.of_run(cfg, paths), cfg.checkpoint,
                    cfg.distributed, log=lambda line: None, root=paths.project_root)
+
+
+def check_rollout_server(cfg: FinetuneConfig) -> None:
+    """A rollout method with use_vllm: its vLLM server answers `/v1/models` within
+    vllm_server_timeout seconds, or one line naming the key and the URL before any process
+    starts (the worker waits for it the same way: engine.rollout.vllm_server)."""
+    from finetune.config.rollout import ROLLOUT_SECTIONS, rollout_section
+
+    kind = cfg.training.type
+    if kind not in ROLLOUT_SECTIONS and ":" not in kind:
+        return
+    g = rollout_section(cfg)
+    if not g.use_vllm:
+        return
+    from engine.rollout.vllm_server import served_models
+
+    served_models(g.vllm_server_base_url, f"{g.SCOPE}.vllm_server_base_url",
+                  g.vllm_server_timeout)
 
 
 def check_world_size(cfg: FinetuneConfig, checkpoints: Path) -> None:

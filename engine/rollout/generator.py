@@ -2,11 +2,11 @@
 
 `Generator` is what a run asks for completions and `Completions` what it gets back, so the
 run does not change with the backend: `engine.rollout.local.LocalGenerator` generates in the
-training process with the live weights; a vLLM server (weights pushed after each optimizer
-step) would implement the same method. Conventions are TRL's (GRPOTrainer): completions of
-prompt 0 come first (`repeat_interleave` order); the completion mask covers the tokens up to
-and including the first EOS; a completion without EOS within `max_completion_length` is
-clipped.
+training process with the live weights; `engine.rollout.vllm_server.VLLMServerGenerator` asks
+a vLLM server (the adapter pushed to it after each optimizer step). Conventions are TRL's
+(GRPOTrainer): completions of prompt 0 come first (`repeat_interleave` order); the completion
+mask covers the tokens up to and including the first EOS; a completion without EOS within
+`max_completion_length` is clipped.
 """
 
 from __future__ import annotations
@@ -37,18 +37,25 @@ class Completions:
     #: of them failed (engine.rollout.multi_turn)
     tool_calls: torch.Tensor | None = None
     tool_failures: torch.Tensor | None = None
+    #: [N, T] float32, or None (LocalGenerator: the run's own forward is the sampler): the
+    #: log-probability the sampler gave each sampled token (a vLLM server's,
+    #: engine.rollout.vllm_server), 0 after the end, NaN where the sampler gave none; what
+    #: vLLM's importance-sampling correction compares the training forward's with
+    sampling_logps: torch.Tensor | None = None
 
 
 @runtime_checkable
 class Generator(Protocol):
     """What a run asks for completions (GRPO's rollout today); the seam for other backends.
 
-    `LocalGenerator` generates in this process with the policy's live weights. A later vLLM
-    generator (a `trl vllm-serve` style server, weights pushed to it after each optimizer step)
-    implements the same method: it takes the same left-padded prompts, returns the same
+    `LocalGenerator` generates in this process with the policy's live weights. The vLLM
+    server generator (the adapter pushed to the server after each optimizer step) implements
+    the same method: it takes the same left-padded prompts, returns the same
     `Completions` on the prompts' device, and honours the same `seed` and row order, so the run
-    does not change with the backend. Generators return no log-probabilities: the run computes
-    them with its own forward (its precision, its mode), which is what its loss differentiates.
+    does not change with the backend. The loss differentiates the run's own forward's
+    log-probabilities (its precision, its mode); a generator whose sampler is another engine
+    (engine.rollout.vllm_server) also returns that sampler's (`Completions.sampling_logps`), so
+    the run can correct for the mismatch (TRL's vllm_importance_sampling_correction).
     """
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

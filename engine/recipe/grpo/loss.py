@@ -34,6 +34,7 @@ divisor (summed over the step's micro-batches and ranks) makes the mean TRL take
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -156,14 +157,19 @@ class TokenLosses:
 
 def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
                  ref_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
-                 objective: Objective, entropy_mask: torch.Tensor | None = None
-                 ) -> TokenLosses:
+                 objective: Objective, entropy_mask: torch.Tensor | None = None,
+                 is_ratio: torch.Tensor | None = None,
+                 sampling_logps: torch.Tensor | None = None) -> TokenLosses:
     """The surrogate (`objective.loss_type`) plus the KL term, per token. `old_logps` None:
     the completions were sampled from these very weights (num_iterations 1), so the ratio is
     1 with the gradient of log pi (TRL uses logps.detach()). `kl_correction`: the KL term is
     weighted by the ratio r (TRL's use_bias_correction_kl: the unbiased reverse-KL
     gradient). The order of the steps is TRL's, so the clip flags see delta's cap.
-    `entropy_mask` ([N, T] bool, `high_entropy_mask`): the tokens the policy term keeps."""
+    `entropy_mask` ([N, T] bool, `high_entropy_mask`): the tokens the policy term keeps.
+    `is_ratio` ([N, T] or [N, 1], `importance_sampling_ratio`): vLLM's importance-sampling
+    correction, multiplying the policy term (vespo: folded into its completion weight), as
+    TRL does; `sampling_logps`: the sampler's log-probabilities (a vLLM server's), which the
+    off-policy mask compares with instead of `old_logps` (TRL's)."""
     o = objective
     old = logps.detach() if old_logps is None else old_logps
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -181,7 +187,7 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
     no = torch.zeros_like(coef_1, dtype=torch.bool)
     phi = None
     if o.loss_type == "vespo":
-        phi = vespo_weights(token_log_ratio, advantages, mask, o)
+        phi = vespo_weights(token_log_ratio, advantages, mask, o, is_ratio)
         per_token = -phi * advantages * logps
         low = high = no
     elif o.loss_type == "cispo":
@@ -199,10 +205,13 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
         low = (coef_1 < 1 - o.eps_low) & (advantages < 0)
         high = (coef_1 > 1 + o.eps_high) & (advantages > 0)
     if o.off_policy_mask_threshold is not None:
-        per_token = per_token * off_policy_mask(logps, old, advantages, mask,
+        behaviour = old if sampling_logps is None else sampling_logps
+        per_token = per_token * off_policy_mask(logps, behaviour, advantages, mask,
                                                 o.off_policy_mask_threshold)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask
+    if is_ratio is not None and o.loss_type != "vespo":
+        per_token = per_token * is_ratio
     if kl is not None:
         per_token = per_token + o.beta * kl
     return TokenLosses(per_token, kl, low, high, phi)
@@ -210,19 +219,118 @@ def token_losses(logps: torch.Tensor, old_logps: torch.Tensor | None,
 
 @torch.no_grad()
 def vespo_weights(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  o: Objective) -> torch.Tensor:
+                  o: Objective, is_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """[N, 1] VESPO's gamma weights phi(w) = exp(lambda + k log w - lambda w), normalised so
     phi(1) = 1, of each completion's ratio w = exp(sum of its token log-ratios), in log
-    space with TRL's clamps (log-ratios to [-20, 20], log w to [log 1e-8, 20])."""
+    space with TRL's clamps (log-ratios to [-20, 20], log w to [log 1e-8, 20]). With vLLM's
+    token-level `is_ratio`, w also carries pi_old / pi_vllm: the sum of its logs (each
+    clamped to [log 1e-8, 20]) over the row's positions is added to log w, as TRL adds it."""
     import math
 
     per_token = torch.clamp(log_ratio, -20.0, 20.0)
-    log_w = torch.clamp((per_token * mask).sum(-1, keepdim=True), math.log(1e-8), 20.0)
+    summed = (per_token * mask).sum(-1, keepdim=True)
+    if is_ratio is not None:
+        summed = summed + torch.clamp(torch.log(is_ratio), math.log(1e-8), 20.0).sum(
+            -1, keepdim=True)
+    log_w = torch.clamp(summed, math.log(1e-8), 20.0)
     nonneg = advantages >= 0
     k = torch.where(nonneg, o.vespo_k_pos, o.vespo_k_neg)
     lam = torch.where(nonneg, o.vespo_lambda_pos, o.vespo_lambda_neg).clamp(min=1e-4)
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
     return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+#: vLLM's importance-sampling statistics, TRL's names (logged at the steps that generate)
+SAMPLING_STATS = ("sampling/sampling_logp_difference/mean",
+                  "sampling/sampling_logp_difference/max",
+                  "sampling/importance_sampling_ratio/min",
+                  "sampling/importance_sampling_ratio/mean",
+                  "sampling/importance_sampling_ratio/max")
+
+
+@dataclass(frozen=True)
+class SamplingCorrection:
+    """vLLM's importance-sampling correction (TRL's vllm_importance_sampling_* settings)."""
+
+    mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | _mask
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+    @classmethod
+    def of(cls, g) -> "SamplingCorrection | None":
+        """The section's correction; None without use_vllm or with the correction off."""
+        if not g.corrects_sampling:
+            return None
+        return cls(g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min,
+                   g.vllm_importance_sampling_clip_max)
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.mode.startswith("sequence")
+
+
+@torch.no_grad()
+def importance_sampling_ratio(old_logps: torch.Tensor, sampling_logps: torch.Tensor,
+                              mask: torch.Tensor, c: SamplingCorrection) -> torch.Tensor:
+    """pi_old / pi_sampler of the sampled tokens: [N, T] per token, or [N, 1] per completion
+    (the exp of the summed masked token log-ratios) in the sequence modes. A token the sampler
+    gave no log-probability (NaN) counts as ratio 1. Truncate modes clamp the ratio to
+    [clip_min, clip_max] (a null bound: none); mask modes set a ratio outside it to 0. TRL's
+    formula (GRPOTrainer._generate_and_score_completions)."""
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    if c.per_sequence:
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if c.mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=c.clip_min, max=c.clip_max)
+    if c.mode.endswith("_mask"):
+        low = -math.inf if c.clip_min is None else c.clip_min
+        high = math.inf if c.clip_max is None else c.clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"vllm_importance_sampling_mode '{c.mode}': not one of token_truncate, "
+                     "token_mask, sequence_truncate, sequence_mask")
+
+
+@torch.no_grad()
+def sampling_stats(old_logps: list[torch.Tensor], sampling_logps: list[torch.Tensor],
+                   ratios: list[torch.Tensor], masks: list[torch.Tensor], per_sequence: bool,
+                   group=None) -> torch.Tensor:
+    """[5] float64, `SAMPLING_STATS` in order, over one rollout's micro-batches (lists of
+    each one's tensors) on every rank: this rank's mean and max of |log pi_old - log
+    pi_sampler| over its completion tokens (NaN ones left out), and the min, mean and max of
+    its importance-sampling ratios (per completion in the sequence modes, else over the
+    completion tokens); 0 for none. Across ranks as TRL gathers them: the differences' mean
+    of the ranks' means and max of their maxima, the ratios' NaN-ignoring min, mean and max
+    of the ranks' values."""
+    deltas, flat = [], []
+    for old, sampled, ratio, mask in zip(old_logps, sampling_logps, ratios, masks):
+        keep = mask.bool()
+        delta = (old - sampled).abs()
+        deltas.append(delta[keep & ~torch.isnan(delta)])
+        flat.append(ratio.flatten() if per_sequence else ratio[keep])
+    delta, ratio = torch.cat(deltas).double(), torch.cat(flat).double()
+    zero = torch.zeros((), dtype=torch.float64, device=delta.device)
+
+    def of(x, f):
+        return f(x) if x.numel() else zero
+
+    local = torch.stack([of(delta, torch.mean), of(delta, torch.max), of(ratio, torch.min),
+                         of(ratio, torch.mean), of(ratio, torch.max)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        torch.distributed.all_gather(parts, local, group=group)
+        ranks = torch.stack(parts)
+    else:
+        ranks = local.unsqueeze(0)
+
+    def nan_out(x, fill):
+        return torch.where(torch.isnan(x), torch.full_like(x, fill), x)
+
+    ratios_min = nan_out(ranks[:, 2], math.inf).min()
+    ratios_max = nan_out(ranks[:, 4], -math.inf).max()
+    return torch.stack([ranks[:, 0].mean(), ranks[:, 1].max(), ratios_min,
+                        ranks[:, 3].nanmean(), ratios_max])
 
 
 def entropy_token_mask(entropy: torch.Tensor, mask: torch.Tensor, objective: Objective

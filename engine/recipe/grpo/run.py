@@ -39,9 +39,11 @@ from engine.modeling.runtime import activation_offloading
 from engine.recipe.grpo.advantages import group_advantages
 from engine.recipe.grpo.batches import PROMPT_COLUMNS, collate_prompts, repeat_steps
 from engine.recipe.grpo.heldout import load_rewards, reward_metrics, rewards_key
-from engine.recipe.grpo.loss import (STAT_SLOTS, TOKEN_SLOTS, Objective, TokenLosses,
-                                     averaged_over, completion_logps, entropy_token_mask,
-                                     reduce, stat_means, token_losses, token_stat_sums)
+from engine.recipe.grpo.loss import (SAMPLING_STATS, STAT_SLOTS, TOKEN_SLOTS, Objective,
+                                     SamplingCorrection, TokenLosses, averaged_over,
+                                     completion_logps, entropy_token_mask,
+                                     importance_sampling_ratio, reduce, sampling_stats,
+                                     stat_means, token_losses, token_stat_sums)
 from engine.recipe.grpo.rollouts import load_grpo_environments, make_episodes, reward_weights
 from engine.recipe.reference import Reference
 from engine.recipe.run import TrainingRun
@@ -110,10 +112,9 @@ class GRPORun(TrainingRun):
             self.log(f"[train] {g.SCOPE}.beta > 0 with peft.use_peft false: the reference is a "
                      "frozen copy of the base model, a second model's memory on every rank")
         self.reference = Reference.of(self) if g.uses_reference else None
-        generator = LocalGenerator(
-            self.strategy.module, sampling_params(g),
-            eos_ids(self.tokenizer, self.strategy.module), self.tokenizer.pad_token_id,
-            all_finished=self.strategy.generation_done)
+        #: vLLM's importance-sampling correction (None: off, or no vLLM server)
+        self.correction = SamplingCorrection.of(g)
+        generator = self.make_generator()
         # multi-turn with grpo.tools or grpo.environment_factory: the completions are episodes
         # of turns and tool results (engine.recipe.grpo.rollouts)
         environments = load_grpo_environments(self.cfg)
@@ -137,7 +138,7 @@ class GRPORun(TrainingRun):
                            "completions/mean_length", "completions/clipped_ratio",
                            *(TOOL_STATS if self.episodes.counts_tools else ()),
                            *self.rollout_stats(), *(DYNAMIC if g.dynamic_sampling else ()),
-                           *TIMES)
+                           *(SAMPLING_STATS if self.correction else ()), *TIMES)
         device = self.dist.device
         self.step_sums = torch.zeros(len(self.step_names), dtype=torch.float64, device=device)
         #: the targets of the window's rollout steps: what the step values are averaged over
@@ -151,6 +152,61 @@ class GRPORun(TrainingRun):
         self.prompt_rows = None  # the train split's prompts, read when dynamic sampling draws
         self.samples_started = False  # SAMPLES_FILE not written by this run yet
         self.scored_at: float | None = None
+
+    def make_generator(self):
+        """What the rollout generates with: the policy in this process (LocalGenerator), or
+        with use_vllm a vLLM server (engine.rollout.vllm_server), waited for up to
+        vllm_server_timeout seconds and sent the adapter before each rollout that follows
+        an optimizer step (`sync_server`)."""
+        g, module = self.g, self.strategy.module
+        eos, pad = eos_ids(self.tokenizer, module), self.tokenizer.pad_token_id
+        self.server = None
+        if not g.use_vllm:
+            return LocalGenerator(module, sampling_params(g), eos, pad,
+                                  all_finished=self.strategy.generation_done)
+        from engine.rollout.vllm_server import ADAPTER_PREFIX, VLLMServerGenerator
+
+        self.server = VLLMServerGenerator(g.vllm_server_base_url, sampling_params(g), eos, pad,
+                                          key=f"{g.SCOPE}.vllm_server_base_url",
+                                          timeout=g.vllm_server_timeout)
+        #: the step whose weights the server has (None: none of this run's yet)
+        self.synced_step: int | None = None
+        # adapter names are unique to this run (vLLM keeps an adapter by name): rank 0's
+        # start time, the same on every rank
+        tag = [f"{ADAPTER_PREFIX}-{time.time_ns() % 10**12:012d}"]
+        if self.dist.world_size > 1:
+            torch.distributed.broadcast_object_list(tag, src=0)
+        self.adapter_tag = tag[0]
+        logs = self.paths.timings_file.parent if self.paths.timings_file else \
+            self.paths.trained.parent
+        self.adapter_root = logs / "vllm-adapters"
+        self.log(f"[train] rollouts on the vLLM server at {g.vllm_server_base_url} (model "
+                 f"'{self.server.base_model}'); the adapter is sent to it from "
+                 f"{self.adapter_root}")
+        return self.server
+
+    def sync_server(self) -> None:
+        """With use_vllm, before a rollout: the current adapter saved (rank 0, peft's
+        save_pretrained) and loaded on the server under a new name, which every rank's
+        requests then name; once per optimizer step, at the first rollout after it (and at
+        the run's first rollout, so a resumed run's server has its weights)."""
+        step = self.progress.step
+        if self.server is None or self.synced_step == step:
+            return
+        import shutil
+
+        name = f"{self.adapter_tag}-step{step}"
+        folder = self.adapter_root / name
+        if self.dist.is_main:
+            self.strategy.module.save_pretrained(str(folder))
+            self.server.load_adapter(name, folder.resolve())
+            for old in self.adapter_root.iterdir():  # the server holds what it loaded
+                if old.name != name and old.name.startswith(self.adapter_tag):
+                    shutil.rmtree(old, ignore_errors=True)
+        if self.dist.world_size > 1:
+            torch.distributed.barrier()
+            self.server.model = name
+        self.synced_step = step
 
     # -- what a rollout method replaces (engine.recipe.rloo.run) -----------------------
     def make_objective(self) -> Objective:
@@ -173,7 +229,8 @@ class GRPORun(TrainingRun):
         g, mask = self.g, batch["completion_mask"]
         losses = token_losses(logps, batch.get("old_logps"), batch.get("ref_logps"),
                               batch["advantages"], mask, self.objective,
-                              entropy_token_mask(entropy, mask, self.objective))
+                              entropy_token_mask(entropy, mask, self.objective),
+                              batch.get("is_ratio"), batch.get("sampling_logps"))
         return losses, reduce(g.loss_type, losses.per_token, mask, g.max_completion_length)[0]
 
     def check_positions(self) -> None:
@@ -219,6 +276,7 @@ class GRPORun(TrainingRun):
         started = time.perf_counter()
         generated, self.samples = [], []
         size = t.per_device_train_batch_size
+        self.sync_server()
         for i, batch in enumerate(micro):
             seeds = prompt_seeds(t.seed, self.progress.step, (i * d.world_size + d.rank) * size,
                                  batch["input_ids"].shape[0])
@@ -234,6 +292,10 @@ class GRPORun(TrainingRun):
             batches, per_func, columns = self.resample(batches, per_func, columns)
         for batch in batches:
             self.add_logps(module, batch)
+        corrected = () if self.correction is None else tuple(sampling_stats(
+            [b["old_logps"] for b in batches], [b["sampling_logps"] for b in batches],
+            [b["is_ratio"] for b in batches], [b["completion_mask"] for b in batches],
+            self.correction.per_sequence).to(device).unbind(0))
         advantages, stats = self.advantages(per_func, columns, batches)
         for batch, adv in zip(batches, advantages.split([len(b["input_ids"]) for b in batches])):
             batch["advantages"] = adv
@@ -251,7 +313,8 @@ class GRPORun(TrainingRun):
                                          *(stats[n] for n in TOOL_STATS
                                            if self.episodes.counts_tools),
                                          *(stats[n] for n in self.rollout_stats()),
-                                         *(stats[n] for n in DYNAMIC if g.dynamic_sampling)]),
+                                         *(stats[n] for n in DYNAMIC if g.dynamic_sampling),
+                                         *corrected]),
                             host])
         self.step_sums += values * step_targets
         self.rollout_targets += step_targets
@@ -394,16 +457,21 @@ class GRPORun(TrainingRun):
         mask = done.mask if done.trained is None else done.mask * done.trained
         if g.mask_truncated_completions:
             mask = mask * (~done.clipped).unsqueeze(1).to(mask.dtype)
-        return {"input_ids": torch.cat([prompt_ids, done.ids], dim=1),
-                "attention_mask": torch.cat([prompt_mask, done.mask.to(prompt_mask.dtype)],
-                                            dim=1),
-                "completion_mask": mask,
-                "labels": done.ids.masked_fill(mask == 0, IGNORE_INDEX)}
+        batch = {"input_ids": torch.cat([prompt_ids, done.ids], dim=1),
+                 "attention_mask": torch.cat([prompt_mask, done.mask.to(prompt_mask.dtype)],
+                                             dim=1),
+                 "completion_mask": mask,
+                 "labels": done.ids.masked_fill(mask == 0, IGNORE_INDEX)}
+        if done.sampling_logps is not None:  # a vLLM server's (engine.rollout.vllm_server)
+            batch["sampling_logps"] = done.sampling_logps.to(done.ids.device)
+        return batch
 
     def keeps_old_logps(self) -> bool:
         """Whether the rollout keeps the policy's log-probabilities at generation: for the
-        ratio after the weights moved (num_iterations > 1)."""
-        return self.g.num_iterations > 1
+        ratio after the weights moved (num_iterations > 1), and for vLLM's
+        importance-sampling correction, which compares them with the server's (TRL keeps
+        them then too)."""
+        return self.g.num_iterations > 1 or self.g.corrects_sampling
 
     def add_logps(self, module, batch: dict) -> None:
         """The log-probabilities the loss compares with, taken before the first update: the
@@ -418,6 +486,10 @@ class GRPORun(TrainingRun):
 
         if self.keeps_old_logps():
             batch["old_logps"] = logps(module, batch)
+        if self.correction is not None:  # vLLM's importance-sampling ratio (TRL's)
+            batch["is_ratio"] = importance_sampling_ratio(
+                batch["old_logps"], batch["sampling_logps"], batch["completion_mask"],
+                self.correction)
         if self.reference is not None:
             batch["ref_logps"] = self.reference.score(logps, batch)
 
