@@ -313,3 +313,64 @@ def test_through_peft_lora_in_train_mode(prompts):
 def test_sampling_params_refuse_nonsense(bad):
     with pytest.raises(ValueError):
         SamplingParams(**({"max_completion_length": 8} | bad))
+
+
+def test_the_preallocated_cache_gives_the_dynamic_caches_logits_bitwise(model, prompts):
+    """engine/rollout/kv_cache.py: keys and values written in place into buffers sized once
+    give the logits of Hugging Face's DynamicCache (torch.cat per token), bitwise, through a
+    padded prefill and ten decode steps; the cache repeats rows as DynamicCache does."""
+    from transformers.cache_utils import DynamicCache
+
+    from engine.rollout.kv_cache import PreallocatedLayer, preallocated_cache, repeat_rows
+
+    ids, mask = prompts
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    caches = [DynamicCache(config=model.config), preallocated_cache(model.config,
+                                                                    ids.shape[1] + 10)]
+    assert all(isinstance(layer, PreallocatedLayer) for layer in caches[1].layers)
+    logits = []
+    with torch.no_grad():
+        for cache in caches:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True)
+            repeat_rows(cache, 2)
+            steps, attention = [out.logits[:, -1]], mask.repeat_interleave(2, 0)
+            token, position = out.logits[:, -1].argmax(-1).repeat_interleave(2, 0)[:, None], \
+                positions[:, -1:].repeat_interleave(2, 0) + 1
+            for _ in range(10):
+                attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+                out = model(input_ids=token, attention_mask=attention, position_ids=position,
+                            past_key_values=cache, use_cache=True)
+                steps.append(out.logits[:, -1])
+                token, position = out.logits[:, -1].argmax(-1)[:, None], position + 1
+            logits.append(steps)
+    assert caches[1].get_seq_length() == ids.shape[1] + 10
+    for dynamic, preallocated in zip(*logits):
+        assert torch.equal(dynamic, preallocated)
+    with pytest.raises(ValueError, match="holds"):  # one position past its capacity
+        caches[1].layers[0].update(torch.zeros(6, 4, 1, 8), torch.zeros(6, 4, 1, 8))
+
+
+def test_a_shared_prefill_draws_what_one_prefill_per_row_draws(model, prompts):
+    """Each prompt is prefilled once and its cache repeated for its completions (the default);
+    with share_prefill=False every row is prefilled, as HF generate does. The first scores
+    agree to float32 rounding (a 1-row and a G-row matmul may round differently), and on these
+    prompts the sampled completions are the same tokens; a chunk that splits a group (batch
+    size 3, G 2) prefills per row and draws the same."""
+    ids, mask = prompts
+    params = SamplingParams(T, top_k=50)
+    runs = {share: LocalGenerator(model, params, [2], PAD, share_prefill=share).generate(
+        ids, mask, 4, [7, 8, 9]) for share in (True, False)}
+    for field in ("ids", "mask", "lengths", "clipped"):
+        assert torch.equal(getattr(runs[True], field), getattr(runs[False], field)), field
+    split = LocalGenerator(model, SamplingParams(T, temperature=0), [2], PAD, batch_size=3)
+    whole = LocalGenerator(model, SamplingParams(T, temperature=0), [2], PAD)
+    assert torch.equal(split.generate(ids, mask, 2, 0).ids, whole.generate(ids, mask, 2, 0).ids)
+    forwards = []
+    hook = model.register_forward_hook(lambda mod, args, kw, out: forwards.append(
+        kw["input_ids"].shape), with_kwargs=True)
+    try:
+        LocalGenerator(model, SamplingParams(2), [2], PAD).generate(ids, mask, 4, [1, 2, 3])
+    finally:
+        hook.remove()
+    assert forwards[0][0] == 3 and forwards[1] == (12, 1)  # 3 prompts prefilled, 12 rows decoded

@@ -2,14 +2,19 @@
 
 `LocalGenerator` generates in this process with the model being trained (a plain Hugging Face
 causal LM or a peft `PeftModel` around one), batched over every row at once with a KV cache:
-one prefill forward of the repeated prompts, then one forward per new token, each step's
+one prefill forward of the prompts, each prompt once, its cached keys and values then repeated
+for its num_generations rows (`share_prefill`), then one forward per new token into a cache
+written in place (engine.rollout.kv_cache: no per-token copy of the whole cache), each step's
 scores processed and drawn as Hugging Face `generate` does (engine.rollout.sampling).
 
 The same weights, prompts and seed give the same completions bitwise (on one device and
 software stack; on CUDA as far as the model's kernels are deterministic). With one seed for the
 call and unchunked, they are the tokens `model.generate(do_sample=True,
 num_return_sequences=G)` draws after `torch.manual_seed(seed)` (tests/test_grpo_generation.py
-and bench/grpo_generation.py check it on the CPU). With one seed per prompt, each prompt's
+and bench/grpo_generation.py check it on the CPU); generate prefills every repeated row, and a
+one-row prefill can round its last float32 bits differently from a G-row one (6.7e-6 at most on
+stories260K), so a near-tie could draw another token: `share_prefill=False` prefills as
+generate does. With one seed per prompt, each prompt's
 completions are drawn from its own generator: they do not depend on which other prompts share
 the call (the forwards stay batched; only the draw is one `torch.multinomial` per prompt).
 Through a peft LoRA model in float32 on the CPU the adapters are folded for the call
@@ -25,6 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.rollout.generator import Completions
+from engine.rollout.kv_cache import preallocated_cache, repeat_rows
 from engine.rollout.lora_merge import merged_lora
 from engine.rollout.sampling import SamplingParams, next_tokens, process_logits, token_presence
 
@@ -85,6 +91,8 @@ class LocalGenerator:
     often the loop checks whether every row has finished (None: every token on the CPU,
     STOP_CHECK_EVERY tokens elsewhere); it changes the work done, never the completions.
     `all_finished`: see the attribute.
+    `share_prefill`: prefill each prompt once and repeat its cache for its completions (where
+    a chunk holds whole groups); num_generations times less prefill compute and memory.
     `merge_adapters`: fold LoRA adapters into their layers' weights for the call
     (engine.rollout.lora_merge.merged_lora); None: where it keeps the arithmetic float32 and costs only host memory,
     i.e. on the CPU, with float32 weights, outside autocast, not sharded (FSDP2's DTensor
@@ -96,7 +104,7 @@ class LocalGenerator:
                  pad_token_id: int, batch_size: int | None = None, *,
                  stop_check_every: int | None = None,
                  all_finished: Callable[[torch.Tensor], bool] | None = None,
-                 merge_adapters: bool | None = None):
+                 merge_adapters: bool | None = None, share_prefill: bool = True):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
         if stop_check_every is not None and stop_check_every < 1:
@@ -113,6 +121,7 @@ class LocalGenerator:
         self.batch_size = batch_size
         self._logits_to_keep = _accepts_logits_to_keep(model)
         self.merge_adapters = merge_adapters
+        self.share_prefill = share_prefill
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -127,6 +136,8 @@ class LocalGenerator:
         rows = ids.shape[0]
         spans = _draw_spans(seed, prompt_ids.shape[0], num_generations, ids.device)
         chunk = self.batch_size or rows
+        # a chunk of whole groups prefills each prompt once (see share_prefill)
+        group = num_generations if self.share_prefill and chunk % num_generations == 0 else 1
 
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
@@ -134,7 +145,7 @@ class LocalGenerator:
         try:
             with merged_lora(self.model) if merge else contextlib.nullcontext():
                 parts = [self._generate_rows(ids[i:i + chunk], mask[i:i + chunk],
-                                             _in_chunk(spans, i, min(i + chunk, rows)))
+                                             _in_chunk(spans, i, min(i + chunk, rows)), group)
                          for i in range(0, rows, chunk)]
         finally:
             for module, training in modes:
@@ -168,9 +179,11 @@ class LocalGenerator:
         # float32 scores, as Hugging Face generate takes them; the last position only
         return out.logits[:, -1].float(), out.past_key_values
 
-    def _generate_rows(self, ids: torch.Tensor, mask: torch.Tensor, spans: list[Span]):
+    def _generate_rows(self, ids: torch.Tensor, mask: torch.Tensor, spans: list[Span],
+                       group: int = 1):
         """One chunk of rows: prefill, then one cached forward per token; `spans`: which
-        generator draws which of its rows (`_draw_spans`).
+        generator draws which of its rows (`_draw_spans`); `group`: how many consecutive rows
+        share one prompt (each group's prompt is prefilled once and its cache repeated).
         -> (ids [n, T], mask [n, T], finished [n]) with T = max_completion_length."""
         params, pad, device = self.params, self.pad_token_id, ids.device
         real = mask != 0
@@ -194,8 +207,13 @@ class LocalGenerator:
         finished = torch.zeros(n, dtype=torch.bool, device=device)
         check_every = self.stop_check_every or (1 if device.type == "cpu" else STOP_CHECK_EVERY)
 
-        logits, cache = self._forward(ids, attention[:, :prompt_len] if padded else None,
-                                      positions, None)
+        cache = preallocated_cache(getattr(self.model, "config", None), prompt_len + steps)
+        first = slice(None, None, group)  # one row per prompt
+        logits, cache = self._forward(ids[first], attention[first, :prompt_len] if padded
+                                      else None, positions[first], cache)
+        if group > 1:
+            logits = logits.repeat_interleave(group, dim=0)
+            repeat_rows(cache, group)
         seen = None
         if params.repetition_penalty != 1.0:
             seen = token_presence(ids, real, logits.shape[-1])
