@@ -80,8 +80,9 @@ class GRPOConfig(RolloutConfig):
         None, ge=0, fingerprint=True,
         description="DeepSeek-V3.2's off-policy sequence mask: a completion with a negative "
         "advantage whose mean log(pi_old / pi) over its tokens exceeds this leaves the loss "
-        "(null: off; e.g. 0.5). Needs num_iterations > 1: with 1 the policy is the sampler "
-        "and nothing would be masked.")
+        "(null: off; e.g. 0.5). Needs num_iterations > 1 (with 1 the policy is the sampler "
+        "and nothing would be masked) or use_vllm, whose server's log-probabilities it then "
+        "compares with (TRL's).")
     use_bias_correction_kl: bool = Field(
         True, fingerprint=True,
         description="Weight the KL term by the probability ratio, so its gradient is the "
