@@ -20,7 +20,11 @@ The rest of the family changes the surrogate (`Objective`, TRL's names and formu
 - top_entropy_quantile < 1 ("Beyond the 80/20 rule"): only the completion tokens whose entropy
   is at least that quantile of the micro-batch's (all ranks) train the policy term;
 - off_policy_mask_threshold (DeepSeek-V3.2): a negative-advantage completion whose mean
-  log(pi_old / pi) exceeds the threshold leaves the loss.
+  log(pi_old / pi) exceeds the threshold leaves the loss (pi_old: the sampler's, with vLLM);
+- with a vLLM server as the sampler (`SamplingCorrection`, TRL's
+  vllm_importance_sampling_correction): the policy term times the importance-sampling ratio
+  pi_old / pi_vllm, per token or per completion, truncated or masked to its bounds
+  (`importance_sampling_ratio`), and TRL's sampling/* statistics (`sampling_stats`).
 The log-probabilities are those of the tempered distribution (logits / temperature), the one
 the completions were sampled from. How the token losses become the step's loss is `loss_type`:
 `reduce` returns a micro-batch's loss *sum* and what it is averaged over, so the loop's

@@ -4,9 +4,11 @@ SFT run's hooks only (the loop, the strategies and the checkpoints are the SFT r
 - `columns`: a prompt split's token ids and its rows' other columns (`reward_inputs`, JSON);
 - batches: the loader's micro-batches hold prompts, left-padded (engine.recipe.grpo.batches);
 - `prepare_step`: the rollout. Each rank generates `num_generations` completions per prompt
-  of its share with the current weights (engine.rollout.local), the reward functions score
-  them (engine.rollout.rewards, engine.rollout.scoring), advantages are normalised per group
-  (engine.recipe.grpo.advantages), and with `num_iterations` > 1 or `beta` > 0 the
+  of its share with the current weights (engine.rollout.local; with `use_vllm` on a vLLM
+  server sent the adapter first, engine.rollout.vllm_server, and the loss then takes TRL's
+  importance-sampling correction: `sync_server`, engine.recipe.grpo.loss), the reward
+  functions score them (engine.rollout.rewards, engine.rollout.scoring), advantages are
+  normalised per group (engine.recipe.grpo.advantages), and with `num_iterations` > 1 or `beta` > 0 the
   log-probabilities at generation and of the reference are taken before the first update;
   with `grpo.tools` or `grpo.environment_factory` each completion is a tool-calling episode
   (engine.rollout.episodes, engine.recipe.grpo.rollouts: the tool results are in it, not
