@@ -60,7 +60,7 @@ def test_the_server_generates_what_the_local_generator_does(tiny, tmp_path):
         r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
     policy.save_pretrained(str(tmp_path / "adapter"))
     ids, mask = left_pad([tok(t)["input_ids"] for t in TEXTS], 0)
-    params = SamplingParams(max_completion_length=24, temperature=0.9, top_k=50)
+    params = SamplingParams(max_completion_length=16, temperature=0.9, top_k=50)
     # "." ends a completion too, here and not on the server (it stops at EOS only): the
     # generator cuts the server's rows after the first of its own EOS ids, as it must
     eos, seeds = eos_ids(tok, model) + [tok.convert_tokens_to_ids(".")], [11, 22, 33]
@@ -86,7 +86,7 @@ def test_the_server_generates_what_the_local_generator_does(tiny, tmp_path):
     # one request per prompt with its own seed, token ids in, log-probs of the sampled tokens
     assert (sent["model"], sent["n"], sent["seed"], sent["logprobs"]) == ("policy-1", 4, 33, 0)
     assert sent["return_tokens_as_token_ids"] and sent["top_k"] == 50
-    assert sent["temperature"] == 0.9 and sent["max_tokens"] == 24
+    assert sent["temperature"] == 0.9 and sent["max_tokens"] == 16
     assert local.sampling_logps is None
 
     full = torch.cat([ids.repeat_interleave(4, 0), local.ids], 1)
