@@ -374,3 +374,33 @@ def test_a_shared_prefill_draws_what_one_prefill_per_row_draws(model, prompts):
     finally:
         hook.remove()
     assert forwards[0][0] == 3 and forwards[1] == (12, 1)  # 3 prompts prefilled, 12 rows decoded
+
+
+def test_finished_rows_leave_the_forwards_and_the_others_draw_the_same(model, tok, prompts):
+    """Rows that emitted EOS leave the decode forwards once they are a quarter of the rows
+    still generating (their cache rows dropped); the draws stay full-size, so every other row
+    samples the tokens it samples with drop_finished=False, and with one seed for the call
+    (whose stream every row shares) too."""
+    ids, mask = prompts
+    eos = [tok.convert_tokens_to_ids("<0x0A>"), tok.convert_tokens_to_ids("!")]
+    params = SamplingParams(96, top_k=50)
+    for seed in ([4, 5, 6], 3):
+        rows = {}
+        for drop in (True, False):
+            seen = []
+            hook = model.register_forward_hook(lambda mod, args, kw, out: seen.append(
+                kw["input_ids"].shape[0]), with_kwargs=True)
+            try:
+                rows[drop] = LocalGenerator(model, params, eos, PAD, drop_finished=drop
+                                            ).generate(ids, mask, 4, seed)
+            finally:
+                hook.remove()
+            rows[drop, "forwards"] = seen
+        for field in ("ids", "mask", "lengths", "clipped"):
+            assert torch.equal(getattr(rows[True], field), getattr(rows[False], field)), field
+        lengths = rows[True].lengths
+        assert lengths.min() < lengths.max() - 8  # rows finished at different times
+        assert set(rows[False, "forwards"][1:]) == {12}
+        decoded = rows[True, "forwards"][1:]
+        assert decoded[-1] < 12 and decoded == sorted(decoded, reverse=True), decoded
+        assert sum(decoded) < sum(rows[False, "forwards"][1:])

@@ -93,6 +93,9 @@ class LocalGenerator:
     `all_finished`: see the attribute.
     `share_prefill`: prefill each prompt once and repeat its cache for its completions (where
     a chunk holds whole groups); num_generations times less prefill compute and memory.
+    `drop_finished`: rows that finished leave the forwards (at a stop check, once they are a
+    quarter of the rows still generating); their draws still happen, so the other rows draw
+    the same tokens.
     `merge_adapters`: fold LoRA adapters into their layers' weights for the call
     (engine.rollout.lora_merge.merged_lora); None: where it keeps the arithmetic float32 and costs only host memory,
     i.e. on the CPU, with float32 weights, outside autocast, not sharded (FSDP2's DTensor
@@ -104,7 +107,8 @@ class LocalGenerator:
                  pad_token_id: int, batch_size: int | None = None, *,
                  stop_check_every: int | None = None,
                  all_finished: Callable[[torch.Tensor], bool] | None = None,
-                 merge_adapters: bool | None = None, share_prefill: bool = True):
+                 merge_adapters: bool | None = None, share_prefill: bool = True,
+                 drop_finished: bool = True):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
         if stop_check_every is not None and stop_check_every < 1:
@@ -122,6 +126,7 @@ class LocalGenerator:
         self._logits_to_keep = _accepts_logits_to_keep(model)
         self.merge_adapters = merge_adapters
         self.share_prefill = share_prefill
+        self.drop_finished = drop_finished
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -219,6 +224,9 @@ class LocalGenerator:
             seen = token_presence(ids, real, logits.shape[-1])
             absorb = logits.shape[-1]  # the column for ids past the output vocabulary
         next_position = positions[:, -1:] + 1
+        #: the rows still generating, when some finished rows left the forwards (None: all);
+        #: scores and draws stay full-size, so every generator draws what it would otherwise
+        active = None
         for t in range(steps):
             scores = process_logits(logits, params, seen)
             if params.greedy or len(spans) == 1:
@@ -230,15 +238,39 @@ class LocalGenerator:
             out[:, t] = tokens
             keep[:, t] = (~finished).long()  # the EOS itself is kept
             finished |= torch.isin(tokens, eos)
-            if t + 1 == steps or ((t + 1) % check_every == 0
-                                  and self.all_finished(finished)):
+            if t + 1 == steps:
                 break
+            if (t + 1) % check_every == 0:
+                if self.all_finished(finished):
+                    break
+                active = self._leave(finished, active, cache)
             if seen is not None:
                 seen.scatter_(1, tokens.clamp(max=absorb)[:, None], True)
-            logits, cache = self._forward(
-                tokens[:, None], attention[:, :prompt_len + t + 1] if padded else None,
-                next_position + t, cache)
+            if active is None:
+                logits, cache = self._forward(
+                    tokens[:, None], attention[:, :prompt_len + t + 1] if padded else None,
+                    next_position + t, cache)
+                continue
+            rows, cache = self._forward(
+                tokens[active, None], attention[active, :prompt_len + t + 1] if padded else None,
+                next_position[active] + t, cache)
+            logits = rows.new_zeros((n, rows.shape[-1])).index_copy_(0, active, rows)
         return out, keep, finished
+
+    def _leave(self, finished: torch.Tensor, active: torch.Tensor | None, cache):
+        """Finished rows leave the forwards (their cache rows are dropped) once they are at
+        least a quarter of the rows still in them: fewer rows per forward, at the price of
+        one copy of the cache and a host sync at a stop check. -> the rows that stay."""
+        if not self.drop_finished:
+            return active
+        staying = (~finished).nonzero().squeeze(1)
+        now = finished.shape[0] if active is None else active.shape[0]
+        if 4 * (now - staying.shape[0]) < now:
+            return active
+        # the positions of the staying rows among the rows the cache holds now
+        kept = staying if active is None else torch.searchsorted(active, staying)
+        cache.batch_select_indices(kept)
+        return staying
 
 
 #: rows [start, end) of a call (or a chunk) whose tokens one generator draws, in row order
