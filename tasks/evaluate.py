@@ -27,6 +27,7 @@ from engine.evaluate import (
     transformers_model,
 )
 from finetune.datatypes import DataContext
+from finetune.datatypes.generations import generation_rows, score_generations
 from finetune.errors import PipelineError
 from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
@@ -149,49 +150,13 @@ def mlflow_metrics(metrics: dict) -> dict[str, float]:
 
 
 def _generation_rows(ws: Workspace) -> pd.DataFrame:
-    """The prompts and references each source's type makes of its formatted test rows (the
-    sources in order, column `part` numbering them), the first `eval.max_generation_samples`
-    of them."""
-    frames = []
-    for i, (name, data) in enumerate(ws.config.data.parts()):
-        test = (ws.layout.formatted / name if name else ws.layout.formatted) / "test.parquet"
-        if not test.exists():
-            raise PipelineError(f"{test} missing; run the format stage first")
-        frames.append(data.datatype.eval_rows(pd.read_parquet(test)).assign(part=i))
-    rows = pd.concat(frames, ignore_index=True)
-    limit = ws.config.eval.max_generation_samples
-    return rows.head(limit) if limit else rows
+    """The prompts and references of the formatted test rows (finetune.datatypes.generations:
+    the rows in-training evaluation draws its subset from)."""
+    return generation_rows(ws.config, ws.layout.formatted)
 
 
 def _score(ws: Workspace, rows: pd.DataFrame, predictions: list[str], ctx: DataContext
            ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Each source's type scores its own rows; sources of one type are scored together, and
-    several types' scores (means over rows) are combined weighted by their rows. Beside the
-    scores, each metric's per-row values where they cover every row (so their mean is the
-    score): one type's means over rows; with several types, a metric every type has for all
-    of its rows (the others, and metrics of the whole set such as macro-F1, get none)."""
-    parts = ws.config.data.parts()
-    groups: dict[type, list[int]] = {}
-    for i, part in enumerate(rows["part"]):
-        groups.setdefault(type(parts[part][1].datatype), []).append(i)
-    scored = []
-    for positions in groups.values():
-        datatype = parts[int(rows["part"].iloc[positions[0]])][1].datatype
-        args = ([predictions[i] for i in positions], rows["reference"].iloc[positions].tolist(),
-                ws.config.eval, ctx)
-        per_row = datatype.row_scores(*args) if ws.config.eval.bootstrap_samples else {}
-        scored.append((positions, datatype.score(*args), per_row))
-    if len(scored) == 1:
-        _, scores, per_row = scored[0]
-        return scores, {k: v for k, v in per_row.items() if len(v) == len(rows)}
-    combined = {key: sum(len(p) * scores.get(key, 0.0) for p, scores, _ in scored) / len(rows)
-                for key in {k for _, scores, _ in scored for k in scores}}
-    full = {}
-    for key in combined:
-        if all(len(per_row.get(key, ())) == len(p) for p, _, per_row in scored):
-            values = [0.0] * len(rows)
-            for positions, _, per_row in scored:
-                for i, v in zip(positions, per_row[key]):
-                    values[i] = v
-            full[key] = values
-    return combined, full
+    """Each source's type scores its own rows (finetune.datatypes.generations, the code
+    in-training evaluation scores with)."""
+    return score_generations(ws.config, rows, predictions, ctx)
