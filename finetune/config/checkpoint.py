@@ -6,9 +6,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+import re
+
+from pydantic import Field, field_validator
 
 from finetune.config.section import Section
+
+
+#: what checkpoint.metric_for_best_model may look like (which ones a run reports: the
+#: compatibility table, finetune/config/compat.py)
+EVAL_METRIC = re.compile(r"eval_[A-Za-z0-9_]+")
+#: the in-training metrics that are better lower
+LOWER_IS_BETTER = ("eval_loss", "eval_perplexity")
 
 
 class CheckpointConfig(Section):
@@ -60,12 +69,17 @@ class CheckpointConfig(Section):
         description="A fresh run moves the checkpoints already in the folder to "
         "<checkpoints>.previous/<time>; keep this many such sets (0: delete them).",
     )
-    metric_for_best_model: Literal["eval_loss", "eval_perplexity"] | None = Field(
-        None, description="Metric that ranks checkpoints (best kept, best loaded at end)."
+    metric_for_best_model: str | None = Field(
+        None, description="Metric that ranks checkpoints (best kept, best loaded at end) and "
+        "that early stopping watches: eval_loss, eval_perplexity, or with "
+        "eval.during_training_metrics a generation metric the evaluate stage reports for "
+        "eval.generation_metrics, as eval_<metric> (eval_exact_match, eval_rouge1, "
+        "eval_rouge2, eval_rougeL, eval_tool_name_match, eval_tool_arguments_match)."
     )
     greater_is_better: bool | None = Field(
-        None, description="Direction of metric_for_best_model (None: lower is better)."
-    )
+        None, description="Direction of metric_for_best_model (None: from the metric, as HF "
+        "does: eval_loss and eval_perplexity lower is better, the generation metrics "
+        "higher). An explicit value is used as given, also against the metric's direction.")
     load_best_model_at_end: bool = Field(
         False, description="Write the best checkpoint's weights as the trained model."
     )
@@ -76,6 +90,20 @@ class CheckpointConfig(Section):
         return "no" if self.save_strategy == "steps" and self.save_steps == 0 else (
             self.save_strategy)
 
+    @field_validator("metric_for_best_model")
+    @classmethod
+    def _an_eval_metric(cls, name: str | None) -> str | None:
+        if name is not None and not EVAL_METRIC.fullmatch(name):
+            raise ValueError(f"'{name}' is not an in-training evaluation metric: eval_loss, "
+                             "eval_perplexity, or eval_<metric> for a generation metric "
+                             "(eval_exact_match, eval_rouge1, eval_tool_name_match, ...)")
+        return name
+
     @property
     def higher_wins(self) -> bool:
-        return bool(self.greater_is_better)
+        """greater_is_better, or the metric's own direction when unset (HF: loss and
+        perplexity lower, the rest higher)."""
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return (self.metric_for_best_model is not None
+                and self.metric_for_best_model not in LOWER_IS_BETTER)

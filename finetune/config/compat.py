@@ -468,6 +468,87 @@ def _best_model_cadence(c) -> str | None:
     return None
 
 
+#: what in-training evaluation always reports (the loss over eval.eval_batches)
+LOSS_METRICS = ("eval_loss", "eval_perplexity")
+
+
+def _during_training_metrics(c) -> str | None:
+    """eval.during_training_metrics generates with the SFT run's model on a language model's
+    rows, and scores what eval.generation_metrics names."""
+    e = c.eval
+    if not e.during_training_metrics:
+        return None
+    from finetune.config.methods import method_of
+
+    key = "eval.during_training_metrics"
+    if not method_of(c.training.type).sft_evaluation:
+        return (f"{key}: training.type {c.training.type} evaluates with its own numbers "
+                "during training, not the generation metrics (set it to false)")
+    if c.data.task.classifier:
+        return (f"{key}: data.dataset_type {c.data.dataset_type} trains a classifier, which "
+                f"generates no text (set {key}: false)")
+    if not e.generation_metrics:
+        return (f"{key}: eval.generation_metrics is empty; name the metrics to score "
+                "(exact_match, rouge, tool_calls)")
+    if c.distributed.pipeline is not None:
+        return (f"{key}: the pipeline strategy splits the model across ranks and cannot "
+                "generate; set it to false")
+    return None
+
+
+def _in_training_metrics(c) -> tuple[str, ...]:
+    """What an in-training evaluation of this config reports (metric_for_best_model's
+    choices)."""
+    from finetune.datatypes.generations import generation_metric_names
+
+    generated = (generation_metric_names(c) if c.eval.during_training_metrics
+                 and not _during_training_metrics(c) else ())
+    return (*LOSS_METRICS, *(f"eval_{m}" for m in generated))
+
+
+def _best_metric_reported(c) -> str | None:
+    """checkpoint.metric_for_best_model names a metric that in-training evaluation reports."""
+    from finetune.datatypes.metrics import ROUGE_KEYS, TOOL_CALL_KEYS
+
+    metric = c.checkpoint.metric_for_best_model
+    if metric is None or metric in _in_training_metrics(c):
+        return None
+    key, name = "checkpoint.metric_for_best_model", metric.removeprefix("eval_")
+    needed = ("rouge" if name in ROUGE_KEYS else "tool_calls" if name in TOOL_CALL_KEYS
+              else name)
+    from finetune.datatypes.metrics import GENERATION_METRICS
+
+    known = needed in GENERATION_METRICS
+    if known and not c.eval.during_training_metrics:
+        return (f"{key} {metric} is a generation metric, not measured during training; set "
+                f"eval.during_training_metrics: true (or metric_for_best_model: eval_loss)")
+    if known and needed not in c.eval.generation_metrics:
+        return (f"{key} {metric} needs '{needed}' in eval.generation_metrics (now "
+                f"{c.eval.generation_metrics})")
+    return (f"{key} {metric} is not reported during training for data.dataset_type "
+            f"{c.data.dataset_type} (it reports {', '.join(_in_training_metrics(c))}); set "
+            "one of those")
+
+
+def _threshold_stderr(c) -> str | None:
+    """eval.early_stopping_threshold_stderr needs the watched metric's bootstrap stderr: a
+    generation metric measured during training, with eval.bootstrap_samples > 0."""
+    units = c.eval.early_stopping_threshold_stderr
+    if not units:
+        return None
+    key, metric = "eval.early_stopping_threshold_stderr", c.checkpoint.metric_for_best_model
+    if metric is None:
+        return f"{key} needs checkpoint.metric_for_best_model (the metric whose stderr it uses)"
+    if metric in LOSS_METRICS:
+        return (f"{key}: checkpoint.metric_for_best_model {metric} has no standard error "
+                "during training (the generation metrics of eval.during_training_metrics "
+                "do); use eval.early_stopping_threshold")
+    if not c.eval.bootstrap_samples:
+        return (f"{key}: {metric} has no standard error with eval.bootstrap_samples 0; set "
+                "eval.bootstrap_samples (e.g. 1000) or use eval.early_stopping_threshold")
+    return None
+
+
 def _unknown_fingerprint_key(c) -> str | None:
     from finetune.config.fingerprint import CONTENT_KEYS, config_part
 
@@ -926,6 +1007,18 @@ RULES: list[Rule] = [
           example={"checkpoint.load_best_model_at_end": True,
                    "checkpoint.metric_for_best_model": "eval_loss",
                    "eval.eval_strategy": "epoch"}),
+    Agree("config", ("eval.during_training_metrics", "training.type",
+                     "eval.generation_metrics", "distributed.strategy"),
+          _during_training_metrics,
+          example={"eval.during_training_metrics": True, "eval.generation_metrics": []}),
+    Agree("config", ("checkpoint.metric_for_best_model", "eval.during_training_metrics",
+                     "eval.generation_metrics", "data.dataset_type"), _best_metric_reported,
+          example={"checkpoint.metric_for_best_model": "eval_exact_match"}),
+    Agree("config", ("eval.early_stopping_threshold_stderr", "checkpoint.metric_for_best_model",
+                     "eval.bootstrap_samples"), _threshold_stderr,
+          example={"eval.early_stopping_threshold_stderr": 1.0,
+                   "checkpoint.metric_for_best_model": "eval_exact_match",
+                   "eval.during_training_metrics": True, "eval.bootstrap_samples": 0}),
     Agree("config", ("checkpoint.resume_ignore_changes",), lambda c: _unknown_fingerprint_key(c),
           example={"checkpoint.resume_ignore_changes": ["training.no_such_key"]}),
     # the machine (checked where the device is known)

@@ -74,6 +74,32 @@ class EvalConfig(Section):
     early_stopping_threshold: float = Field(
         0.0, ge=0, description="Minimum improvement that resets the patience counter."
     )
+    early_stopping_threshold_stderr: float = Field(
+        0.0, ge=0,
+        description="Minimum improvement that resets the patience counter, in standard errors "
+        "of the difference from the best (sqrt(se^2 + best_se^2), the bootstrap stderrs of a "
+        "generation metric measured during training, as registry.min_improvement_stderr "
+        "judges the gate); both thresholds must be met. Needs a metric_for_best_model that "
+        "is a generation metric (eval.during_training_metrics) and eval.bootstrap_samples > "
+        "0. 0: off.",
+    )
+    during_training_metrics: bool = Field(
+        False,
+        description="At every in-training evaluation, also greedy-generate on a seeded subset "
+        "of the evaluate stage's generation rows with the current weights and score them as "
+        "the evaluate stage does (eval.generation_metrics, with bootstrap stderrs): logged as "
+        "eval_<metric> and eval_<metric>_stderr (eval_exact_match, eval_rouge1, "
+        "eval_tool_name_match, ...), so checkpoint.metric_for_best_model and early stopping "
+        "may name them. Costs one generation pass per evaluation (eval_seconds).",
+    )
+    during_training_samples: int = Field(
+        32, gt=0,
+        description="The generation rows each in-training evaluation scores (with "
+        "during_training_metrics): the first N of a permutation of the evaluate stage's rows "
+        "(its first max_generation_samples) seeded by training.seed, the same rows at every "
+        "evaluation; N >= max_generation_samples: exactly the evaluate stage's rows. Split "
+        "across ranks (rank r: rows r, r + world, ...).",
+    )
     generation_metrics: list[Literal[GENERATION_METRICS]] = Field(
         default_factory=list,
         description="Metrics on greedy generations in the evaluate stage: exact_match (final "

@@ -55,6 +55,11 @@ class Method:
     #: the registry's gate metric when the params file names none (`registry.gate_metric`):
     #: one this method's evaluation reports (GRPO's eval.reward); None: eval.loss
     default_gate: str | None = None
+    #: whether its in-training evaluation is the SFT run's (the held-out loss, and with
+    #: eval.during_training_metrics the generation metrics: engine.recipe.sft.in_training);
+    #: a method that evaluates with its own numbers during training (DPO's rewards, GRPO's)
+    #: says False
+    sft_evaluation: bool = False
 
     @property
     def own_sections(self) -> tuple[str, ...]:
@@ -128,4 +133,4 @@ def method_of(name: str) -> Method:
     return Method(name, accepts=None)
 
 
-register_method(Method("sft"))
+register_method(Method("sft", sft_evaluation=True))
