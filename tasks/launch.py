@@ -61,6 +61,8 @@ def run_paths(ws: Workspace) -> RunPaths:
         train_identity=layout.tokenized / MANIFEST if streamed else None,
         # rows with class labels: the label map the format stage made, for the head
         labels=layout.tokenized / "labels.json" if ws.config.data.targets == "labels" else None,
+        # eval.during_training_metrics: the generation rows, as the evaluate stage reads them
+        formatted=layout.formatted if ws.config.eval.during_training_metrics else None,
     )
 
 

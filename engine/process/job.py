@@ -42,6 +42,10 @@ class RunPaths:
     #: reporters.MEASURED_METRICS) go, so `metrics_file` holds only what the params and data
     #: determine (the pipeline's DVC metrics file, hashed in dvc.lock); None: `metrics_file`
     timings_file: Path | None = None
+    #: the format stage's folder of formatted splits (each source's `test.parquet`), whose
+    #: generation rows eval.during_training_metrics scores (finetune.datatypes.generations);
+    #: None: no generation metrics during training
+    formatted: Path | None = None
 
     def to_json(self) -> dict[str, str | None]:
         return {k: None if v is None else str(v) for k, v in asdict(self).items()}

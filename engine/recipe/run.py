@@ -58,6 +58,7 @@ from engine.process.job import RunPaths
 from engine.process.preemption import current as armed_stop_signal
 from engine.recipe.model_setup import build_model
 from engine.recipe.sft.heldout import lm_metrics
+from engine.recipe.sft.in_training import GenerationMetrics
 from engine.recipe.trainers import register_trainer, run_class, trainer_class  # noqa: F401
 from engine.reporting.callbacks import TrainerControl
 from engine.reporting.monitor import Monitor, plan_after_step
@@ -69,7 +70,7 @@ from engine.state import fingerprint, trainer_state
 from finetune import numerics
 from finetune.config import FinetuneConfig
 from finetune.config.compat import check_machine
-from finetune.errors import PipelineError
+from finetune.errors import PipelineError, warn
 from finetune.files import atomic_dir, write_json_atomic
 
 Go = Callable[[], Any]
@@ -181,6 +182,8 @@ class TrainingRun:
         self.logged: LoggedWindow | None = None  # a row not yet emitted
         #: a scheduler's signal this process is armed for (engine.process.preemption)
         self.stop_signal = armed_stop_signal()
+        #: seconds this process spent in in-training evaluations (the final metrics')
+        self.eval_seconds = 0.0
 
     def log(self, line: str) -> None:
         if self.dist.is_main and self.cfg.logging.log_level in ("debug", "info"):
@@ -209,6 +212,7 @@ class TrainingRun:
         self.columns = (*type(self).columns, *kind_of(self.cfg).data_columns)
         self.eval_data = (load_tokenized(eval_path, self.columns)
                           if eval_path and eval_path.exists() else None)
+        self.generation_metrics = self.build_generation_metrics()
         self.open_batches, self.steps_per_epoch, self.epoch_len = self.open_train_data()
         self.max_steps = total_steps(self.cfg, self.steps_per_epoch)
         self.optimizer = self.strategy.build_optimizer()
@@ -218,6 +222,25 @@ class TrainingRun:
         self.scaler = torch.amp.GradScaler("cuda") if self.amp == torch.float16 else None
         self.start, self.history = trainer_state.start(self)
         self.start_step = self.progress.step
+
+    def build_generation_metrics(self) -> GenerationMetrics | None:
+        """eval.during_training_metrics: the generation subset, its prompts encoded once (only
+        where in-training evaluation runs); checkpoint.greater_is_better set against the
+        metric's own direction is kept, as HF keeps it, and said once."""
+        ck = self.cfg.checkpoint
+        if (ck.metric_for_best_model and ck.greater_is_better is not None
+                and self.dist.is_main):
+            own = ck.model_copy(update={"greater_is_better": None}).higher_wins
+            if own != ck.greater_is_better:
+                warn(f"checkpoint.greater_is_better {str(ck.greater_is_better).lower()} ranks "
+                     f"{ck.metric_for_best_model} {'higher' if ck.greater_is_better else 'lower'}"
+                     f" as better, against its own direction; kept as set (HF semantics)")
+        ev = self.cfg.eval
+        if not (ev.during_training_metrics and self.paths.formatted is not None
+                and self.eval_data is not None and ev.evaluates_in_training):
+            return None
+        return GenerationMetrics(self.cfg, self.paths.project_root, self.paths.formatted,
+                                 self.tokenizer, self.dist, self.labels)
 
     def prepare_model(self) -> None:
         """The model, its strategy, loss and batch layout (engine.recipe.model_setup's order)."""
@@ -556,6 +579,11 @@ class TrainingRun:
         return asked
 
     def evaluate(self) -> dict[str, float]:
+        """The held-out loss over eval.eval_batches and, with eval.during_training_metrics,
+        the generation metrics on their subset (engine.recipe.sft.in_training); logged with
+        `eval_seconds`, the time this evaluation took (a measurement of the machine: the
+        console, MLflow and the JSON lines have it, the curves and checkpoints do not)."""
+        started = time.perf_counter()
         with self.meter.pause():
             ev = self.strategy.evaluate_loss(self.eval_data,
                                              self.cfg.training.per_device_eval_batch_size,
@@ -563,10 +591,15 @@ class TrainingRun:
                                              self.cfg.eval.eval_batches, self.amp,
                                              loss_sum_fn=self.loss and self.loss.eval_loss_sum,
                                              collate_fn=self.eval_collate)
-        evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]}
+            generated = (self.generation_metrics.measure(self.strategy.module, self.amp)
+                         if self.generation_metrics is not None else {})
+        evaluated = {"eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"], **generated}
         self.monitor.update(evaluated, self.progress.step)
+        seconds = time.perf_counter() - started
+        self.eval_seconds += seconds
         if self.reporters:
-            self.reporters.on_log(self.state, {"eval_loss": ev["loss"]})
+            self.reporters.on_log(self.state, {"eval_loss": ev["loss"], **generated,
+                                               "eval_seconds": round(seconds, 3)})
             self.reporters.on_evaluate(self.state, evaluated)
         return evaluated
 
@@ -615,6 +648,7 @@ class TrainingRun:
             **({"num_input_tokens_seen": progress.tokens_seen}
                if cfg.logging.include_num_input_tokens_seen else {}),
             "train_runtime": round(runtime, 3),
+            "eval_seconds": round(self.eval_seconds, 3),  # this process's evaluations
             "first_step_unix": self.first_step_at,  # benchmarks: launch to first step
             "trainable_params": self.trainable,
             "total_params": self.total,

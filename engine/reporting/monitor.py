@@ -7,8 +7,11 @@ checkpoints, so a resumed run stops at the same step as an uninterrupted one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from finetune.errors import PipelineError
 
 
 def due(strategy: str, every: int, step: int, epoch_end: bool, last: bool) -> bool:
@@ -74,8 +77,12 @@ class Monitor:
     higher_wins: bool = False
     patience: int | None = None
     threshold: float = 0.0
+    #: eval.early_stopping_threshold_stderr: the improvement must also exceed this many
+    #: standard errors of the difference from the best (the metric's `<metric>_stderr`)
+    threshold_stderr: float = 0.0
     best: float | None = None
     best_step: int | None = None
+    best_stderr: float | None = None
     bad_evals: int = 0
 
     @classmethod
@@ -83,7 +90,8 @@ class Monitor:
         return cls(metric=cfg.checkpoint.metric_for_best_model,
                    higher_wins=cfg.checkpoint.higher_wins,
                    patience=cfg.eval.early_stopping_patience,
-                   threshold=cfg.eval.early_stopping_threshold)
+                   threshold=cfg.eval.early_stopping_threshold,
+                   threshold_stderr=cfg.eval.early_stopping_threshold_stderr)
 
     @property
     def best_by(self) -> tuple[str, bool] | None:
@@ -91,25 +99,38 @@ class Monitor:
         return (self.metric, self.higher_wins) if self.metric else None
 
     def update(self, metrics: dict[str, float], step: int) -> None:
-        """HF semantics: any improvement is the new best; only one above `threshold` resets
+        """HF semantics: any improvement is the new best; only one above `threshold` (and,
+        with `threshold_stderr`, above that many standard errors of the difference from the
+        best: sqrt(se^2 + best_se^2), as the registry gate's min_improvement_stderr) resets
         the patience counter."""
         if self.metric is None or self.metric not in metrics:
             return
         value = metrics[self.metric]
+        stderr = metrics.get(f"{self.metric}_stderr")
+        if self.threshold_stderr and stderr is None:
+            raise PipelineError(
+                f"eval.early_stopping_threshold_stderr: {self.metric} has no standard error "
+                "at this evaluation (its values do not cover every generation row, or "
+                "fewer than 2 rows); use eval.early_stopping_threshold")
         if self.best is None:
-            self.best, self.best_step, self.bad_evals = value, step, 0
+            self.best, self.best_step, self.best_stderr, self.bad_evals = value, step, stderr, 0
             return
         gain = value - self.best if self.higher_wins else self.best - value
+        needed = self.threshold
+        if self.threshold_stderr:
+            needed = max(needed, self.threshold_stderr * math.hypot(stderr, self.best_stderr or 0.0))
+        improved = gain > self.threshold and gain > needed
         if gain > 0:
-            self.best, self.best_step = value, step
-        self.bad_evals = 0 if gain > self.threshold else self.bad_evals + 1
+            self.best, self.best_step, self.best_stderr = value, step, stderr
+        self.bad_evals = 0 if improved else self.bad_evals + 1
 
     @property
     def should_stop(self) -> bool:
         return self.patience is not None and self.bad_evals >= self.patience
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k in ("best", "best_step", "bad_evals")}
+        return {k: v for k, v in asdict(self).items()
+                if k in ("best", "best_step", "best_stderr", "bad_evals")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from finetune.datatypes.metrics import ROUGE_KEYS, TOOL_CALL_KEYS
 from engine.reporting.callbacks import Callback, CallbackList, TrainState, load_user_callback
 
 TRAIN_FIELDS = ["step", "epoch", "loss", "learning_rate", "grad_norm", "num_input_tokens_seen"]
@@ -22,15 +23,19 @@ TRAIN_FIELDS = ["step", "epoch", "loss", "learning_rate", "grad_norm", "num_inpu
 #: the JSON lines have them)
 NOT_PLOTTED = ("comm_bytes_per_step",)
 EVAL_FIELDS = ["step", "eval_loss"]
+#: eval.during_training_metrics' scores: eval.csv has a column for each logged (and its
+#: `_stderr`); a method's own eval_ statistics stay off the curves, as before
+GENERATED = ("exact_match", *ROUGE_KEYS, *TOOL_CALL_KEYS)
 #: logged values that measure the machine (wall clock, throughput, memory), not the run: the
 #: console, MLflow and the JSON lines have them; train.csv and the checkpoints' history leave
 #: them out, so two runs of the same params write the same bytes there (DVC hashes the
 #: trained model's, git tracks train.csv)
-MEASURED = ("tokens_per_second", "memory_rss_mb", "cuda_max_memory_allocated_mb")
+MEASURED = ("tokens_per_second", "memory_rss_mb", "cuda_max_memory_allocated_mb",
+            "eval_seconds")
 #: the final metrics of that kind (RunPaths.timings_file)
 MEASURED_METRICS = ("train_runtime", "first_step_unix", "train_tokens_per_second",
                     "train_steps_per_second", "speed_metrics_start_step", "memory_rss_mb",
-                    "cuda_max_memory_allocated_mb")
+                    "cuda_max_memory_allocated_mb", "eval_seconds")
 
 
 def measured(key: str) -> bool:
@@ -62,8 +67,12 @@ class History(Callback):
         # get columns too
         own = [k for k in dict.fromkeys(k for row in self.rows if "loss" in row for k in row)
                if k not in TRAIN_FIELDS and k not in NOT_PLOTTED and not measured(k)]
+        # eval.during_training_metrics: eval_<metric> and its stderr, in the order logged
+        scored = [k for k in dict.fromkeys(k for row in self.rows if "eval_loss" in row
+                                           for k in row)
+                  if k.removeprefix("eval_").removesuffix("_stderr") in GENERATED]
         for name, fields, key in (("train.csv", TRAIN_FIELDS + own, "loss"),
-                                  ("eval.csv", EVAL_FIELDS, "eval_loss")):
+                                  ("eval.csv", EVAL_FIELDS + scored, "eval_loss")):
             final = self.plots_dir / name
             tmp = final.with_name(f".{name}.tmp-{os.getpid()}")
             with open(tmp, "w", newline="") as fh:

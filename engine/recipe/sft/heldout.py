@@ -103,21 +103,30 @@ def loss_stderrs(result: dict, samples: int, seed: int) -> dict:
 
 def generate(held: HeldOut, model, rows, on_batch: Callable[[], None] | None = None
              ) -> list[str]:
-    ev, tok = held.cfg.eval, held.tokenizer
-    limit = max_positions(held.cfg.model, held.root)
+    prompts, extras = generation_inputs(held.cfg, held.root, held.tokenizer, rows)
+    return greedy_generate(model, held.tokenizer, prompts,
+                           held.cfg.training.per_device_eval_batch_size,
+                           held.cfg.eval.generation_max_new_tokens, on_batch=on_batch,
+                           generated_from=kind_of(held.cfg).generated_from, extras=extras)
+
+
+def generation_inputs(cfg, root, tok, rows) -> tuple[list[list[int]], Callable | None]:
+    """The generation rows' prompts as the model kind encodes them (as in training; too long
+    ones keep their end, leaving eval.generation_max_new_tokens of the model's positions),
+    and the kind's further inputs (a vision-language model's images), or None: what
+    `greedy_generate` takes, for the evaluate stage and in-training evaluation alike."""
+    ev = cfg.eval
+    limit = max_positions(cfg.model, root)
     room = limit - ev.generation_max_new_tokens if limit else None
     if room is not None and room < 1:
         raise PipelineError(
             f"eval.generation_max_new_tokens {ev.generation_max_new_tokens} leaves no room for "
             f"a prompt in the model's {limit} positions; lower it"
         )
-    kind = kind_of(held.cfg)
-    processor = kind.processor(tok, held.cfg.model, held.root)
-    prompts, extras = kind.prompt_inputs(processor, rows, room, held.root) or (
+    kind = kind_of(cfg)
+    processor = kind.processor(tok, cfg.model, root)
+    return kind.prompt_inputs(processor, rows, room, root) or (
         encode_prompts(tok, rows["prompt"].tolist(), room), None)
-    return greedy_generate(model, tok, prompts, held.cfg.training.per_device_eval_batch_size,
-                           ev.generation_max_new_tokens, on_batch=on_batch,
-                           generated_from=kind.generated_from, extras=extras)
 
 
 def samples(rows, generations: dict[str, list[str]], n: int) -> list[dict]:
