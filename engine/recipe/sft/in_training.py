@@ -33,13 +33,24 @@ from finetune.errors import PipelineError
 
 class _SyncedGenerate:
     """The model, with `generate(synced_gpus=True)`: a rank whose rows finished keeps running
-    forwards until every rank's did (the gathers inside FSDP2's forward are collectives)."""
+    forwards until every rank's did (the gathers inside FSDP2's forward are collectives).
+    A model whose root is sharded (FSDP2's `fully_shard`, which has `unshard`) has its root's
+    own parameters (embeddings, norm, head) gathered for the whole call: `generate` runs the
+    wrapped transformers model's forward, not the root's, whose hook would gather them; each
+    sharded block still gathers its own in its forward."""
 
     def __init__(self, model: torch.nn.Module):
         self._model = model
 
     def generate(self, **kwargs):
-        return self._model.generate(synced_gpus=True, **kwargs)
+        unshard = getattr(self._model, "unshard", None)
+        if unshard is not None:
+            unshard()
+        try:
+            return self._model.generate(synced_gpus=True, **kwargs)
+        finally:
+            if unshard is not None:
+                self._model.reshard()
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)

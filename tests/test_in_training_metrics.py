@@ -1,0 +1,182 @@
+"""Generation metrics during training (eval.during_training_metrics): the number logged at a
+step is the evaluate stage's on those weights and rows, early stopping and the best checkpoint
+follow them (with a threshold in standard errors), a resumed run stops where an uninterrupted
+one does, validate refuses what a run would not report, and 2 processes log what 1 does."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+
+from helpers import (adapter, refused_here, resume_cut_back, stages_here, train_copy_here,
+                     train_here, train_in_place, train_metrics, write_params)
+
+#: rouge scores above 0 on the shipped stories260K; exact_match stays 0 there
+GENERATING = {"eval.during_training_metrics": True,
+              "eval.generation_metrics": ["exact_match", "rouge"],
+              "eval.generation_max_new_tokens": 16}
+ROUGE = ("rouge1", "rouge2", "rougeL")
+
+
+def _eval_rows(project) -> list[dict]:
+    with open(project / "data/plots/eval.csv") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_the_subset_is_seeded_and_the_same_at_every_draw():
+    from finetune.datatypes.generations import training_subset
+
+    rows = pd.DataFrame({"prompt": [f"p{i}" for i in range(20)], "reference": list(range(20))})
+    a, b = training_subset(rows, 5, seed=7), training_subset(rows, 5, seed=7)
+    assert a.equals(b) and len(a) == 5
+    assert list(a["reference"]) == sorted(a["reference"])  # the rows' own order
+    assert not a.equals(training_subset(rows, 5, seed=8))
+    assert training_subset(rows, 20, seed=7).equals(rows)  # all of them: the rows as they are
+    assert training_subset(rows, 50, seed=7).equals(rows)
+
+
+def test_the_logged_number_is_the_evaluate_stage_s_on_those_weights(tokenized, tmp_path):
+    """during_training_samples = max_generation_samples: the same rows, in the same order, so
+    the step-3 checkpoint's logged eval_<metric> and its stderr equal the evaluate stage's
+    numbers for the trained model (the step-3 weights)."""
+    project, out = train_here(tokenized, tmp_path / "p", {
+        **GENERATING, "eval.max_generation_samples": 8, "eval.during_training_samples": 8,
+        "training.max_steps": 3, "eval.eval_steps": 3, "checkpoint.save_steps": 3,
+        "eval.num_logged_samples": 0, "eval.contamination_ngram": None})
+    last = _eval_rows(project)[-1]
+    assert last["step"] == "3" and (project / "data/checkpoints/step-0000003").is_dir()
+    assert "eval_seconds=" in out.stdout
+    assert train_metrics(project)["eval_seconds"] > 0
+    assert "eval_seconds" not in last  # a measurement of the machine: off the curves
+    stages_here(project, "evaluate")
+    stage = json.loads((project / "data/metrics/eval.json").read_text())["finetuned"]
+    assert float(last["eval_rouge1"]) > 0
+    for name in ("exact_match", *ROUGE):
+        assert float(last[f"eval_{name}"]) == stage[name], name
+        assert float(last[f"eval_{name}_stderr"]) == stage[f"{name}_stderr"], name
+
+
+#: eval and save every step; rouge1 must gain 50 standard errors of the difference to count
+#: as an improvement, which it never does: patience 2 stops at step 3
+STALLS = {**GENERATING, "eval.during_training_samples": 6, "training.max_steps": 10,
+          "eval.eval_steps": 1, "checkpoint.save_steps": 1, "checkpoint.save_total_limit": 2,
+          "checkpoint.metric_for_best_model": "eval_rouge1",
+          "eval.early_stopping_patience": 2, "eval.early_stopping_threshold_stderr": 50.0,
+          "checkpoint.load_best_model_at_end": True}
+
+
+@pytest.fixture(scope="module")
+def stalled(tokenized, tmp_path_factory):
+    return train_here(tokenized, tmp_path_factory.mktemp("stall") / "p", STALLS)
+
+
+def test_early_stopping_and_the_best_checkpoint_follow_the_generation_metric(stalled,
+                                                                             tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    project, out = stalled
+    rows = _eval_rows(project)
+    assert [r["step"] for r in rows] == ["1", "2", "3"]
+    assert "[train] early stopping at step 3: eval_rouge1" in out.stdout
+    scores = [float(r["eval_rouge1"]) for r in rows]
+    # it rose at step 2, by less than 50 standard errors: without the stderr threshold that
+    # gain would have reset the patience counter and the run would not stop at step 3
+    assert scores[1] > scores[0] and float(rows[1]["eval_rouge1_stderr"]) > 0
+    best = 1 + scores.index(max(scores))  # higher is better: derived from the metric
+    m = train_metrics(project)
+    assert (m["best_step"], m["best_eval_rouge1"], m["loaded_best_step"]) == (
+        best, max(scores), best)
+    dcp_to_torch_save(project / f"data/checkpoints/step-{best:07d}", tmp_path / "best.pt")
+    saved = torch.load(tmp_path / "best.pt", weights_only=False)["model"]
+    trained = adapter(project)
+    assert trained
+    for key, value in trained.items():
+        assert torch.equal(saved[key.replace(".weight", ".default.weight")], value), key
+
+
+def test_a_resumed_run_stops_where_the_uninterrupted_one_did(stalled, tmp_path):
+    """Cut back to the step-2 checkpoint (best and patience counter mid-way) and resumed: the
+    same stop, the same best, bitwise the same weights and curves."""
+    full, _ = stalled
+    out = resume_cut_back(full, tmp_path, 2, train_in_place)
+    assert "[train] early stopping at step 3" in out
+    cut = tmp_path / "cut"
+    a, b = train_metrics(full), train_metrics(cut)
+    assert (b["global_step"], b["best_step"], b["best_eval_rouge1"]) == (
+        a["global_step"], a["best_step"], a["best_eval_rouge1"])
+    assert _eval_rows(cut) == _eval_rows(full)
+
+
+@pytest.mark.parametrize("params, named", [
+    ({"checkpoint.metric_for_best_model": "eval_exact_match"},
+     "checkpoint.metric_for_best_model eval_exact_match is a generation metric, not measured "
+     "during training; set eval.during_training_metrics: true"),
+    ({**GENERATING, "checkpoint.metric_for_best_model": "eval_tool_name_match"},
+     "checkpoint.metric_for_best_model eval_tool_name_match needs 'tool_calls' in "
+     "eval.generation_metrics"),
+    ({**GENERATING, "checkpoint.metric_for_best_model": "eval_rouge1",
+      "eval.early_stopping_patience": 2, "eval.early_stopping_threshold_stderr": 1.0,
+      "eval.bootstrap_samples": 0},
+     "eval.early_stopping_threshold_stderr: eval_rouge1 has no standard error with "
+     "eval.bootstrap_samples 0"),
+    ({"checkpoint.metric_for_best_model": "eval_loss", "eval.early_stopping_patience": 2,
+      "eval.early_stopping_threshold_stderr": 1.0},
+     "eval.early_stopping_threshold_stderr: checkpoint.metric_for_best_model eval_loss has "
+     "no standard error during training"),
+    ({"eval.during_training_metrics": True, "data.dataset_type": "classification",
+      "data.prompt_template": None, "data.completion_template": None,
+      "eval.generation_metrics": []}, "eval.during_training_metrics: data.dataset_type "
+     "classification trains a classifier"),
+])
+def test_validate_and_the_train_stage_refuse_what_a_run_would_not_report(
+        project, params, named, capsys, monkeypatch):
+    """`finetune validate` (in this process: its exit code and one error line) and the train
+    stage both refuse, naming the key and what to set."""
+    from flows.cli import main
+
+    write_params(project, params)
+    monkeypatch.chdir(project)
+    code = main(["validate"])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert named in errors[0], errors[0]
+    line = refused_here(project, "train")
+    assert named in line, line
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp2"])
+def test_two_processes_log_what_one_does(tokenized, tmp_path, strategy):
+    """FSDP2 on 2 torchrun processes (gloo): each rank generates its rows in lockstep (the
+    model also ends a text at '.', so ranks finish at different tokens and generate's
+    synced loop is what keeps their gathers paired), the texts are gathered and scored on
+    every rank: the same eval_<metric> values, the same early stop. SGD, so the weights
+    agree to the summation order (Adam would turn that noise into lr-sized steps)."""
+    from transformers import AutoTokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(tokenized, src, symlinks=True)
+    model = src / "data/models/stories260K"
+    period = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(".")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**config, "eos_token_id": [config["eos_token_id"], period]}))
+    params = {**GENERATING, "eval.during_training_samples": 7, "optimizer.name": "SGD",
+              "optimizer.learning_rate": 0.05, "training.max_steps": 2, "eval.eval_steps": 1,
+              "checkpoint.save_strategy": "no", "checkpoint.metric_for_best_model": "eval_rouge1",
+              "eval.early_stopping_patience": 1, "eval.early_stopping_threshold": 1.0}
+    one, _ = train_here(src, tmp_path / "one", params)
+    two, _ = train_copy_here(src, tmp_path / "two", {
+        **params, "distributed.strategy": strategy, "distributed.nproc_per_node": 2})
+    rows = _eval_rows(one)
+    assert [r["step"] for r in rows] == ["1", "2"]  # stopped early at step 2
+    assert float(rows[0]["eval_rouge1"]) > 0
+    assert [{k: v for k, v in r.items() if k != "eval_loss"} for r in _eval_rows(two)] == [
+        {k: v for k, v in r.items() if k != "eval_loss"} for r in rows]
+    assert train_metrics(two)["best_eval_rouge1"] == train_metrics(one)["best_eval_rouge1"]
