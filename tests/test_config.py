@@ -48,6 +48,9 @@ def _error(tmp_path: Path, overrides: dict) -> str:
         ({"training.learning_rate": 1}, "unknown key 'training.learning_rate' in section "
          "'training' (did you mean 'optimizer.learning_rate'?)"),
         ({"training.warmup_steps": 3}, "(did you mean 'scheduler.warmup_steps'?)"),
+        # of the sections with the name, the sibling (both rollout sections), not dpo's
+        ({"rloo.loss_type": "dapo"}, "unknown key 'rloo.loss_type' in section 'rloo' (did "
+         "you mean 'grpo.loss_type'?)"),
         ({"optimizer.learnin_rate": 1}, "did you mean 'optimizer.learning_rate'"),
         ({"trainng.max_steps": 1}, "did you mean 'training'"),
         ({"training.max_steps": "ten"}, "training.max_steps: Input should be a valid integer"),

@@ -126,7 +126,7 @@ def explain(error: dict[str, Any]) -> str:
             return f"unknown key '{key}' {where} ({known})"
         close = difflib.get_close_matches(name, _field_names(parent), n=1, cutoff=0.6)
         # the exact name in another section beats a near name in this one
-        suggestion = _elsewhere(name, exact=True) or (
+        suggestion = _elsewhere(name, exact=True, near=parent) or (
             ".".join(parent + close) if close else _elsewhere(name))
         hint = f" (did you mean '{suggestion}'?)" if suggestion else ""
         return f"unknown key '{key}' {where}{hint}"
@@ -153,11 +153,20 @@ def all_keys() -> list[str]:
     return _all_keys()
 
 
-def _elsewhere(name: str, exact: bool = False) -> str | None:
+def _elsewhere(name: str, exact: bool = False, near: list[str] | None = None) -> str | None:
     """A key HF users put in one section that lives in another (training.learning_rate ->
-    optimizer.learning_rate): the same name anywhere, else (unless `exact`) the closest."""
+    optimizer.learning_rate): the same name anywhere, else (unless `exact`) the closest. Of
+    several sections with the name, the one nearest to the section at `near` (the most
+    section classes in common: rloo.loss_type -> grpo.loss_type, both rollout sections)."""
     keys = _all_keys()
     same = [k for k in keys if k.rsplit(".", 1)[-1] == name]
+    if same and near:
+        def shared(key: str) -> int:
+            here, there = _section_at(near), _section_at(key.split(".")[:-1])
+            if here is None or there is None:
+                return 0
+            return len(set(here.__mro__[1:]) & set(there.__mro__[1:]))
+        same.sort(key=shared, reverse=True)  # stable: ties keep the schema's order
     if same or exact:
         return same[0] if same else None
     leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
