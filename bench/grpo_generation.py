@@ -6,8 +6,13 @@ The prompts are the first sentences of TinyStories-like text, left-padded; the m
 stories260K as shipped (its EOS is practically never sampled, so every row runs T tokens and
 both sides do the same number of forwards: the table's `tokens` column says so), or a randomly
 initialised Llama of a bench/throughput.py shape. model.generate runs after torch.manual_seed(0)
-and LocalGenerator with seed 0, which on the CPU draw the same tokens. Each side runs once to warm up, then
-`--repeats` times; the table gives the median seconds and generated tokens per second.
+and LocalGenerator with seed 0, which on the CPU draw the same tokens. A third row is
+LocalGenerator without its two levers (share_prefill=False: every row prefilled, as generate
+does; drop_finished=False: finished rows stay in the forwards), so what they bring is measured in
+the same run. `--eos TOKEN` names another token as the end (stories260K emits "<0x0A>", a
+newline), so rows finish at different lengths, as completions do. Each side runs once to warm
+up, then `--repeats` times, the sides taking turns within each repeat; the table gives the
+median seconds and generated tokens per second.
 
     python bench/grpo_generation.py                       # stories260K, 8 x 8 x 128, TRL defaults
     python bench/grpo_generation.py --model llama-4M --top-k 50 --top-p 0.9
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -48,16 +54,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up
-    times, out = [], None
+def in_turns(fns, device, repeats: int) -> list[tuple[float, object]]:
+    """(median seconds, last output) of each function: one warm-up each, then `repeats`
+    rounds in which each runs once in turn (a load that comes and goes hits every side)."""
+    for fn in fns:
+        fn()
+    times, outs = [[] for _ in fns], [None] * len(fns)
     for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        out = fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+        for i, fn in enumerate(fns):
+            _sync(device)
+            start = time.perf_counter()
+            outs[i] = fn()
+            _sync(device)
+            times[i].append(time.perf_counter() - start)
+    return [(statistics.median(t), out) for t, out in zip(times, outs)]
 
 
 def main() -> None:
@@ -71,6 +81,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--eos", help="a token ending completions (default: the tokenizer's EOS)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
 
@@ -83,13 +94,17 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir).to(device).eval()
     ids, mask = left_pad([tok(p)["input_ids"] for p in PROMPTS[:args.prompts]], PAD)
     ids, mask = ids.to(device), mask.to(device)
-    eos = [tok.eos_token_id]
+    eos = [tok.convert_tokens_to_ids(args.eos) if args.eos else tok.eos_token_id]
     params = SamplingParams(args.tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     ours = LocalGenerator(model, params, eos, PAD)
+    plain = LocalGenerator(model, params, eos, PAD, share_prefill=False, drop_finished=False)
 
     def local():
         return ours.generate(ids, mask, args.generations, seed=0)
+
+    def local_plain():
+        return plain.generate(ids, mask, args.generations, seed=0)
 
     def hf():
         torch.manual_seed(0)  # the draws LocalGenerator makes with seed 0: the same tokens
@@ -100,8 +115,8 @@ def main() -> None:
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 repetition_penalty=args.repetition_penalty, pad_token_id=PAD, eos_token_id=eos)
 
-    local_s, local_out = timed(local, device, args.repeats)
-    hf_s, hf_out = timed(hf, device, args.repeats)
+    (local_s, local_out), (plain_s, plain_out), (hf_s, hf_out) = in_turns(
+        [local, local_plain, hf], device, args.repeats)
     hf_ids = hf_out[:, ids.shape[1]:]
     is_eos = torch.isin(hf_ids, torch.tensor(eos, device=device))
     hf_lengths = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, hf_ids.shape[1])
@@ -111,6 +126,9 @@ def main() -> None:
         {"generator": "LocalGenerator", "seconds": round(local_s, 3),
          "tokens": int(local_out.lengths.sum()),
          "tokens_per_s": round(int(local_out.lengths.sum()) / local_s)},
+        {"generator": "LocalGenerator, per-row prefill, finished rows kept",
+         "seconds": round(plain_s, 3), "tokens": int(plain_out.lengths.sum()),
+         "tokens_per_s": round(int(plain_out.lengths.sum()) / plain_s)},
         {"generator": "model.generate", "seconds": round(hf_s, 3), "tokens": hf_tokens,
          "tokens_per_s": round(hf_tokens / hf_s)},
     ]
@@ -118,12 +136,14 @@ def main() -> None:
     print(f"\nmodel.generate time / LocalGenerator time: {hf_s / local_s:.2f}x "
           f"({args.prompts} prompts x {args.generations} generations x {args.tokens} tokens, "
           f"{args.model}, {device}, {torch.get_num_threads()} threads); "
-          f"the same tokens: {'yes' if same else 'no'}")
+          f"the same tokens: {'yes' if same else 'no'}; the levers: {plain_s / local_s:.2f}x")
     info = machine()
     name = "cpu" if device.type == "cpu" else info["device"].lower().replace(" ", "-")
     out = ROOT / f"bench/results/grpo-generation-{args.model}-{name}.json"
     out.write_text(json.dumps({"machine": info, "args": vars(args), "rows": rows,
-                               "hf_over_local": hf_s / local_s, "same_tokens": same}, indent=2) + "\n")
+                               "hf_over_local": hf_s / local_s, "plain_over_local": plain_s / local_s,
+                               "same_tokens": same, "loadavg": list(os.getloadavg())},
+                              indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
 
 
