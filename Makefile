@@ -87,10 +87,11 @@ test-docs: setup
 	$(PY) -m pytest -m docs_commands -n 2 --dist loadscope -rP $(PYTEST_ARGS) tests/test_docs.py
 
 # .ci/run's last step: `make test-slow` and `make test-docs` as one session on the two cores,
-# the long units first (tests/conftest.py LONGEST_FIRST): one step's tail and the docs lane's
-# wait for the README's `make run` fill with the other's work instead of a core idling (the
-# two apart: 19:32 + 14:45 on the 2-core Xeon). --dist loadscope keeps a slow file (no test
-# class) on one worker, as loadfile does, and a docs lane (a class) on one worker in order.
+# the long units first and the short ones last (tests/conftest.py SLOW_LONGEST_FIRST): one
+# step's tail and the docs lane's wait for the README's `make run` fill with the other's work
+# instead of a core idling (the two apart: 19:32 + 14:45 on the 2-core Xeon). --dist
+# loadscope keeps a slow file (no test class) on one worker, as loadfile does, and a docs
+# lane (a class) on one worker in order.
 test-slow-docs: setup
 	$(PY) -m pytest -m "slow or distributed or clean_room or stack_e2e or slurm or docs_commands" \
 		-n 2 --dist loadscope --no-loadscope-reorder -rP $(PYTEST_ARGS)

@@ -33,18 +33,58 @@ LONGEST_FIRST = ("test_docs.py::TestReadmeLane", "test_pipeline.py", "test_docs.
                  "test_cli.py", "test_mixture.py")
 
 
-def _unit_rank(item) -> int:
-    """The place of the item's unit in LONGEST_FIRST (its class's entry before its file's)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+#: The same for the slow tier's session (`make test-slow`, `make test-slow-docs`, `-m
+#: distributed`...: a mark expression that selects a slow marker): its units by their time in
+#: .ci/run's test-slow-docs on the 2-core dev CPU, ending with the shortest, so the worker that
+#: finishes first waits at most one short unit for the other. The docs lanes keep their
+#: places (the README's first; docs/'s after test_pipeline.py, see above).
+SLOW_LONGEST_FIRST = (
+    "test_docs.py::TestReadmeLane",  # ~560 s
+    "test_pipeline.py",  # ~280 s
+    "test_docs.py::TestDocsLane",  # ~820 s, after the README's `make run` (WAITS_FOR)
+    "test_strategies.py",  # ~300 s
+    "test_slurm.py",  # ~280 s
+    "test_reproduce.py",  # ~180 s
+    "test_e2e_prefect.py",  # ~170 s
+    "test_preference.py",  # ~145 s
+    "test_pipeline_parallel.py",  # ~140 s
+    "test_failures.py",  # ~95 s
+    "test_kto.py",  # ~90 s
+    "test_adapter_options.py",  # ~65 s
+    "test_reward.py",  # ~60 s
+    "test_cli.py",  # ~40-60 s
+    "test_preemption.py",  # ~30-50 s
+    "test_grpo.py",  # ~40 s
+    "test_streaming.py",  # ~35 s
+    "test_grpo_environments.py",  # ~30 s
+    "test_launch.py",  # ~25 s
+    "test_vision.py",  # ~20 s
+    "test_seq2seq.py",  # ~18 s
+)
+#: the markers only the slow tier selects (pyproject.toml's addopts deselects them)
+SLOW_MARKERS = ("slow", "distributed", "clean_room", "stack_e2e", "slurm", "docs_commands")
+
+
+def _slow_tier(config) -> bool:
+    """Whether the session's mark expression selects a slow marker (`make test`'s is the
+    addopts' `not ... and not ...`, which selects none)."""
+    expr = config.getoption("markexpr", "") or ""
+    return "not " not in expr and any(m in expr.split() for m in SLOW_MARKERS)
+
+
+def _unit_rank(item, order: tuple[str, ...] = LONGEST_FIRST) -> int:
+    """The place of the item's unit in `order` (its class's entry before its file's)."""
+    rank = {name: i for i, name in enumerate(order)}
     names = [item.path.name]
     if getattr(item, "cls", None) is not None:
         names.insert(0, f"{item.path.name}::{item.cls.__name__}")
-    return min((rank[n] for n in names if n in rank), default=len(LONGEST_FIRST))
+    return min((rank[n] for n in names if n in rank), default=len(order))
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Reorder whole units only (a stable sort keeps each unit's own order)."""
-    items.sort(key=_unit_rank)
+    order = SLOW_LONGEST_FIRST if _slow_tier(config) else LONGEST_FIRST
+    items.sort(key=lambda item: _unit_rank(item, order))
 
 
 #: what libraries read once, when first imported: set here, as this file is imported, since
