@@ -173,6 +173,71 @@ def train_copy(src: Path, dest: Path, overrides: dict | None = None):
     return dest, proc
 
 
+@contextlib.contextmanager
+def output_of_this_process_and_children():
+    """What this process and the processes it starts write to fd 1 and 2 (the torchrun
+    workers inherit them), read back as text into the yielded CompletedProcess's stdout and
+    stderr once the block ends."""
+    import io
+    import tempfile
+
+    result = subprocess.CompletedProcess(args=[], returncode=0, stdout="", stderr="")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        so = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+        se = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+        try:
+            with contextlib.redirect_stdout(so), contextlib.redirect_stderr(se):
+                yield result
+        finally:
+            so.flush()
+            se.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            for name, f in (("stdout", out), ("stderr", err)):
+                f.seek(0)
+                setattr(result, name, f.read().decode(errors="replace"))
+
+
+def train_copy_here(src: Path, dest: Path, overrides: dict | None = None):
+    """`train_copy` with the train stage called in this process (stages_here: the same stage
+    function, which launches the same torchrun job and MLflow run) instead of a `finetune
+    stage train` CLI process: for tests of what the workers compute (several processes
+    equal one, a strategy's log lines), where the CLI's process start-up (~6 s of CPU) is no
+    part of what is tested (the CLI's own contract is test_cli's and test_pipeline's). The
+    stage's output, its workers' included, is returned as a CompletedProcess's stdout and
+    stderr, as train_copy's."""
+    shutil.copytree(src, dest, symlinks=True)
+    if overrides:
+        write_params(dest, overrides)
+    return dest, train_stage_here(dest)
+
+
+def train_stage_here(project: Path) -> subprocess.CompletedProcess:
+    """The train stage on `project` called in this process (see train_copy_here), as
+    `run_cli(project, "stage", "train", check=True)` returns it: its output (the torchrun
+    workers' included) as stdout and stderr; a failure raises with that output."""
+    from finetune.errors import PipelineError
+
+    with output_of_this_process_and_children() as proc:
+        try:
+            stages_here(project, "train")
+        except PipelineError as exc:
+            failed = exc
+        else:
+            failed = None
+    if failed is not None:
+        raise AssertionError(f"train stage in {project} failed: {failed}\n{proc.stdout}\n"
+                             f"{proc.stderr}")
+    return proc
+
+
 def losses(project: Path) -> list[float]:
     import csv
 
@@ -271,14 +336,15 @@ def interrupt_then_resume(tokenized: Path, tmp_path: Path, params: dict,
 
     if full is None:
         several = params.get("distributed.nproc_per_node", 1) > 1
-        full, _ = (train_copy if several else train_here)(tokenized, tmp_path / "full", params)
+        full, _ = (train_copy_here if several else train_here)(tokenized, tmp_path / "full",
+                                                                params)
     cut = tmp_path / "cut"
     shutil.copytree(tokenized, cut, symlinks=True)
     write_params(cut, params)
     kill_after_first_checkpoint(cut)
     assert not (cut / "data/trained").exists()
     write_params(cut, {"checkpoint.resume_from_checkpoint": True})
-    proc = run_cli(cut, "stage", "train", check=True)
+    proc = train_stage_here(cut)  # the kill was the stage process's; the resume needs none
     assert "resumed from" in proc.stdout
     a, b = adapter(full), adapter(cut)
     assert a.keys() == b.keys()

@@ -18,7 +18,7 @@ from helpers import (
     interrupt_then_resume,
     losses,
     resume_from_checkpoint_in_process,
-    train_copy,
+    train_copy_here,
     train_here,
 )
 
@@ -240,7 +240,7 @@ def test_dora_rslora_under_fsdp2_on_two_processes_match_one_and_resume_bitwise(
                         {**params, "training.per_device_train_batch_size": 8})
     assert any("lora_magnitude_vector" in k for k in adapter(one))
     sharded = {**params, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2}
-    project, proc = train_copy(tokenized, tmp_path / "two", sharded)
+    project, proc = train_copy_here(tokenized, tmp_path / "two", sharded)
     assert "strategy fsdp2, world size 2" in proc.stdout
     assert losses(project) == pytest.approx(losses(one), abs=1e-5)
     assert_weights_close(adapter(project), adapter(one))

@@ -208,9 +208,9 @@ def test_two_processes_equal_one(labelled, kto_run, tmp_path, strategy):
     """DDP, and FSDP2 with the reference forward through the sharded model (the adapter
     disabled), on 2 torchrun processes x 2 rows equal one process x 2 micro-batches of 2: the
     KL estimate is the step's, over every micro-batch on every rank."""
-    from helpers import adapter, assert_weights_close, losses, train_copy
+    from helpers import adapter, assert_weights_close, losses, train_copy_here
 
-    run, _ = train_copy(labelled, tmp_path / strategy, {
+    run, _ = train_copy_here(labelled, tmp_path / strategy, {
         "distributed.strategy": strategy, "distributed.nproc_per_node": 2,
         "training.gradient_accumulation_steps": 1})
     assert_weights_close(adapter(run), adapter(kto_run))

@@ -15,10 +15,10 @@ from helpers import (
     assert_weights_close,
     interrupt_then_resume,
     losses,
-    run_cli,
-    train_copy,
+    train_copy_here,
     train_here,
     train_metrics,
+    train_stage_here,
     write_params,
 )
 
@@ -51,7 +51,7 @@ def single_double_batch(tokenized, tmp_path_factory):
 def one_f_one_b(tokenized, tmp_path_factory):
     """The 1F1B run: compared with one process below, and the uninterrupted run the SIGKILL
     test's resume must reproduce."""
-    return train_copy(tokenized, tmp_path_factory.mktemp("1f1b") / "p", {
+    return train_copy_here(tokenized, tmp_path_factory.mktemp("1f1b") / "p", {
         **PIPE, "distributed.pipeline.schedule": "1F1B"})
 
 
@@ -65,7 +65,7 @@ def test_pipeline_trains_like_one_process(tokenized, single, single_double_batch
     reads only its stage's tensors from the checkpoint."""
     extra = {"training.construct_model_on": "meta", "distributed.nproc_per_node": 4,
              "distributed.pipeline.data_parallel_size": 2} if schedule == "GPipe" else {}
-    run, proc = one_f_one_b if schedule == "1F1B" else train_copy(
+    run, proc = one_f_one_b if schedule == "1F1B" else train_copy_here(
         tokenized, tmp_path / "pp", {**PIPE, "distributed.pipeline.schedule": schedule, **extra})
     reference = single_double_batch if extra else single
     stages = 2 if schedule in ("GPipe", "1F1B") else 4  # multi-stage: 2 per rank
@@ -156,7 +156,7 @@ def test_model_splitter_and_the_debug_switches(tokenized, single, tmp_path):
         "distributed.pipeline.model_splitter": "split_here:first_layer_alone",
         **{f"distributed.pipeline.debug_{what}": True
            for what in ("split_model", "pipeline", "model_params", "model_init")}})
-    out = run_cli(project, "stage", "train", check=True).stdout
+    out = train_stage_here(project).stdout
     assert "2 stages (0: layers 0-0, 1: layers 1-4)" in out
     assert losses(project) == pytest.approx(losses(single), abs=1e-5)
     # debug_split_model: rank 0, each stage's parts and parameter count

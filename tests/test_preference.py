@@ -376,10 +376,10 @@ def test_two_processes_equal_one(pairs, request, tmp_path, strategy, loss_type):
     """DDP, and FSDP2 with the reference forward through the sharded model (the adapter
     disabled), on 2 torchrun processes x 2 pairs equal one process x 4 pairs; orpo (each
     pair's own NLL, no reference) too."""
-    from helpers import adapter, assert_weights_close, losses, train_copy
+    from helpers import adapter, assert_weights_close, losses, train_copy_here
 
     one = request.getfixturevalue("orpo_run" if loss_type == "orpo" else "dpo_run")
-    run, _ = train_copy(pairs, tmp_path / strategy, {
+    run, _ = train_copy_here(pairs, tmp_path / strategy, {
         "distributed.strategy": strategy, "distributed.nproc_per_node": 2,
         "training.per_device_train_batch_size": 2, "dpo.loss_type": loss_type})
     assert_weights_close(adapter(run), adapter(one))

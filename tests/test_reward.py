@@ -205,9 +205,9 @@ def test_the_run_logs_trls_statistics_and_trains_the_head(reward_run):
 def test_two_processes_equal_one(reward_pairs, equality_run, tmp_path, strategy):
     """DDP, and FSDP2 with the head sharded as the adapter is: 2 torchrun processes x 2 pairs
     equal one process x 4 pairs (the head too)."""
-    from helpers import adapter, assert_weights_close, losses, train_copy
+    from helpers import adapter, assert_weights_close, losses, train_copy_here
 
-    run, _ = train_copy(reward_pairs, tmp_path / strategy, {
+    run, _ = train_copy_here(reward_pairs, tmp_path / strategy, {
         **EQUALITY, "distributed.strategy": strategy, "distributed.nproc_per_node": 2,
         "training.per_device_train_batch_size": 2})
     assert_weights_close(adapter(run), adapter(equality_run))

@@ -22,7 +22,7 @@ import torch
 
 import slurm_cluster
 from helpers import (BIN, adapter, copy_project, error_line, losses, run_cli, stage_outputs,
-                     train_copy, write_params)
+                     train_copy_here, write_params)
 
 #: DDP over two processes, long enough that a signal lands mid-run
 DDP = {"distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
@@ -153,7 +153,7 @@ def through_slurm(tokenized, tmp_path_factory, slurm):
 @pytest.mark.slurm
 def test_ddp_through_slurm_equals_the_local_launch(tokenized, tmp_path, through_slurm):
     project, proc = through_slurm
-    local, _ = train_copy(tokenized, tmp_path / "local", DDP)
+    local, _ = train_copy_here(tokenized, tmp_path / "local", DDP)
     assert re.search(r"^\[train\] submitted SLURM job \d+ \(data/logs/slurm/train-", proc.stdout,
                      re.M), proc.stdout
     assert re.search(r"^\[slurm\] job \d+ RUNNING on \S+", proc.stdout, re.M), proc.stdout

@@ -21,13 +21,13 @@ from helpers import (
     losses,
     resume_cut_back,
     rows_seen,
-    run_cli,
     stage_outputs,
     stages_here,
-    train_copy,
+    train_copy_here,
     train_here,
     train_in_place,
     train_metrics,
+    train_stage_here,
     write_params,
 )
 
@@ -50,7 +50,7 @@ H3 = {**SGD, **TWO, **OUTER_SGD, "distributed.diloco.inner_steps": 3,
 @pytest.fixture(scope="module")
 def ddp_run(tokenized, tmp_path_factory):
     """The reference: DDP, 2 ranks x batch 4, SGD, 6 steps."""
-    project, proc = train_copy(tokenized, tmp_path_factory.mktemp("ddp") / "p",
+    project, proc = train_copy_here(tokenized, tmp_path_factory.mktemp("ddp") / "p",
                                {**SGD, **TWO, "distributed.strategy": "ddp"})
     return project
 
@@ -58,7 +58,7 @@ def ddp_run(tokenized, tmp_path_factory):
 @pytest.fixture(scope="module")
 def diloco_run(tokenized, tmp_path_factory):
     """DiLoCo, 2 workers x batch 4, H=3, 2 outer loops of outer SGD(lr 1) = model averaging."""
-    project, proc = train_copy(tokenized, tmp_path_factory.mktemp("diloco") / "p", H3)
+    project, proc = train_copy_here(tokenized, tmp_path_factory.mktemp("diloco") / "p", H3)
     assert "outer_step=2" in proc.stdout
     return project
 
@@ -79,7 +79,7 @@ def resumes_on_another_world_size(full, reference, cut: Path, overrides: dict,
     SGD; only the reduction order differs) and, in this process, the same rows per step."""
     cut_back(full, cut, 3, overrides)
     if overrides.get("distributed.nproc_per_node", 1) > 1:
-        out = run_cli(cut, "stage", "train", check=True).stdout
+        out = train_stage_here(cut).stdout
     else:
         with rows_seen() as seen:
             out = train_in_place(cut).stdout
@@ -144,7 +144,7 @@ def test_fsdp2_with_accumulation_matches_ddp_and_resumes_after_sigkill(tokenized
               "distributed.fsdp.reshard_after_forward": True,
               "training.per_device_train_batch_size": 2, "training.gradient_accumulation_steps": 2,
               "training.construct_model_on": "meta"}
-    project, proc = train_copy(tokenized, tmp_path / "f", params)
+    project, proc = train_copy_here(tokenized, tmp_path / "f", params)
     assert "strategy fsdp2, world size 2" in proc.stdout
     stored = (project / "data/models/stories260K/model.safetensors").stat().st_size
     read = train_metrics(project)["construct_bytes_read"]
@@ -194,7 +194,7 @@ def test_another_global_batch_is_refused_naming_the_keys(ddp_run, tmp_path):
 
 def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(
         tokenized, ddp_run, diloco_run, tmp_path):
-    h1, _ = train_copy(tokenized, tmp_path / "h1", {
+    h1, _ = train_copy_here(tokenized, tmp_path / "h1", {
         **H3, "distributed.diloco.inner_steps": 1, "distributed.diloco.diloco_loops": 6})
     assert losses(h1) == pytest.approx(losses(ddp_run), abs=1e-5)
     assert_weights_close(adapter(h1), adapter(ddp_run))
@@ -204,7 +204,7 @@ def test_diloco_h1_with_sgd_is_ddp_sends_1_over_h_bytes_and_post_local_sgd(
     assert per_step["h3"] * 3 == per_step["ddp"]
     export_loads(diloco_run)
     # post-local SGD: DDP-style gradient averaging for 3 steps, then 3 local steps + averaging
-    post, proc = train_copy(tokenized, tmp_path / "post", {
+    post, proc = train_copy_here(tokenized, tmp_path / "post", {
         **H3, "distributed.diloco.local_sgd_start_step": 3})
     assert losses(post)[:3] == pytest.approx(losses(ddp_run)[:3], abs=1e-5)
     assert losses(post)[3:] != pytest.approx(losses(ddp_run)[3:], abs=1e-5)
@@ -220,7 +220,7 @@ def test_post_local_gradient_allreduce_on_one_node_is_ddp(tokenized, ddp_run, di
     that is every rank, so local steps + model averaging train exactly as DDP does (and the
     plain local run, which ignores the key, does not)."""
     params = {**H3, "distributed.diloco.post_local_gradient_allreduce": True}
-    project, proc = train_copy(tokenized, tmp_path / "hier", params)
+    project, proc = train_copy_here(tokenized, tmp_path / "hier", params)
     assert losses(project) == pytest.approx(losses(ddp_run), abs=1e-5)
     assert_weights_close(adapter(project), adapter(ddp_run))
     assert losses(diloco_run)[1:] != pytest.approx(losses(ddp_run)[1:], abs=1e-5)
@@ -322,7 +322,7 @@ def test_diloco_workers_sharded_with_fsdp2_match_unsharded_workers(tokenized, di
     above)."""
     params = {**H3, "distributed.nproc_per_node": 4, "training.per_device_train_batch_size": 2,
               "distributed.diloco.fsdp_group_size": 2}
-    sharded, proc = train_copy(tokenized, tmp_path / "sharded", params)
+    sharded, proc = train_copy_here(tokenized, tmp_path / "sharded", params)
     assert "strategy diloco, world size 4" in proc.stdout
     assert losses(sharded) == pytest.approx(losses(diloco_run), abs=1e-5)
     assert_weights_close(adapter(sharded), adapter(diloco_run))

@@ -17,7 +17,7 @@ from helpers import (
     losses,
     resume_from_checkpoint_in_process,
     stages_here,
-    train_copy,
+    train_copy_here,
     train_here,
     train_metrics,
     write_params,
@@ -95,7 +95,7 @@ def test_streamed_training_ddp_equals_single_and_differs_from_map_style(streamed
     single, proc = train_here(streamed, tmp_path / "single", {
         **common, "training.per_device_train_batch_size": 8})
     assert "4 steps (streamed)" in proc.stdout
-    ddp, _ = train_copy(streamed, tmp_path / "ddp", {
+    ddp, _ = train_copy_here(streamed, tmp_path / "ddp", {
         **common, "training.per_device_train_batch_size": 4, "distributed.strategy": "ddp",
         "distributed.nproc_per_node": 2})
     assert_weights_close(adapter(single), adapter(ddp))

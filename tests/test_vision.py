@@ -251,13 +251,13 @@ def test_a_vision_run_resumes_bitwise_from_what_a_crash_leaves(vision_project, t
 def test_two_processes_equal_one(vision_project, tmp_path):
     """DDP on torchrun (gloo): 2 processes x 2 rows equal 1 process x 4 rows, the images
     split with their rows (SGD, so the weights compare without Adam's division)."""
-    from helpers import assert_weights_close, losses, train_copy, train_here
+    from helpers import assert_weights_close, losses, train_copy_here, train_here
 
     equal = {"training.max_steps": 4, "optimizer.name": "SGD", "optimizer.learning_rate": 0.5,
              "scheduler.warmup_steps": 0, "logging.logging_steps": 1,
              "eval.eval_strategy": "no", "checkpoint.save_strategy": "no"}
     one, _ = train_here(vision_project, tmp_path / "one", equal)
-    two, _ = train_copy(vision_project, tmp_path / "two", {
+    two, _ = train_copy_here(vision_project, tmp_path / "two", {
         **equal, "distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
         "training.per_device_train_batch_size": 2})
     assert losses(two) == pytest.approx(losses(one), abs=1e-5)
