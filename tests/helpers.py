@@ -507,7 +507,7 @@ def logged_column(project, name: str, file: str = "train.csv") -> list[float]:
 #: the evaluate stage adds `eval.*` (tests/test_pipeline.py)
 PER_STEP_SERIES = {"loss", "learning_rate", "grad_norm", "tokens_per_second",
                    "num_input_tokens_seen", "memory_rss_mb", "epoch", "comm_bytes_per_step",
-                   "eval_loss"}
+                   "eval_loss", "eval_seconds"}  # eval_seconds: at each evaluation's step
 
 
 def product_changes(project: Path) -> list[str]:
