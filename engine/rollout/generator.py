@@ -68,6 +68,17 @@ class Generator(Protocol):
         ...
 
 
+def check_request(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  num_generations: int) -> None:
+    """What every `Generator.generate` refuses: prompts and mask of different or non-[B, P]
+    shapes, fewer than one completion per prompt."""
+    if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
+        raise ValueError(f"prompt_ids and prompt_mask must both be [B, P], got "
+                         f"{tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+
+
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token id lists -> (ids, mask), both [len(seqs), longest] long, padded on the left."""
     if not seqs:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.rollout.generator import Completions
+from engine.rollout.generator import Completions, check_request
 from engine.rollout.kv_cache import preallocated_cache, repeat_rows
 from engine.rollout.lora_merge import merged_lora
 from engine.rollout.sampling import SamplingParams, next_tokens, process_logits, token_presence
@@ -131,11 +131,7 @@ class LocalGenerator:
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  num_generations: int, seed: int | Sequence[int]) -> Completions:
-        if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
-            raise ValueError(f"prompt_ids and prompt_mask must both be [B, P], got "
-                             f"{tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
-        if num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        check_request(prompt_ids, prompt_mask, num_generations)
         ids = prompt_ids.repeat_interleave(num_generations, dim=0)
         mask = prompt_mask.repeat_interleave(num_generations, dim=0)
         rows = ids.shape[0]

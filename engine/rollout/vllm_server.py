@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from engine.rollout.generator import Completions
+from engine.rollout.generator import Completions, check_request
 from engine.rollout.sampling import SamplingParams
 from finetune.errors import PipelineError
 
@@ -130,11 +130,7 @@ class VLLMServerGenerator:
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  num_generations: int, seed: int | Sequence[int]) -> Completions:
-        if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
-            raise ValueError(f"prompt_ids and prompt_mask must both be [B, P], got "
-                             f"{tuple(prompt_ids.shape)} and {tuple(prompt_mask.shape)}")
-        if num_generations < 1:
-            raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+        check_request(prompt_ids, prompt_mask, num_generations)
         count = prompt_ids.shape[0]
         if isinstance(seed, Sequence):
             if len(seed) != count:
