@@ -217,10 +217,14 @@ def run_ours(args, model_dir: Path, work: Path, profile: bool) -> dict:
     clock = Clock()
 
     class Timed(GRPORun):
+        def make_generator(self):
+            generator = super().make_generator()
+            clock.wrap(generator, "generate", "generation",
+                       count=lambda done: int(done.lengths.sum()))
+            return generator
+
         def prepare_model(self):
             super().prepare_model()
-            clock.wrap(self.generator, "generate", "generation",
-                       count=lambda done: int(done.lengths.sum()))
             if self.reference is not None:
                 clock.wrap(self.reference, "score", "reference")
 
