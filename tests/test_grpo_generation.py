@@ -321,7 +321,7 @@ def test_the_preallocated_cache_gives_the_dynamic_caches_logits_bitwise(model, p
     padded prefill and ten decode steps; the cache repeats rows as DynamicCache does."""
     from transformers.cache_utils import DynamicCache
 
-    from engine.rollout.kv_cache import PreallocatedLayer, preallocated_cache, repeat_rows
+    from engine.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 
     ids, mask = prompts
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -333,7 +333,7 @@ def test_the_preallocated_cache_gives_the_dynamic_caches_logits_bitwise(model, p
         for cache in caches:
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                         past_key_values=cache, use_cache=True)
-            repeat_rows(cache, 2)
+            cache.batch_repeat_interleave(2)
             steps, attention = [out.logits[:, -1]], mask.repeat_interleave(2, 0)
             token, position = out.logits[:, -1].argmax(-1).repeat_interleave(2, 0)[:, None], \
                 positions[:, -1:].repeat_interleave(2, 0) + 1

@@ -9,9 +9,9 @@ token writes one column. Attention still sees exactly the filled length (views o
 so the arithmetic, and the tokens drawn, are those of the dynamic cache: bitwise on the CPU
 (tests/test_grpo_generation.py).
 
-`repeat_rows` is the shared prefill's other half: a prompt's completions start from the same
-prefix, so the rollout prefills each prompt once and repeats its cached keys and values for its
-`num_generations` rows (engine.rollout.local).
+The shared prefill's other half is the cache's own `batch_repeat_interleave`: a prompt's
+completions start from the same prefix, so the rollout prefills each prompt once and repeats its
+cached keys and values for its `num_generations` rows (engine.rollout.local).
 """
 
 from __future__ import annotations
@@ -63,16 +63,14 @@ class PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def repeat_rows(self, repeats: int) -> None:
+    # the generic layer operations (Cache.batch_repeat_interleave and batch_select_indices
+    # call them per layer), kept correct for the buffers
+    def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` consecutive rows (the buffers' empty part included)."""
         if self.is_initialized and repeats > 1:
             self._keys = self._keys.repeat_interleave(repeats, dim=0)
             self._values = self._values.repeat_interleave(repeats, dim=0)
             self._expose()
-
-    # the generic layer operations, kept correct for the buffers
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.repeat_rows(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
@@ -107,12 +105,3 @@ def preallocated_cache(config, capacity: int) -> DynamicCache | None:
     cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
     return cache
 
-
-def repeat_rows(cache, repeats: int) -> None:
-    """Every row of the cache becomes `repeats` consecutive rows (a prompt's prefix, shared by
-    its completions)."""
-    for layer in cache.layers:
-        if isinstance(layer, PreallocatedLayer):
-            layer.repeat_rows(repeats)
-        else:
-            layer.batch_repeat_interleave(repeats)

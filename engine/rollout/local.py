@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.rollout.generator import Completions, check_request
-from engine.rollout.kv_cache import preallocated_cache, repeat_rows
+from engine.rollout.kv_cache import preallocated_cache
 from engine.rollout.lora_merge import merged_lora
 from engine.rollout.sampling import SamplingParams, next_tokens, process_logits, token_presence
 
@@ -214,7 +214,7 @@ class LocalGenerator:
                                       else None, positions[first], cache)
         if group > 1:
             logits = logits.repeat_interleave(group, dim=0)
-            repeat_rows(cache, group)
+            cache.batch_repeat_interleave(group)
         seen = None
         if params.repetition_penalty != 1.0:
             seen = token_presence(ids, real, logits.shape[-1])
