@@ -61,7 +61,8 @@ def evaluate(ws: Workspace) -> dict[str, Path]:
     torch.manual_seed(_training_seed(ws))
     evaluated, held = heldout_metrics(
         cfg, ws.root, ws.layout.trained, test_dir,
-        rows=lambda: _generation_rows(ws) if cfg.eval.wants_generation else None,
+        rows=lambda: (generation_rows(cfg, ws.layout.formatted) if cfg.eval.wants_generation
+                      else None),
         make_scorer=lambda tok, labels: _Scorer(ws, tok, labels))
     tasks = (resolve_tasks(cfg.eval.harness.tasks, ws.root) if cfg.eval.harness.tasks
              else None)
@@ -86,7 +87,7 @@ class _Scorer:
                     ) -> tuple[dict[str, float], dict[str, list[float]]]:
         """The metrics, and the per-row values of those that are means over all the rows
         (for their bootstrap stderr)."""
-        return _score(self.ws, rows, texts, self.ctx)
+        return score_generations(self.ws.config, rows, texts, self.ctx)
 
     def classes(self, predicted: list[int], true: list[int]) -> dict[str, float]:
         datatype = self.ws.config.data.parts()[0][1].datatype
@@ -148,15 +149,3 @@ def mlflow_metrics(metrics: dict) -> dict[str, float]:
     flat.update(contamination_metrics(metrics.get("contamination", {})))
     return flat
 
-
-def _generation_rows(ws: Workspace) -> pd.DataFrame:
-    """The prompts and references of the formatted test rows (finetune.datatypes.generations:
-    the rows in-training evaluation draws its subset from)."""
-    return generation_rows(ws.config, ws.layout.formatted)
-
-
-def _score(ws: Workspace, rows: pd.DataFrame, predictions: list[str], ctx: DataContext
-           ) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Each source's type scores its own rows (finetune.datatypes.generations, the code
-    in-training evaluation scores with)."""
-    return score_generations(ws.config, rows, predictions, ctx)

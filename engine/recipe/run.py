@@ -212,6 +212,7 @@ class TrainingRun:
         self.columns = (*type(self).columns, *kind_of(self.cfg).data_columns)
         self.eval_data = (load_tokenized(eval_path, self.columns)
                           if eval_path and eval_path.exists() else None)
+        self.warn_against_direction()
         self.generation_metrics = self.build_generation_metrics()
         self.open_batches, self.steps_per_epoch, self.epoch_len = self.open_train_data()
         self.max_steps = total_steps(self.cfg, self.steps_per_epoch)
@@ -223,10 +224,9 @@ class TrainingRun:
         self.start, self.history = trainer_state.start(self)
         self.start_step = self.progress.step
 
-    def build_generation_metrics(self) -> GenerationMetrics | None:
-        """eval.during_training_metrics: the generation subset, its prompts encoded once (only
-        where in-training evaluation runs); checkpoint.greater_is_better set against the
-        metric's own direction is kept, as HF keeps it, and said once."""
+    def warn_against_direction(self) -> None:
+        """checkpoint.greater_is_better set against metric_for_best_model's own direction is
+        kept, as HF keeps it, and said once."""
         ck = self.cfg.checkpoint
         if (ck.metric_for_best_model and ck.greater_is_better is not None
                 and self.dist.is_main):
@@ -235,6 +235,10 @@ class TrainingRun:
                 warn(f"checkpoint.greater_is_better {str(ck.greater_is_better).lower()} ranks "
                      f"{ck.metric_for_best_model} {'higher' if ck.greater_is_better else 'lower'}"
                      f" as better, against its own direction; kept as set (HF semantics)")
+
+    def build_generation_metrics(self) -> GenerationMetrics | None:
+        """eval.during_training_metrics: the generation subset, its prompts encoded once (only
+        where in-training evaluation runs)."""
         ev = self.cfg.eval
         if not (ev.during_training_metrics and self.paths.formatted is not None
                 and self.eval_data is not None and ev.evaluates_in_training):

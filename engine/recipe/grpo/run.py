@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import time
 
 import torch
@@ -195,8 +196,6 @@ class GRPORun(TrainingRun):
         step = self.progress.step
         if self.server is None or self.synced_step == step:
             return
-        import shutil
-
         name = f"{self.adapter_tag}-step{step}"
         folder = self.adapter_root / name
         if self.dist.is_main:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.evaluation.bootstrap import stderrs
+from engine.evaluation.bootstrap import bootstrap_seed, stderrs
 from engine.kinds import kind_of
 from engine.process.distributed import Dist
 from engine.recipe.sft.heldout import generation_inputs
@@ -98,7 +98,6 @@ class GenerationMetrics:
             texts = ordered
         scores, per_row = score_generations(cfg, self.rows, texts, self.ctx)
         out = {f"eval_{k}": round(v, 6) for k, v in scores.items()}
-        seed = cfg.training.seed  # the evaluate stage's bootstrap seed (bootstrap_seed)
         out.update({f"eval_{k}": v for k, v in stderrs(per_row, cfg.eval.bootstrap_samples,
-                                                        seed).items()})
+                                                        bootstrap_seed(cfg)).items()})
         return out
