@@ -26,7 +26,8 @@ from finetune.imports import load_object
 #: a `model_ref` role (finetune.config.model_refs) -> the engine's check that a folder holds
 #: such a model: (project root, the folder, its entry for the message) -> the folder, or one
 #: line naming the entry. Imported when asked, so the role's room loads only for its runs
-MODEL_FOLDER_CHECKS = {"reward_model": "engine.rollout.reward_model:check_reward_model"}
+MODEL_FOLDER_CHECKS = {"reward_model": "engine.rollout.reward_model:check_reward_model",
+                       "teacher": "engine.recipe.distill.teacher:check_teacher"}
 
 
 def check_model_folder(role: str, root: Path, ref: str, entry: str) -> Path:

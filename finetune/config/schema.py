@@ -15,6 +15,7 @@ from pydantic import model_validator
 from finetune.config import compat, deepspeed, fingerprint, reads
 from finetune.config.checkpoint import CheckpointConfig
 from finetune.config.data import DataConfig
+from finetune.config.distill import DistillConfig
 from finetune.config.distributed import DistributedConfig
 from finetune.config.evaluation import EvalConfig
 from finetune.config.export import ExportConfig
@@ -35,7 +36,7 @@ from finetune.config.training import TrainingConfig
 __all__ = ["FinetuneConfig", "ModelConfig", "PeftSection", "DataConfig", "TrainingConfig",
            "OptimizerConfig", "SchedulerConfig", "DistributedConfig", "CheckpointConfig",
            "EvalConfig", "LoggingConfig", "ExportConfig", "RegistryConfig", "DPOConfig",
-           "GRPOConfig", "RLOOConfig", "RewardConfig"]
+           "GRPOConfig", "RLOOConfig", "RewardConfig", "DistillConfig"]
 
 
 class FinetuneConfig(Section):
@@ -56,6 +57,7 @@ class FinetuneConfig(Section):
     rloo: RLOOConfig = Field(default_factory=RLOOConfig)
     kto: KTOConfig = Field(default_factory=KTOConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig, fingerprint=False)
     logging: LoggingConfig = Field(default_factory=LoggingConfig, fingerprint=False)
     export: ExportConfig = Field(default_factory=ExportConfig, fingerprint=False)
