@@ -366,9 +366,9 @@ def test_a_shared_prefill_draws_what_one_prefill_per_row_draws(model, prompts):
     split = LocalGenerator(model, SamplingParams(T, temperature=0), [2], PAD, batch_size=3)
     whole = LocalGenerator(model, SamplingParams(T, temperature=0), [2], PAD)
     assert torch.equal(split.generate(ids, mask, 2, 0).ids, whole.generate(ids, mask, 2, 0).ids)
-    forwards = []
-    hook = model.register_forward_hook(lambda mod, args, kw, out: forwards.append(
-        kw["input_ids"].shape), with_kwargs=True)
+    forwards = []  # the embedding sees every forward's tokens, the model's or the lean step's
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda mod, args, out: forwards.append(args[0].shape))
     try:
         LocalGenerator(model, SamplingParams(2), [2], PAD).generate(ids, mask, 4, [1, 2, 3])
     finally:
@@ -388,8 +388,8 @@ def test_finished_rows_leave_the_forwards_and_the_others_draw_the_same(model, to
         rows = {}
         for drop in (True, False):
             seen = []
-            hook = model.register_forward_hook(lambda mod, args, kw, out: seen.append(
-                kw["input_ids"].shape[0]), with_kwargs=True)
+            hook = model.get_input_embeddings().register_forward_hook(
+                lambda mod, args, out: seen.append(args[0].shape[0]))
             try:
                 rows[drop] = LocalGenerator(model, params, eos, PAD, drop_finished=drop
                                             ).generate(ids, mask, 4, seed)
@@ -404,3 +404,100 @@ def test_finished_rows_leave_the_forwards_and_the_others_draw_the_same(model, to
         decoded = rows[True, "forwards"][1:]
         assert decoded[-1] < 12 and decoded == sorted(decoded, reverse=True), decoded
         assert sum(decoded) < sum(rows[False, "forwards"][1:])
+
+
+def _tiny_qwen2_with_lora():
+    """A randomly initialised Qwen2 (biased q/k/v projections, 2 query heads per key/value
+    head) under an unmerged peft LoRA whose B is not zero: the lean step calls the LoRA layers."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, pad_token_id=PAD)
+    config._attn_implementation = "sdpa"
+    base = Qwen2ForCausalLM(config).eval()
+    return get_peft_model(base, LoraConfig(r=4, target_modules="all-linear",
+                                           init_lora_weights=False)).eval()
+
+
+@pytest.mark.parametrize("which", ["stories260K", "qwen2+lora"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_lean_decode_step_gives_the_forwards_logits_bitwise(model, prompts, which, padded):
+    """engine/rollout/lean_decode.py: after the same prefill, ten decode steps through the lean
+    step give the model forward's logits bitwise (grouped-query attention with and without a
+    padding mask, biases, LoRA layers), rows repeated as the shared prefill repeats them."""
+    from engine.rollout.kv_cache import preallocated_cache
+    from engine.rollout.lean_decode import lean_decoder
+
+    net = model if which == "stories260K" else _tiny_qwen2_with_lora()
+    ids, mask = prompts
+    if not padded:
+        ids, mask = ids[:, -2:], mask[:, -2:]
+        assert bool(mask.all())
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    width = ids.shape[1] + 10
+    caches = [preallocated_cache(net.config, width) for _ in range(2)]
+    lean = lean_decoder(net, caches[1], width)
+    assert lean is not None
+    with torch.no_grad():
+        for cache in caches:
+            first = net(input_ids=ids, attention_mask=mask if padded else None,
+                        position_ids=positions, past_key_values=cache, use_cache=True)
+            cache.batch_repeat_interleave(2)
+        attention = mask.repeat_interleave(2, 0)
+        token = first.logits[:, -1].argmax(-1).repeat_interleave(2, 0)[:, None]
+        position = positions[:, -1:].repeat_interleave(2, 0) + 1
+        for _ in range(10):
+            attention = torch.cat([attention, torch.ones_like(token)], dim=1)
+            expected = net(input_ids=token, attention_mask=attention if padded else None,
+                           position_ids=position, past_key_values=caches[0],
+                           use_cache=True).logits[:, -1].float()
+            got = lean.step(token, attention if padded else None, position)
+            assert torch.equal(got, expected)
+            token, position = expected.argmax(-1)[:, None], position + 1
+    assert caches[1].get_seq_length() == caches[0].get_seq_length() == width
+
+
+def test_the_generator_draws_the_same_with_and_without_the_lean_step(model, tok, prompts):
+    """Sampled completions, rows finishing at different times and leaving the forwards: every
+    field equal with lean_decode on and off; where the lean step does not apply (eager
+    attention) it is not used."""
+    from engine.rollout.kv_cache import preallocated_cache
+    from engine.rollout.lean_decode import lean_decoder
+    from transformers import AutoModelForCausalLM
+
+    ids, mask = prompts
+    eos = [tok.convert_tokens_to_ids("<0x0A>"), tok.convert_tokens_to_ids("!")]
+    params = SamplingParams(96, top_k=50)
+    runs = [LocalGenerator(model, params, eos, PAD, lean_decode=lean).generate(
+        ids, mask, 4, [4, 5, 6]) for lean in (True, False)]
+    for field in ("ids", "mask", "lengths", "clipped"):
+        assert torch.equal(getattr(runs[0], field), getattr(runs[1], field)), field
+    assert runs[0].lengths.min() < runs[0].lengths.max()
+    eager = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager")
+    assert lean_decoder(eager, preallocated_cache(eager.config, 8), 8) is None
+    assert lean_decoder(model, None, 8) is None  # a cache the model builds itself
+
+
+def test_a_draw_is_torch_multinomials_without_its_host_sync():
+    """next_tokens draws what torch.multinomial(probs, 1) draws from the same generator state,
+    one generator for all rows or one per span of rows, and still refuses a NaN score."""
+    from engine.rollout.sampling import next_tokens
+
+    scores = torch.randn(12, 300) * 3
+    params = SamplingParams(4)
+    probs = scores.softmax(-1)
+
+    def seeded(seed):
+        return torch.Generator().manual_seed(seed)
+
+    expected = torch.multinomial(probs, 1, generator=seeded(5)).squeeze(1)
+    assert torch.equal(next_tokens(scores, params, seeded(5)), expected)
+    spans = [(0, 4, seeded(1)), (4, 12, seeded(2))]
+    expected = torch.cat([torch.multinomial(probs[a:b], 1, generator=seeded(s)).squeeze(1)
+                          for (a, b, _), s in zip(spans, (1, 2))])
+    assert torch.equal(next_tokens(scores, params, spans), expected)
+    with pytest.raises(RuntimeError, match="nan"):
+        next_tokens(scores.index_fill(1, torch.tensor([7]), float("nan")), params, seeded(1))

@@ -4,8 +4,10 @@
 causal LM or a peft `PeftModel` around one), batched over every row at once with a KV cache:
 one prefill forward of the prompts, each prompt once, its cached keys and values then repeated
 for its num_generations rows (`share_prefill`), then one forward per new token into a cache
-written in place (engine.rollout.kv_cache: no per-token copy of the whole cache), each step's
-scores processed and drawn as Hugging Face `generate` does (engine.rollout.sampling).
+written in place (engine.rollout.kv_cache: no per-token copy of the whole cache) and, for
+Llama-family models, computed by a lean step with the forward's arithmetic and without its
+per-token glue (engine.rollout.lean_decode), each step's scores processed and drawn as Hugging
+Face `generate` does (engine.rollout.sampling).
 
 The same weights, prompts and seed give the same completions bitwise (on one device and
 software stack; on CUDA as far as the model's kernels are deterministic). With one seed for the
@@ -16,7 +18,7 @@ one-row prefill can round its last float32 bits differently from a G-row one (6.
 stories260K), so a near-tie could draw another token: `share_prefill=False` prefills as
 generate does. With one seed per prompt, each prompt's
 completions are drawn from its own generator: they do not depend on which other prompts share
-the call (the forwards stay batched; only the draw is one `torch.multinomial` per prompt).
+the call (the forwards stay batched; only the draw's noise is one call per prompt).
 Through a peft LoRA model in float32 on the CPU the adapters are folded for the call
 (engine.rollout.lora_merge).
 """
@@ -31,6 +33,7 @@ import torch
 
 from engine.rollout.generator import Completions, check_request
 from engine.rollout.kv_cache import preallocated_cache
+from engine.rollout.lean_decode import lean_decoder
 from engine.rollout.lora_merge import merged_lora
 from engine.rollout.sampling import SamplingParams, next_tokens, process_logits, token_presence
 
@@ -96,6 +99,9 @@ class LocalGenerator:
     `drop_finished`: rows that finished leave the forwards (at a stop check, once they are a
     quarter of the rows still generating); their draws still happen, so the other rows draw
     the same tokens.
+    `lean_decode`: decode each token with engine.rollout.lean_decode's step where it applies
+    (a Llama-family model, SDPA, the preallocated cache; not sharded or compiled): the same
+    logits bitwise with less per-token overhead; False: the model's forward for every token.
     `merge_adapters`: fold LoRA adapters into their layers' weights for the call
     (engine.rollout.lora_merge.merged_lora); None: where it keeps the arithmetic float32 and costs only host memory,
     i.e. on the CPU, with float32 weights, outside autocast, not sharded (FSDP2's DTensor
@@ -108,7 +114,7 @@ class LocalGenerator:
                  stop_check_every: int | None = None,
                  all_finished: Callable[[torch.Tensor], bool] | None = None,
                  merge_adapters: bool | None = None, share_prefill: bool = True,
-                 drop_finished: bool = True):
+                 drop_finished: bool = True, lean_decode: bool = True):
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
         if stop_check_every is not None and stop_check_every < 1:
@@ -127,6 +133,7 @@ class LocalGenerator:
         self.merge_adapters = merge_adapters
         self.share_prefill = share_prefill
         self.drop_finished = drop_finished
+        self.lean_decode = lean_decode
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -180,6 +187,17 @@ class LocalGenerator:
         # float32 scores, as Hugging Face generate takes them; the last position only
         return out.logits[:, -1].float(), out.past_key_values
 
+    def _decoder(self, cache, capacity: int):
+        """The decode step for one new token per row: (tokens, attention, positions, cache)
+        -> (float32 logits, cache); the lean step where it applies, else the model's forward."""
+        lean = None
+        if self.lean_decode and not _sharded(self.model) and not _compiled(self.model):
+            lean = lean_decoder(self.model, cache, capacity)
+        if lean is None:
+            return self._forward
+        return lambda tokens, attention, positions, cache: (
+            lean.step(tokens, attention, positions), cache)
+
     def _generate_rows(self, ids: torch.Tensor, mask: torch.Tensor, spans: list[Span],
                        group: int = 1):
         """One chunk of rows: prefill, then one cached forward per token; `spans`: which
@@ -215,6 +233,7 @@ class LocalGenerator:
         if group > 1:
             logits = logits.repeat_interleave(group, dim=0)
             cache.batch_repeat_interleave(group)
+        decode = self._decoder(cache, prompt_len + steps)
         seen = None
         if params.repetition_penalty != 1.0:
             seen = token_presence(ids, real, logits.shape[-1])
@@ -225,11 +244,7 @@ class LocalGenerator:
         active = None
         for t in range(steps):
             scores = process_logits(logits, params, seen)
-            if params.greedy or len(spans) == 1:
-                tokens = next_tokens(scores, params, spans[0][2] if spans else None)
-            else:
-                tokens = torch.cat([next_tokens(scores[a:b], params, generator)
-                                    for a, b, generator in spans])
+            tokens = next_tokens(scores, params, spans[0][2] if len(spans) == 1 else spans or None)
             tokens = tokens.masked_fill(finished, pad)  # finished rows emit pad
             out[:, t] = tokens
             keep[:, t] = (~finished).long()  # the EOS itself is kept
@@ -243,11 +258,11 @@ class LocalGenerator:
             if seen is not None:
                 seen.scatter_(1, tokens.clamp(max=absorb)[:, None], True)
             if active is None:
-                logits, cache = self._forward(
+                logits, cache = decode(
                     tokens[:, None], attention[:, :prompt_len + t + 1] if padded else None,
                     next_position + t, cache)
                 continue
-            rows, cache = self._forward(
+            rows, cache = decode(
                 tokens[active, None], attention[active, :prompt_len + t + 1] if padded else None,
                 next_position[active] + t, cache)
             logits = rows.new_zeros((n, rows.shape[-1])).index_copy_(0, active, rows)

@@ -2,7 +2,7 @@
 
 Each step's next-token scores go through the processors `generate` applies, in its order and
 with its semantics (`process_logits`): repetition penalty over the prompt's real tokens and the
-tokens generated so far, temperature, top-k, top-p, min-p; then softmax and `torch.multinomial`
+tokens generated so far, temperature, top-k, top-p, min-p; then softmax and `torch.multinomial`'s draw
 with a `torch.Generator` the caller seeds (`next_tokens`), so the same scores and generator
 state give the same tokens bitwise. Temperature 0 is greedy (argmax). The names, defaults and
 conventions of `SamplingParams` are TRL GRPOConfig's (`top_k=0` is no top-k filtering,
@@ -11,6 +11,7 @@ conventions of `SamplingParams` are TRL GRPOConfig's (`top_k=0` is no top-k filt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -109,9 +110,25 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
 
 
 def next_tokens(scores: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """[N, V] processed scores -> [N] token ids: argmax when greedy, else one multinomial draw."""
+                generator: torch.Generator | Sequence[tuple[int, int, torch.Generator]] | None
+                ) -> torch.Tensor:
+    """[N, V] processed scores -> [N] token ids: argmax when greedy, else one draw per row.
+
+    `generator`: one generator for every row, or spans (start, end, generator) of rows, each
+    span drawn from its own generator in row order. The draw is `torch.multinomial(probs, 1)`'s
+    (an exponential noise per score, then argmax of probs / noise), so the same scores and
+    generator states give the same tokens bitwise, but without multinomial's host sync: its
+    check that no row sums to zero reads a value back on every call, i.e. once per token and
+    prompt, which stalls an accelerator's queue; the finiteness check stays, asynchronous as
+    multinomial's own."""
     if params.greedy:
         return scores.argmax(dim=-1)
     probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    torch._assert_async((probs.max() < float("inf")) & (probs.min() >= 0),
+                        "probability tensor contains either `inf`, `nan` or element < 0")
+    if generator is None or isinstance(generator, torch.Generator):
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    else:
+        noise = torch.cat([torch.empty_like(probs[a:b]).exponential_(1, generator=g)
+                           for a, b, g in generator])
+    return probs.div(noise).argmax(dim=-1)
