@@ -107,7 +107,8 @@ class _Layer:
 
     def __init__(self, layer, kv: PreallocatedLayer):
         attn = layer.self_attn
-        self.norm1, self.norm2 = _direct(layer.input_layernorm), _direct(layer.post_attention_layernorm)
+        self.norm1 = _direct(layer.input_layernorm)
+        self.norm2 = _direct(layer.post_attention_layernorm)
         self.q, self.k, self.v, self.o = (_direct(attn.q_proj), _direct(attn.k_proj),
                                           _direct(attn.v_proj), _direct(attn.o_proj))
         self.mlp = _mlp(layer.mlp)
