@@ -4,9 +4,10 @@ Each step's next-token scores go through the processors `generate` applies, in i
 with its semantics (`process_logits`): repetition penalty over the prompt's real tokens and the
 tokens generated so far, temperature, top-k, top-p, min-p; then softmax and
 `torch.multinomial`'s draw with a `torch.Generator` the caller seeds (`next_tokens`), so the
-same scores and generator state give the same tokens bitwise. Temperature 0 is greedy (argmax). The names, defaults and
-conventions of `SamplingParams` are TRL GRPOConfig's (`top_k=0` is no top-k filtering,
-`min_p=None` no min-p), so a section with those names maps onto it (`sampling_params`).
+same scores and generator state give the same tokens bitwise. Temperature 0 is greedy
+(argmax). The names, defaults and conventions of `SamplingParams` are TRL GRPOConfig's
+(`top_k=0` is no top-k filtering, `min_p=None` no min-p), so a section with those names maps
+onto it (`sampling_params`).
 """
 
 from __future__ import annotations
