@@ -7,8 +7,9 @@ stories260K as shipped (its EOS is practically never sampled, so every row runs 
 both sides do the same number of forwards: the table's `tokens` column says so), or a randomly
 initialised Llama of a bench/throughput.py shape. model.generate runs after torch.manual_seed(0)
 and LocalGenerator with seed 0, which on the CPU draw the same tokens. A third row is
-LocalGenerator without its two levers (share_prefill=False: every row prefilled, as generate
-does; drop_finished=False: finished rows stay in the forwards), so what they bring is measured in
+LocalGenerator without its three levers (share_prefill=False: every row prefilled, as generate
+does; drop_finished=False: finished rows stay in the forwards; lean_decode=False: the model's
+forward for every token), so what they bring is measured in
 the same run. `--eos TOKEN` names another token as the end (stories260K emits "<0x0A>", a
 newline), so rows finish at different lengths, as completions do. Each side runs once to warm
 up, then `--repeats` times, the sides taking turns within each repeat; the table gives the
@@ -98,7 +99,8 @@ def main() -> None:
     params = SamplingParams(args.tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, repetition_penalty=args.repetition_penalty)
     ours = LocalGenerator(model, params, eos, PAD)
-    plain = LocalGenerator(model, params, eos, PAD, share_prefill=False, drop_finished=False)
+    plain = LocalGenerator(model, params, eos, PAD, share_prefill=False, drop_finished=False,
+                           lean_decode=False)
 
     def local():
         return ours.generate(ids, mask, args.generations, seed=0)
