@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 import torch
 
-from helpers import (adapter, refused_here, resume_cut_back, stages_here, train_copy_here,
-                     train_here, train_in_place, train_metrics, write_params)
+from helpers import (adapter, copy_project, refused_here, resume_cut_back, stages_here,
+                     train_copy_here, train_here, train_in_place, train_metrics, write_params)
 
 #: rouge scores above 0 on the shipped stories260K; exact_match stays 0 there
 GENERATING = {"eval.during_training_metrics": True,
@@ -59,6 +59,46 @@ def test_the_logged_number_is_the_evaluate_stage_s_on_those_weights(tokenized, t
     for name in ("exact_match", *ROUGE):
         assert float(last[f"eval_{name}"]) == stage[name], name
         assert float(last[f"eval_{name}_stderr"]) == stage[f"{name}_stderr"], name
+
+
+#: the tool-calling example (params/tools-gsm8k.yaml) on its 265 training conversations, fully
+#: fine-tuned: stories260K writes parseable calls from about step 30 (LoRA at 40 steps, or 40
+#: full steps, still writes a wrong byte where the JSON's `{` goes, or stops mid-call); scored
+#: on the first 8 generation rows (6 calling turns), evaluated at steps 50 and 60
+TOOLS = "params/tools-gsm8k.yaml"
+CALLING = {"data.max_eval_samples": 8, "training.max_steps": 60,
+           "training.per_device_train_batch_size": 4, "training.per_device_eval_batch_size": 8,
+           "logging.logging_steps": 10, "peft.use_peft": False,
+           "optimizer.learning_rate": 0.005, "scheduler.warmup_steps": 1,
+           "eval.eval_steps": 10, "eval.eval_delay": 50, "eval.eval_batches": 1,
+           "checkpoint.save_steps": 50, "eval.max_generation_samples": 8,
+           "eval.generation_max_new_tokens": 96, "eval.during_training_metrics": ["tool_calls"],
+           "eval.during_training_samples": 8, "eval.num_logged_samples": 0,
+           "eval.contamination_ngram": None, "distributed.threads_per_process": 1}
+
+
+@pytest.mark.slow
+def test_tool_calls_score_above_zero_during_training_as_evaluate_scores_them(tmp_path):
+    """The issue's bar: a real model scoring above 0 on a cut of the tools example's rows
+    logs eval_tool_name_match > 0 at every evaluation, and the step-60 checkpoint's numbers
+    (the trained model) are the evaluate stage's; the list names the tool-call metrics only,
+    so exact_match is not logged during training (the evaluate stage still reports it)."""
+    project = copy_project(tmp_path / "p")
+    write_params(project, CALLING, name=TOOLS)
+    stages_here(project, "download", "format", "tokenize", "train", params=TOOLS)
+    rows = _eval_rows(project)
+    assert [r["step"] for r in rows] == ["50", "60"]
+    # the calls' scores cover the calling turns, not every row: no stderr, in either stage
+    assert [k for k in rows[0] if k != "step"] == [
+        "eval_loss", "eval_tool_name_match", "eval_tool_arguments_match"]
+    assert all(float(r["eval_tool_name_match"]) > 0 for r in rows), rows
+    assert (project / "data/checkpoints/step-0000060").is_dir()
+    stages_here(project, "evaluate", params=TOOLS)
+    stage = json.loads((project / "data/metrics/eval.json").read_text())["finetuned"]
+    assert "exact_match" in stage
+    for name in ("tool_name_match", "tool_arguments_match"):
+        assert float(rows[-1][f"eval_{name}"]) == stage[name], name
+        assert f"{name}_stderr" not in stage, name
 
 
 #: eval and save every step; rouge1 must gain 50 standard errors of the difference to count
@@ -128,6 +168,13 @@ def test_a_resumed_run_stops_where_the_uninterrupted_one_did(stalled, tmp_path):
       "eval.early_stopping_threshold_stderr": 1.0},
      "eval.early_stopping_threshold_stderr: checkpoint.metric_for_best_model eval_loss has "
      "no standard error during training"),
+    ({**GENERATING, "eval.during_training_metrics": ["rouge1", "gsm8k"]},
+     "eval.during_training_metrics: gsm8k is not a metric the evaluate stage reports for this "
+     "run (generation metrics: exact_match, rouge, rouge1, rouge2, rougeL; eval.harness.tasks "
+     "is empty); lm-eval harness tasks run only in the evaluate stage"),
+    ({**GENERATING, "eval.during_training_metrics": ["tool_name_match"]},
+     "eval.during_training_metrics: tool_name_match needs 'tool_calls' in "
+     "eval.generation_metrics"),
     ({"eval.during_training_metrics": True, "data.dataset_type": "classification",
       "data.prompt_template": None, "data.completion_template": None,
       "eval.generation_metrics": []}, "eval.during_training_metrics: data.dataset_type "
@@ -150,10 +197,38 @@ def test_validate_and_the_train_stage_refuse_what_a_run_would_not_report(
     assert named in line, line
 
 
+@pytest.mark.parametrize("setting, named", [
+    ("+eval.during_training_metrics=[pass_at_1]",
+     "eval.during_training_metrics: pass_at_1 is the evaluate stage's (training.type grpo); "
+     "during training it logs its own numbers (a rollout method: eval_reward"),
+    ("+checkpoint.metric_for_best_model=eval_loss",
+     "checkpoint.metric_for_best_model eval_loss is not reported during training for "
+     "data.dataset_type prompt (it reports eval_reward)"),
+    ("+checkpoint.metric_for_best_model=eval_reward", None),
+])
+def test_a_rollout_method_ranks_by_its_greedy_reward_and_refuses_pass_at_k(
+        project, setting, named, capsys, monkeypatch):
+    """GRPO's in-training evaluation reports eval_reward (and no loss): metric_for_best_model
+    may name it; pass@k and the sampled rewards are the evaluate stage's only, refused in one
+    line naming the key."""
+    from flows.cli import main
+
+    monkeypatch.chdir(project)
+    code = main(["validate", "-p", "params/grpo-gsm8k.yaml", "-s", setting,
+                 "-s", "model.name_or_path=data/models/stories260K"])
+    err = capsys.readouterr().err
+    if named is None:
+        assert code == 0, err
+        return
+    errors = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert named in errors[0], errors[0]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["fsdp2"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_processes_log_what_one_does(tokenized, tmp_path, strategy):
-    """FSDP2 on 2 torchrun processes (gloo): each rank generates its rows in lockstep (the
+    """FSDP2 and DDP on 2 torchrun processes (gloo): each rank generates its rows in lockstep (the
     model also ends a text at '.', so ranks finish at different tokens and generate's
     synced loop is what keeps their gathers paired), the texts are gathered and scored on
     every rank: the same eval_<metric> values, the same early stop. SGD, so the weights

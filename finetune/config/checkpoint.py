@@ -74,7 +74,8 @@ class CheckpointConfig(Section):
         "that early stopping watches: eval_loss, eval_perplexity, or with "
         "eval.during_training_metrics a generation metric the evaluate stage reports for "
         "eval.generation_metrics, as eval_<metric> (eval_exact_match, eval_rouge1, "
-        "eval_rouge2, eval_rougeL, eval_tool_name_match, eval_tool_arguments_match)."
+        "eval_rouge2, eval_rougeL, eval_tool_name_match, eval_tool_arguments_match); a "
+        "rollout method (grpo, rloo): eval_reward, its greedy reward on eval.eval_batches."
     )
     greater_is_better: bool | None = Field(
         None, description="Direction of metric_for_best_model (None: from the metric, as HF "

@@ -481,6 +481,9 @@ def _during_training_metrics(c) -> str | None:
     from finetune.config.methods import method_of
 
     key = "eval.during_training_metrics"
+    named = _named_not_reported(c) if isinstance(e.during_training_metrics, list) else None
+    if named:
+        return named
     if not method_of(c.training.type).sft_evaluation:
         return (f"{key}: training.type {c.training.type} evaluates with its own numbers "
                 "during training, not the generation metrics (set it to false)")
@@ -496,11 +499,53 @@ def _during_training_metrics(c) -> str | None:
     return None
 
 
+def _named_not_reported(c) -> str | None:
+    """A name in an eval.during_training_metrics list that is not a generation metric of
+    eval.generation_metrics: a rollout method's rewards and pass@k, an lm-eval harness task,
+    or nothing the evaluate stage reports."""
+    from pathlib import PurePath
+
+    from finetune.config.methods import method_of
+    from finetune.datatypes.generations import generation_metric_names, metric_names
+    from finetune.datatypes.metrics import GENERATION_METRICS
+
+    key, e = "eval.during_training_metrics", c.eval
+    allowed = {*generation_metric_names(c, chosen=False), *e.generation_metrics}
+    tasks = {t: PurePath(t).stem for t in e.harness.tasks}
+    for name in e.during_training_metrics:
+        if name in allowed:
+            continue
+        method = method_of(c.training.type)
+        if method.metrics is not None and name in method.metrics(c):
+            return (f"{key}: {name} is the evaluate stage's (training.type "
+                    f"{c.training.type}); during training it logs its own numbers (a "
+                    "rollout method: eval_reward, greedy over eval.eval_batches, which "
+                    "checkpoint.metric_for_best_model may name), and pass@k and sampled "
+                    "rewards draw k completions per prompt, which only the evaluate stage "
+                    f"does; set {key}: false")
+        group = next((g for g in GENERATION_METRICS if name in metric_names([g])), None)
+        if group is not None:
+            return (f"{key}: {name} needs '{group}' in eval.generation_metrics (now "
+                    f"{e.generation_metrics})")
+        harness = ("is an lm-evaluation-harness task (eval.harness.tasks)"
+                   if name in tasks or name in tasks.values() else
+                   "is not a metric the evaluate stage reports for this run (generation "
+                   f"metrics: {', '.join(sorted(allowed)) or 'none'}; eval.harness.tasks is "
+                   f"{'empty' if not tasks else ', '.join(tasks)})")
+        return (f"{key}: {name} {harness}; lm-eval harness tasks run only in the evaluate "
+                "stage, which hands lm-eval a whole model in its own process, not the "
+                "training ranks' model mid-step")
+    return None
+
+
 def _in_training_metrics(c) -> tuple[str, ...]:
     """What an in-training evaluation of this config reports (metric_for_best_model's
     choices)."""
+    from finetune.config.methods import method_of
     from finetune.datatypes.generations import generation_metric_names
 
+    if method_of(c.training.type).default_gate == "eval.reward":
+        return ("eval_reward",)  # a rollout method's: engine.recipe.grpo.heldout.greedy_rewards
     generated = (generation_metric_names(c) if c.eval.during_training_metrics
                  and not _during_training_metrics(c) else ())
     return (*LOSS_METRICS, *(f"eval_{m}" for m in generated))

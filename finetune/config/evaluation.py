@@ -83,14 +83,18 @@ class EvalConfig(Section):
         "is a generation metric (eval.during_training_metrics) and eval.bootstrap_samples > "
         "0. 0: off.",
     )
-    during_training_metrics: bool = Field(
+    during_training_metrics: bool | list[str] = Field(
         False,
         description="At every in-training evaluation, also greedy-generate on a seeded subset "
         "of the evaluate stage's generation rows with the current weights and score them as "
         "the evaluate stage does (eval.generation_metrics, with bootstrap stderrs): logged as "
         "eval_<metric> and eval_<metric>_stderr (eval_exact_match, eval_rouge1, "
         "eval_tool_name_match, ...), so checkpoint.metric_for_best_model and early stopping "
-        "may name them. Costs one generation pass per evaluation (eval_seconds).",
+        "may name them. true: every metric eval.generation_metrics reports; a list: those "
+        "named (exact_match, rouge1, tool_name_match, ...; rouge and tool_calls name their "
+        "group). Rewards and pass@k of a rollout method, and lm-eval harness tasks, are the "
+        "evaluate stage's only (refused here; a rollout method logs eval_reward during "
+        "training on its own). Costs one generation pass per evaluation (eval_seconds).",
     )
     during_training_samples: int = Field(
         32, gt=0,

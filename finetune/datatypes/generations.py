@@ -83,15 +83,28 @@ def score_generations(cfg, rows: pd.DataFrame, predictions: list[str], ctx: Data
     return combined, full
 
 
-def generation_metric_names(cfg) -> tuple[str, ...]:
-    """The metrics `eval.generation_metrics` makes the sources' types report (exact_match,
-    rouge1/2/L, tool_name_match and tool_arguments_match where a type reports them): what
-    in-training evaluation logs as `eval_<name>`."""
+def metric_names(names) -> list[str]:
+    """`names` with the groups spelled out as the metrics they report (rouge: rouge1, rouge2,
+    rougeL; tool_calls: tool_name_match, tool_arguments_match)."""
     from finetune.datatypes.metrics import ROUGE_KEYS, TOOL_CALL_KEYS
 
-    wanted = []
-    for name in cfg.eval.generation_metrics:
-        wanted += (ROUGE_KEYS if name == "rouge" else TOOL_CALL_KEYS if name == "tool_calls"
-                   else (name,))
+    out: list[str] = []
+    for name in names:
+        out += (ROUGE_KEYS if name == "rouge" else TOOL_CALL_KEYS if name == "tool_calls"
+                else (name,))
+    return out
+
+
+def generation_metric_names(cfg, chosen: bool = True) -> tuple[str, ...]:
+    """The metrics `eval.generation_metrics` makes the sources' types report (exact_match,
+    rouge1/2/L, tool_name_match and tool_arguments_match where a type reports them): what
+    in-training evaluation logs as `eval_<name>`; with `chosen` and a list in
+    `eval.during_training_metrics`, only those it names (`chosen=False`: all of them, what
+    the list may name)."""
     reported = {m for _, part in cfg.data.parts() for m in part.datatype.reported_metrics()}
-    return tuple(m for m in wanted if m in reported)
+    names = tuple(m for m in metric_names(cfg.eval.generation_metrics) if m in reported)
+    picked = cfg.eval.during_training_metrics
+    if chosen and isinstance(picked, list):
+        keep = set(metric_names(picked))
+        names = tuple(m for m in names if m in keep)
+    return names

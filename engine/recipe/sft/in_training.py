@@ -27,7 +27,8 @@ from engine.process.distributed import Dist
 from engine.recipe.sft.heldout import generation_inputs
 from engine.rollout.greedy import greedy_generate
 from finetune.datatypes import DataContext
-from finetune.datatypes.generations import generation_rows, score_generations, training_subset
+from finetune.datatypes.generations import (generation_metric_names, generation_rows,
+                                            score_generations, training_subset)
 from finetune.errors import PipelineError
 
 
@@ -76,6 +77,9 @@ class GenerationMetrics:
         self.prompts, self.extras = generation_inputs(cfg, root, tokenizer,
                                                       self.rows.iloc[taken].reset_index(drop=True))
         self.ctx = DataContext(root, lambda: tokenizer, labels=labels)
+        #: a list in eval.during_training_metrics logs only what it names (None: all scored)
+        self.logged = (set(generation_metric_names(cfg))
+                       if isinstance(ev.during_training_metrics, list) else None)
 
     def measure(self, model: torch.nn.Module, amp: torch.dtype | None = None
                 ) -> dict[str, float]:
@@ -97,6 +101,9 @@ class GenerationMetrics:
                 ordered[r::d.world_size] = part
             texts = ordered
         scores, per_row = score_generations(cfg, self.rows, texts, self.ctx)
+        if self.logged is not None:
+            scores = {k: v for k, v in scores.items() if k in self.logged}
+            per_row = {k: v for k, v in per_row.items() if k in self.logged}
         out = {f"eval_{k}": round(v, 6) for k, v in scores.items()}
         out.update({f"eval_{k}": v for k, v in stderrs(per_row, cfg.eval.bootstrap_samples,
                                                         bootstrap_seed(cfg)).items()})
