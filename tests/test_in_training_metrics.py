@@ -143,9 +143,18 @@ def test_a_resumed_run_stops_where_the_uninterrupted_one_did(stalled, tmp_path):
     """Cut back to the step-2 checkpoint (best and patience counter mid-way) and resumed: the
     same stop, the same best, bitwise the same weights and curves."""
     full, _ = stalled
+
+    def monitor(project, step):
+        return torch.load(project / f"data/checkpoints/step-{step:07d}/trainer.pt",
+                          weights_only=False)["monitor"]
+
+    # the step-2 checkpoint: rouge1 rose (the new best) by less than the threshold, so the
+    # patience counter is 1; a resume that lost it would stop at step 4, not 3
+    assert (monitor(full, 2)["best_step"], monitor(full, 2)["bad_evals"]) == (2, 1)
     out = resume_cut_back(full, tmp_path, 2, train_in_place)
     assert "[train] early stopping at step 3" in out
     cut = tmp_path / "cut"
+    assert monitor(cut, 3) == monitor(full, 3) and monitor(full, 3)["bad_evals"] == 2
     a, b = train_metrics(full), train_metrics(cut)
     assert (b["global_step"], b["best_step"], b["best_eval_rouge1"]) == (
         a["global_step"], a["best_step"], a["best_eval_rouge1"])
