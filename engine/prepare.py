@@ -41,3 +41,17 @@ def rollout_tool_schemas(refs: list[str], environments: str | dict[str, str] | N
     functions = load_tools(refs or [], f"{section}.tools")
     loaded = load_environments(environments, f"{section}.environment_factory", functions)
     return loaded.schemas if loaded.named else loaded.schemas[None]
+
+
+def teacher_scores(teacher_dir, teacher_ref: str, student_tok, student_ref: str, split,
+                   top_k: int, temperature: float):
+    """The teacher stage's scoring (offline distillation, engine.recipe.distill.score): the
+    teacher's tokenizer checked against the student's (one line naming both), then (datasets
+    features of the columns, an iterator of their batches): the teacher's top-k ids and
+    log-probabilities at every trained token of the tokenized `split`, a few rows at a time."""
+    from engine.recipe.distill.score import features, score_split
+    from engine.recipe.distill.teacher import check_same_vocabulary
+
+    check_same_vocabulary(teacher_dir, teacher_ref, student_tok, student_ref)
+    return features(), score_split(teacher_dir, split, top_k, temperature,
+                                   student_tok.pad_token_id)

@@ -109,10 +109,10 @@ def _plain_task(stage: str):
     return task(name=stage)(run)
 
 
-validate, format_prompts, tokenize, evaluate, export = map(
-    _plain_task, (VALIDATE, "format", "tokenize", "evaluate", "export"))
-TASKS = {"download": download, "format": format_prompts, "tokenize": tokenize, "train": train,
-         "evaluate": evaluate, "export": export}
+validate, format_prompts, tokenize, teacher, evaluate, export = map(
+    _plain_task, (VALIDATE, "format", "tokenize", "teacher", "evaluate", "export"))
+TASKS = {"download": download, "format": format_prompts, "tokenize": tokenize,
+         "teacher": teacher, "train": train, "evaluate": evaluate, "export": export}
 assert tuple(TASKS) == STAGES
 
 

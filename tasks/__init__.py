@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-STAGES = ("download", "format", "tokenize", "train", "evaluate", "export")
+STAGES = ("download", "format", "tokenize", "teacher", "train", "evaluate", "export")
 
 
 _FUNCTIONS = {
     "download": "tasks.download:download",
     "format": "tasks.format:format_prompts",
     "tokenize": "tasks.tokenize:tokenize",
+    "teacher": "tasks.teacher:teacher",
     "train": "tasks.train:train",
     "evaluate": "tasks.evaluate:evaluate",
     "export": "tasks.export:export",

@@ -29,6 +29,7 @@ from finetune.files import write_json_atomic
 from finetune.workspace import Workspace
 from tasks.launch_failure import explain
 from tasks.stream_manifest import MANIFEST
+from tasks.teacher import teacher_columns
 
 STREAM_SOURCE = "tasks.stream:open_train_stream"
 #: the train stage's measurements of the machine (data/logs/, gitignored): they differ on
@@ -63,6 +64,8 @@ def run_paths(ws: Workspace) -> RunPaths:
         labels=layout.tokenized / "labels.json" if ws.config.data.targets == "labels" else None,
         # eval.during_training_metrics: the generation rows, as the evaluate stage reads them
         formatted=layout.formatted if ws.config.eval.during_training_metrics else None,
+        # offline distillation: the teacher stage's columns (tasks.teacher)
+        method_columns=teacher_columns(ws),
     )
 
 

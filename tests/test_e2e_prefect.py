@@ -18,7 +18,7 @@ import pytest
 from helpers import BIN, copy_project
 from flows.stack import group_alive
 
-STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]
+STAGES = ["download", "format", "tokenize", "teacher", "train", "evaluate", "export"]
 
 
 def free_port() -> int:

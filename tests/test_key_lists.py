@@ -58,7 +58,8 @@ def test_every_key_is_listed_for_a_stage_and_every_listed_key_exists():
 PLUMBING = {"finetune", "finetune.errors", "finetune.files", "finetune.imports",
             "finetune.registry", "finetune.workspace", "tasks", "engine"}
 STAGE_MODULES = {"validate": "tasks.checks", "download": "tasks.download",
-                 "format": "tasks.format", "tokenize": "tasks.tokenize", "train": "tasks.train",
+                 "format": "tasks.format", "tokenize": "tasks.tokenize", "teacher": "tasks.teacher",
+                 "train": "tasks.train",
                  "evaluate": "tasks.evaluate", "export": "tasks.export"}
 
 

@@ -20,7 +20,7 @@ from tasks.tracking import LINEAGE_TAGS
 #: the whole pipeline through `dvc repro`, several times: `make test-slow` runs it
 pytestmark = pytest.mark.slow
 
-STAGES = ["download", "format", "tokenize", "train", "evaluate", "export"]
+STAGES = ["download", "format", "tokenize", "teacher", "train", "evaluate", "export"]
 
 
 def dvc(project, *args, check=True, env=None):

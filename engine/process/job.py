@@ -46,6 +46,10 @@ class RunPaths:
     #: generation rows eval.during_training_metrics scores (finetune.datatypes.generations);
     #: None: no generation metrics during training
     formatted: Path | None = None
+    #: the train split's per-row columns a method's own stage computed (distill's teacher
+    #: stage: the teacher's top-k), row i for row i of `train_data`, read by the run's rows;
+    #: None: none
+    method_columns: Path | None = None
 
     def to_json(self) -> dict[str, str | None]:
         return {k: None if v is None else str(v) for k, v in asdict(self).items()}
