@@ -9,7 +9,6 @@ the same bitwise and a run resumed from its checkpoint ends where an uninterrupt
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -123,15 +122,22 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(scored, tmp_pat
 
 @pytest.mark.slow
 def test_on_policy_runs_are_seeded_and_resume_bitwise(scored, tmp_path):
+    """lmbda 1: every step trains on the student's own samples; two runs are the same
+    bitwise, and one cut back to its step-2 checkpoint and resumed ends as the whole run
+    (resume_from_checkpoint_in_process asserts the weights and losses)."""
     from tests.helpers import resume_from_checkpoint_in_process
 
     params = {**BASE, "distill.mode": "on_policy", "distill.lmbda": 1.0,
               "distill.max_new_tokens": 8, "training.max_steps": 4,
               "checkpoint.save_strategy": "steps", "checkpoint.save_steps": 2}
-    first, _ = train_here(scored, tmp_path / "a", params)
-    second, _ = train_here(scored, tmp_path / "b", params)
-    assert losses(first) == losses(second)
-    resumed = resume_from_checkpoint_in_process(scored, tmp_path / "r", params, at=2)
-    assert resumed is not None
-    assert losses(tmp_path / "r" / "resumed") == losses(first) if (
-        tmp_path / "r" / "resumed").exists() else True
+    resume_from_checkpoint_in_process(scored, tmp_path, params, at=2)
+    again, _ = train_here(scored, tmp_path / "again", params)
+    full = tmp_path / "full"
+    assert losses(again) == losses(full) and len(losses(full)) == 4
+    a, b = adapter(again), adapter(full)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the student's samples, not the data's completions: another loss than lmbda 0's
+    data_run, _ = train_here(scored, tmp_path / "data",
+                             {**params, "distill.lmbda": 0.0, "training.max_steps": 1,
+                              "checkpoint.save_strategy": "no"})
+    assert abs(losses(data_run)[0] - losses(full)[0]) > 1e-4
