@@ -80,11 +80,11 @@ _EXAMPLE = {"training.type": "distill", "distill.teacher": "data/models/stories2
 
 #: distill's rows of the compatibility table (finetune/config/compat.py)
 ROWS: list[compat.Rule] = [
-    compat.Needs(
-        "config", "training.type", compat.When(
-            "distill.teacher", lambda c: c.distill.teacher is not None),
-        "a distillation run needs a teacher: a model folder or models:/NAME@alias",
-        used=lambda c: c.training.type == "distill",
+    compat.Agree(
+        "config", ("distill.teacher", "training.type"),
+        lambda c: ("distill.teacher: null, and training.type distill needs a teacher (a "
+                   "model folder or models:/NAME@alias)")
+        if c.training.type == "distill" and c.distill.teacher is None else None,
         example={"training.type": "distill"}),
     *compat.offline_method_refusals(
         DISTILL, _EXAMPLE, scored="each row", rows="the teacher's columns",
