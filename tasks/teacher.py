@@ -25,19 +25,61 @@ TEACHER = Path("data/teacher")
 MANIFEST = "teacher.json"
 
 
-def teacher_columns(ws: Workspace) -> Path | None:
-    """The teacher's columns a run of `ws` reads (offline distillation), else None."""
+def offline(ws: Workspace) -> bool:
+    """Whether `ws` is an offline distillation run (the one kind the stage scores for)."""
     c = ws.config
-    if c.training.type == "distill" and c.distill.mode == "offline":
-        return ws.root / TEACHER / "train"
-    return None
+    return c.training.type == "distill" and c.distill.mode == "offline"
+
+
+def teacher_columns(ws: Workspace) -> Path | None:
+    """The teacher's columns a run of `ws` reads (offline distillation), else None; one line
+    when the teacher stage scored another teacher, top_k or temperature than the params name
+    now (a stage run by hand after an edit, or a teacher folder outside DVC's deps changed)."""
+    if not offline(ws):
+        return None
+    c, out = ws.config, ws.root / TEACHER
+    try:
+        scored = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        scored = None
+    if scored is None or not scored.get("scored"):
+        raise PipelineError(f"{out}: no teacher columns for this distillation run; run the "
+                            "teacher stage first (finetune stage teacher, or dvc repro)")
+    d = c.distill
+    folder = ws.root / d.teacher
+    now = {"top_k": d.top_k, "temperature": d.temperature,
+           **({"teacher_sha256": folder_hash(folder)} if folder.is_dir() else {})}
+    stale = [k for k, v in now.items() if scored.get(k) != v]
+    if stale:
+        raise PipelineError(
+            f"{out / MANIFEST}: the teacher stage scored another {' and '.join(stale)} than "
+            f"distill.teacher {d.teacher} with top_k {d.top_k} and temperature "
+            f"{d.temperature}; rerun it (dvc repro -f teacher)")
+    return out / "train"
+
+
+def folder_hash(folder: Path) -> str:
+    """The content hash of a model folder's files (through finetune.hashing's file cache,
+    so an unchanged folder is not read again)."""
+    import hashlib
+
+    from finetune.hashing import HashCache
+
+    cache = HashCache.open()
+    try:
+        h = hashlib.sha256()
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            h.update(f"{path.relative_to(folder)}\0{cache.sha256(path)}\n".encode())
+        return h.hexdigest()
+    finally:
+        cache.close()
 
 
 def teacher(ws: Workspace) -> dict[str, Path]:
     """Run the stage: see the module docstring."""
     out = ws.root / TEACHER
     c = ws.config
-    if teacher_columns(ws) is None:
+    if not offline(ws):
         why = ("not a distillation run" if c.training.type != "distill" else
                "on-policy distillation: the teacher scores the student's samples in training")
         with atomic_dir(out) as staging:
@@ -63,7 +105,7 @@ def teacher(ws: Workspace) -> dict[str, Path]:
         write_columns(features, batches, staging / "train",
                       fingerprint=_fingerprint(split, teacher_dir, d.top_k, d.temperature))
         (staging / MANIFEST).write_text(json.dumps(
-            {"scored": True, "teacher": d.teacher, "top_k": d.top_k,
+            {"scored": True, "teacher_sha256": folder_hash(teacher_dir), "top_k": d.top_k,
              "temperature": d.temperature}, indent=2) + "\n")
     print(f"[teacher] {d.teacher}: top {d.top_k} of every trained token of {split} -> "
           f"{out / 'train'}", flush=True)
@@ -94,10 +136,7 @@ def _fingerprint(split: Path, teacher_dir: Path, top_k: int, temperature: float)
     hashes), top_k and temperature."""
     import hashlib
 
-    from finetune.files import file_sha256
     from finetune.hashing import data_hash
 
-    files = sorted(p for p in teacher_dir.rglob("*") if p.is_file())
-    parts = [data_hash(split), *(f"{p.relative_to(teacher_dir)}:{file_sha256(p)}"
-                                 for p in files), str(top_k), repr(temperature)]
+    parts = [data_hash(split), folder_hash(teacher_dir), str(top_k), repr(temperature)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

@@ -120,6 +120,25 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(scored, tmp_pat
     assert sorted(p.name for p in (project / "data/teacher").iterdir()) == before
 
 
+def test_the_train_stage_refuses_columns_of_another_teacher_or_top_k(scored, tmp_path):
+    from finetune.workspace import Workspace
+    from tasks.launch import run_paths
+
+    project = tmp_path / "p"
+    shutil.copytree(scored, project, symlinks=True)
+    write_params(project, {**BASE, "distill.top_k": 512})
+    assert run_paths(Workspace.load(project / "params/default.yaml")).method_columns == (
+        project / "data/teacher/train")
+    write_params(project, {**BASE, "distill.top_k": 16})
+    with pytest.raises(PipelineError, match="scored another top_k"):
+        run_paths(Workspace.load(project / "params/default.yaml"))
+    write_params(project, {**BASE, "distill.top_k": 512})
+    with (project / TEACHER / "config.json").open("a") as fh:  # the folder changed
+        fh.write("\n")
+    with pytest.raises(PipelineError, match="scored another teacher_sha256"):
+        run_paths(Workspace.load(project / "params/default.yaml"))
+
+
 @pytest.mark.slow
 def test_on_policy_runs_are_seeded_and_resume_bitwise(scored, tmp_path):
     """lmbda 1: every step trains on the student's own samples; two runs are the same
