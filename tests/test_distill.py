@@ -99,6 +99,16 @@ def test_offline_columns_and_on_policy_teacher_take_the_same_step(scored, tmp_pa
     for (k, x), (_, y) in zip(sorted(adapter(offline).items()),
                               sorted(adapter(online).items())):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=k)
+    # the evaluate stage: the teacher's held-out loss and the top-1 agreement, base and tuned
+    write_params(offline, {**BASE, "distill.top_k": 512, "eval.generation_metrics": [],
+                           "eval.contamination_ngram": None})
+    stages_here(offline, "evaluate")
+    ev = json.loads((offline / "data/metrics/eval.json").read_text())
+    base, tuned = ev["base"], ev["finetuned"]
+    assert base["teacher_loss"] == tuned["teacher_loss"] > 0
+    # a teacher that is the base with noise agrees with it on most tokens, not all
+    assert 0.3 < base["teacher_agreement"] < 1
+    assert 0.3 < tuned["teacher_agreement"] < 1
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(scored, tmp_path, bpe_tok):
