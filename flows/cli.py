@@ -9,6 +9,7 @@
     finetune show-rows --rows 2 --format html   # tokenized rows, trained tokens marked
     finetune registry rollback finetune-default --reason "worse in production"
     finetune reproduce models:/finetune-default@champion   # rebuild it, compare the bytes
+    finetune publish models:/finetune-default@champion --to hf://me/my-model
 
 Errors print as one line (`error: ...`) with exit code 2; `--debug` shows the traceback.
 """
@@ -87,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "under native numerics, another mode or thread count): the largest weight "
                      "difference allowed, relative to the largest weight (default 0.001)")
     _common(rep)
+    pub = sub.add_parser("publish", help="upload a promoted registered version's files and a "
+                         "model card to a folder, an fsspec URL (s3://...) or a Hub repo")
+    pub.add_argument("model_uri", help="models:/NAME@ALIAS or models:/NAME/VERSION")
+    pub.add_argument("--to", required=True, metavar="DEST",
+                     help="a folder, an fsspec URL (s3://bucket/path, file://...), or "
+                     "hf://OWNER/NAME (HF_ENDPOINT and HF_TOKEN are honoured)")
+    pub.add_argument("--force", action="store_true",
+                     help="publish a version the gate did not promote")
+    _common(pub)
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
     ref.add_argument("--write", action="store_true",
                      help="update the docs site's reference page (docs/reference.md) in place")
@@ -337,6 +347,15 @@ def cmd_reproduce(args) -> int:
                      tolerance=args.tolerance)
 
 
+def cmd_publish(args) -> int:
+    from tasks.publish import publish
+
+    ws = Workspace.load(args.params, args.overrides)
+    for line in publish(ws, args.model_uri, args.to, args.force):
+        print(line, flush=True)
+    return 0
+
+
 def cmd_reference(args) -> int:
     from finetune.config.reference import embed, render
 
@@ -358,7 +377,8 @@ def _rel(path, root: Path) -> str:
 
 COMMANDS = {"stage": cmd_stage, "run": cmd_run, "validate": cmd_validate, "config": cmd_config,
             "summary": cmd_summary, "reference": cmd_reference,
-            "show-rows": cmd_show_rows, "registry": cmd_registry, "reproduce": cmd_reproduce}
+            "show-rows": cmd_show_rows, "registry": cmd_registry, "reproduce": cmd_reproduce,
+            "publish": cmd_publish}
 
 if __name__ == "__main__":
     sys.exit(main())
