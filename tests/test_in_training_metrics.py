@@ -74,15 +74,21 @@ CALLING = {"data.max_eval_samples": 8, "training.max_steps": 60,
            "checkpoint.save_steps": 50, "eval.max_generation_samples": 8,
            "eval.generation_max_new_tokens": 96, "eval.during_training_metrics": ["tool_calls"],
            "eval.during_training_samples": 8, "eval.num_logged_samples": 0,
-           "eval.contamination_ngram": None, "distributed.threads_per_process": 1}
+           "eval.contamination_ngram": None, "distributed.threads_per_process": 1,
+           "checkpoint.metric_for_best_model": "eval_tool_name_match",
+           "checkpoint.load_best_model_at_end": True}
 
 
 @pytest.mark.slow
 def test_tool_calls_score_above_zero_during_training_as_evaluate_scores_them(tmp_path):
     """The issue's bar: a real model scoring above 0 on a cut of the tools example's rows
-    logs eval_tool_name_match > 0 at every evaluation, and the step-60 checkpoint's numbers
-    (the trained model) are the evaluate stage's; the list names the tool-call metrics only,
-    so exact_match is not logged during training (the evaluate stage still reports it)."""
+    logs eval_tool_name_match > 0 at every evaluation; ranked by it, the best checkpoint is
+    the trained model (load_best_model_at_end), its numbers are the evaluate stage's, and
+    the export stage exports its weights. The list names the tool-call metrics only, so
+    exact_match is not logged during training (the evaluate stage still reports it)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     project = copy_project(tmp_path / "p")
     write_params(project, CALLING, name=TOOLS)
     stages_here(project, "download", "format", "tokenize", "train", params=TOOLS)
@@ -91,14 +97,25 @@ def test_tool_calls_score_above_zero_during_training_as_evaluate_scores_them(tmp
     # the calls' scores cover the calling turns, not every row: no stderr, in either stage
     assert [k for k in rows[0] if k != "step"] == [
         "eval_loss", "eval_tool_name_match", "eval_tool_arguments_match"]
-    assert all(float(r["eval_tool_name_match"]) > 0 for r in rows), rows
-    assert (project / "data/checkpoints/step-0000060").is_dir()
-    stages_here(project, "evaluate", params=TOOLS)
+    scores = [float(r["eval_tool_name_match"]) for r in rows]
+    assert all(score > 0 for score in scores), rows
+    best = scores.index(max(scores))  # the first of equals: a tie is no improvement
+    m = train_metrics(project)
+    assert (m["best_step"], m["loaded_best_step"], m["best_eval_tool_name_match"]) == (
+        int(rows[best]["step"]), int(rows[best]["step"]), max(scores))
+    stages_here(project, "evaluate", "export", params=TOOLS)
     stage = json.loads((project / "data/metrics/eval.json").read_text())["finetuned"]
     assert "exact_match" in stage
     for name in ("tool_name_match", "tool_arguments_match"):
-        assert float(rows[-1][f"eval_{name}"]) == stage[name], name
+        assert float(rows[best][f"eval_{name}"]) == stage[name], name
         assert f"{name}_stderr" not in stage, name
+    dcp_to_torch_save(project / f"data/checkpoints/step-{m['best_step']:07d}",
+                      tmp_path / "best.pt")
+    saved = torch.load(tmp_path / "best.pt", weights_only=False)["model"]
+    exported = load_file(str(project / "data/export/model.safetensors"))
+    assert exported.keys() == saved.keys()
+    for key, value in exported.items():
+        assert torch.equal(saved[key], value), key
 
 
 #: eval and save every step; rouge1 must gain 50 standard errors of the difference to count
