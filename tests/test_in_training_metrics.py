@@ -251,30 +251,42 @@ def test_a_rollout_method_ranks_by_its_greedy_reward_and_refuses_pass_at_k(
     assert named in errors[0], errors[0]
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_two_processes_log_what_one_does(tokenized, tmp_path, strategy):
-    """FSDP2 and DDP on 2 torchrun processes (gloo): each rank generates its rows in lockstep (the
-    model also ends a text at '.', so ranks finish at different tokens and generate's
-    synced loop is what keeps their gathers paired), the texts are gathered and scored on
-    every rank: the same eval_<metric> values, the same early stop. SGD, so the weights
-    agree to the summation order (Adam would turn that noise into lr-sized steps)."""
+#: SGD, so the weights agree to the summation order (Adam would turn that noise into lr-sized
+#: steps); patience 1 with a threshold of 1.0: stopped at step 2
+LOCKSTEP = {**GENERATING, "eval.during_training_samples": 7, "optimizer.name": "SGD",
+            "optimizer.learning_rate": 0.05, "training.max_steps": 2, "eval.eval_steps": 1,
+            "checkpoint.save_strategy": "no", "checkpoint.metric_for_best_model": "eval_rouge1",
+            "eval.early_stopping_patience": 1, "eval.early_stopping_threshold": 1.0}
+
+
+@pytest.fixture(scope="module")
+def one_process(tokenized, tmp_path_factory):
+    """The tokenized project with stories260K also ending a text at '.' (so ranks finish at
+    different tokens), and its run on one process: what each strategy's 2 processes match."""
     from transformers import AutoTokenizer
 
-    src = tmp_path / "src"
+    tmp = tmp_path_factory.mktemp("lockstep")
+    src = tmp / "src"
     shutil.copytree(tokenized, src, symlinks=True)
     model = src / "data/models/stories260K"
     period = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids(".")
     config = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps(
         {**config, "eos_token_id": [config["eos_token_id"], period]}))
-    params = {**GENERATING, "eval.during_training_samples": 7, "optimizer.name": "SGD",
-              "optimizer.learning_rate": 0.05, "training.max_steps": 2, "eval.eval_steps": 1,
-              "checkpoint.save_strategy": "no", "checkpoint.metric_for_best_model": "eval_rouge1",
-              "eval.early_stopping_patience": 1, "eval.early_stopping_threshold": 1.0}
-    one, _ = train_here(src, tmp_path / "one", params)
+    one, _ = train_here(src, tmp / "one", LOCKSTEP)
+    return src, one
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_processes_log_what_one_does(one_process, tmp_path, strategy):
+    """FSDP2 and DDP on 2 torchrun processes (gloo): each rank generates its rows in
+    lockstep (ranks finish at different tokens, and generate's synced loop is what keeps
+    FSDP2's gathers paired), the texts are gathered and scored on every rank: the same
+    eval_<metric> values, the same early stop."""
+    src, one = one_process
     two, _ = train_copy_here(src, tmp_path / "two", {
-        **params, "distributed.strategy": strategy, "distributed.nproc_per_node": 2})
+        **LOCKSTEP, "distributed.strategy": strategy, "distributed.nproc_per_node": 2})
     rows = _eval_rows(one)
     assert [r["step"] for r in rows] == ["1", "2"]  # stopped early at step 2
     assert float(rows[0]["eval_rouge1"]) > 0
