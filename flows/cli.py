@@ -10,6 +10,7 @@
     finetune registry rollback finetune-default --reason "worse in production"
     finetune reproduce models:/finetune-default@champion   # rebuild it, compare the bytes
     finetune publish models:/finetune-default@champion --to hf://me/my-model
+    finetune serve                # the champion on an OpenAI-compatible server (127.0.0.1)
 
 Errors print as one line (`error: ...`) with exit code 2; `--debug` shows the traceback.
 """
@@ -97,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--force", action="store_true",
                      help="publish a version the gate did not promote")
     _common(pub)
+    srv = sub.add_parser("serve", help="serve a registered version (default: the champion) or "
+                         "a model folder on an OpenAI-compatible server on 127.0.0.1")
+    srv.add_argument("model", nargs="?", default=None,
+                     help="models:/NAME@ALIAS, models:/NAME/VERSION or a model folder "
+                     "(default: the champion alias of the default registered model)")
+    srv.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
+    srv.add_argument("--gguf", default=None, metavar="TYPE",
+                     help="serve the export's GGUF file of this type (e.g. q8_0) with "
+                     "llama.cpp's server instead of transformers serve")
+    _common(srv)
     ref = sub.add_parser("reference", help="print the params reference (markdown)")
     ref.add_argument("--write", action="store_true",
                      help="update the docs site's reference page (docs/reference.md) in place")
@@ -356,6 +367,13 @@ def cmd_publish(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from tasks.serve import serve
+
+    ws = Workspace.load(args.params, args.overrides)
+    return serve(ws, args.model, args.port, args.gguf)
+
+
 def cmd_reference(args) -> int:
     from finetune.config.reference import embed, render
 
@@ -378,7 +396,7 @@ def _rel(path, root: Path) -> str:
 COMMANDS = {"stage": cmd_stage, "run": cmd_run, "validate": cmd_validate, "config": cmd_config,
             "summary": cmd_summary, "reference": cmd_reference,
             "show-rows": cmd_show_rows, "registry": cmd_registry, "reproduce": cmd_reproduce,
-            "publish": cmd_publish}
+            "publish": cmd_publish, "serve": cmd_serve}
 
 if __name__ == "__main__":
     sys.exit(main())

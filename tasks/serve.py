@@ -1,0 +1,376 @@
+"""`finetune serve [MODEL]`: a registered version (default: the champion of the default
+registered model) or a model folder on an OpenAI-compatible server on 127.0.0.1, run by an
+existing engine: `transformers serve` (installed with transformers) for the merged model,
+llama.cpp's server for a GGUF file (`--gguf TYPE`, when llama.cpp is installed).
+
+The version's files are the export folder when its weights' sha256 equal the version's tags,
+else its MLflow files (tasks.publish.version_folder): the merged model with the tokenizer's
+chat template the run trained with and its generation_config.json, which transformers serve
+reads. `/v1/completions` takes a raw prompt: asked greedily (temperature 0) with the evaluate
+stage's max_new_tokens, it answers what the evaluate stage generated (tests/test_serve.py).
+
+Checked before anything starts, each one line and exit 2: the model (a registered version
+that exists, a folder with config.json), the port (free on 127.0.0.1), the memory (the weight
+files' bytes against the memory available). Ctrl-C (SIGINT) or SIGTERM stops the server and
+returns 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from finetune.errors import PipelineError
+from finetune.workspace import Workspace
+from tasks.publish import registered_version, version_folder
+
+#: memory the server needs beyond the weights (activations, the KV cache, the interpreter),
+#: as a fraction of the weights' bytes, and at least this much
+HEADROOM, MIN_HEADROOM = 0.25, 512 * 2**20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def default_model(ws: Workspace) -> str:
+    reg = ws.config.registry
+    name = reg.registered_model_name or ws.config.logging.experiment_name
+    return f"models:/{name}@{reg.champion_alias}"
+
+
+def _resolved(ws: Workspace, target: str | None) -> tuple[Path, str, str]:
+    """(the folder to serve, where it came from, the model's name for clients) for MODEL as
+    the command line gave it."""
+    target = target or default_model(ws)
+    if target.startswith("models:/"):
+        version = registered_version(ws, target, what="MODEL")
+        folder, source = version_folder(ws, version)
+        return (folder, f"{version.uri} ({target}), files in {source}",
+                f"{version.name}-v{version.version}")
+    folder = Path(target)
+    if not folder.is_absolute():
+        folder = Path.cwd() / folder
+    if not folder.is_dir():
+        raise PipelineError(f"MODEL '{target}': no such folder (give models:/NAME@ALIAS, "
+                            "models:/NAME/VERSION or a model folder)")
+    if not (folder / "config.json").exists():
+        raise PipelineError(f"MODEL '{target}': {folder} has no config.json (a folder "
+                            "from_pretrained loads: the export stage's data/export)")
+    return folder, str(folder), folder.name
+
+
+def weight_bytes(folder: Path, gguf: Path | None = None) -> int:
+    """The bytes the server loads: the GGUF file, else the weight files at the folder's top
+    (a merged model's; its adapter/ and gguf/ subfolders are not loaded)."""
+    if gguf is not None:
+        return gguf.stat().st_size
+    return sum(p.stat().st_size for p in folder.iterdir()
+               if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+
+
+def available_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_fits(folder: Path, gguf: Path | None = None) -> int:
+    """The weights' bytes; one line when they and the headroom exceed the memory available."""
+    need = weight_bytes(folder, gguf)
+    total = need + max(int(need * HEADROOM), MIN_HEADROOM)
+    have = available_memory()
+    if total > have:
+        raise PipelineError(f"MODEL {gguf or folder}: does not fit: its weights are "
+                            f"{need / 2**30:.2f} GiB (+{HEADROOM:.0%} to run: "
+                            f"{total / 2**30:.2f} GiB) and {have / 2**30:.2f} GiB of memory "
+                            "is available")
+    return need
+
+
+def check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # as the servers bind: a port a listener holds is refused, one in TIME_WAIT is not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PipelineError(f"--port {port}: {host}:{port} is in use ({exc.strerror}); "
+                                "choose another with --port") from None
+
+
+def gguf_file(folder: Path, quant: str) -> Path:
+    """The export's GGUF file of type `quant` (export.gguf lists the types it writes)."""
+    files = sorted((folder / "gguf").glob("*.gguf")) if (folder / "gguf").is_dir() else []
+    found = [f for f in files if f.stem.lower().endswith(quant.lower())]
+    if not found:
+        have = ", ".join(f.name for f in files) or "none (set export.gguf and rerun export)"
+        raise PipelineError(f"--gguf {quant}: no GGUF file of that type in {folder / 'gguf'} "
+                            f"(there: {have})")
+    return found[0]
+
+
+def _transformers_command(folder: Path, host: str, port: int) -> list[str]:
+    exe = Path(sys.executable).parent / "transformers"
+    if not exe.exists():
+        found = shutil.which("transformers")
+        if found is None:
+            raise PipelineError("`transformers serve` is not installed: pip install "
+                                "'transformers[serving]'")
+        exe = Path(found)
+    return [str(exe), "serve", str(folder), "--host", host, "--port", str(port),
+            "--device", "cpu" if not _has_gpu() else "auto", "--log-level", "warning"]
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _llama_command(gguf: Path, host: str, port: int) -> list[str]:
+    """llama.cpp's own server, else llama-cpp-python's; one line when neither is installed."""
+    server = shutil.which("llama-server")
+    if server:
+        return [server, "-m", str(gguf), "--host", host, "--port", str(port)]
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError:
+        raise PipelineError(
+            f"--gguf: serving {gguf.name} needs llama.cpp's server, which is not installed: "
+            "put llama.cpp's `llama-server` on the PATH (a release build from "
+            "github.com/ggml-org/llama.cpp), or `pip install 'llama-cpp-python[server]'` "
+            "(compiles llama.cpp, several minutes)") from None
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", host,
+            "--port", str(port)]
+
+
+def _ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Wait until the server answers GET /health (llama.cpp's and transformers serve's);
+    one line if it exits first or never answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise PipelineError(f"the server exited with code {proc.returncode} before "
+                                f"answering at {url} (its output is above)")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise PipelineError(f"the server did not answer at {url} within {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGINT (as Ctrl-C), then SIGTERM, then SIGKILL, waiting a little for each."""
+    for sig, wait in ((signal.SIGINT, 10), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        if proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Proxy:
+    """The port clients call, in front of the engine's server (on a free port of its own): it
+    passes every request through (streams as they come) and adds only what the engine lacks:
+    `/v1/models` lists the one model served (transformers serve lists the Hub cache's), any
+    request's `model` is the served one, and a non-streamed chat completion asked with
+    `tools` gets the calls our parser (finetune.datatypes.tool_calls) reads in its text as
+    `tool_calls` where the engine found none (transformers serve parses only the chat
+    formats it knows)."""
+
+    def __init__(self, host: str, port: int, backend: str, model_id: str, engine_id: str,
+                 chat: bool = True):
+        from http.server import ThreadingHTTPServer
+
+        self.backend, self.model_id, self.engine_id = backend, model_id, engine_id
+        self.chat = chat
+        self.server = ThreadingHTTPServer((host, port), self._handler())
+        self.server.daemon_threads = True
+
+    def start(self) -> None:
+        import threading
+
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _handler(self):
+        import json
+        from http.server import BaseHTTPRequestHandler
+
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _reply(self, code: int, body: bytes, headers) -> None:
+                self.send_response(code)
+                for key, value in headers:
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection",
+                                           "date", "server"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path.rstrip("/") == "/v1/models":
+                    body = json.dumps({"object": "list", "data": [
+                        {"id": proxy.model_id, "object": "model", "created": 0,
+                         "owned_by": "finetune"}]}).encode()
+                    self._reply(200, body, [("Content-Type", "application/json")])
+                    return
+                self._forward(None)
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                try:
+                    body = json.loads(raw) if raw else None
+                except json.JSONDecodeError:
+                    body = None
+                if self.path.startswith("/v1/chat/completions") and not proxy.chat:
+                    message = (f"{proxy.model_id} has no chat template (its run trained on "
+                               "prompts and completions): ask /v1/completions")
+                    self._reply(400, json.dumps({"error": {"message": message}}).encode(),
+                                [("Content-Type", "application/json")])
+                    return
+                if isinstance(body, dict):
+                    body["model"] = proxy.engine_id
+                self._forward(body if isinstance(body, dict) else raw)
+
+            def _forward(self, body) -> None:
+                data = json.dumps(body).encode() if isinstance(body, dict) else body
+                request = urllib.request.Request(
+                    proxy.backend + self.path, data=data, method=self.command,
+                    headers={k: v for k, v in self.headers.items()
+                             if k.lower() not in ("host", "content-length")})
+                try:
+                    resp = urllib.request.urlopen(request, timeout=3600)
+                except urllib.error.HTTPError as err:
+                    resp = err
+                except OSError as exc:
+                    self._reply(502, json.dumps({"error": str(exc)}).encode(),
+                                [("Content-Type", "application/json")])
+                    return
+                with resp:
+                    kind = resp.headers.get("Content-Type", "")
+                    if "text/event-stream" in kind:  # a stream: each piece as it comes
+                        self.send_response(resp.status)
+                        self.send_header("Content-Type", kind)
+                        self.send_header("Connection", "close")
+                        self.end_headers()
+                        while piece := resp.read1(65536):
+                            self.wfile.write(piece)
+                            self.wfile.flush()
+                        return
+                    out = resp.read()
+                    if resp.status == 200 and "json" in kind and isinstance(body, dict):
+                        reply = json.loads(out)
+                        if isinstance(reply, dict) and "model" in reply:
+                            reply["model"] = proxy.model_id
+                        if body.get("tools") and self.path.startswith("/v1/chat/completions"):
+                            reply = with_tool_calls(reply)
+                        out = json.dumps(reply).encode()
+                    self._reply(resp.status, out, resp.headers.items())
+
+        return Handler
+
+
+def with_tool_calls(reply: dict) -> dict:
+    """A chat completion with the calls finetune.datatypes.tool_calls reads in each choice's
+    text as OpenAI `tool_calls` (finish_reason tool_calls), where it has none."""
+    import json
+
+    from finetune.datatypes.tool_calls import parse_tool_calls
+
+    for choice in reply.get("choices", []):
+        message = choice.get("message") or {}
+        if message.get("tool_calls") or not message.get("content"):
+            continue
+        calls = parse_tool_calls(message["content"])
+        if calls:
+            message["tool_calls"] = [
+                {"id": f"call_{i}", "type": "function",
+                 "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                for i, c in enumerate(calls)]
+            choice["finish_reason"] = "tool_calls"
+    return reply
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the folder's tokenizer has a chat template (the run's: a chat dataset's, which
+    the train stage saves and the export keeps; a completion run's tokenizer has none)."""
+    import json
+
+    if (folder / "chat_template.jinja").exists() or (folder / "chat_template.json").exists():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.exists() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None = None,
+          host: str = "127.0.0.1", ready_timeout: float = 600) -> int:
+    """Check, start the engine and the proxy, print where it answers, and wait until it is
+    stopped (Ctrl-C, SIGTERM: 0)."""
+    folder, source, name = _resolved(ws, target)
+    gguf_path = gguf_file(folder, gguf) if gguf else None
+    need = check_fits(folder, gguf_path)
+    check_port(host, port)
+    inner = _free_port(host)
+    if gguf_path is not None:
+        command, engine_id = _llama_command(gguf_path, host, inner), gguf_path.name
+    else:
+        command, engine_id = _transformers_command(folder, host, inner), str(folder)
+    url, backend = f"http://{host}:{port}", f"http://{host}:{inner}"
+    print(f"[serve] {source}: {need / 2**20:.1f} MiB of weights; starting "
+          f"{Path(command[0]).name} {' '.join(command[1:2])}", flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen(command, env=env, cwd=ws.root)
+    proxy = None
+    try:
+        _ready(backend, proc, ready_timeout)
+        chat = gguf_path is not None or has_chat_template(folder)
+        proxy = Proxy(host, port, backend, name, engine_id, chat)
+        proxy.start()
+        max_tokens = ws.config.eval.generation_max_new_tokens
+        print(f"[serve] OpenAI-compatible server at {url}/v1 (model '{name}'); "
+              + ("/v1/chat/completions uses the run's chat template; " if chat else
+                 "no chat template (a completion run): /v1/completions only; ")
+              + "Ctrl-C stops it", flush=True)
+        print(f"curl {url}/v1/completions -H 'Content-Type: application/json' -d "
+              f"'{{\"model\": \"{name}\", \"prompt\": \"Question: 2 + 3?\\nAnswer:\", "
+              f"\"max_tokens\": {max_tokens}, \"temperature\": 0}}'", flush=True)
+        code = proc.wait()
+        raise PipelineError(f"the server exited with code {code} (its output is above)")
+    except KeyboardInterrupt:
+        _stop(proc)
+        print(f"[serve] stopped the server at {url}", flush=True)
+        return 0
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if proc.poll() is None:
+            _stop(proc)

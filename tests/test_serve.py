@@ -1,0 +1,144 @@
+"""`finetune serve`: the champion on an OpenAI-compatible server (transformers serve behind a
+small proxy) answers the real `openai` client, its greedy completions equal the evaluate
+stage's generations for the same prompts, and Ctrl-C stops it; a port in use, a missing
+version, a folder that is no model and a model that does not fit are one line and exit 2.
+The registered model is test_publish's fixture (train stage, evaluate, export: v1 promoted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import BIN
+from test_publish import registered  # noqa: F401 - the fixture, built once per module
+
+from flows.cli import main
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for(proc: subprocess.Popen, said: str, timeout: float = 300) -> list[str]:
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if said in line:
+            return lines
+    raise AssertionError(f"no '{said}' from finetune serve:\n{''.join(lines)}")
+
+
+@pytest.mark.slow
+def test_the_champion_answers_the_openai_client_as_the_evaluate_stage_did(registered):  # noqa: F811
+    from openai import BadRequestError, OpenAI
+
+    port = _free_port()
+    proc = subprocess.Popen([str(BIN / "finetune"), "serve", "--port", str(port)],
+                            cwd=registered, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = _wait_for(proc, "OpenAI-compatible server at")
+        assert lines[0].startswith("[serve] models:/finetune-default/1 "
+                                   "(models:/finetune-default@champion)"), lines[0]
+        curl = _wait_for(proc, "curl ")[-1]
+        assert f"http://127.0.0.1:{port}/v1/completions" in curl
+        engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "serve" in " ".join(p.cmdline())]
+        assert engine, "no transformers serve process"
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list()] == ["finetune-default-v1"]
+        samples = json.loads((registered / "data/eval/samples.json").read_text())
+        max_tokens = 32  # tests/helpers.TINY's eval.generation_max_new_tokens
+        assert len(samples) == 2
+        for row in samples:
+            reply = client.completions.create(model="finetune-default-v1", prompt=row["prompt"],
+                                              max_tokens=max_tokens, temperature=0)
+            assert reply.choices[0].text == row["generation"], row["prompt"]
+            assert reply.model == "finetune-default-v1"
+        stream = client.completions.create(model="finetune-default-v1",
+                                           prompt=samples[0]["prompt"], max_tokens=max_tokens,
+                                           temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == \
+            samples[0]["generation"]
+        with pytest.raises(BadRequestError, match="no chat template"):
+            client.chat.completions.create(model="finetune-default-v1", max_tokens=4,
+                                           messages=[{"role": "user", "content": "hi"}])
+
+        # the port is taken now: a second server is one line
+        second = subprocess.run([str(BIN / "finetune"), "serve", "--port", str(port)],
+                                cwd=registered, capture_output=True, text=True)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"error: --port {port}: 127.0.0.1:{port} is in use (Address already in use); "
+            "choose another with --port"]
+
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert f"[serve] stopped the server at http://127.0.0.1:{port}" in out
+        assert not [p for p in engine if p.is_running() and p.status() != "zombie"]
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))  # free again
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def serve(project: Path, capsys, *args: str) -> tuple[int, str]:
+    code = main(["serve", *args, "-p", str(project / "params/default.yaml")])
+    return code, capsys.readouterr().err
+
+
+def test_what_cannot_be_served_is_one_line_before_anything_starts(project, tmp_path, capsys):
+    code, err = serve(project, capsys)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: MODEL 'models:/finetune-default@champion': not in the model registry at "
+        f"sqlite:///{project / 'mlflow.db'} (there is no MLflow database yet: run the "
+        "pipeline first)"]
+    code, err = serve(project, capsys, str(tmp_path / "nothing"))
+    assert code == 2 and "no such folder" in err and len(err.strip().splitlines()) == 1
+    code, err = serve(project, capsys, str(tmp_path))
+    assert code == 2 and "has no config.json" in err and len(err.strip().splitlines()) == 1
+
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text("{}")
+    with open(big / "model.safetensors", "wb") as fh:  # sparse: its size, not its disk
+        fh.truncate(2 * psutil.virtual_memory().total)
+    code, err = serve(project, capsys, str(big))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "does not fit: its weights are" in err and "GiB of memory is available" in err
+
+    code, err = serve(project, capsys, str(project / "data/models/stories260K"), "--gguf",
+                      "q8_0")
+    assert code == 2 and "--gguf q8_0: no GGUF file of that type" in err, err
+
+
+def test_tool_calls_in_a_reply_text_become_openai_tool_calls():
+    from tasks.serve import with_tool_calls
+
+    text = 'Let me look. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    reply = with_tool_calls({"choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}},
+        {"index": 1, "finish_reason": "stop", "message": {"role": "assistant",
+                                                          "content": "It is 5."}}]})
+    first, second = reply["choices"]
+    assert first["finish_reason"] == "tool_calls"
+    assert first["message"]["tool_calls"] == [{"id": "call_0", "type": "function", "function": {
+        "name": "add", "arguments": '{"a": 2, "b": 3}'}}]
+    assert second["finish_reason"] == "stop" and "tool_calls" not in second["message"]
