@@ -170,3 +170,22 @@ def test_on_policy_runs_are_seeded_and_resume_bitwise(scored, tmp_path):
                              {**params, "distill.lmbda": 0.0, "training.max_steps": 1,
                               "checkpoint.save_strategy": "no"})
     assert abs(losses(data_run)[0] - losses(full)[0]) > 1e-4
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["offline", "on_policy"])
+def test_two_processes_equal_one(scored, tmp_path, mode):
+    """DDP on 2 torchrun processes x 2 rows equals one process x 2 micro-batches of 2: the
+    offline columns follow their rows to whichever rank holds them; on-policy (lmbda 1) each
+    prompt's samples are seeded by the step and its split row, not by the rank."""
+    from tests.helpers import assert_weights_close, train_copy_here
+
+    params = {**BASE, "distill.top_k": 512, "distill.mode": mode, "distill.lmbda": 1.0,
+              "distill.max_new_tokens": 8}
+    one, _ = train_here(scored, tmp_path / "one",
+                        {**params, "training.gradient_accumulation_steps": 2})
+    two, _ = train_copy_here(scored, tmp_path / "two", {
+        **params, "distributed.strategy": "ddp", "distributed.nproc_per_node": 2,
+        "training.gradient_accumulation_steps": 1})
+    assert_weights_close(adapter(two), adapter(one))
+    assert losses(two) == pytest.approx(losses(one), abs=1e-5)

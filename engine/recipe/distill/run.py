@@ -9,9 +9,10 @@ and resume are the SFT run's):
   LocalGenerator);
 - `prepare_step`: offline, each micro-batch gets its rows' teacher columns (the loader's
   `rows` say which split rows it holds); on-policy, with probability `lmbda` (a draw seeded by
-  training.seed and the step, so a resumed run draws the same) each micro-batch's prompts are
-  completed by the student, seeded per prompt, and the batch becomes those completions masked
-  as TRL's GKDTrainer masks them (engine.recipe.distill.sampling);
+  training.seed and the step, the same on every rank, so a resumed run draws the same) each
+  micro-batch's prompts are completed by the student, each seeded by the step and its split
+  row (so 2 processes sample what 1 does), and the batch becomes those completions masked as
+  TRL's GKDTrainer masks them (engine.recipe.distill.sampling);
 - `micro_step`: the student's forward returns the summed loss of the trained tokens against the
   teacher's (its columns, or its hidden states at those tokens, the output layer applied a
   chunk at a time); the step's loss is the sum over its trained tokens divided by their count
@@ -45,7 +46,9 @@ class DistillRun(TrainingRun):
         super().prepare_model()
         d, t = self.cfg.distill, self.cfg.training
         self.d = d
-        self.distill_loss = DistillLoss(self.model, Weights(d.beta, d.temperature, d.alpha),
+        # on the model inside the strategy's wrapper (DDP's has no output embeddings)
+        self.distill_loss = DistillLoss(self.strategy.module,
+                                        Weights(d.beta, d.temperature, d.alpha),
                                         t.loss_chunk_tokens or 1024, self.dist.device)
         self.columns_table = self.scorer = self.generator = None
         if d.mode == "offline":
@@ -83,9 +86,10 @@ class DistillRun(TrainingRun):
         folder = Path(self.paths.project_root) / self.d.teacher
         student = self.cfg.model.tokenizer_name_or_path or self.cfg.model.name_or_path
         teacher = load_teacher(folder, self.dist.device)
+        student_head = base_model(self.strategy.module).get_output_embeddings()
         check_same_vocabulary(folder, self.d.teacher, self.tokenizer, student,
                               teacher.get_output_embeddings().weight.shape[0],
-                              base_model(self.model).get_output_embeddings().weight.shape[0])
+                              student_head.weight.shape[0])
         return TeacherRows(teacher)
 
     # -- the step --------------------------------------------------------------------------
@@ -97,15 +101,17 @@ class DistillRun(TrainingRun):
                 b["teacher_ids"], b["teacher_logps"] = ids, logps
             return micro
         step = self.progress.step
+        # the same draw on every rank (a sharded model's generation is collective)
         coin = torch.rand((), generator=torch.Generator().manual_seed(
-            _mix(self.cfg.training.seed or 0, step, self.dist.rank))).item()
+            _mix(self.cfg.training.seed or 0, step))).item()
         if coin >= self.d.lmbda:  # the data's completions, scored by the teacher in the step
             return micro
-        return [self.sampled(b, step, i) for i, b in enumerate(micro)]
+        return [self.sampled(b, step) for b in micro]
 
-    def sampled(self, host: dict, step: int, index: int) -> dict:
+    def sampled(self, host: dict, step: int) -> dict:
         """The micro-batch with its completions replaced by the student's samples of its
-        prompts (each row's tokens before its first trained one), seeded per prompt."""
+        prompts (each row's tokens before its first trained one), each seeded by the step and
+        its split row, so a row samples the same on any rank and in any micro-batch."""
         from engine.rollout.generator import left_pad
 
         labels, ids = host["labels"], host["input_ids"]
@@ -114,8 +120,7 @@ class DistillRun(TrainingRun):
         prompts = [row[:n].tolist() for row, n in zip(ids, first.tolist())]
         prompt_ids, prompt_mask = left_pad(prompts, self.tokenizer.pad_token_id)
         device = self.dist.device
-        seeds = [_mix(self.cfg.training.seed or 0, step, self.dist.rank, index, r)
-                 for r in range(len(prompts))]
+        seeds = [_mix(self.cfg.training.seed or 0, step, r) for r in host["rows"].tolist()]
         with torch.autocast(device.type, dtype=self.amp, enabled=self.amp is not None):
             out = self.generator.generate(prompt_ids.to(device), prompt_mask.to(device), 1,
                                           seeds)
