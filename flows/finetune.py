@@ -1,4 +1,5 @@
-"""The `finetune` flow: the pipeline stages (six, and the teacher stage) as Prefect tasks, one lineage with `dvc repro`.
+"""The `finetune` flow: the pipeline stages (six, and the teacher stage) as Prefect tasks, one
+lineage with `dvc repro`.
 
 Each task runs its DVC stage (`dvc repro --single-item`), whose command is the same stage
 function `dvc repro` runs: unchanged stages are skipped by DVC and shown as
