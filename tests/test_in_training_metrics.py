@@ -94,9 +94,10 @@ def test_tool_calls_score_above_zero_during_training_as_evaluate_scores_them(tmp
     stages_here(project, "download", "format", "tokenize", "train", params=TOOLS)
     rows = _eval_rows(project)
     assert [r["step"] for r in rows] == ["50", "60"]
-    # the calls' scores cover the calling turns, not every row: no stderr, in either stage
+    # the calls' scores are means over the calling turns: their stderrs resample those
     assert [k for k in rows[0] if k != "step"] == [
-        "eval_loss", "eval_tool_name_match", "eval_tool_arguments_match"]
+        "eval_loss", "eval_tool_name_match", "eval_tool_arguments_match",
+        "eval_tool_name_match_stderr", "eval_tool_arguments_match_stderr"]
     scores = [float(r["eval_tool_name_match"]) for r in rows]
     assert all(score > 0 for score in scores), rows
     best = scores.index(max(scores))  # the first of equals: a tie is no improvement
@@ -108,7 +109,7 @@ def test_tool_calls_score_above_zero_during_training_as_evaluate_scores_them(tmp
     assert "exact_match" in stage
     for name in ("tool_name_match", "tool_arguments_match"):
         assert float(rows[best][f"eval_{name}"]) == stage[name], name
-        assert f"{name}_stderr" not in stage, name
+        assert float(rows[best][f"eval_{name}_stderr"]) == stage[f"{name}_stderr"], name
     dcp_to_torch_save(project / f"data/checkpoints/step-{m['best_step']:07d}",
                       tmp_path / "best.pt")
     saved = torch.load(tmp_path / "best.pt", weights_only=False)["model"]

@@ -110,8 +110,8 @@ class Monitor:
         if self.threshold_stderr and stderr is None:
             raise PipelineError(
                 f"eval.early_stopping_threshold_stderr: {self.metric} has no standard error "
-                "at this evaluation (its values do not cover every generation row, or "
-                "fewer than 2 rows); use eval.early_stopping_threshold")
+                "at this evaluation (fewer than 2 rows scored it, or it is not a mean over "
+                "rows of one dataset type); use eval.early_stopping_threshold")
         if self.best is None:
             self.best, self.best_step, self.best_stderr, self.bad_evals = value, step, stderr, 0
             return

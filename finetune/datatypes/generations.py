@@ -53,9 +53,11 @@ def score_generations(cfg, rows: pd.DataFrame, predictions: list[str], ctx: Data
                       ) -> tuple[dict[str, float], dict[str, list[float]]]:
     """Each source's type scores its own rows; sources of one type are scored together, and
     several types' scores (means over rows) are combined weighted by their rows. Beside the
-    scores, each metric's per-row values where they cover every row (so their mean is the
-    score): one type's means over rows; with several types, a metric every type has for all
-    of its rows (the others, and metrics of the whole set such as macro-F1, get none)."""
+    scores, each metric's per-row values where their mean is the score: one type's
+    `row_scores`, each over the rows it scores (a chat type's tool-call metrics over the
+    turns that call tools, its text metrics over the others); with several types, a metric
+    every type has for all of its rows (the others, and metrics of the whole set such as
+    macro-F1, get none)."""
     parts = cfg.data.parts()
     groups: dict[type, list[int]] = {}
     for i, part in enumerate(rows["part"]):
@@ -69,7 +71,7 @@ def score_generations(cfg, rows: pd.DataFrame, predictions: list[str], ctx: Data
         scored.append((positions, datatype.score(*args), per_row))
     if len(scored) == 1:
         _, scores, per_row = scored[0]
-        return scores, {k: v for k, v in per_row.items() if len(v) == len(rows)}
+        return scores, per_row
     combined = {key: sum(len(p) * scores.get(key, 0.0) for p, scores, _ in scored) / len(rows)
                 for key in {k for _, scores, _ in scored for k in scores}}
     full = {}
