@@ -44,15 +44,22 @@ def default_model(ws: Workspace) -> str:
     return f"models:/{name}@{reg.champion_alias}"
 
 
-def _resolved(ws: Workspace, target: str | None) -> tuple[Path, str, str]:
-    """(the folder to serve, where it came from, the model's name for clients) for MODEL as
-    the command line gave it."""
+def _resolved(ws: Workspace, target: str | None) -> tuple[Path, str, str, int]:
+    """(the folder to serve, where it came from, the model's name for clients, the default
+    max_tokens) for MODEL as the command line gave it. The default length is the run's
+    eval.generation_max_new_tokens as its MLflow run logged it (a folder: the params')."""
     target = target or default_model(ws)
+    max_tokens = ws.config.eval.generation_max_new_tokens
     if target.startswith("models:/"):
         version = registered_version(ws, target, what="MODEL")
         folder, source = version_folder(ws, version)
+        if version.run_id:
+            from tasks import tracking
+
+            logged = tracking.client(ws).get_run(version.run_id).data.params
+            max_tokens = int(logged.get("eval.generation_max_new_tokens", max_tokens))
         return (folder, f"{version.uri} ({target}), files in {source}",
-                f"{version.name}-v{version.version}")
+                f"{version.name}-v{version.version}", max_tokens)
     folder = Path(target)
     if not folder.is_absolute():
         folder = Path.cwd() / folder
@@ -62,7 +69,7 @@ def _resolved(ws: Workspace, target: str | None) -> tuple[Path, str, str]:
     if not (folder / "config.json").exists():
         raise PipelineError(f"MODEL '{target}': {folder} has no config.json (a folder "
                             "from_pretrained loads: the export stage's data/export)")
-    return folder, str(folder), folder.name
+    return folder, str(folder), folder.name, max_tokens
 
 
 def weight_bytes(folder: Path, gguf: Path | None = None) -> int:
@@ -190,14 +197,15 @@ class Proxy:
     request's `model` is the served one, and a non-streamed chat completion asked with
     `tools` gets the calls our parser (finetune.datatypes.tool_calls) reads in its text as
     `tool_calls` where the engine found none (transformers serve parses only the chat
-    formats it knows)."""
+    formats it knows), and a request without max_tokens gets the run's
+    (eval.generation_max_new_tokens)."""
 
     def __init__(self, host: str, port: int, backend: str, model_id: str, engine_id: str,
-                 chat: bool = True):
+                 chat: bool = True, max_tokens: int | None = None):
         from http.server import ThreadingHTTPServer
 
         self.backend, self.model_id, self.engine_id = backend, model_id, engine_id
-        self.chat = chat
+        self.chat, self.max_tokens = chat, max_tokens
         self.server = ThreadingHTTPServer((host, port), self._handler())
         self.server.daemon_threads = True
 
@@ -253,6 +261,10 @@ class Proxy:
                     return
                 if isinstance(body, dict):
                     body["model"] = proxy.engine_id
+                    # the run's default length (transformers serve's own is 1024 tokens)
+                    if (proxy.max_tokens and body.get("max_tokens") is None
+                            and body.get("max_completion_tokens") is None):
+                        body["max_tokens"] = proxy.max_tokens
                 self._forward(body if isinstance(body, dict) else raw)
 
             def _forward(self, body) -> None:
@@ -335,7 +347,7 @@ def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None 
           host: str = "127.0.0.1", ready_timeout: float = 600) -> int:
     """Check, start the engine and the proxy, print where it answers, and wait until it is
     stopped (Ctrl-C, SIGTERM: 0)."""
-    folder, source, name = _resolved(ws, target)
+    folder, source, name, max_tokens = _resolved(ws, target)
     gguf_path = gguf_file(folder, gguf) if gguf else None
     need = check_fits(folder, gguf_path)
     check_port(host, port)
@@ -353,9 +365,8 @@ def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None 
     try:
         _ready(backend, proc, ready_timeout)
         chat = gguf_path is not None or has_chat_template(folder)
-        proxy = Proxy(host, port, backend, name, engine_id, chat)
+        proxy = Proxy(host, port, backend, name, engine_id, chat, max_tokens)
         proxy.start()
-        max_tokens = ws.config.eval.generation_max_new_tokens
         print(f"[serve] OpenAI-compatible server at {url}/v1 (model '{name}'); "
               + ("/v1/chat/completions uses the run's chat template; " if chat else
                  "no chat template (a completion run): /v1/completions only; ")
