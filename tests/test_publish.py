@@ -37,6 +37,7 @@ def registered(tokenized, tmp_path_factory) -> Path:
 
 def publish(project: Path, capsys, *args: str) -> tuple[int, str, str]:
     """`finetune publish ...` through the CLI's own main(), in this process."""
+    capsys.readouterr()  # what came before is not its output
     code = main(["publish", *args, "-p", str(project / "params/default.yaml")])
     out = capsys.readouterr()
     return code, out.out, out.err
@@ -47,7 +48,8 @@ def files(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_the_champion_goes_to_a_hub_repo_once_and_an_unpromoted_version_is_refused(registered):
+def test_the_champion_goes_to_a_hub_repo_once_and_an_unpromoted_version_is_refused(registered,
+                                                                                    capsys):
     export = files(registered / "data/export")
     with Hub(token="hf_secret") as hub:
         env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url,
@@ -86,9 +88,10 @@ def test_the_champion_goes_to_a_hub_repo_once_and_an_unpromoted_version_is_refus
         assert "nothing to upload" in second.stdout
         assert hub.commits == {"team/tiny-gsm8k": 1}  # no second commit
 
-        refused = cli("models:/finetune-default/2", "--to", "hf://team/tiny-gsm8k")
-        assert refused.returncode == 2
-        assert refused.stderr.strip().splitlines() == [
+        # refused before the destination is touched (the CLI's main, in this process)
+        code, out, err = publish(registered, capsys, "models:/finetune-default/2", "--to",
+                                 "hf://team/tiny-gsm8k")
+        assert code == 2 and err.strip().splitlines() == [
             "error: models:/finetune-default/2: the gate did not promote this version "
             "(gate.decision: not promoted); publish the champion, or pass --force"]
         assert hub.commits == {"team/tiny-gsm8k": 1}
