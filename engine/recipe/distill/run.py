@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from engine.datapath.data import model_inputs
+from engine.modeling.model import base_model
 from engine.modeling.runtime import activation_offloading
 from engine.recipe.distill.loss import DistillLoss, Teacher, Weights
 from engine.recipe.distill.sampling import completion_batch
@@ -59,7 +60,8 @@ class DistillRun(TrainingRun):
                 raise PipelineError(
                     f"distill.mode offline: no teacher columns at {path} (run the teacher "
                     "stage first: finetune stage teacher, or dvc repro)")
-            self.columns_table = TeacherColumns(path, d.top_k)
+            vocab = base_model(self.strategy.module).get_output_embeddings().weight.shape[0]
+            self.columns_table = TeacherColumns(path, min(d.top_k, vocab))  # as the stage
             return
         self.scorer = self.load_teacher()
         from engine.rollout.local import LocalGenerator, eos_ids
@@ -76,7 +78,6 @@ class DistillRun(TrainingRun):
         this rank's device, its vocabulary checked against the student's."""
         from pathlib import Path
 
-        from engine.modeling.model import base_model
         from engine.recipe.distill.teacher import (
             TeacherRows,
             check_same_vocabulary,
