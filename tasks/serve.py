@@ -212,10 +212,12 @@ class Proxy:
     def start(self) -> None:
         import threading
 
+        self.started = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
-        self.server.shutdown()
+        if getattr(self, "started", False):
+            self.server.shutdown()  # waits for serve_forever, which must have run
         self.server.server_close()
 
     def _handler(self):
@@ -350,22 +352,30 @@ def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None 
     folder, source, name, max_tokens = _resolved(ws, target)
     gguf_path = gguf_file(folder, gguf) if gguf else None
     need = check_fits(folder, gguf_path)
-    check_port(host, port)
     inner = _free_port(host)
     if gguf_path is not None:
         command, engine_id = _llama_command(gguf_path, host, inner), gguf_path.name
     else:
         command, engine_id = _transformers_command(folder, host, inner), str(folder)
     url, backend = f"http://{host}:{port}", f"http://{host}:{inner}"
+    chat = gguf_path is not None or has_chat_template(folder)
+    # the port is bound now (the check), served once the engine answers
+    check_port(host, port)
+    try:
+        proxy = Proxy(host, port, backend, name, engine_id, chat, max_tokens)
+    except OSError as exc:
+        raise PipelineError(f"--port {port}: {host}:{port} is in use ({exc.strerror}); "
+                            "choose another with --port") from None
     print(f"[serve] {source}: {need / 2**20:.1f} MiB of weights; starting "
           f"{Path(command[0]).name} {' '.join(command[1:2])}", flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen(command, env=env, cwd=ws.root)
-    proxy = None
+    try:
+        proc = subprocess.Popen(command, env=env, cwd=ws.root)
+    except BaseException:
+        proxy.stop()
+        raise
     try:
         _ready(backend, proc, ready_timeout)
-        chat = gguf_path is not None or has_chat_template(folder)
-        proxy = Proxy(host, port, backend, name, engine_id, chat, max_tokens)
         proxy.start()
         print(f"[serve] OpenAI-compatible server at {url}/v1 (model '{name}'); "
               + ("/v1/chat/completions uses the run's chat template; " if chat else
@@ -381,7 +391,6 @@ def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None 
         print(f"[serve] stopped the server at {url}", flush=True)
         return 0
     finally:
-        if proxy is not None:
-            proxy.stop()
+        proxy.stop()
         if proc.poll() is None:
             _stop(proc)
