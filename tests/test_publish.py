@@ -170,3 +170,22 @@ def test_bad_input_is_one_line_and_writes_nothing(registered, tmp_path, capsys):
     card = (dest / "README.md").read_text()
     assert "# finetune-default v2" in card and "with --force" in card
     assert "not promoted: eval.loss" in card, card[:800]
+
+
+def test_without_its_export_folder_a_version_comes_from_the_mlflow_store(registered, tmp_path,
+                                                                         capsys):
+    from safetensors.torch import load_file
+
+    project = tmp_path / "p"
+    shutil.copytree(registered, project, symlinks=True)
+    export = project / "data/export"
+    (export / "model.safetensors").write_bytes(b"not these weights")  # another run's export
+    dest = tmp_path / "d"
+    code, out, err = publish(project, capsys, CHAMPION, "--to", str(dest))
+    assert code == 0, err
+    assert "from data/registered/v1/finetune-default (from the MLflow store)" in out, out
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(files(dest))
+    ours = load_file(registered / "data/export/model.safetensors")
+    theirs = load_file(dest / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all((ours[k] == theirs[k]).all() for k in ours)  # the same weights, MLflow's bytes
