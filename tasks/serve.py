@@ -194,8 +194,8 @@ class Proxy:
     """The port clients call, in front of the engine's server (on a free port of its own): it
     passes every request through (streams as they come) and adds only what the engine lacks:
     `/v1/models` lists the one model served (transformers serve lists the Hub cache's), any
-    request's `model` is the served one, and a non-streamed chat completion asked with
-    `tools` gets the calls our parser (finetune.datatypes.tool_calls) reads in its text as
+    request's `model` is the served one, and a chat completion asked with `tools`
+    (streamed or not) gets the calls our parser (finetune.datatypes.tool_calls) reads in its text as
     `tool_calls` where the engine found none (transformers serve parses only the chat
     formats it knows), and a request without max_tokens gets the run's
     (eval.generation_max_new_tokens)."""
@@ -290,8 +290,11 @@ class Proxy:
                         self.send_header("Content-Type", kind)
                         self.send_header("Connection", "close")
                         self.end_headers()
+                        events = ToolCallStream() if (
+                            isinstance(body, dict) and body.get("tools")
+                            and self.path.startswith("/v1/chat/completions")) else None
                         while piece := resp.read1(65536):
-                            self.wfile.write(piece)
+                            self.wfile.write(events.feed(piece) if events else piece)
                             self.wfile.flush()
                         return
                     out = resp.read()
@@ -305,6 +308,55 @@ class Proxy:
                     self._reply(resp.status, out, resp.headers.items())
 
         return Handler
+
+
+class ToolCallStream:
+    """A streamed chat completion (server-sent events) passed on event by event, its content
+    deltas read as they go: the event that ends a choice (its finish_reason) is preceded by
+    one delta with the `tool_calls` our parser reads in the choice's whole text, and ends
+    with finish_reason tool_calls, when there are calls and the engine streamed none."""
+
+    def __init__(self):
+        self.pending = b""
+        self.text: dict[int, str] = {}
+        self.engine_calls: set[int] = set()
+
+    def feed(self, piece: bytes) -> bytes:
+        self.pending += piece
+        *events, self.pending = self.pending.split(b"\n\n")
+        return b"".join(self._event(e) + b"\n\n" for e in events)
+
+    def _event(self, event: bytes) -> bytes:
+        import json
+
+        from finetune.datatypes.tool_calls import parse_tool_calls
+
+        if not event.startswith(b"data: ") or event.strip() == b"data: [DONE]":
+            return event
+        try:
+            chunk = json.loads(event[len(b"data: "):])
+        except json.JSONDecodeError:
+            return event
+        extra = []
+        for choice in chunk.get("choices", []):
+            delta, i = choice.get("delta") or {}, choice.get("index", 0)
+            if delta.get("tool_calls"):
+                self.engine_calls.add(i)
+            self.text[i] = self.text.get(i, "") + (delta.get("content") or "")
+            if not choice.get("finish_reason") or i in self.engine_calls:
+                continue
+            calls = parse_tool_calls(self.text[i])
+            if calls:
+                extra.append({**chunk, "choices": [{"index": i, "finish_reason": None, "delta": {
+                    "tool_calls": [{"index": n, "id": f"call_{n}", "type": "function",
+                                    "function": {"name": c["name"],
+                                                 "arguments": json.dumps(c["arguments"])}}
+                                   for n, c in enumerate(calls)]}}]})
+                choice["finish_reason"] = "tool_calls"
+        if not extra:
+            return event
+        return b"\n\n".join([*(b"data: " + json.dumps(e).encode() for e in extra),
+                              b"data: " + json.dumps(chunk).encode()])
 
 
 def with_tool_calls(reply: dict) -> dict:

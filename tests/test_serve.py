@@ -143,3 +143,33 @@ def test_tool_calls_in_a_reply_text_become_openai_tool_calls():
     assert first["message"]["tool_calls"] == [{"id": "call_0", "type": "function", "function": {
         "name": "add", "arguments": '{"a": 2, "b": 3}'}}]
     assert second["finish_reason"] == "stop" and "tool_calls" not in second["message"]
+
+
+def test_a_streamed_reply_gets_its_tool_calls_before_its_last_event():
+    from tasks.serve import ToolCallStream
+
+    def sse(chunks):
+        return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + \
+            b"data: [DONE]\n\n"
+
+    def delta(text, finish=None):
+        return {"id": "r", "object": "chat.completion.chunk", "model": "m", "choices": [
+            {"index": 0, "delta": {"content": text}, "finish_reason": finish}]}
+
+    pieces = ['<tool_call>{"name": "add", ', '"arguments": {"a": 2}}', "</tool_call>"]
+    raw = sse([delta(p) for p in pieces] + [delta("", "stop")])
+    stream = ToolCallStream()
+    out = b"".join(stream.feed(raw[i:i + 7]) for i in range(0, len(raw), 7))  # odd cuts
+    events = [e.removeprefix(b"data: ") for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        "".join(pieces)
+    calls, last = chunks[-2]["choices"][0], chunks[-1]["choices"][0]
+    assert calls["delta"]["tool_calls"] == [{"index": 0, "id": "call_0", "type": "function",
+                                             "function": {"name": "add",
+                                                          "arguments": '{"a": 2}'}}]
+    assert last["finish_reason"] == "tool_calls"
+
+    plain = sse([delta("It is "), delta("5.", "stop")])
+    assert ToolCallStream().feed(plain) == plain  # no calls: the bytes as they came
