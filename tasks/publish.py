@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,12 +148,25 @@ def _run_artifacts(ws: Workspace, run_id: str | None) -> tuple[dict, dict, str]:
     return out[0], out[1], out[2]
 
 
+#: a Hub model id, what the Hub accepts as a card's base_model
+HUB_ID = re.compile(r"[\w\-.]+(/[\w\-.]+)?")
+
+
 def _front_matter(card: str) -> tuple[str, str]:
-    """(the YAML front matter block with its '---' lines, the rest) of a model card."""
+    """(the YAML front matter block with its '---' lines, the rest) of a model card; a
+    base_model that is no Hub id (a local folder: the Hub refuses the card) is left out of
+    the metadata (the card's text names it)."""
+    import yaml
+
     if card.startswith("---\n"):
         end = card.find("\n---\n", 4)
         if end != -1:
-            return card[: end + 5], card[end + 5:]
+            meta = yaml.safe_load(card[4:end]) or {}
+            base = meta.get("base_model")
+            if isinstance(base, str) and not HUB_ID.fullmatch(base):
+                meta.pop("base_model")
+            head = f"---\n{yaml.safe_dump(meta, sort_keys=False)}---\n" if meta else ""
+            return head, card[end + 5:]
     return "", card
 
 
@@ -285,6 +299,10 @@ class HubDest:
             first = str(exc).strip().splitlines()[0]
             raise PipelineError(f"--to {self.target}: {what} failed at {self.api.endpoint} "
                                 f"({first})") from None
+        except ValueError as exc:  # the Hub's word on the card's metadata
+            said = " ".join(str(exc).split())
+            raise PipelineError(f"--to {self.target}: {what} refused by "
+                                f"{self.api.endpoint}: {said}") from None
         except OSError as exc:  # connection refused, DNS
             raise PipelineError(f"--to {self.target}: {what} failed: cannot reach "
                                 f"{self.api.endpoint} ({exc})") from None

@@ -4,7 +4,8 @@ list_repo_files use, model repos only, one branch (main), kept in memory.
 
 Endpoints (as huggingface_hub 2.x calls them: hf_api.py, _commit_api.py, lfs.py):
   POST /api/repos/create                        {"name", "organization"|None, "type"} -> {"url"}
-  POST /api/validate-yaml                       README front matter check -> {"warnings": []}
+  POST /api/validate-yaml                       README front matter check: a base_model that is
+                                                no model id is a 400, as on the Hub
   POST /api/models/OWNER/NAME/preupload/main    each file's uploadMode (lfs for .safetensors,
                                                 .gguf, .bin; regular otherwise) and remote oid
   POST /OWNER/NAME.git/info/lfs/objects/batch   LFS batch: an upload action per missing object
@@ -23,9 +24,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import yaml
 
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin")
 
@@ -158,8 +162,7 @@ class Hub:
                     self._send(200, {"url": f"{hub.url}/{repo}"})
                     return
                 if parts == ["api", "validate-yaml"]:
-                    self._send(200, {"warnings": []})
-                    return
+                    return self._validate_yaml(json.loads(body)["content"])
                 if parts[:2] == ["api", "models"] and len(parts) >= 6:
                     repo = self._repo(parts[2:4])
                     if not repo:
@@ -176,6 +179,20 @@ class Hub:
                                          for p in form.get("paths", []) if p in files])
                         return
                 self._send(404, {"error": f"not in this test hub: POST {url.path}"})
+
+            def _validate_yaml(self, content: str) -> None:
+                """As the Hub: a card's base_model must be a model id, not a local path."""
+                meta = {}
+                if content.startswith("---\n") and "\n---\n" in content[4:]:
+                    meta = yaml.safe_load(content[4:content.index("\n---\n", 4)]) or {}
+                base = meta.get("base_model")
+                if isinstance(base, str) and not re.fullmatch(r"[\w\-.]+(/[\w\-.]+)?", base):
+                    message = (f'Invalid metadata in README.md.\n- "base_model" with value '
+                               f'"{base}" is not valid. Use a model id from https://hf.co/models.')
+                    self._send(400, {"error": message}, {"X-Error-Message": message.replace(
+                        "\n", " ")})
+                    return
+                self._send(200, {"warnings": []})
 
             def _preupload(self, repo: str, req: dict) -> None:
                 out = []

@@ -73,7 +73,9 @@ def test_the_champion_goes_to_a_hub_repo_once_and_an_unpromoted_version_is_refus
         card = hub.file("team/tiny-gsm8k", "README.md").decode()
         run = json.loads((registered / "data/lineage/model_version.json").read_text())
         lineage = _lineage(registered)
-        assert card.startswith("---\n")  # the export card's Hub metadata stays first
+        # the export card's Hub metadata stays first, less a base_model that is a local folder
+        assert card.startswith("---\nlibrary_name: transformers\n")
+        assert "base_model:" not in card.split("\n---\n")[0]
         # v2's export logged its decision to the same run after v1's: the tag says v1's
         assert "## Gate decision\n\npromoted (the version's gate.decision tag" in card
         assert "does not beat" not in card
