@@ -26,7 +26,8 @@ LONGEST_FIRST = ("test_docs.py::TestReadmeLane", "test_pipeline.py", "test_docs.
                  "test_strategies.py", "test_slurm.py", "test_e2e_prefect.py",
                  "test_reproduce.py", "test_training.py", "test_reward.py", "test_preference.py",
                  "test_pipeline_parallel.py", "test_reliability.py", "test_kto.py",
-                 "test_grpo.py", "test_failures.py", "test_flows.py",
+                 "test_publish.py", "test_grpo.py", "test_failures.py", "test_flows.py",
+                 "test_distill.py", "test_distill_trl.py",
                  "test_harness.py", "test_launch.py", "test_quantization.py",
                  "test_run_control.py", "test_streaming.py", "test_methods.py",
                  "test_grpo_generation.py", "test_loss.py", "test_adapter_options.py",
@@ -48,13 +49,16 @@ SLOW_LONGEST_FIRST = (
     "test_e2e_prefect.py",  # ~170 s
     "test_preference.py",  # ~145 s
     "test_pipeline_parallel.py",  # ~140 s
+    "test_in_training_metrics.py",  # ~110-150 s at load 6 (tools example, DDP/FSDP2)
     "test_failures.py",  # ~95 s
+    "test_serve.py",  # ~60-90 s at load 6 (trains a fixture, starts transformers serve)
     "test_kto.py",  # ~90 s
     "test_adapter_options.py",  # ~65 s
     "test_reward.py",  # ~60 s
     "test_cli.py",  # ~40-60 s
     "test_preemption.py",  # ~30-50 s
     "test_grpo.py",  # ~40 s
+    "test_distill.py",  # ~35 s at load 6 (on-policy resume)
     "test_streaming.py",  # ~35 s
     "test_grpo_environments.py",  # ~30 s
     "test_launch.py",  # ~25 s
