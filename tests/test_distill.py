@@ -189,3 +189,31 @@ def test_two_processes_equal_one(scored, tmp_path, mode):
         "training.gradient_accumulation_steps": 1})
     assert_weights_close(adapter(two), adapter(one))
     assert losses(two) == pytest.approx(losses(one), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_dvc_reruns_the_teacher_stage_only_when_its_inputs_change(tmp_path):
+    """Under `dvc repro`: a student run with another beta, alpha or learning rate finds the
+    teacher stage up to date (it reuses the columns); another top_k or teacher does not."""
+    import subprocess
+
+    from tests.helpers import BIN, copy_project
+
+    project = copy_project(tmp_path / "p")
+    make_teacher(project)
+    write_params(project, {**BASE, "distill.top_k": 8})
+    for cmd in (["git", "add", "-A"], ["git", "commit", "-qm", "teacher"]):
+        subprocess.run(cmd, cwd=project, check=True, capture_output=True)
+
+    def dvc(*args):
+        return subprocess.run([str(BIN / "dvc"), *args], cwd=project, capture_output=True,
+                              text=True, check=True).stdout
+
+    dvc("repro", "teacher")
+    assert json.loads((project / "data/teacher/teacher.json").read_text())["scored"]
+    for change in ({"distill.beta": 0.0}, {"distill.alpha": 0.5},
+                   {"optimizer.learning_rate": 0.001}):
+        write_params(project, {**BASE, "distill.top_k": 8, **change})
+        assert "teacher" not in dvc("status", "teacher"), change
+    write_params(project, {**BASE, "distill.top_k": 16})
+    assert "distill.top_k" in dvc("status", "teacher")
