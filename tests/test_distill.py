@@ -130,6 +130,23 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(scored, tmp_pat
     assert sorted(p.name for p in (project / "data/teacher").iterdir()) == before
 
 
+@pytest.mark.parametrize("teacher, says", [
+    ("data/models/nope", "distill.teacher: teacher folder data/models/nope not found"),
+    ("data/source", "distill.teacher: data/source has no config.json"),
+])
+def test_validate_refuses_a_teacher_folder_that_is_not_one(scored, teacher, says):
+    from finetune.workspace import Workspace
+    from tasks.checks import check_model_refs
+
+    write_params(scored, {**BASE, "distill.teacher": teacher})
+    try:
+        with pytest.raises(PipelineError, match=says) as err:
+            check_model_refs(Workspace.load(scored / "params/default.yaml"))
+        assert "\n" not in str(err.value)
+    finally:
+        write_params(scored, {**BASE, "distill.top_k": 512})
+
+
 def test_the_train_stage_refuses_columns_of_another_teacher_or_top_k(scored, tmp_path):
     from finetune.workspace import Workspace
     from tasks.launch import run_paths
