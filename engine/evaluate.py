@@ -6,7 +6,8 @@ what a method measures lives in its room (`heldout_metrics` on its run class: SF
 perplexity and generations in engine.recipe.sft, a classifier's classes in
 engine.recipe.classifier, DPO's pair ranking in engine.recipe.dpo) and a new method needs no
 edit to the stage. The stage keeps what is the pipeline's: the generation prompts from the
-formatted test rows, the dataset types' scoring, lm-eval, the metrics files and MLflow.
+formatted test rows, the dataset types' scoring, the metrics files and MLflow; lm-eval's tasks
+run through engine.evaluation.harness, which in-training evaluation runs too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine.datapath.data import load_tokenized
+from engine.evaluation.harness import flatten, run_tasks
 from engine.evaluation.heldout import Evaluated, HeldOut
 from engine.kinds import kind_of
 from engine.modeling.labels import read_labels
@@ -24,8 +26,8 @@ from engine.recipe.run import run_class
 from finetune.config import FinetuneConfig
 from finetune.config.compat import check_machine
 
-__all__ = ["Evaluated", "HeldOut", "check_evaluation_machine", "heldout_metrics",
-           "load_tokenizer", "transformers_model"]
+__all__ = ["Evaluated", "HeldOut", "check_evaluation_machine", "flatten", "heldout_metrics",
+           "load_tokenizer", "run_tasks", "transformers_model"]
 
 
 def check_evaluation_machine(cfg: FinetuneConfig) -> None:

@@ -7,7 +7,8 @@ is added here, next to the engine code it checks, not in the stage; `finetune va
 (tasks/checks.py) runs the same user-code and machine checks, and its checks of the model
 (from config.json alone) and of the resume target, here too. Every decision here is the one the
 worker takes again (engine.state.trainer_state.plan_start, resume_candidate): one rule, asked twice,
-so a refusal comes before any process writes.
+so a refusal comes before any process writes. eval.harness's tasks are resolved here as the
+evaluate stage and in-training evaluation resolve them (engine.evaluation.harness).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engine.evaluation.harness import INSTALL, require_lm_eval, resolve_tasks  # noqa: F401
 from engine.process.job import RunPaths
 from engine.reporting.profiler import check_traces_dir
 from finetune.config import FinetuneConfig

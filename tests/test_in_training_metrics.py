@@ -61,6 +61,61 @@ def test_the_logged_number_is_the_evaluate_stage_s_on_those_weights(tokenized, t
         assert float(last[f"eval_{name}_stderr"]) == stage[f"{name}_stderr"], name
 
 
+#: a log-likelihood task (test_harness.py's: lm-eval's wikitext layout on GSM8K's answers),
+#: whose perplexity moves with every step, where a 260K model's GSM8K exact match stays 0
+PPL_TASK = """task: gsm8k_answers_ppl
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: data/source/gsm8k/test.jsonl
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: word_perplexity
+"""
+PPL = "harness.gsm8k_answers_ppl.word_perplexity.none"
+EXACT = "harness.gsm8k_local.exact_match.flexible-extract"
+#: 2 evaluations (steps 1 and 2), each running both harness tasks on 3 documents (lm-eval's
+#: limit = eval.during_training_samples), ranked by the perplexity (lower wins: derived)
+HARNESS = {"eval.harness": {"tasks": ["data/harness/gsm8k_local.yaml",
+                                      "my_tasks/gsm8k_answers_ppl.yaml"],
+                            "num_fewshot": 0, "limit": 3, "batch_size": 3,
+                            "max_gen_toks": 8, "models": ["finetuned"]},
+           "eval.during_training_metrics": [PPL, EXACT], "eval.during_training_samples": 3,
+           "eval.generation_metrics": [], "eval.num_logged_samples": 0,
+           "eval.contamination_ngram": None, "training.max_steps": 2, "eval.eval_steps": 1,
+           "checkpoint.save_steps": 1, "checkpoint.metric_for_best_model": f"eval_{PPL}"}
+
+
+def test_a_harness_task_during_training_logs_the_evaluate_stage_s_number(tokenized, tmp_path):
+    """eval.during_training_metrics names harness metrics as eval.json spells them: lm-eval
+    runs them on the current weights at every evaluation (engine.evaluation.harness, the
+    evaluate stage's code) with limit = eval.during_training_samples; the step-2 numbers
+    (the trained model's) are the evaluate stage's with eval.harness.limit the same, stderr
+    included, and the best step is the lowest perplexity's."""
+    src = tmp_path / "src"
+    shutil.copytree(tokenized, src, symlinks=True)
+    (src / "my_tasks").mkdir()
+    (src / "my_tasks/gsm8k_answers_ppl.yaml").write_text(PPL_TASK)
+    project, _ = train_here(src, tmp_path / "p", HARNESS)
+    rows = _eval_rows(project)
+    assert [r["step"] for r in rows] == ["1", "2"]
+    assert [k for k in rows[0] if k != "step"] == [
+        "eval_loss", f"eval_{PPL}", f"eval_{EXACT}", f"eval_{EXACT}_stderr"]
+    ppl = [float(r[f"eval_{PPL}"]) for r in rows]
+    assert ppl[0] != ppl[1] and all(p > 1 for p in ppl)
+    m = train_metrics(project)
+    assert (m["best_step"], m[f"best_eval_{PPL}"]) == (1 + ppl.index(min(ppl)), min(ppl))
+    stages_here(project, "evaluate")
+    stage = json.loads((project / "data/metrics/eval.json").read_text())["finetuned"]
+    assert float(rows[-1][f"eval_{PPL}"]) == stage[PPL]
+    assert float(rows[-1][f"eval_{EXACT}"]) == stage[EXACT]
+    assert float(rows[-1][f"eval_{EXACT}_stderr"]) == stage[
+        "harness.gsm8k_local.exact_match_stderr.flexible-extract"]
+
+
 #: the tool-calling example (params/tools-gsm8k.yaml) on its 265 training conversations, fully
 #: fine-tuned: stories260K writes parseable calls from about step 30 (LoRA at 40 steps, or 40
 #: full steps, still writes a wrong byte where the JSON's `{` goes, or stops mid-call); scored
@@ -197,8 +252,17 @@ def test_a_resumed_run_stops_where_the_uninterrupted_one_did(stalled, tmp_path):
      "no standard error during training"),
     ({**GENERATING, "eval.during_training_metrics": ["rouge1", "gsm8k"]},
      "eval.during_training_metrics: gsm8k is not a metric the evaluate stage reports for this "
-     "run (generation metrics: exact_match, rouge, rouge1, rouge2, rougeL; eval.harness.tasks "
-     "is empty); lm-eval harness tasks run only in the evaluate stage"),
+     "run (generation metrics: exact_match, rouge, rouge1, rouge2, rougeL; harness metrics: "
+     "harness.<task>.<metric>.<filter> of eval.harness.tasks, now empty)"),
+    ({**GENERATING, "eval.during_training_metrics": [EXACT]},
+     f"eval.during_training_metrics: {EXACT} is an lm-evaluation-harness metric of task "
+     "gsm8k_local, and eval.harness.tasks is empty"),
+    ({**HARNESS, "eval.during_training_metrics": ["harness.gsm8k.exact_match.strict-match"]},
+     "eval.during_training_metrics: harness.gsm8k.exact_match.strict-match is of task gsm8k, "
+     "which eval.harness.tasks does not list"),
+    ({**HARNESS, "distributed.strategy": "fsdp2", "distributed.nproc_per_node": 2},
+     f"eval.during_training_metrics: {PPL} runs lm-eval on one process's whole model, and "
+     "distributed.strategy fsdp2 splits it across ranks"),
     ({**GENERATING, "eval.during_training_metrics": ["tool_name_match"]},
      "eval.during_training_metrics: tool_name_match needs 'tool_calls' in "
      "eval.generation_metrics"),
@@ -294,3 +358,29 @@ def test_two_processes_log_what_one_does(one_process, tmp_path, strategy):
     assert [{k: v for k, v in r.items() if k != "eval_loss"} for r in _eval_rows(two)] == [
         {k: v for k, v in r.items() if k != "eval_loss"} for r in rows]
     assert train_metrics(two)["best_eval_rouge1"] == train_metrics(one)["best_eval_rouge1"]
+
+
+@pytest.mark.distributed
+def test_under_ddp_rank_0_runs_the_harness_task_and_every_rank_logs_it(tokenized, tmp_path):
+    """DDP on 2 torchrun processes (gloo), half the per-device batch so the steps see the rows
+    one process does (SGD, no warmup): rank 0 runs lm-eval on its replica and broadcasts the
+    numbers, which are one process's: the loss equal, the perplexity (an exp of summed
+    log-likelihoods) to the summation order of the weights' updates."""
+    src = tmp_path / "src"
+    shutil.copytree(tokenized, src, symlinks=True)
+    (src / "my_tasks").mkdir()
+    (src / "my_tasks/gsm8k_answers_ppl.yaml").write_text(PPL_TASK)
+    same = {**HARNESS, "optimizer.name": "SGD", "optimizer.learning_rate": 0.05,
+            "scheduler.warmup_steps": 0, "checkpoint.save_strategy": "no"}
+    one, _ = train_here(src, tmp_path / "one", {**same,
+                                                "training.per_device_train_batch_size": 8})
+    two, _ = train_copy_here(src, tmp_path / "two", {
+        **same, "training.per_device_train_batch_size": 4, "distributed.strategy": "ddp",
+        "distributed.nproc_per_node": 2})
+    a, b = _eval_rows(one), _eval_rows(two)
+    assert [r["step"] for r in b] == ["1", "2"] and a[0].keys() == b[0].keys()
+    for x, y in zip(a, b):
+        assert x["eval_loss"] == y["eval_loss"]
+        assert float(y[f"eval_{PPL}"]) == pytest.approx(float(x[f"eval_{PPL}"]), rel=1e-5)
+        assert x[f"eval_{EXACT}"] == y[f"eval_{EXACT}"]
+    assert float(a[0][f"eval_{PPL}"]) != float(a[1][f"eval_{PPL}"])  # the weights moved

@@ -24,7 +24,8 @@ TRAIN_FIELDS = ["step", "epoch", "loss", "learning_rate", "grad_norm", "num_inpu
 NOT_PLOTTED = ("comm_bytes_per_step",)
 EVAL_FIELDS = ["step", "eval_loss"]
 #: eval.during_training_metrics' scores: eval.csv has a column for each logged (and its
-#: `_stderr`); a method's own eval_ statistics stay off the curves, as before
+#: `_stderr`; the lm-eval metrics it names too, eval_harness.*); a method's own eval_
+#: statistics stay off the curves, as before
 GENERATED = ("exact_match", *ROUGE_KEYS, *TOOL_CALL_KEYS)
 #: logged values that measure the machine (wall clock, throughput, memory), not the run: the
 #: console, MLflow and the JSON lines have them; train.csv and the checkpoints' history leave
@@ -70,7 +71,8 @@ class History(Callback):
         # eval.during_training_metrics: eval_<metric> and its stderr, in the order logged
         scored = [k for k in dict.fromkeys(k for row in self.rows if "eval_loss" in row
                                            for k in row)
-                  if k.removeprefix("eval_").removesuffix("_stderr") in GENERATED]
+                  if k.removeprefix("eval_").removesuffix("_stderr") in GENERATED
+                  or k.startswith("eval_harness.")]
         for name, fields, key in (("train.csv", TRAIN_FIELDS + own, "loss"),
                                   ("eval.csv", EVAL_FIELDS + scored, "eval_loss")):
             final = self.plots_dir / name

@@ -15,7 +15,7 @@ from finetune.config.section import Section
 
 #: what checkpoint.metric_for_best_model may look like (which ones a run reports: the
 #: compatibility table, finetune/config/compat.py)
-EVAL_METRIC = re.compile(r"eval_[A-Za-z0-9_]+")
+EVAL_METRIC = re.compile(r"eval_[A-Za-z0-9_]+|eval_harness\.[^.\s]+\.[^.\s]+\.[^.\s]+")
 #: the in-training metrics that are better lower
 LOWER_IS_BETTER = ("eval_loss", "eval_perplexity")
 
@@ -75,12 +75,16 @@ class CheckpointConfig(Section):
         "eval.during_training_metrics a generation metric the evaluate stage reports for "
         "eval.generation_metrics, as eval_<metric> (eval_exact_match, eval_rouge1, "
         "eval_rouge2, eval_rougeL, eval_tool_name_match, eval_tool_arguments_match); a "
-        "rollout method (grpo, rloo): eval_reward, its greedy reward on eval.eval_batches."
+        "rollout method (grpo, rloo): eval_reward, its greedy reward on eval.eval_batches; "
+        "an lm-eval harness metric that eval.during_training_metrics names, as "
+        "eval_harness.<task>.<metric>.<filter>."
     )
     greater_is_better: bool | None = Field(
         None, description="Direction of metric_for_best_model (None: from the metric, as HF "
         "does: eval_loss and eval_perplexity lower is better, the generation metrics "
-        "higher). An explicit value is used as given, also against the metric's direction.")
+        "higher; a harness metric as registry.gate_metric's: loss, perplexity and "
+        "bits_per_byte lower). An explicit value is used as given, also against the "
+        "metric's direction.")
     load_best_model_at_end: bool = Field(
         False, description="Write the best checkpoint's weights as the trained model."
     )
@@ -97,7 +101,8 @@ class CheckpointConfig(Section):
         if name is not None and not EVAL_METRIC.fullmatch(name):
             raise ValueError(f"'{name}' is not an in-training evaluation metric: eval_loss, "
                              "eval_perplexity, or eval_<metric> for a generation metric "
-                             "(eval_exact_match, eval_rouge1, eval_tool_name_match, ...)")
+                             "(eval_exact_match, eval_rouge1, eval_tool_name_match, ...) or "
+                             "eval_harness.<task>.<metric>.<filter>")
         return name
 
     @property
@@ -106,5 +111,9 @@ class CheckpointConfig(Section):
         perplexity lower, the rest higher)."""
         if self.greater_is_better is not None:
             return self.greater_is_better
-        return (self.metric_for_best_model is not None
-                and self.metric_for_best_model not in LOWER_IS_BETTER)
+        metric = self.metric_for_best_model
+        if metric is not None and metric.startswith("eval_harness."):
+            from finetune.config.registry import higher_wins
+
+            return higher_wins("eval." + metric.removeprefix("eval_"))
+        return metric is not None and metric not in LOWER_IS_BETTER

@@ -25,6 +25,7 @@ section or model kind brings its rows with it, and this file names none of them
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -474,7 +475,8 @@ LOSS_METRICS = ("eval_loss", "eval_perplexity")
 
 def _during_training_metrics(c) -> str | None:
     """eval.during_training_metrics generates with the SFT run's model on a language model's
-    rows, and scores what eval.generation_metrics names."""
+    rows, and scores what eval.generation_metrics names; harness metrics it names run lm-eval
+    on one process's whole model."""
     e = c.eval
     if not e.during_training_metrics:
         return None
@@ -487,6 +489,15 @@ def _during_training_metrics(c) -> str | None:
     if not method_of(c.training.type).sft_evaluation:
         return (f"{key}: training.type {c.training.type} evaluates with its own numbers "
                 "during training, not the generation metrics (set it to false)")
+    harness = harness_in_training(c)
+    strategy = c.distributed.resolved_strategy
+    if harness and strategy not in ("single", "ddp"):
+        how = "keeps diverging replicas" if strategy == "diloco" else "splits it across ranks"
+        return (f"{key}: {harness[0]} runs lm-eval on one process's whole model, and "
+                f"distributed.strategy {strategy} {how}; use single or ddp, or leave harness "
+                "metrics to the evaluate stage")
+    if e.during_training_metrics is not True and len(harness) == len(e.during_training_metrics):
+        return None  # harness metrics only: no generation rows needed
     if c.data.task.classifier:
         return (f"{key}: data.dataset_type {c.data.dataset_type} trains a classifier, which "
                 f"generates no text (set {key}: false)")
@@ -497,6 +508,44 @@ def _during_training_metrics(c) -> str | None:
         return (f"{key}: the pipeline strategy splits the model across ranks and cannot "
                 "generate; set it to false")
     return None
+
+
+def harness_in_training(c) -> tuple[str, ...]:
+    """The lm-eval metrics eval.during_training_metrics names, as the evaluate stage's
+    eval.json spells them: harness.<task>.<metric>.<filter>."""
+    picked = c.eval.during_training_metrics
+    return (tuple(m for m in picked if m.startswith("harness."))
+            if isinstance(picked, list) else ())
+
+
+#: harness.<task>.<metric>.<filter>, as the evaluate stage's eval.json has them
+HARNESS_METRIC = re.compile(r"harness\.([^.\s]+)\.[^.\s]+\.[^.\s]+")
+
+
+def _harness_named(c, name: str) -> str | None:
+    """A harness metric in eval.during_training_metrics: spelled as eval.json has it, of a
+    task eval.harness.tasks lists (a task file's stem or a task name; a folder of task files
+    is resolved, and its task names checked, when the train stage starts)."""
+    from pathlib import PurePath
+
+    key, tasks = "eval.during_training_metrics", c.eval.harness.tasks
+    matched = HARNESS_METRIC.fullmatch(name)
+    if matched is None:
+        return (f"{key}: {name} is not a harness metric as the evaluate stage reports it: "
+                "harness.<task>.<metric>.<filter> (e.g. "
+                "harness.gsm8k_local.exact_match.flexible-extract)")
+    task = matched.group(1)
+    if not tasks:
+        return (f"{key}: {name} is an lm-evaluation-harness metric of task {task}, and "
+                "eval.harness.tasks is empty; list the task there (the evaluate stage runs it "
+                "too)")
+    files = {PurePath(t).stem for t in tasks if t.endswith((".yaml", ".yml"))}
+    names = {t for t in tasks if "/" not in t and not t.endswith((".yaml", ".yml"))}
+    folders = [t for t in tasks if "/" in t and not t.endswith((".yaml", ".yml"))]
+    if task in files or task in names or folders:
+        return None
+    return (f"{key}: {name} is of task {task}, which eval.harness.tasks does not list (now "
+            f"{', '.join(tasks)}; a task file counts by its name here: {task}.yaml)")
 
 
 def _named_not_reported(c) -> str | None:
@@ -515,6 +564,11 @@ def _named_not_reported(c) -> str | None:
     for name in e.during_training_metrics:
         if name in allowed:
             continue
+        if name.startswith("harness."):
+            refused = _harness_named(c, name)
+            if refused:
+                return refused
+            continue
         method = method_of(c.training.type)
         if method.metrics is not None and name in method.metrics(c):
             return (f"{key}: {name} is the evaluate stage's (training.type "
@@ -527,14 +581,15 @@ def _named_not_reported(c) -> str | None:
         if group is not None:
             return (f"{key}: {name} needs '{group}' in eval.generation_metrics (now "
                     f"{e.generation_metrics})")
-        harness = ("is an lm-evaluation-harness task (eval.harness.tasks)"
-                   if name in tasks or name in tasks.values() else
-                   "is not a metric the evaluate stage reports for this run (generation "
-                   f"metrics: {', '.join(sorted(allowed)) or 'none'}; eval.harness.tasks is "
-                   f"{'empty' if not tasks else ', '.join(tasks)})")
-        return (f"{key}: {name} {harness}; lm-eval harness tasks run only in the evaluate "
-                "stage, which hands lm-eval a whole model in its own process, not the "
-                "training ranks' model mid-step")
+        if name in tasks or name in tasks.values():
+            return (f"{key}: {name} is an lm-evaluation-harness task (eval.harness.tasks); "
+                    "name its metrics as the evaluate stage reports them, "
+                    f"harness.{tasks.get(name, name)}.<metric>.<filter> (e.g. "
+                    "harness.gsm8k_local.exact_match.flexible-extract)")
+        return (f"{key}: {name} is not a metric the evaluate stage reports for this run "
+                f"(generation metrics: {', '.join(sorted(allowed)) or 'none'}; harness "
+                "metrics: harness.<task>.<metric>.<filter> of eval.harness.tasks, now "
+                f"{'empty' if not tasks else ', '.join(tasks)})")
     return None
 
 
@@ -546,8 +601,8 @@ def _in_training_metrics(c) -> tuple[str, ...]:
 
     if method_of(c.training.type).default_gate == "eval.reward":
         return ("eval_reward",)  # a rollout method's: engine.recipe.grpo.heldout.greedy_rewards
-    generated = (generation_metric_names(c) if c.eval.during_training_metrics
-                 and not _during_training_metrics(c) else ())
+    generated = ((*generation_metric_names(c), *harness_in_training(c))
+                 if c.eval.during_training_metrics and not _during_training_metrics(c) else ())
     return (*LOSS_METRICS, *(f"eval_{m}" for m in generated))
 
 
@@ -588,7 +643,7 @@ def _threshold_stderr(c) -> str | None:
         return (f"{key}: checkpoint.metric_for_best_model {metric} has no standard error "
                 "during training (the generation metrics of eval.during_training_metrics "
                 "do); use eval.early_stopping_threshold")
-    if not c.eval.bootstrap_samples:
+    if not c.eval.bootstrap_samples and not metric.startswith("eval_harness."):
         return (f"{key}: {metric} has no standard error with eval.bootstrap_samples 0; set "
                 "eval.bootstrap_samples (e.g. 1000) or use eval.early_stopping_threshold")
     return None

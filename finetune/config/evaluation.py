@@ -92,9 +92,14 @@ class EvalConfig(Section):
         "eval_tool_name_match, ...), so checkpoint.metric_for_best_model and early stopping "
         "may name them. true: every metric eval.generation_metrics reports; a list: those "
         "named (exact_match, rouge1, tool_name_match, ...; rouge and tool_calls name their "
-        "group). Rewards and pass@k of a rollout method, and lm-eval harness tasks, are the "
-        "evaluate stage's only (refused here; a rollout method logs eval_reward during "
-        "training on its own). Costs one generation pass per evaluation (eval_seconds).",
+        "group), and lm-eval harness metrics as the evaluate stage's eval.json spells them, "
+        "harness.<task>.<metric>.<filter> of a task eval.harness.tasks lists (run with "
+        "eval.harness's settings and limit eval.during_training_samples, logged as "
+        "eval_harness.<task>.<metric>.<filter> with its _stderr; single or ddp only: under "
+        "DDP rank 0 runs it and broadcasts the numbers). Rewards and pass@k of a rollout "
+        "method are the evaluate stage's only (refused here; a rollout method logs "
+        "eval_reward during training on its own). Costs one generation pass per evaluation "
+        "(eval_seconds).",
     )
     during_training_samples: int = Field(
         32, gt=0,

@@ -13,6 +13,15 @@ collective every rank must join; the strategy's flag is not read outside engine/
 a short rank generates its first row once more (not counted), and Hugging Face's `generate`
 runs with `synced_gpus`, so no rank leaves the decode loop before the others (under DDP that
 costs a one-element all-reduce per generated token and a few padding forwards).
+
+lm-evaluation-harness metrics named in the list (`harness.<task>.<metric>.<filter>`, as the
+evaluate stage's eval.json spells them) run through engine.evaluation.harness, the evaluate
+stage's own code, on the current weights with `limit` = eval.during_training_samples and
+eval.harness's other settings: logged as `eval_harness.<task>.<metric>.<filter>` and, where
+lm-eval gives one, `eval_harness.<task>.<metric>.<filter>_stderr`. lm-eval takes one process's
+whole model: under DDP rank 0 runs the tasks on its replica (every rank holds the same
+weights) and broadcasts the numbers once (the other ranks wait); sharded strategies are
+refused at validate (finetune.config.compat). The random generators are left as they were.
 """
 
 from __future__ import annotations
@@ -21,14 +30,17 @@ from pathlib import Path
 
 import torch
 
+from engine.evaluation import harness as lm_harness
 from engine.evaluation.bootstrap import bootstrap_seed, stderrs
 from engine.kinds import kind_of
+from engine.modeling.model import base_model
 from engine.process.distributed import Dist
 from engine.recipe.sft.heldout import generation_inputs
 from engine.rollout.greedy import greedy_generate
 from finetune.datatypes import DataContext
 from finetune.datatypes.generations import (generation_metric_names, generation_rows,
                                             score_generations, training_subset)
+from finetune.config.compat import harness_in_training
 from finetune.errors import PipelineError
 
 
@@ -58,12 +70,19 @@ class _SyncedGenerate:
 
 
 class GenerationMetrics:
-    """The subset's prompts, encoded once at setup; `measure(model)` generates and scores."""
+    """The subset's prompts, encoded once at setup (and the harness tasks resolved once);
+    `measure(model)` generates and scores, and runs the harness tasks."""
 
     def __init__(self, cfg, root: Path, formatted: Path, tokenizer, dist: Dist,
                  labels: list[str] | None = None):
-        self.cfg, self.tokenizer, self.dist = cfg, tokenizer, dist
+        self.cfg, self.tokenizer, self.dist, self.root = cfg, tokenizer, dist, root
         ev = cfg.eval
+        self.harness = _HarnessMetrics(cfg, root, tokenizer, dist) if harness_in_training(
+            cfg) else None
+        self.generates = ev.during_training_metrics is True or len(
+            harness_in_training(cfg)) < len(ev.during_training_metrics)
+        if not self.generates:
+            return
         self.rows = training_subset(generation_rows(cfg, formatted), ev.during_training_samples,
                                     cfg.training.seed)
         if self.rows.empty:
@@ -83,7 +102,14 @@ class GenerationMetrics:
 
     def measure(self, model: torch.nn.Module, amp: torch.dtype | None = None
                 ) -> dict[str, float]:
-        """`eval_<metric>` and `eval_<metric>_stderr` for the subset, on every rank alike."""
+        """`eval_<metric>` and `eval_<metric>_stderr` for the subset (and the harness
+        metrics), on every rank alike."""
+        out = self._generated(model, amp) if self.generates else {}
+        if self.harness is not None:
+            out.update(self.harness.measure(model))
+        return out
+
+    def _generated(self, model: torch.nn.Module, amp: torch.dtype | None) -> dict[str, float]:
         cfg, d = self.cfg, self.dist
         generator = _SyncedGenerate(model) if d.world_size > 1 else model
         device = next(model.parameters()).device
@@ -108,3 +134,72 @@ class GenerationMetrics:
         out.update({f"eval_{k}": v for k, v in stderrs(per_row, cfg.eval.bootstrap_samples,
                                                         bootstrap_seed(cfg)).items()})
         return out
+
+
+class _HarnessMetrics:
+    """The harness metrics eval.during_training_metrics names: their tasks resolved once (on
+    every rank, so a bad name stops them all), run on the main rank at each evaluation with
+    eval.harness's settings and `limit` eval.during_training_samples, the numbers broadcast."""
+
+    def __init__(self, cfg, root: Path, tokenizer, dist: Dist):
+        self.cfg, self.root, self.tokenizer, self.dist = cfg, root, tokenizer, dist
+        self.wanted = harness_in_training(cfg)
+        names, self.manager = lm_harness.resolve_tasks(cfg.eval.harness.tasks, root)
+        tasks = sorted({m.split(".")[1] for m in self.wanted})
+        unknown = [t for t in tasks if t not in names]
+        if unknown:
+            raise PipelineError(f"eval.during_training_metrics: harness task {unknown[0]} is "
+                                f"not one eval.harness.tasks runs (they are {', '.join(names)})")
+        self.tasks = tasks
+        self.checked = False
+
+    def measure(self, model: torch.nn.Module) -> dict[str, float]:
+        d = self.dist
+        box: list = [None]
+        if d.is_main:
+            try:
+                box[0] = self._run(model)
+            except PipelineError as error:  # said once on every rank, not a hang
+                box[0] = error
+        if d.world_size > 1:
+            torch.distributed.broadcast_object_list(box, src=d.main_rank)
+        if isinstance(box[0], PipelineError):
+            raise box[0]
+        return box[0]
+
+    def _run(self, model: torch.nn.Module) -> dict[str, float]:
+        h = self.cfg.eval.harness
+        results = lm_harness.run_tasks(
+            base_model(model), self.tokenizer, self.root, self.tasks, self.manager,
+            batch_size=h.batch_size, num_fewshot=h.num_fewshot,
+            limit=self.cfg.eval.during_training_samples,
+            apply_chat_template=h.apply_chat_template, max_gen_toks=h.max_gen_toks)
+        flat = lm_harness.flatten(results["results"])
+        out = {}
+        for name in self.wanted:
+            if name not in flat:
+                reported = sorted(k for k in flat if "_stderr." not in k)
+                raise PipelineError(f"eval.during_training_metrics: {name} is not a metric "
+                                    f"its task reported (it reported {', '.join(reported)})")
+            out[f"eval_{name}"] = round(flat[name], 6)  # as the evaluate stage writes it
+            stderr = flat.get(lm_harness.stderr_name(name))
+            if stderr is not None:
+                out[f"eval_{name}_stderr"] = round(stderr, 6)
+        if not self.checked:
+            self._check_direction(results)
+            self.checked = True
+        return out
+
+    def _check_direction(self, results: dict) -> None:
+        """metric_for_best_model on a harness metric: lm-eval's own higher_is_better agrees
+        with the direction the run ranks by (derived from the name when greater_is_better is
+        unset), or one line."""
+        ck = self.cfg.checkpoint
+        metric = ck.metric_for_best_model or ""
+        if not metric.startswith("eval_harness.") or ck.greater_is_better is not None:
+            return
+        own = lm_harness.higher_is_better(results, metric.removeprefix("eval_"))
+        if own is not None and own != ck.higher_wins:
+            raise PipelineError(f"checkpoint.greater_is_better: lm-eval ranks {metric} "
+                                f"{'higher' if own else 'lower'} as better; set "
+                                f"checkpoint.greater_is_better: {str(own).lower()}")
