@@ -140,10 +140,11 @@ def project(tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenized(tmp_path_factory) -> Path:
-    """A project with download/format/tokenize done once per test process (in-process: no
-    process boundary is under test there); tests copy it and train."""
+    """A project with download/format/tokenize and the teacher stage (for a run that is not a
+    distill run: its teacher.json alone, which train depends on in dvc.yaml) done once per test
+    process (in-process: no process boundary is under test there); tests copy it and train."""
     project = copy_project(tmp_path_factory.mktemp("tok") / "p", {"logging.logging_steps": 1})
-    stages_here(project, "download", "format", "tokenize")
+    stages_here(project, "download", "format", "tokenize", "teacher")
     return project
 
 

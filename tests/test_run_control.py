@@ -337,7 +337,7 @@ def test_training_type_picks_the_loop(tokenized, tmp_path):
     run, _ = train_here(project, tmp_path / "r", {**BASE, "training.type": "user_loop:CountingRun"})
     assert (run / "loop_steps.txt").read_text() == "xxxx"  # the run's cwd: its project
     with pytest.raises(PipelineError, match=r"training.type 'ppo': no such trainer "
-                       r"\(registered: dpo, grpo, kto, reward, rloo, sft"):
+                       r"\(registered: distill, dpo, grpo, kto, reward, rloo, sft"):
         train_here(project, tmp_path / "bad", {**BASE, "training.type": "ppo"})
 
 
