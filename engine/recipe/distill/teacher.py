@@ -14,18 +14,8 @@ import torch
 
 from engine.modeling.model import base_model
 from engine.objective.loss import target_rows
+from engine.rollout.reward_model import TOKENIZER_FILES, model_files
 from finetune.errors import PipelineError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def model_files(directory: Path) -> tuple[Path, Path]:
-    """(model folder, tokenizer folder): the same for an HF folder; MLflow's transformers
-    flavour (an MLmodel file, a registered model's download) keeps them apart."""
-    if (directory / "MLmodel").exists() and (directory / "model").is_dir():
-        tokenizer = directory / "components" / "tokenizer"
-        return directory / "model", tokenizer if tokenizer.is_dir() else directory / "model"
-    return directory, directory
 
 
 def check_teacher(root: Path, ref: str, key: str) -> Path:
