@@ -1,7 +1,9 @@
 """`finetune serve [MODEL]`: a registered version (default: the champion of the default
 registered model) or a model folder on an OpenAI-compatible server on 127.0.0.1, run by an
 existing engine: `transformers serve` (installed with transformers) for the merged model,
-llama.cpp's server for a GGUF file (`--gguf TYPE`, when llama.cpp is installed).
+llama-cpp-python's server (`python -m llama_cpp.server`, the optional `serve-gguf` extra) for
+the export's GGUF file of a type (`--gguf TYPE`), given the model's generation defaults where a
+request sets none (llama-cpp-python's own would sample).
 
 The version's files are the export folder when its weights' sha256 equal the version's tags,
 else its MLflow files (tasks.publish.version_folder): the merged model with the tokenizer's
@@ -10,8 +12,9 @@ reads. `/v1/completions` takes a raw prompt: asked greedily (temperature 0) with
 stage's max_new_tokens, it answers what the evaluate stage generated (tests/test_serve.py).
 
 Checked before anything starts, each one line and exit 2: the model (a registered version
-that exists, a folder with config.json), the port (free on 127.0.0.1), the memory (the weight
-files' bytes against the memory available). Ctrl-C (SIGINT) or SIGTERM stops the server and
+that exists, a folder with config.json), with --gguf its GGUF file of that type (else the types
+it has) and llama-cpp-python (else what to install), the port (free on 127.0.0.1), the memory
+(the weight files' bytes against the memory available). Ctrl-C (SIGINT) or SIGTERM stops the server and
 returns 0.
 """
 
@@ -111,15 +114,32 @@ def check_port(host: str, port: int) -> None:
                                 "choose another with --port") from None
 
 
-def gguf_file(folder: Path, quant: str) -> Path:
-    """The export's GGUF file of type `quant` (export.gguf lists the types it writes)."""
-    files = sorted((folder / "gguf").glob("*.gguf")) if (folder / "gguf").is_dir() else []
-    found = [f for f in files if f.stem.lower().endswith(quant.lower())]
-    if not found:
-        have = ", ".join(f.name for f in files) or "none (set export.gguf and rerun export)"
-        raise PipelineError(f"--gguf {quant}: no GGUF file of that type in {folder / 'gguf'} "
-                            f"(there: {have})")
-    return found[0]
+def gguf_types(folder: Path) -> dict[str, Path]:
+    """The export's merged-model GGUF files by type: the export stage's manifest.json (its
+    `model` entries), else the files named as the export stage names them (NAME-<type>.gguf,
+    the adapter's NAME-lora-<type>.gguf left out)."""
+    import json
+
+    gguf_dir = folder / "gguf"
+    manifest = gguf_dir / "manifest.json"
+    if manifest.exists():
+        return {e["type"]: gguf_dir / e["file"] for e in json.loads(manifest.read_text())
+                if e.get("kind") == "model" and (gguf_dir / e["file"]).exists()}
+    files = sorted(gguf_dir.glob("*.gguf")) if gguf_dir.is_dir() else []
+    return {f.stem.rsplit("-", 1)[-1].lower(): f for f in files
+            if "-" in f.stem and not f.stem.rsplit("-", 1)[0].endswith("-lora")}
+
+
+def gguf_file(folder: Path, quant: str, what: str | None = None) -> Path:
+    """The export's GGUF file of type `quant` (export.gguf lists the types it writes); one
+    line naming the types there are when it has none of that type."""
+    types = gguf_types(folder)
+    if quant.lower() in types:
+        return types[quant.lower()]
+    have = (f"its types: {', '.join(types)}" if types else
+            "it has no GGUF files: list types in export.gguf and rerun the export stage")
+    raise PipelineError(f"--gguf {quant}: {what or folder} has no GGUF file of that type "
+                        f"({have})")
 
 
 def _transformers_command(folder: Path, host: str, port: int) -> list[str]:
@@ -143,33 +163,98 @@ def _has_gpu() -> bool:
         return False
 
 
-def _llama_command(gguf: Path, host: str, port: int) -> list[str]:
-    """llama.cpp's own server, else llama-cpp-python's; one line when neither is installed."""
-    server = shutil.which("llama-server")
-    if server:
-        return [server, "-m", str(gguf), "--host", host, "--port", str(port)]
+#: the optional extra that installs llama.cpp's server (pyproject.toml) and its pin
+GGUF_EXTRA, LLAMA_CPP_PIN = "serve-gguf", "llama-cpp-python[server]==0.3.36"
+
+
+def check_llama_cpp(gguf: Path) -> None:
+    """One line when llama-cpp-python's server cannot be imported: what to install."""
     try:
-        import llama_cpp.server  # noqa: F401
+        import llama_cpp  # noqa: F401
     except ImportError:
         raise PipelineError(
-            f"--gguf: serving {gguf.name} needs llama.cpp's server, which is not installed: "
-            "put llama.cpp's `llama-server` on the PATH (a release build from "
-            "github.com/ggml-org/llama.cpp), or `pip install 'llama-cpp-python[server]'` "
-            "(compiles llama.cpp, several minutes)") from None
-    return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", host,
-            "--port", str(port)]
+            f"--gguf: serving {gguf.name} needs llama-cpp-python's server, which is not "
+            f"installed: pip install -e '.[{GGUF_EXTRA}]' ({LLAMA_CPP_PIN}; it compiles "
+            "llama.cpp, about 16 minutes on 2 cores)") from None
+    try:
+        import llama_cpp.server.app  # noqa: F401 - fastapi, uvicorn, sse-starlette, ...
+    except ImportError as exc:
+        raise PipelineError(
+            f"--gguf: llama-cpp-python is installed without its server's packages "
+            f"({exc.name or exc}): pip install -e '.[{GGUF_EXTRA}]' ({LLAMA_CPP_PIN})") from None
 
 
-def _ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Wait until the server answers GET /health (llama.cpp's and transformers serve's);
-    one line if it exits first or never answers."""
+def _llama_command(gguf: Path, host: str, port: int) -> list[str]:
+    """llama-cpp-python's OpenAI-compatible server on the GGUF file: its context the model's
+    (n_ctx 0), its chat format the file's chat template (tokenizer.chat_template), its own
+    log quiet (the proxy prints where it answers)."""
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
+            "--model_alias", gguf.name, "--host", host, "--port", str(port), "--n_ctx", "0",
+            "--verbose", "False"]
+
+
+def gguf_chat_template(gguf: Path) -> str | None:
+    """The chat template in the GGUF file's metadata (the export writes the run's tokenizer's),
+    which llama-cpp-python's server uses for /v1/chat/completions."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def sampling_defaults(folder: Path) -> dict:
+    """The model's generation defaults (generation_config.json, transformers' own where it
+    sets none) as llama-cpp-python's request fields, for a request that gives none of them:
+    greedy (temperature 0) unless the model samples, no repetition penalty unless it sets one
+    (llama-cpp-python's own defaults are temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
+    repeat_penalty 1.1: not what transformers serve or the evaluate stage would do)."""
+    import json
+
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+
+    def get(key, default):
+        value = config.get(key)
+        return default if value is None else value
+
+    return {"temperature": float(get("temperature", 1.0)) if config.get("do_sample") else 0.0,
+            "top_p": float(get("top_p", 1.0)), "top_k": int(get("top_k", 50)),
+            "min_p": float(get("min_p", 0.0)),
+            "repeat_penalty": float(get("repetition_penalty", 1.0))}
+
+
+class _Quiet:
+    """The engine's output passed on line by line, less uvicorn's INFO lines (its start-up
+    lines name the engine's own port, and one line a request): as transformers serve with
+    --log-level warning."""
+
+    def __init__(self, proc: subprocess.Popen):
+        import threading
+
+        self.proc = proc
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        for line in self.proc.stdout:
+            if not line.startswith("INFO:"):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
+def _ready(url: str, proc: subprocess.Popen, timeout: float, path: str = "/health") -> None:
+    """Wait until the server answers GET `path` (transformers serve's /health; llama-cpp-python's
+    server has none, its /v1/models answers once the model is loaded); one line if it exits
+    first or never answers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise PipelineError(f"the server exited with code {proc.returncode} before "
                                 f"answering at {url} (its output is above)")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            with urllib.request.urlopen(f"{url}{path}", timeout=2) as resp:
                 if resp.status == 200:
                     return
         except OSError:
@@ -198,14 +283,16 @@ class Proxy:
     (streamed or not) gets the calls our parser (finetune.datatypes.tool_calls) reads in its text as
     `tool_calls` where the engine found none (transformers serve parses only the chat
     formats it knows), and a request without max_tokens gets the run's
-    (eval.generation_max_new_tokens)."""
+    (eval.generation_max_new_tokens). `defaults` are request fields a completion or chat
+    completion gets where it gives none (llama.cpp's: the model's sampling defaults)."""
 
     def __init__(self, host: str, port: int, backend: str, model_id: str, engine_id: str,
-                 chat: bool = True, max_tokens: int | None = None):
+                 chat: bool = True, max_tokens: int | None = None,
+                 defaults: dict | None = None):
         from http.server import ThreadingHTTPServer
 
         self.backend, self.model_id, self.engine_id = backend, model_id, engine_id
-        self.chat, self.max_tokens = chat, max_tokens
+        self.chat, self.max_tokens, self.defaults = chat, max_tokens, defaults or {}
         self.server = ThreadingHTTPServer((host, port), self._handler())
         self.server.daemon_threads = True
 
@@ -267,6 +354,10 @@ class Proxy:
                     if (proxy.max_tokens and body.get("max_tokens") is None
                             and body.get("max_completion_tokens") is None):
                         body["max_tokens"] = proxy.max_tokens
+                    if self.path.startswith(("/v1/completions", "/v1/chat/completions")):
+                        for key, value in proxy.defaults.items():
+                            if body.get(key) is None:
+                                body[key] = value
                 self._forward(body if isinstance(body, dict) else raw)
 
             def _forward(self, body) -> None:
@@ -402,36 +493,47 @@ def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None 
     """Check, start the engine and the proxy, print where it answers, and wait until it is
     stopped (Ctrl-C, SIGTERM: 0)."""
     folder, source, name, max_tokens = _resolved(ws, target)
-    gguf_path = gguf_file(folder, gguf) if gguf else None
+    gguf_path = gguf_file(folder, gguf, target or default_model(ws)) if gguf else None
     need = check_fits(folder, gguf_path)
     inner = _free_port(host)
     if gguf_path is not None:
+        check_llama_cpp(gguf_path)
         command, engine_id = _llama_command(gguf_path, host, inner), gguf_path.name
+        chat, defaults, health = gguf_chat_template(gguf_path) is not None, \
+            sampling_defaults(folder), "/v1/models"
     else:
         command, engine_id = _transformers_command(folder, host, inner), str(folder)
+        chat, defaults, health = has_chat_template(folder), None, "/health"
     url, backend = f"http://{host}:{port}", f"http://{host}:{inner}"
-    chat = gguf_path is not None or has_chat_template(folder)
     # the port is bound now (the check), served once the engine answers
     check_port(host, port)
     try:
-        proxy = Proxy(host, port, backend, name, engine_id, chat, max_tokens)
+        proxy = Proxy(host, port, backend, name, engine_id, chat, max_tokens, defaults)
     except OSError as exc:
         raise PipelineError(f"--port {port}: {host}:{port} is in use ({exc.strerror}); "
                             "choose another with --port") from None
-    print(f"[serve] {source}: {need / 2**20:.1f} MiB of weights; starting "
-          f"{Path(command[0]).name} {' '.join(command[1:2])}", flush=True)
+    engine = (f"llama.cpp's server (python -m llama_cpp.server) on {gguf_path.name}"
+              if gguf_path is not None else f"{Path(command[0]).name} {command[1]}")
+    print(f"[serve] {source}: {need / 2**20:.1f} MiB of weights; starting {engine}",
+          flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
+             "bufsize": 1} if gguf_path is not None else {}
     try:
-        proc = subprocess.Popen(command, env=env, cwd=ws.root)
+        proc = subprocess.Popen(command, env=env, cwd=ws.root, **piped)
     except BaseException:
         proxy.stop()
         raise
+    if piped:
+        _Quiet(proc)
     try:
-        _ready(backend, proc, ready_timeout)
+        _ready(backend, proc, ready_timeout, health)
         proxy.start()
         print(f"[serve] OpenAI-compatible server at {url}/v1 (model '{name}'); "
               + ("/v1/chat/completions uses the run's chat template; " if chat else
                  "no chat template (a completion run): /v1/completions only; ")
+              + ("the model's generation defaults where a request gives none; "
+                 if gguf_path is not None else "")
               + "Ctrl-C stops it", flush=True)
         print(f"curl {url}/v1/completions -H 'Content-Type: application/json' -d "
               f"'{{\"model\": \"{name}\", \"prompt\": \"Question: 2 + 3?\\nAnswer:\", "

@@ -2,15 +2,22 @@
 small proxy) answers the real `openai` client, its greedy completions equal the evaluate
 stage's generations for the same prompts, and Ctrl-C stops it; a port in use, a missing
 version, a folder that is no model and a model that does not fit are one line and exit 2.
-The registered model is test_publish's fixture (train stage, evaluate, export: v1 promoted)."""
+The registered model is test_publish's fixture (train stage, evaluate, export: v1 promoted).
+
+`--gguf TYPE` serves the export's GGUF file with llama-cpp-python's server (the optional
+`serve-gguf` extra, which compiles llama.cpp, so not in `make setup`): its test needs
+llama_cpp and is skipped without it; the one-line refusal without llama_cpp always runs."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -127,7 +134,135 @@ def test_what_cannot_be_served_is_one_line_before_anything_starts(project, tmp_p
 
     code, err = serve(project, capsys, str(project / "data/models/stories260K"), "--gguf",
                       "q8_0")
-    assert code == 2 and "--gguf q8_0: no GGUF file of that type" in err, err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--gguf q8_0: " in err and "has no GGUF file of that type (it has no GGUF files: " \
+        "list types in export.gguf and rerun the export stage)" in err, err
+
+
+def gguf_export(src: Path, dest: Path, *types: str) -> Path:
+    """A copy of the model folder `src` with GGUF files as the export stage writes them
+    (tasks/exporters/gguf: `gguf/NAME-<type>.gguf` by model_file.write_model, with the
+    tokenizer's chat template and the generation config)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.exporters.gguf.model_file import write_model
+
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("gguf", "adapter"))
+    model = AutoModelForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(dest)
+    (dest / "gguf").mkdir()
+    for file_type in types:
+        write_model(model, tokenizer, dest / "gguf" / f"finetune-default-{file_type}.gguf",
+                    file_type, chat_template=getattr(tokenizer, "chat_template", None),
+                    generation_config=model.generation_config, name="finetune-default")
+    return dest
+
+
+def test_gguf_without_llama_cpp_is_one_line_before_anything_starts(project, tmp_path, capsys,
+                                                                   monkeypatch):
+    # named as the export stage names them; their bytes are not read before these refusals
+    folder = tmp_path / "model"
+    (folder / "gguf").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    for name in ("finetune-default-f32.gguf", "finetune-default-lora-f16.gguf"):
+        (folder / "gguf" / name).write_bytes(b"GGUF")
+    port = _free_port()
+    # llama-cpp-python absent, whether or not this machine has it: `import llama_cpp` fails
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    code, err = serve(project, capsys, str(folder), "--gguf", "f32", "--port", str(port))
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --gguf: serving finetune-default-f32.gguf needs llama-cpp-python's server, "
+        "which is not installed: pip install -e '.[serve-gguf]' "
+        "(llama-cpp-python[server]==0.3.36; it compiles llama.cpp, about 16 minutes on 2 cores)"]
+    with socket.socket() as sock:  # nothing started: the port was never bound
+        sock.bind(("127.0.0.1", port))
+
+    code, err = serve(project, capsys, str(folder), "--gguf", "q4_k_m")
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --gguf q4_k_m: {folder} has no GGUF file of that type (its types: f32)"]
+
+
+LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LLAMA_CPP, reason="llama-cpp-python is not installed: "
+                    "pip install -e '.[serve-gguf]' (compiles llama.cpp, ~16 min on 2 cores)")
+def test_the_gguf_file_answers_the_openai_client_as_llama_cpp_decodes_it(registered, tmp_path):  # noqa: F811
+    """The oracle is llama.cpp itself on the same file, decoding greedily by hand (the argmax
+    of its logits token by token, no sampler chain): the server must add nothing of its own
+    (llama-cpp-python's defaults would sample at temperature 0.8 with a 1.1 repeat penalty).
+    The prompt is the evaluate stage's, and llama.cpp encodes it to the same ids as the
+    tokenizer the evaluate stage used. (Its generations, from float32 torch, are not the
+    oracle: another implementation may break a near-tie of two logits the other way.)"""
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import Llama
+    from openai import BadRequestError, OpenAI
+    from transformers import AutoTokenizer
+
+    folder = gguf_export(registered / "data/export", tmp_path / "export", "f32", "f16")
+    samples = json.loads((registered / "data/eval/samples.json").read_text())
+    max_tokens = 32  # tests/helpers.TINY's eval.generation_max_new_tokens
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    gguf = folder / "gguf/finetune-default-f32.gguf"
+    llm = Llama(model_path=str(gguf), n_ctx=0, verbose=False)
+    expected = []
+    for row in samples:
+        ids = llm.tokenize(row["prompt"].encode(), add_bos=True, special=True)
+        assert ids == tokenizer(row["prompt"])["input_ids"], row["prompt"]
+        llm.reset()
+        llm.eval(ids)
+        out = []
+        while len(out) < max_tokens:
+            logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)  # the last token's
+            token = int(np.argmax(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),))))
+            if token == llm.token_eos():
+                break
+            out.append(token)
+            llm.eval([token])
+        expected.append(llm.detokenize(out, prev_tokens=ids).decode("utf-8", errors="ignore"))
+    llm.close()
+
+    port = _free_port()
+    proc = subprocess.Popen([str(BIN / "finetune"), "serve", str(folder), "--gguf", "f32",
+                             "--port", str(port)],
+                            cwd=registered, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = _wait_for(proc, "OpenAI-compatible server at")
+        assert "starting llama.cpp's server (python -m llama_cpp.server) on " \
+            "finetune-default-f32.gguf" in lines[0], lines
+        assert "no chat template (a completion run)" in lines[-1], lines
+        _wait_for(proc, "curl ")
+        engine = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "llama_cpp.server" in " ".join(p.cmdline())]
+        assert engine, "no llama_cpp.server process"
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list()] == ["export"]
+        for i, (row, text) in enumerate(zip(samples, expected)):
+            # the second as a client that sets nothing: the model's greedy default, the run's 32
+            asked = {"max_tokens": max_tokens, "temperature": 0} if i == 0 else {}
+            reply = client.completions.create(model="export", prompt=row["prompt"], **asked)
+            assert reply.choices[0].text == text, (row["prompt"], reply.choices[0].text)
+        stream = client.completions.create(model="export", prompt=samples[0]["prompt"],
+                                           max_tokens=max_tokens, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == expected[0]
+        with pytest.raises(BadRequestError, match="no chat template"):
+            client.chat.completions.create(model="export", max_tokens=4,
+                                           messages=[{"role": "user", "content": "hi"}])
+
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert f"[serve] stopped the server at http://127.0.0.1:{port}" in out
+        assert not [p for p in engine if p.is_running() and p.status() != "zombie"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_tool_calls_in_a_reply_text_become_openai_tool_calls():
