@@ -226,9 +226,9 @@ def sampling_defaults(folder: Path) -> dict:
 
 
 class _Quiet:
-    """The engine's output passed on line by line, less uvicorn's INFO lines (its start-up
-    lines name the engine's own port, and one line a request): as transformers serve with
-    --log-level warning."""
+    """The engine's output passed on line by line, less uvicorn's INFO lines (both engines
+    run uvicorn: its start-up lines name the engine's own port, not the one clients call, and
+    it logs one line a request)."""
 
     def __init__(self, proc: subprocess.Popen):
         import threading
@@ -517,15 +517,13 @@ def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None 
     print(f"[serve] {source}: {need / 2**20:.1f} MiB of weights; starting {engine}",
           flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    piped = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True,
-             "bufsize": 1} if gguf_path is not None else {}
     try:
-        proc = subprocess.Popen(command, env=env, cwd=ws.root, **piped)
+        proc = subprocess.Popen(command, env=env, cwd=ws.root, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
     except BaseException:
         proxy.stop()
         raise
-    if piped:
-        _Quiet(proc)
+    quiet = _Quiet(proc)
     try:
         _ready(backend, proc, ready_timeout, health)
         proxy.start()
@@ -542,6 +540,7 @@ def serve(ws: Workspace, target: str | None, port: int = 8000, gguf: str | None 
         raise PipelineError(f"the server exited with code {code} (its output is above)")
     except KeyboardInterrupt:
         _stop(proc)
+        quiet.thread.join(5)  # the engine's last lines before ours
         print(f"[serve] stopped the server at {url}", flush=True)
         return 0
     finally:

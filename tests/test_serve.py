@@ -260,7 +260,9 @@ def test_the_gguf_file_answers_the_openai_client_as_llama_cpp_decodes_it(registe
         assert f"[serve] stopped the server at http://127.0.0.1:{port}" in out
         assert not [p for p in engine if p.is_running() and p.status() != "zombie"]
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a failed assertion: the engine too, not left behind
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
             proc.kill()
             proc.wait()
 
