@@ -14,8 +14,8 @@ stage's max_new_tokens, it answers what the evaluate stage generated (tests/test
 Checked before anything starts, each one line and exit 2: the model (a registered version
 that exists, a folder with config.json), with --gguf its GGUF file of that type (else the types
 it has) and llama-cpp-python (else what to install), the port (free on 127.0.0.1), the memory
-(the weight files' bytes against the memory available). Ctrl-C (SIGINT) or SIGTERM stops the server and
-returns 0.
+(the weight files' bytes against the memory available). Ctrl-C (SIGINT) or SIGTERM stops the
+server and returns 0.
 """
 
 from __future__ import annotations
@@ -198,7 +198,11 @@ def gguf_chat_template(gguf: Path) -> str | None:
     which llama-cpp-python's server uses for /v1/chat/completions."""
     from gguf import GGUFReader
 
-    field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    try:
+        field = GGUFReader(gguf).fields.get("tokenizer.chat_template")
+    except Exception as exc:  # the reader's own errors on a file that is cut or not GGUF
+        raise PipelineError(f"--gguf: {gguf} is not a GGUF file llama.cpp can read "
+                            f"({exc})") from None
     if field is None or not field.data:
         return None
     return bytes(field.parts[field.data[0]]).decode("utf-8")

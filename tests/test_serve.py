@@ -182,6 +182,12 @@ def test_gguf_without_llama_cpp_is_one_line_before_anything_starts(project, tmp_
     assert code == 2 and err.strip().splitlines() == [
         f"error: --gguf q4_k_m: {folder} has no GGUF file of that type (its types: f32)"]
 
+    from finetune.errors import PipelineError
+    from tasks.serve import gguf_chat_template
+
+    with pytest.raises(PipelineError, match="is not a GGUF file llama.cpp can read"):
+        gguf_chat_template(folder / "gguf/finetune-default-f32.gguf")  # 4 bytes: a cut file
+
 
 LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
