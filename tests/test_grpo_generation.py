@@ -501,3 +501,72 @@ def test_a_draw_is_torch_multinomials_without_its_host_sync():
     assert torch.equal(next_tokens(scores, params, spans), expected)
     with pytest.raises(RuntimeError, match="nan"):
         next_tokens(scores.index_fill(1, torch.tensor([7]), float("nan")), params, seeded(1))
+
+
+class _EvalTokenizer:
+    """What greedy_generate reads of a tokenizer: pad and EOS ids, and decode."""
+
+    def __init__(self, tok, eos: int):
+        self.pad_token_id, self.eos_token_id, self._tok = PAD, eos, tok
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _generate_texts(model, tok, prompts: list[list[int]], batch_size: int, steps: int):
+    """The oracle: Hugging Face generate, greedy, on the same left-padded batches, decoded as
+    the evaluate stage decodes (cut at the first EOS)."""
+    texts = []
+    for start in range(0, len(prompts), batch_size):
+        ids, mask = left_pad(prompts[start:start + batch_size], PAD)
+        out = _hf(model, ids, mask, tok.eos_token_id, T=steps, do_sample=False)
+        for row in out.tolist():
+            row = row[:row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
+            texts.append(tok.decode(row))
+    return texts
+
+
+@pytest.mark.parametrize("which", ["stories260K+lora", "qwen2+lora"])
+def test_the_evaluate_stages_greedy_texts_are_generates_without_calling_it(tok, which):
+    """engine/rollout/greedy.py: for a Llama-family model the evaluate stage's greedy texts
+    come from the rollout room's generator (the lean decode step, adapters unfolded) and equal
+    Hugging Face generate's, chunk by chunk (uneven prompt lengths, a last chunk of one row,
+    rows that finish early and rows that run to the limit); generate itself is not called."""
+    from peft import LoraConfig, get_peft_model
+
+    from engine.rollout.greedy import greedy_generate
+
+    if which == "qwen2+lora":
+        net = _tiny_qwen2_with_lora()
+    else:
+        torch.manual_seed(0)
+        net = get_peft_model(_model(), LoraConfig(r=4, target_modules="all-linear",
+                                                  init_lora_weights=False)).eval()
+    prompts = [tok(p)["input_ids"] for p in PROMPTS + ["Lily", "One day a big bird"]]
+    steps = 24
+    # an EOS the model emits in the middle of some rows and not others
+    first = _generate_texts(net, _EvalTokenizer(tok, PAD), prompts, 5, steps)
+    emitted = tok(first[0])["input_ids"][1:]
+    eos_tok = _EvalTokenizer(tok, emitted[len(emitted) // 2])
+    expected = _generate_texts(net, eos_tok, prompts, 2, steps)
+    assert len({len(t) for t in expected}) > 1, expected
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("generate was called")
+
+    net.generate = refuse
+    got = greedy_generate(net, eos_tok, prompts, batch_size=2, max_new_tokens=steps)
+    assert got == expected
+
+
+def test_a_model_whose_generation_config_processes_logits_keeps_generate(model):
+    """A repetition penalty (or any other logits setting) in the model's own generation config
+    is applied by generate, which the evaluate stage then keeps."""
+    import copy
+
+    from engine.rollout.greedy import _local_generator
+
+    assert _local_generator(model, 8, eos=2, pad=PAD) is not None
+    penalised = copy.deepcopy(model)
+    penalised.generation_config.repetition_penalty = 1.1
+    assert _local_generator(penalised, 8, eos=2, pad=PAD) is None

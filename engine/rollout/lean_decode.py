@@ -51,21 +51,29 @@ def _unwrapped(model):
 def lean_decoder(model, cache, capacity: int) -> LeanDecoder | None:
     """A `LeanDecoder` for `model` decoding into `cache` (up to `capacity` positions), or None
     where its forward is not the one the lean step reproduces (see the module docstring)."""
+    if not lean_layout(model):
+        return None
     causal = _unwrapped(model)
-    if type(causal).__name__ not in LAYOUTS:
-        return None
-    config, body = causal.config, getattr(causal, "model", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or body is None:
-        return None
-    if getattr(body.rotary_emb, "rope_type", "default") not in STATIC_ROPE:
-        return None
-    if getattr(config, "layer_types", None) and any(t != "full_attention"
-                                                    for t in config.layer_types):
-        return None
-    if cache is None or len(cache.layers) != len(body.layers) or any(
+    if cache is None or len(cache.layers) != len(causal.model.layers) or any(
             type(layer) is not PreallocatedLayer for layer in cache.layers):
         return None
     return LeanDecoder(causal, cache, capacity)
+
+
+def lean_layout(model) -> bool:
+    """Whether `model`'s one-token forward is the one `LeanDecoder.step` reproduces (given a
+    preallocated cache): a Llama, Mistral or Qwen2 causal LM with SDPA attention, a static
+    rotary and only full-attention layers."""
+    causal = _unwrapped(model)
+    if type(causal).__name__ not in LAYOUTS:
+        return False
+    config, body = causal.config, getattr(causal, "model", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or body is None:
+        return False
+    if getattr(body.rotary_emb, "rope_type", "default") not in STATIC_ROPE:
+        return False
+    return not (getattr(config, "layer_types", None)
+                and any(t != "full_attention" for t in config.layer_types))
 
 
 class LeanDecoder:
