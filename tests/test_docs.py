@@ -314,9 +314,19 @@ def test_the_overview_page_is_the_readme():
 # -- every shown command, run in order on a fresh clone (`make test-docs`, .ci/run's 3rd step) --
 
 #: shown commands this test does not run, each with why (the command as shown, its comment off)
+#: The Prefect stack's commands run in tests/test_e2e_prefect.py (make test-slow) instead: it
+#: starts what `make stack` runs (finetune-stack) on a free port and runs the deployment as
+#: shown (a full run, a cached one, one with overrides), checking what each did, the nightly
+#: schedule, and that Ctrl-C leaves no process; here they would add a 50-step training and its
+#: evaluation to the README's lane (~160 s of .ci/run's 45 minutes) to check exit codes only.
+STACK_TEST = "run by tests/test_e2e_prefect.py against the stack it starts (make test-slow)"
 NOT_RUN = {
+    "make stack": STACK_TEST,
+    "prefect deployment run finetune/default --watch": STACK_TEST,
+    "prefect deployment run finetune/default --param overrides='{\"training.max_steps\": 50}' "
+    "--watch": STACK_TEST,
     "prefect deployment run finetune/default --param overrides='[\"training.max_steps=300\"]' "
-    "--watch": "needs the server `make stack` starts; the README's block runs the deployment",
+    "--watch": STACK_TEST,
     "make test": "the first step of .ci/run; this test is its third",
     "make setup && .venv/bin/python bench/suite.py":
         "the whole benchmark suite: ~35 min on 2 cores, and its Alpaca data and GPT-2 "
