@@ -16,7 +16,7 @@ export HF_HOME ?= $(CURDIR)/.cache/hf
 export DVC_SITE_CACHE_DIR ?= $(CURDIR)/.cache/dvc-site
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup run sft-base sft-agent test test-slow test-docs test-slow-docs fuzz stack clean-outputs
+.PHONY: setup run sft-base sft-agent distill-teacher test test-slow test-docs test-slow-docs fuzz stack clean-outputs
 
 # The `dvc plots show` page template with Vega inlined, so the page draws offline
 # (flows/plots_page.py; needs npm once; without it DVC's page loads Vega from its CDN).
@@ -54,6 +54,14 @@ data/sft/gsm8k-agent: | setup
 	for stage in download format tokenize train evaluate export; do \
 		finetune stage $$stage -p params/agent-sft-gsm8k.yaml || exit $$?; done
 	rm -rf $@.tmp && mkdir -p $(@D) && cp -r data/export $@.tmp && mv $@.tmp $@
+
+# The teacher of the distillation example (params/distill-gsm8k.yaml): params/gsm8k-teacher.yaml's
+# full fine-tune of the shipped base, run in a temporary copy of the project by
+# preprocess/gsm8k_teacher.py, its model copied to data/sft/gsm8k-teacher. Made once.
+distill-teacher: data/sft/gsm8k-teacher
+
+data/sft/gsm8k-teacher: | setup
+	$(PY) -m preprocess.gsm8k_teacher
 
 stack: setup
 	finetune-stack
