@@ -2,7 +2,7 @@
 data/models/stories260K, fully fine-tuned on the shipped GSM8K train rows by our own pipeline.
 Writes the model folder data/sft/gsm8k-teacher (gitignored, as data/sft/gsm8k is; made once):
 
-    python -m preprocess.gsm8k_teacher          # params/gsm8k-teacher.yaml: 240 steps, 21 min on 2 busy cores
+    python -m preprocess.gsm8k_teacher          # params/gsm8k-teacher.yaml: 2 min on 2 idle cores
 
 It runs params/gsm8k-teacher.yaml's download, format, tokenize and train stages (`finetune
 stage NAME -p ...`, the commands dvc.yaml runs) in a temporary copy of the project holding
