@@ -570,3 +570,8 @@ def test_a_model_whose_generation_config_processes_logits_keeps_generate(model):
     penalised = copy.deepcopy(model)
     penalised.generation_config.repetition_penalty = 1.1
     assert _local_generator(penalised, 8, eos=2, pad=PAD) is None
+    # a wrapper with its own generate (in-training evaluation over ranks: every rank keeps
+    # running forwards until all finished) keeps its generate, whatever it wraps
+    from engine.recipe.sft.in_training import _SyncedGenerate
+
+    assert _local_generator(_SyncedGenerate(model), 8, eos=2, pad=PAD) is None

@@ -102,6 +102,8 @@ def _local_generator(model, max_new_tokens: int, eos: int, pad: int):
     from engine.rollout.local import LocalGenerator
     from engine.rollout.sampling import SamplingParams
 
+    if not isinstance(model, torch.nn.Module):  # a wrapper with its own generate (ranks kept
+        return None                             # in step: engine.recipe.sft.in_training)
     if eos is None or pad is None or not lean_layout(model):
         return None
     own = getattr(model, "generation_config", None)
