@@ -8,8 +8,9 @@ causal LM with SDPA) and its generation config adds no logits processor, the rol
 `LocalGenerator` produces them instead, at temperature 0 with the adapters left unfolded:
 the same logits bitwise (the lean decode step, a cache written in place), so the same argmax
 tokens, with 1.26-1.46x less CPU than generate on stories260K (LoRA unfolded / none;
-tests/test_grpo_generation.py checks the texts against `generate`'s). Any other model (an encoder-decoder, a
-vision-language model with its image inputs, another architecture) runs `generate`.
+tests/test_grpo_generation.py checks the texts against `generate`'s). Any other model (an
+encoder-decoder, a vision-language model with its image inputs, another architecture) runs
+`generate`.
 """
 
 from __future__ import annotations
