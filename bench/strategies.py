@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, help="DiLoCo outer lr (default: the schema's)")
     ap.add_argument("--outer-momentum", type=float, help="DiLoCo outer momentum")
     ap.add_argument("--out", default="strategies", help="results file stem under bench/results")
+    ap.add_argument("--generation-samples", type=int,
+                    help="eval.max_generation_samples of each row's evaluate stage (default: the "
+                         "params' own, 48 greedy generations; the suite's --quick sets 2)")
     args = ap.parse_args()
     outer = {}
     if args.outer_lr is not None:
@@ -54,7 +57,9 @@ def main() -> None:
         outer["distributed.diloco.outer_momentum"] = args.outer_momentum
     work = Path(tempfile.mkdtemp(prefix="bench-strategies-"))
     base = copy_project(work / "base")
-    set_params(base, {"training.max_steps": args.steps})
+    set_params(base, {"training.max_steps": args.steps, **(
+        {"eval.max_generation_samples": args.generation_samples}
+        if args.generation_samples is not None else {})})
     for name in ("download", "format", "tokenize"):
         stage(base, name)
     rows = []

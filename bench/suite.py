@@ -5,9 +5,11 @@
 
 --quick checks that every section still runs, not its numbers: stories260K on GSM8K in fp32
 (--precisions to add bf16), 6 steps a row; one tokenize repeat; the default run at 4 steps
-through dvc repro; the single and DDP rows of the strategy table at 2 steps. It is the docs'
-smoke command (tests/test_docs.py runs it), so it stays short: 5:14 on the 2-core Xeon, where
-it took 12:08 with bf16 rows and four 10-step strategy rows.
+through dvc repro; the single and DDP rows of the strategy table at 2 steps, each evaluated
+on 2 greedy generations. It is the docs' smoke command (tests/test_docs.py runs it where the
+benchmarks' inputs are), so it stays short: 3:50 on a quiet 2-core Xeon (strategies 91 s of
+it; 76 s with the 2 generations), where it took 12:08 with bf16 rows and four 10-step
+strategy rows.
 
 1. matmul ceiling (fp32, bf16) at each model's shapes; 2. training throughput, ours (padded,
 packed rows, padding-free) vs transformers.Trainer, Alpaca (from FINETUNE_BENCH_DATA, bench/workdir.py) and GSM8K, three
@@ -126,7 +128,8 @@ def main() -> None:
 
     if "strategies" not in args.skip:
         cmd = [sys.executable, str(ROOT / "bench/strategies.py"), "--out", "strategies-suite",
-               *(["--steps", "2", "--only", "single", "ddp"] if args.quick else ["--steps", "50"])]
+               *(["--steps", "2", "--only", "single", "ddp", "--generation-samples", "2"]
+                 if args.quick else ["--steps", "50"])]
         subprocess.run(cmd, check=True)
         device = "cpu" if out["machine"]["device"] == "cpu" else "gpu"
         out["strategies"] = json.loads(
