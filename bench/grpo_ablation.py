@@ -1,8 +1,9 @@
 """The GRPO family on the shipped example (params/grpo-gsm8k.yaml): each loss type, GSPO's
-sequence-level ratio, dynamic sampling and RLOO trained for the same steps from the same SFT
-model, with the evaluate stage's held-out numbers (sampled and greedy rewards, pass@k) and
-the train stage's time, on this machine. A quality ablation, not a speed target: the table in
-docs/training.md comes from here.
+sequence-level ratio, dynamic sampling, RLOO, and the example with its rollouts from an
+OpenAI-compatible server over HTTP (`grpo.use_vllm`) trained for the same steps from the same
+SFT model, with the evaluate stage's held-out numbers (sampled and greedy rewards, pass@k), the
+reward and vLLM-mismatch statistics at each logged step, and the train stage's time. A
+quality ablation, not a speed target: the table in docs/training.md comes from here.
 
     .venv/bin/python bench/grpo_ablation.py [--steps 80] [--only dapo,rloo]
 
@@ -13,6 +14,8 @@ Writes bench/results/grpo-ablation-stories260K-cpu.json."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
 import json
 import shutil
 import subprocess
@@ -39,7 +42,15 @@ VARIANTS = {
     "vespo": {"grpo.loss_type": "vespo"},
     "dapo + dynamic sampling": {"grpo.dynamic_sampling": True},
     "rloo": "rloo",
+    # the example's rollouts from an OpenAI-compatible server over HTTP (grpo.use_vllm): the
+    # tests' server (tests/rollout_server.py, vLLM's endpoints over our generator), started
+    # here on 127.0.0.1 over the SFT model; the adapter synced at every step
+    "dapo over HTTP": "http",
 }
+#: per logged step of data/plots/train.csv, kept in each row so runs compare step by step
+CURVES = ("reward", "sampling/sampling_logp_difference/mean",
+          "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/min",
+          "sampling/importance_sampling_ratio/max")
 #: the held-out numbers of the table (eval.json: base and fine-tuned)
 NUMBERS = ("sampled_reward_format", "sampled_reward", "reward", "pass_at_1", "pass_at_4")
 
@@ -77,9 +88,15 @@ def main() -> None:
     wanted = [v for v in args.only.split(",") if v] or list(VARIANTS)
     for name in wanted:
         (project / "params/default.yaml").write_text(resolved)
-        overrides = VARIANTS[name]
+        overrides, server = VARIANTS[name], contextlib.nullcontext()
         if overrides == "rloo":
             overrides = rloo_overrides(yaml.safe_load(resolved))
+        elif overrides == "http":
+            sys.path.insert(0, str(ROOT / "tests"))
+            from rollout_server import RolloutServer
+
+            server = RolloutServer(project / "data/sft/gsm8k")
+            overrides = {"grpo.use_vllm": True, "grpo.vllm_server_base_url": server.url}
         set_params(project, {**overrides, "training.max_steps": args.steps,
                              "checkpoint.save_strategy": "no"})
         for out in ("data/checkpoints", "data/trained"):
@@ -87,7 +104,8 @@ def main() -> None:
         for s in ("download", "format", "tokenize"):
             stage(project, s)
         started = time.perf_counter()
-        train_s = stage(project, "train")
+        with server:
+            train_s = stage(project, "train")
         stage(project, "evaluate")
         ev = read_json(project, "data/metrics/eval.json")
         row = {"variant": name, "train_s": round(train_s, 1),
@@ -95,6 +113,11 @@ def main() -> None:
         for key in NUMBERS:
             row[f"base {key}"] = ev.get("base", {}).get(key)
             row[key] = ev.get("finetuned", {}).get(key, ev.get(key))
+        with open(project / "data/plots/train.csv") as fh:
+            logged = list(csv.DictReader(fh))
+        for key in CURVES:
+            if logged and key in logged[0]:
+                row[f"steps {key}"] = [float(r[key]) for r in logged if r.get(key)]
         rows.append(row)
         print(json.dumps(row), flush=True)
     columns = ["variant", *NUMBERS, "train_s"]
