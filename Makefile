@@ -90,7 +90,8 @@ test-slow: setup
 # which `make test` leaves out): a page's blocks run in reading order in one clone on one of two
 # lanes (a test class each: --dist loadscope), every clone sharing one DVC cache as a team's do, so
 # what one clone ran, DVC's run-cache restores in another; -rP prints each block's time. Runs
-# the committed tree: commit first.
+# the committed tree: commit first. The benchmark suite's smoke block runs only with
+# FINETUNE_DOCS_BENCH=1 (about 4 minutes; not part of .ci/run).
 test-docs: setup
 	$(PY) -m pytest -m docs_commands -n 2 --dist loadscope -rP $(PYTEST_ARGS) tests/test_docs.py
 

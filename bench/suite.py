@@ -1,15 +1,15 @@
 """The benchmark suite, one command (README "Benchmarks"):
 
     .venv/bin/python bench/suite.py            # everything, ~35 min on 2 cores
-    .venv/bin/python bench/suite.py --quick    # smoke run of every section, ~5 min on 2 cores
+    .venv/bin/python bench/suite.py --quick    # smoke run of every section, ~4 min on 2 cores
 
 --quick checks that every section still runs, not its numbers: stories260K on GSM8K in fp32
 (--precisions to add bf16), 6 steps a row; one tokenize repeat; the default run at 4 steps
 through dvc repro; the single and DDP rows of the strategy table at 2 steps, each evaluated
-on 2 greedy generations. It is the docs' smoke command (tests/test_docs.py runs it where the
-benchmarks' inputs are), so it stays short: 3:50 on a quiet 2-core Xeon (strategies 91 s of
-it; 76 s with the 2 generations), where it took 12:08 with bf16 rows and four 10-step
-strategy rows.
+on 2 greedy generations. It is the docs' smoke command (tests/test_docs.py runs it with
+FINETUNE_DOCS_BENCH=1 where the benchmarks' inputs are), so it stays short: 3:50 on a quiet
+2-core Xeon (strategies 91 s of it; 76 s with the 2 generations), where it took 12:08 with bf16
+rows and four 10-step strategy rows.
 
 1. matmul ceiling (fp32, bf16) at each model's shapes; 2. training throughput, ours (padded,
 packed rows, padding-free) vs transformers.Trainer, Alpaca (from FINETUNE_BENCH_DATA, bench/workdir.py) and GSM8K, three
