@@ -57,9 +57,10 @@ def main() -> None:
         outer["distributed.diloco.outer_momentum"] = args.outer_momentum
     work = Path(tempfile.mkdtemp(prefix="bench-strategies-"))
     base = copy_project(work / "base")
-    set_params(base, {"training.max_steps": args.steps, **(
-        {"eval.max_generation_samples": args.generation_samples}
-        if args.generation_samples is not None else {})})
+    params = {"training.max_steps": args.steps}
+    if args.generation_samples is not None:
+        params["eval.max_generation_samples"] = args.generation_samples
+    set_params(base, params)
     for name in ("download", "format", "tokenize"):
         stage(base, name)
     rows = []

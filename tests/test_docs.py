@@ -343,8 +343,8 @@ NOT_RUN = {
 #: licence): run where FINETUNE_BENCH_DATA (default: a `shared` folder beside the checkout)
 #: holds them and FINETUNE_DOCS_BENCH=1 asks for them, else reported as not run, with why. Not
 #: by default: the suite's smoke run took 3:50 alone on a quiet 2-core Xeon and 6:01 beside the
-#: other docs lane, which put .ci/run past its 45 minutes wherever CI's checkout had the inputs
-#: beside it (48:14 there against 39:56 for a clone without them here)
+#: other docs lane: a checkout with the inputs beside it pays that (the likely cause of a CI
+#: run of 48:14 against 39:56 for a clone without them here)
 NEEDS_BENCH_DATA = {".venv/bin/python bench/suite.py --quick": "data/alpaca_2k.json"}
 BENCH_DATA = Path(os.environ.get("FINETUNE_BENCH_DATA", ROOT.parent / "shared"))
 BENCH_OPT_IN = "FINETUNE_DOCS_BENCH"
@@ -405,6 +405,17 @@ def _docs_pages() -> list[tuple[str, list[tuple[int, list[str]]]]]:
     return pages
 
 
+def _bench_block_left_out(command: str) -> str | None:
+    """Why a NEEDS_BENCH_DATA command is not run here, or None when it runs."""
+    if os.environ.get(BENCH_OPT_IN) != "1":
+        return f"a benchmark run, left out of .ci/run's budget ({BENCH_OPT_IN}=1 runs it)"
+    needed = BENCH_DATA / NEEDS_BENCH_DATA[command]
+    if not needed.exists():
+        return (f"needs {needed} (not shipped; set FINETUNE_BENCH_DATA to the folder of the "
+                "benchmarks' inputs)")
+    return None
+
+
 def _script(page: str, first: int, lines: list[str]) -> tuple[str, list[str]]:
     """The block as a bash script (each command verbatim, followed by a check that names its
     page and line: `a && b` failing in `a` does not stop `set -e`), and the background
@@ -417,13 +428,7 @@ def _script(page: str, first: int, lines: list[str]) -> tuple[str, list[str]]:
             out.append(line)
         elif command in NOT_RUN:
             out.append(f"echo {shlex.quote(f'docs-test: {where}: not run: {NOT_RUN[command]}')}")
-        elif command in NEEDS_BENCH_DATA and (
-                os.environ.get(BENCH_OPT_IN) != "1"
-                or not (BENCH_DATA / NEEDS_BENCH_DATA[command]).exists()):
-            why = (f"a benchmark run, left out of .ci/run's budget ({BENCH_OPT_IN}=1 runs it)"
-                   if os.environ.get(BENCH_OPT_IN) != "1" else
-                   f"needs {BENCH_DATA / NEEDS_BENCH_DATA[command]} (not shipped; set "
-                   "FINETUNE_BENCH_DATA to the folder of the benchmarks' inputs)")
+        elif command in NEEDS_BENCH_DATA and (why := _bench_block_left_out(command)):
             out.append(f"echo {shlex.quote(f'docs-test: {where}: not run: {why}')}")
         elif command in BACKGROUND:
             url, text = BACKGROUND[command]
