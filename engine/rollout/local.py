@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -72,6 +73,24 @@ def _sharded(model) -> bool:
     """Whether the model's parameters are shards (FSDP2's DTensors): no whole weight to merge
     an adapter into."""
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class _ModelFacts:
+    """What a generation call asks of the model's modules and parameters, gathered in one walk
+    of each per call (a walk of a peft model's ~400 modules costs about a millisecond)."""
+
+    sharded: bool   # FSDP2's DTensor parameters (`_sharded`)
+    compiled: bool  # a module under torch.compile (`_compiled`)
+    float32: bool   # every parameter float32
+
+    @classmethod
+    def of(cls, model) -> _ModelFacts:
+        sharded, float32 = False, True
+        for p in model.parameters():
+            sharded = sharded or type(p).__name__ == "DTensor"
+            float32 = float32 and p.dtype == torch.float32
+        return cls(sharded=sharded, compiled=_compiled(model), float32=float32)
 
 
 class LocalGenerator:
@@ -149,11 +168,13 @@ class LocalGenerator:
 
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
-        merge = self._merging(ids.device)
+        facts = _ModelFacts.of(self.model)
+        merge = self._merging(ids.device, facts)
         try:
             with merged_lora(self.model) if merge else contextlib.nullcontext():
                 parts = [self._generate_rows(ids[i:i + chunk], mask[i:i + chunk],
-                                             _in_chunk(spans, i, min(i + chunk, rows)), group)
+                                             _in_chunk(spans, i, min(i + chunk, rows)), group,
+                                             facts)
                          for i in range(0, rows, chunk)]
         finally:
             for module, training in modes:
@@ -167,16 +188,13 @@ class LocalGenerator:
         return Completions(ids=out[:, :width].contiguous(), mask=keep[:, :width].contiguous(),
                            lengths=lengths, clipped=~finished)
 
-    def _merging(self, device: torch.device) -> bool:
+    def _merging(self, device: torch.device, facts: _ModelFacts) -> bool:
         """Whether this call folds LoRA adapters (see `merge_adapters`)."""
         if self.merge_adapters is not None:
-            return self.merge_adapters and not _sharded(self.model)
-        if (device.type != "cpu" or _sharded(self.model)
-                or torch.is_autocast_enabled("cpu")):
+            return self.merge_adapters and not facts.sharded
+        if device.type != "cpu" or facts.sharded or torch.is_autocast_enabled("cpu"):
             return False
-        if any(p.dtype != torch.float32 for p in self.model.parameters()):
-            return False
-        return not _compiled(self.model)
+        return facts.float32 and not facts.compiled
 
     def _forward(self, ids, attention_mask, positions, cache):
         kwargs = {"input_ids": ids, "attention_mask": attention_mask, "position_ids": positions,
@@ -187,11 +205,11 @@ class LocalGenerator:
         # float32 scores, as Hugging Face generate takes them; the last position only
         return out.logits[:, -1].float(), out.past_key_values
 
-    def _decoder(self, cache, capacity: int):
+    def _decoder(self, cache, capacity: int, facts: _ModelFacts):
         """The decode step for one new token per row: (tokens, attention, positions, cache)
         -> (float32 logits, cache); the lean step where it applies, else the model's forward."""
         lean = None
-        if self.lean_decode and not _sharded(self.model) and not _compiled(self.model):
+        if self.lean_decode and not facts.sharded and not facts.compiled:
             lean = lean_decoder(self.model, cache, capacity)
         if lean is None:
             return self._forward
@@ -199,7 +217,7 @@ class LocalGenerator:
             lean.step(tokens, attention, positions), cache)
 
     def _generate_rows(self, ids: torch.Tensor, mask: torch.Tensor, spans: list[Span],
-                       group: int = 1):
+                       group: int, facts: _ModelFacts):
         """One chunk of rows: prefill, then one cached forward per token; `spans`: which
         generator draws which of its rows (`_draw_spans`); `group`: how many consecutive rows
         share one prompt (each group's prompt is prefilled once and its cache repeated).
@@ -222,7 +240,6 @@ class LocalGenerator:
             attention[:, :prompt_len] = real.long()
         eos = torch.tensor(self.eos_token_ids, dtype=torch.long, device=device)
         out = torch.full((n, steps), pad, dtype=torch.long, device=device)
-        keep = torch.zeros((n, steps), dtype=torch.long, device=device)
         finished = torch.zeros(n, dtype=torch.bool, device=device)
         check_every = self.stop_check_every or (1 if device.type == "cpu" else STOP_CHECK_EVERY)
 
@@ -233,7 +250,7 @@ class LocalGenerator:
         if group > 1:
             logits = logits.repeat_interleave(group, dim=0)
             cache.batch_repeat_interleave(group)
-        decode = self._decoder(cache, prompt_len + steps)
+        decode = self._decoder(cache, prompt_len + steps, facts)
         seen = None
         if params.repetition_penalty != 1.0:
             seen = token_presence(ids, real, logits.shape[-1])
@@ -247,7 +264,6 @@ class LocalGenerator:
             tokens = next_tokens(scores, params, spans[0][2] if len(spans) == 1 else spans or None)
             tokens = tokens.masked_fill(finished, pad)  # finished rows emit pad
             out[:, t] = tokens
-            keep[:, t] = (~finished).long()  # the EOS itself is kept
             finished |= torch.isin(tokens, eos)
             if t + 1 == steps:
                 break
@@ -266,6 +282,9 @@ class LocalGenerator:
                 tokens[active, None], attention[active, :prompt_len + t + 1] if padded else None,
                 next_position[active] + t, cache)
             logits = rows.new_zeros((n, rows.shape[-1])).index_copy_(0, active, rows)
+        # a token is kept while no EOS came before it (the EOS itself is kept; after it, pad)
+        ends = torch.isin(out, eos).long()
+        keep = (ends.cumsum(dim=1) - ends == 0).long()
         return out, keep, finished
 
     def _leave(self, finished: torch.Tensor, active: torch.Tensor | None, cache):

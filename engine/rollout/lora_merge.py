@@ -45,6 +45,9 @@ def _merged_forward(weight: torch.Tensor, bias: torch.Tensor | None):
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
+    # what the forward computes, for a caller that runs the product itself
+    # (engine.rollout.lean_decode)
+    forward.linear = (weight, bias)
     return forward
 
 
