@@ -69,18 +69,12 @@ def _compiled(model) -> bool:
     return False
 
 
-def _sharded(model) -> bool:
-    """Whether the model's parameters are shards (FSDP2's DTensors): no whole weight to merge
-    an adapter into."""
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
-
-
 @dataclass(frozen=True)
 class _ModelFacts:
     """What a generation call asks of the model's modules and parameters, gathered in one walk
     of each per call (a walk of a peft model's ~400 modules costs about a millisecond)."""
 
-    sharded: bool   # FSDP2's DTensor parameters (`_sharded`)
+    sharded: bool   # FSDP2's DTensor parameters: no whole weight to fold an adapter into
     compiled: bool  # a module under torch.compile (`_compiled`)
     float32: bool   # every parameter float32
 
