@@ -72,7 +72,8 @@ def _compiled(model) -> bool:
 @dataclass(frozen=True)
 class _ModelFacts:
     """What a generation call asks of the model's modules and parameters, gathered in one walk
-    of each per call (a walk of a peft model's ~400 modules costs about a millisecond)."""
+    of each per call (a peft-wrapped stories260K has 424 modules: a walk of its parameters
+    took 0.45 ms on the 2-core dev CPU, and the call used to make five walks)."""
 
     sharded: bool   # FSDP2's DTensor parameters: no whole weight to fold an adapter into
     compiled: bool  # a module under torch.compile (`_compiled`)
